@@ -1,0 +1,33 @@
+"""fzero: JAX-style functional training on torch.func.
+
+Write one pure single-device ``train_step(state, batch)``; fzero's transforms rewrite it
+into a partitioned, communicating, mixed-precision step. See README.md and docs/.
+"""
+
+from fzero import tree
+from fzero import optim
+from fzero._compile import compile
+from fzero.distributed import Mesh, gather
+from fzero.functional import functionalize, grad, remat, value_and_grad
+from fzero.train_state import TrainState
+from fzero.transforms import Step, accumulate, mixed_precision, pipeline, shard_state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh",
+    "Step",
+    "TrainState",
+    "accumulate",
+    "compile",
+    "functionalize",
+    "gather",
+    "grad",
+    "mixed_precision",
+    "optim",
+    "pipeline",
+    "remat",
+    "shard_state",
+    "tree",
+    "value_and_grad",
+]

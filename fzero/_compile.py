@@ -1,0 +1,148 @@
+"""``fzero.compile``: one call that composes the transforms a training run asks for."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from fzero.distributed.mesh import Mesh
+from fzero.train_state import TrainState
+from fzero.transforms._core import Step, as_step, collecting_metrics
+
+__all__ = ["compile"]
+
+# Every option compile() knows, with its default. The order of application is fixed and
+# documented in docs/design.md: shard_state(mixed_precision(accumulate(train_step))).
+OPTIONS: dict[str, Any] = {
+    "zero": 0,
+    "precision": "fp32",
+    "accumulate": 1,
+    "clip_norm": None,
+    "loss_scale": "dynamic",
+    "reduce_dtype": None,
+    "bucket_size": None,
+    "overlap_comm": None,
+}
+
+# Options that exist in fzero's design but whose transform has not landed yet: giving
+# them a non-default value is an error that says so, never a silent no-op.
+_NOT_YET = {
+    "zero": "ZeRO partitioning (fzero.shard_state) is not supported yet",
+    "precision": "mixed precision (fzero.mixed_precision) is not supported yet",
+    "accumulate": "gradient accumulation (fzero.accumulate) is not supported yet",
+    "loss_scale": "loss scaling (fzero.mixed_precision) is not supported yet",
+    "reduce_dtype": "a gradient reduction dtype (fzero.shard_state) is not supported yet",
+    "bucket_size": "bucketed collectives (fzero.shard_state) are not supported yet",
+    "overlap_comm": "overlapped communication (fzero.shard_state) is not supported yet",
+}
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+    for key in options:
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(
+                f"fzero.compile: unknown option {key!r}{hint} (valid options: {', '.join(OPTIONS)})"
+            )
+    opts = {**OPTIONS, **options}
+    if opts["zero"] not in (0, 1, 2, 3):
+        raise ValueError(f"fzero.compile: zero={opts['zero']!r} must be one of 0, 1, 2, 3")
+    if opts["precision"] not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"fzero.compile: precision={opts['precision']!r} must be 'fp32', 'bf16' or 'fp16'")
+    if not isinstance(opts["accumulate"], int) or opts["accumulate"] < 1:
+        raise ValueError(f"fzero.compile: accumulate={opts['accumulate']!r} must be a positive int")
+    clip = opts["clip_norm"]
+    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
+        raise ValueError(f"fzero.compile: clip_norm={clip!r} must be a positive number or None")
+    for key, why in _NOT_YET.items():
+        if key in options and options[key] != OPTIONS[key]:
+            raise NotImplementedError(f"fzero.compile: option {key}={options[key]!r}: {why}")
+    return opts
+
+
+def _with_clipping(step: Step, max_norm: float) -> Step:
+    """Clip by global norm in front of the state's optimizer (installed at ``init``)."""
+    from fzero import optim
+
+    def init(state):
+        state = step.init(state)
+        clip = optim.clip_by_global_norm(max_norm)
+        return state.replace(
+            tx=optim.chain(clip, state.tx), opt_state=(clip.init(state.params), state.opt_state)
+        )
+
+    return Step(step, init=init, name=f"clip({step.__name__})", inner=step)
+
+
+def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, **options) -> Step:  # noqa: A001
+    """Compose fzero's transforms around ``train_step`` from keyword options.
+
+    Args:
+        train_step: a pure single-device ``train_step(state, batch) -> (state, metrics)``.
+        mesh: the :class:`fzero.Mesh` to run on (default: ``Mesh(dp=-1)``).
+        config: a DeepSpeed-format config (not supported yet).
+        zero: ZeRO stage 0-3 over the mesh's ``dp`` axis.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        accumulate: micro-batches per update.
+        clip_norm: clip gradients to this global L2 norm; ``metrics["grad_norm"]`` then
+            holds the norm before clipping.
+
+    Returns:
+        A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
+        Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...).
+
+    Raises:
+        TypeError: an unknown option (the message names it and the nearest valid one).
+        NotImplementedError: an option whose transform has not landed yet.
+
+    Example:
+        >>> import torch, fzero
+        >>> from fzero import optim
+        >>> apply, params = fzero.functionalize(torch.nn.Linear(2, 1))
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        >>> def train_step(state, batch):
+        ...     loss, g = fzero.value_and_grad(lambda p: state.apply_fn(p, batch).pow(2).mean())(state.params)
+        ...     return state.apply_gradients(g), {"loss": loss}
+        >>> step = fzero.compile(train_step, clip_norm=1.0)
+        >>> state = step.init(state)
+        >>> state, metrics = step(state, torch.ones(4, 2))
+        >>> sorted(metrics)
+        ['grad_norm', 'loss']
+    """
+    if config is not None:
+        raise NotImplementedError("fzero.compile: config= (DeepSpeed JSON configs) is not supported yet")
+    opts = _check_options(options)
+    mesh = mesh if mesh is not None else Mesh(dp=-1)
+    if mesh.world_size > 1 and opts["zero"] == 0:
+        # Data parallelism arrives with shard_state (stage 0 is DDP); running the plain step
+        # on each rank would silently train N different models.
+        raise NotImplementedError(
+            f"fzero.compile: a mesh of {mesh.world_size} ranks needs data parallelism "
+            "(fzero.shard_state), which is not supported yet"
+        )
+    inner = as_step(train_step)
+    if opts["clip_norm"] is not None:
+        inner = _with_clipping(inner, float(opts["clip_norm"]))
+
+    def init(state):
+        if not isinstance(state, TrainState):
+            raise TypeError(f"fzero.compile: step.init expects an fzero.TrainState, got {type(state).__name__}")
+        return inner.init(state)
+
+    def call(state, batch):
+        with collecting_metrics() as emitted:
+            out = inner(state, batch)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise TypeError(
+                f"fzero.compile: {getattr(train_step, '__name__', 'train_step')} must return "
+                f"(state, metrics) with metrics a dict, got {type(out).__name__}"
+            )
+        state, metrics = out
+        return state, {**metrics, **emitted}
+
+    step = Step(call, init=init, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
+    step.mesh = mesh
+    step.options = opts
+    return step

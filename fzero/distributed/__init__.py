@@ -1,0 +1,6 @@
+"""Distribution: the mesh, and gathering of sharded state."""
+
+from fzero.distributed.gather import gather
+from fzero.distributed.mesh import Mesh
+
+__all__ = ["Mesh", "gather"]

@@ -1,0 +1,134 @@
+"""``Mesh``: named axes over the ranks torchrun started.
+
+Naming rule (torchtitan's): an *axis* is a mesh axis (``dp``, ``tp``, ``pp``); a *dim* is a
+tensor dimension.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Mesh", "AXES"]
+
+# Outermost first: pipeline stages are furthest apart, tensor parallel ranks closest
+# (they exchange the most), as torchtitan orders its mesh.
+AXES = ("pp", "dp", "tp")
+Axis = Literal["pp", "dp", "tp"]
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("FZERO_TIMEOUT", "300"))
+
+
+def _launched() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+class Mesh:
+    """Named axes over a ``torch.distributed`` world.
+
+    ``Mesh(dp=-1)`` spans every rank torchrun (or ``fzero launch``) started; in a process
+    that was not launched it is a world of one and no process group is created. If a
+    process group is needed and none exists, it is initialised from torchrun's
+    environment: NCCL when CUDA is available, gloo otherwise.
+
+    Args:
+        dp, tp, pp: axis sizes; one of them may be ``-1``, "the rest of the world".
+        backend: force ``"gloo"`` or ``"nccl"``.
+        timeout_s: collective timeout; a collective that does not return in time raises
+            instead of hanging (default ``$FZERO_TIMEOUT`` or 300 s).
+
+    Raises:
+        ValueError: the sizes do not multiply to the world size, or more than one is -1.
+
+    Example:
+        >>> import fzero
+        >>> mesh = fzero.Mesh(dp=-1)
+        >>> mesh.size("dp"), mesh.rank
+        (1, 0)
+    """
+
+    def __init__(self, *, dp: int = -1, tp: int = 1, pp: int = 1, backend: str | None = None,
+                 timeout_s: float | None = None):
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        if dist.is_available() and dist.is_initialized():
+            world, rank = dist.get_world_size(), dist.get_rank()
+        elif _launched() and int(os.environ["WORLD_SIZE"]) > 1:
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+            world, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world, rank = 1, 0
+        self.world_size, self.rank = world, rank
+        self.shape = self._resolve({"pp": pp, "dp": dp, "tp": tp}, world)
+        self._device_mesh = None
+        # Coordinates of this rank, row-major over AXES.
+        coords, r = {}, rank
+        for axis in reversed(AXES):
+            coords[axis] = r % self.shape[axis]
+            r //= self.shape[axis]
+        self.coords = {a: coords[a] for a in AXES}
+        if torch.cuda.is_available() and (backend == "nccl" or dist.is_initialized() and dist.get_backend() == "nccl"):
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        else:
+            self.device = torch.device("cpu")
+
+    @staticmethod
+    def _resolve(sizes: dict[str, int], world: int) -> dict[str, int]:
+        for axis, n in sizes.items():
+            if not isinstance(n, int) or (n < 1 and n != -1):
+                raise ValueError(f"fzero.Mesh: {axis}={n!r} must be a positive int or -1")
+        rest = [a for a, n in sizes.items() if n == -1]
+        if len(rest) > 1:
+            raise ValueError(f"fzero.Mesh: only one axis may be -1, got {', '.join(f'{a}=-1' for a in rest)}")
+        fixed = 1
+        for n in sizes.values():
+            fixed *= n if n != -1 else 1
+        if rest:
+            if world % fixed:
+                raise ValueError(
+                    f"fzero.Mesh: {_fmt(sizes)} cannot cover a world of {world} ranks "
+                    f"({world} is not divisible by {fixed})"
+                )
+            sizes = {**sizes, rest[0]: world // fixed}
+        total = 1
+        for n in sizes.values():
+            total *= n
+        if total != world:
+            raise ValueError(f"fzero.Mesh: {_fmt(sizes)} multiply to {total}, but the world has {world} ranks")
+        return {a: sizes[a] for a in AXES}
+
+    def size(self, axis: Axis) -> int:
+        """Number of ranks along ``axis``."""
+        return self.shape[axis]
+
+    @property
+    def device_mesh(self):
+        """The ``torch.distributed.device_mesh.DeviceMesh`` (``None`` in a world of one)."""
+        if self.world_size == 1:
+            return None
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(
+                self.device.type, tuple(self.shape[a] for a in AXES), mesh_dim_names=AXES
+            )
+        return self._device_mesh
+
+    def group(self, axis: Axis):
+        """The process group of this rank's ``axis`` (``None`` when that axis has one rank)."""
+        if self.shape[axis] == 1:
+            return None
+        return self.device_mesh.get_group(axis)
+
+    def __repr__(self) -> str:
+        return f"Mesh({_fmt(self.shape)}, rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+def _fmt(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{a}={n}" for a, n in sizes.items())

@@ -1,0 +1,26 @@
+"""Transforms: functions from a train step to a train step with the same signature.
+
+Each one installs a handler of fzero's primitives (see :mod:`fzero.transforms._core`)
+around the inner step. Those whose issue has not landed raise ``NotImplementedError``
+naming themselves, so a program written for them fails loudly instead of training wrong.
+"""
+
+from fzero.transforms._core import Handler, Step, as_step
+
+
+def _not_yet(name: str, what: str):
+    def transform(step, *args, **kwargs):
+        raise NotImplementedError(f"fzero.{name}: {what} is not supported yet")
+
+    transform.__name__ = name
+    transform.__qualname__ = name
+    transform.__doc__ = f"{what} (not supported yet: raises NotImplementedError)."
+    return transform
+
+
+shard_state = _not_yet("shard_state", "ZeRO partitioning over the mesh's dp axis")
+mixed_precision = _not_yet("mixed_precision", "low-precision compute with fp32 master weights")
+accumulate = _not_yet("accumulate", "gradient accumulation over micro-batches")
+pipeline = _not_yet("pipeline", "pipeline parallelism over the mesh's pp axis")
+
+__all__ = ["Handler", "Step", "as_step", "accumulate", "mixed_precision", "pipeline", "shard_state"]

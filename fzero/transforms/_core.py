@@ -1,0 +1,179 @@
+"""The machinery every transform stands on: primitives, handlers, and steps.
+
+A user's ``train_step`` touches fzero at a few *primitives* only:
+
+* ``value_and_grad`` -- where parameters are used and gradients are born
+  (:func:`fzero.value_and_grad`);
+* ``apply_gradients`` -- where the update happens (:meth:`fzero.TrainState.apply_gradients`);
+* ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip).
+
+A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
+runs, the innermost installed handler sees it first and decides what to do; it passes the
+(possibly rewritten) call on with ``next(...)``, which reaches the next handler outwards and,
+at the bottom, the plain single-device implementation. Nesting transforms is nesting
+handlers: ``shard_state(mixed_precision(step))`` installs the sharding handler, then the
+precision handler inside it, so precision casts before sharding gathers and reduces.
+
+A handler must call ``next``, never the public primitive, to pass a call on (the public
+primitive would start again at the innermost handler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Handler", "Step", "as_step", "bind", "emit_metric", "installed", "psum", "register_primitive"]
+
+_STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
+_METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
+_BASE: dict[str, Callable[..., Any]] = {}
+
+
+class Handler:
+    """Base class of a transform's handler; every method passes the call on unchanged.
+
+    Override a primitive's method to rewrite it. Each receives the primitive's arguments and
+    ``next``, the continuation to the handlers outside this one.
+    """
+
+    def value_and_grad(self, fn, params, args, kwargs, *, next: Callable, **options):
+        # options: has_aux, and grad_sink (see fzero.functional._value_and_grad_base)
+        return next(fn, params, args, kwargs, **options)
+
+    def apply_gradients(self, state, grads, *, next: Callable):
+        return next(state, grads)
+
+    def emit(self, name: str, value: Any, *, next: Callable):
+        return next(name, value)
+
+    def psum(self, value, *, next: Callable):
+        return next(value)
+
+
+def register_primitive(name: str):
+    """Register the plain implementation of a primitive (the bottom of every handler chain)."""
+
+    def deco(fn):
+        _BASE[name] = fn
+        return fn
+
+    return deco
+
+
+def bind(primitive: str, *args, **kwargs):
+    """Run ``primitive`` through the installed handlers, innermost first."""
+    stack = _STACK.get()
+    base = _BASE[primitive]
+
+    def call(i: int, *a, **kw):
+        if i < 0:
+            return base(*a, **kw)
+        method = getattr(stack[i], primitive)
+        return method(*a, next=lambda *a2, **kw2: call(i - 1, *a2, **kw2), **kw)
+
+    return call(len(stack) - 1, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def installed(handler: Handler) -> Iterator[Handler]:
+    """Install ``handler`` innermost for the duration of the block."""
+    token = _STACK.set(_STACK.get() + (handler,))
+    try:
+        yield handler
+    finally:
+        _STACK.reset(token)
+
+
+def handlers() -> tuple[Handler, ...]:
+    """The installed handlers, outermost first."""
+    return _STACK.get()
+
+
+# --------------------------------------------------------------------------- psum
+
+
+def psum(value):
+    """Sum a partial reduction over every shard of the training state.
+
+    Optimizers call it on per-shard partial sums (sums of squares for a global norm, LAMB's
+    per-tensor norms) so the result is exact however the state is partitioned. With an
+    unpartitioned state it is the identity; under ``shard_state`` at stages 1-3 it is an
+    all-reduce over the ``dp`` axis.
+    """
+    return bind("psum", value)
+
+
+@register_primitive("psum")
+def _psum_base(value):
+    return value
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def emit_metric(name: str, value: Any) -> None:
+    """Report a metric from inside a step (e.g. ``grad_norm`` from a clip).
+
+    Outside a compiled step this does nothing; inside one, the value lands in the step's
+    ``metrics`` under ``name``. Handlers may rewrite it (e.g. average over micro-batches).
+    """
+    bind("emit", name, value)
+
+
+@register_primitive("emit")
+def _emit_base(name: str, value: Any) -> None:
+    sink = _METRICS.get()
+    if sink is not None:
+        sink[name] = value
+
+
+@contextlib.contextmanager
+def collecting_metrics() -> Iterator[dict]:
+    """Collect metrics emitted inside the block into the yielded dict."""
+    sink: dict = {}
+    token = _METRICS.set(sink)
+    try:
+        yield sink
+    finally:
+        _METRICS.reset(token)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+class Step:
+    """A train step that knows how to prepare its state.
+
+    ``step.init(state)`` places / partitions / extends a freshly created state for this step;
+    ``step(state, batch) -> (state, metrics)`` runs it. Every transform returns a ``Step``; a
+    plain function is a ``Step`` whose ``init`` returns the state unchanged.
+    """
+
+    def __init__(self, fn: Callable, *, init: Callable | None = None, name: str | None = None, inner=None):
+        self._fn = fn
+        self._init = init or (lambda state: state)
+        self.inner = inner
+        self.__name__ = name or getattr(fn, "__name__", "step")
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+
+    def __call__(self, state, batch):
+        return self._fn(state, batch)
+
+    def init(self, state):
+        return self._init(state)
+
+    def __repr__(self) -> str:
+        return f"<fzero step {self.__name__}>"
+
+
+def as_step(fn: Callable) -> Step:
+    """``fn`` as a :class:`Step` (unchanged if it already is one)."""
+    if isinstance(fn, Step):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"fzero: a train step must be callable as step(state, batch), got {type(fn).__name__}")
+    return Step(fn)

@@ -1,0 +1,287 @@
+"""Pytree helpers with ``torch.Tensor`` leaves, on optree under fzero's own namespace.
+
+fzero never touches optree's global registry: every registration made here (the
+dataclasses decorated with :func:`dataclass`, and the optimizer states) lives in the
+private namespace ``"fzero"``, so two libraries can register the same type differently
+without clashing.
+
+Conventions follow JAX and optree:
+
+* ``flatten(tree) -> (leaves, spec)`` and ``unflatten(spec, leaves)``;
+* ``None`` is an empty subtree, not a leaf;
+* dict keys are sorted, so the leaf order is deterministic;
+* a *path* is a tuple of entries; ``keystr(path)`` renders it as ``['blocks'][0].params``.
+
+Example:
+    >>> import torch
+    >>> from fzero import tree
+    >>> t = {"b": torch.ones(2), "a": [torch.zeros(1), None]}
+    >>> leaves, spec = tree.flatten(t)
+    >>> [x.shape[0] for x in leaves]
+    [1, 2]
+    >>> tree.keystr(tree.paths(t)[0])
+    "['a'][0]"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import optree
+
+__all__ = [
+    "NAMESPACE",
+    "dataclass",
+    "field",
+    "flatten",
+    "flatten_with_path",
+    "keystr",
+    "leaves",
+    "map",
+    "map_with_path",
+    "paths",
+    "structure",
+    "unflatten",
+    "assert_same_structure",
+    "StructureError",
+]
+
+NAMESPACE = "fzero"
+
+T = TypeVar("T")
+PyTree = Any
+Path = tuple
+
+
+class StructureError(ValueError):
+    """Two pytrees that had to share a structure do not; the message names the key paths."""
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def flatten(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
+    """``(leaves, spec)`` of ``tree``; ``spec`` rebuilds it with :func:`unflatten`."""
+    return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def unflatten(spec, leaves: Sequence[Any]) -> PyTree:
+    """Inverse of :func:`flatten`.
+
+    Raises:
+        StructureError: the number of leaves does not match the spec.
+    """
+    leaves = list(leaves)
+    if len(leaves) != spec.num_leaves:
+        raise StructureError(
+            f"fzero.tree.unflatten: the spec has {spec.num_leaves} leaves, got {len(leaves)}: {spec}"
+        )
+    return optree.tree_unflatten(spec, leaves)
+
+
+def leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list:
+    """The leaves of ``tree`` in flatten order."""
+    return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
+    """The spec of ``tree`` (what :func:`flatten` returns second)."""
+    return optree.tree_structure(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def flatten_with_path(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
+    """``(paths, leaves, spec)``; each path is a tuple of optree path entries."""
+    accessors, lv, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return [tuple(a) for a in accessors], lv, spec
+
+
+def paths(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[Path]:
+    """The path of every leaf, in flatten order."""
+    return flatten_with_path(tree, is_leaf)[0]
+
+
+def keystr(path: Path) -> str:
+    """Render a path as Python access syntax: ``['a'][0].params``.
+
+    Plain tuples of dict keys and indices are accepted too.
+    """
+    out = []
+    for entry in path:
+        if isinstance(entry, optree.PyTreeEntry):
+            out.append(entry.codify(""))
+        elif isinstance(entry, int):
+            out.append(f"[{entry}]")
+        else:
+            out.append(f"[{entry!r}]")
+    return "".join(out)
+
+
+def _path_names(tree: PyTree, is_leaf=None) -> list[str]:
+    return [keystr(p) for p in paths(tree, is_leaf)]
+
+
+# --------------------------------------------------------------------------- structure errors
+
+
+def _describe(node: Any) -> str:
+    if isinstance(node, dict):
+        return f"dict with keys {sorted(repr(k) for k in node.keys())}"
+    if isinstance(node, (list, tuple)):
+        return f"{type(node).__name__} of length {len(node)}"
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return f"{type(node).__name__}"
+    if node is None:
+        return "None"
+    shape = getattr(node, "shape", None)
+    if shape is not None:
+        return f"{type(node).__name__} of shape {tuple(shape)}"
+    return type(node).__name__
+
+
+def _first_difference(a: PyTree, b: PyTree, path: str = "") -> tuple[str, str, str] | None:
+    """Walk both trees together; return (path, what a has, what b has) at the first node
+    whose kind or children differ."""
+    spec_a = optree.tree_structure(a, namespace=NAMESPACE)
+    spec_b = optree.tree_structure(b, namespace=NAMESPACE)
+    if spec_a == spec_b:
+        return None
+    if spec_a.is_leaf() or spec_b.is_leaf():
+        return path or "<root>", _describe(a), _describe(b)
+    if type(a) is not type(b):
+        return path or "<root>", _describe(a), _describe(b)
+    ca, ma, ea = _children(a)
+    cb, mb, eb = _children(b)
+    if ea != eb or ma != mb or len(ca) != len(cb):
+        return path or "<root>", _describe(a), _describe(b)
+    for entry, xa, xb in zip(ea, ca, cb):
+        sub = _first_difference(xa, xb, path + _entry_str(a, entry))
+        if sub is not None:
+            return sub
+    return path or "<root>", _describe(a), _describe(b)
+
+
+def _children(node):
+    children, meta, entries, *_ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
+    return list(children), meta, tuple(entries)
+
+
+def _entry_str(node: Any, entry: Any) -> str:
+    if dataclasses.is_dataclass(node):
+        return f".{entry}"
+    if isinstance(entry, int) and not isinstance(node, dict):
+        return f"[{entry}]"
+    return f"[{entry!r}]"
+
+
+def assert_same_structure(a: PyTree, b: PyTree, *, what: str = "fzero.tree", names=("tree 0", "tree 1")):
+    """Raise :class:`StructureError` naming the first differing key path, and the leaf paths
+    present on one side only, when ``a`` and ``b`` differ in structure."""
+    if structure(a) == structure(b):
+        return
+    pa, pb = set(_path_names(a)), set(_path_names(b))
+    lines = [f"{what}: {names[1]} does not have the structure of {names[0]}."]
+    diff = _first_difference(a, b)
+    if diff is not None:
+        p, da, db = diff
+        lines.append(f"  first difference at {p}: {names[0]} has {da}, {names[1]} has {db}")
+    only_a, only_b = sorted(pa - pb), sorted(pb - pa)
+    if only_a:
+        lines.append(f"  key paths only in {names[0]}: {_clip(only_a)}")
+    if only_b:
+        lines.append(f"  key paths only in {names[1]}: {_clip(only_b)}")
+        for p in only_b[:3]:
+            close = difflib.get_close_matches(p, sorted(pa), n=1)
+            if close:
+                lines.append(f"  ({p} is close to {close[0]})")
+    raise StructureError("\n".join(lines))
+
+
+def _clip(items: list[str], n: int = 8) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f", ... ({len(items) - n} more)" if len(items) > n else "")
+
+
+# --------------------------------------------------------------------------- maps
+
+
+def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf=None) -> PyTree:  # noqa: A001
+    """Apply ``f`` leafwise over one or more trees of one structure.
+
+    Raises:
+        StructureError: a tree in ``rest`` differs in structure; the message names the key path.
+    """
+    for i, other in enumerate(rest):
+        if is_leaf is None:
+            assert_same_structure(tree, other, what="fzero.tree.map", names=("tree 0", f"tree {i + 1}"))
+    return optree.tree_map(f, tree, *rest, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf=None) -> PyTree:
+    """Like :func:`map`, but ``f(path, leaf, *others)``; render ``path`` with :func:`keystr`."""
+    for i, other in enumerate(rest):
+        if is_leaf is None:
+            assert_same_structure(tree, other, what="fzero.tree.map_with_path", names=("tree 0", f"tree {i + 1}"))
+    p, lv, spec = flatten_with_path(tree, is_leaf)
+    others = [flatten(o, is_leaf)[0] for o in rest]
+    return unflatten(spec, [f(pi, *xs) for pi, *xs in zip(p, lv, *others)])
+
+
+# --------------------------------------------------------------------------- dataclasses
+
+
+def field(*, static: bool = False, **kwargs) -> Any:
+    """A dataclass field; ``static=True`` keeps it out of the leaves (it becomes part of the
+    spec, so it must be hashable-comparable: functions, strings, numbers)."""
+    metadata = dict(kwargs.pop("metadata", {}) or {})
+    metadata["fzero_static"] = static
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+def dataclass(cls: type[T] | None = None, /, *, frozen: bool = True, **kwargs):
+    """Make ``cls`` a frozen dataclass registered as a pytree node in fzero's namespace.
+
+    Fields made with ``field(static=True)`` are static (carried in the spec, not leaves).
+    Instances get ``replace(**changes)``.
+
+    Example:
+        >>> import torch
+        >>> from fzero import tree
+        >>> @tree.dataclass
+        ... class Point:
+        ...     x: torch.Tensor
+        ...     name: str = tree.field(static=True, default="p")
+        >>> tree.keystr(tree.paths(Point(torch.zeros(1)))[0])
+        '.x'
+    """
+
+    def wrap(c):
+        c = dataclasses.dataclass(c, frozen=frozen, **kwargs)
+        fields = dataclasses.fields(c)
+        dynamic = tuple(f.name for f in fields if not f.metadata.get("fzero_static", False))
+        static = tuple(f.name for f in fields if f.metadata.get("fzero_static", False))
+
+        def flatten_fn(obj):
+            children = tuple(getattr(obj, n) for n in dynamic)
+            meta = tuple(getattr(obj, n) for n in static)
+            return children, meta, dynamic
+
+        def unflatten_fn(meta, children):
+            obj = object.__new__(c)
+            for n, v in zip(dynamic, children):
+                object.__setattr__(obj, n, v)
+            for n, v in zip(static, meta):
+                object.__setattr__(obj, n, v)
+            return obj
+
+        optree.register_pytree_node(
+            c, flatten_fn, unflatten_fn, path_entry_type=optree.GetAttrEntry, namespace=NAMESPACE
+        )
+        if not hasattr(c, "replace"):
+            c.replace = lambda self, **changes: dataclasses.replace(self, **changes)
+        return c
+
+    return wrap if cls is None else wrap(cls)
+

@@ -1,0 +1,154 @@
+"""compile() in one process: the same trajectory as the plain step, options, errors,
+and the handler machinery every transform stands on."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fzero
+import fzero.testing as ft
+from fzero import optim, tree
+from fzero.transforms import _core
+
+
+def make(case, tx):
+    apply, params = fzero.functionalize(case.make())
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+
+
+def train_step(state, batch):
+    def loss_fn(p):
+        return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def run(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return state, torch.stack(losses)
+
+
+TXS = {
+    "sgd": lambda: optim.sgd(0.05, momentum=0.9),
+    "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
+}
+
+
+@settings(max_examples=15, deadline=None)
+@given(ft.models(), st.sampled_from(sorted(TXS)), st.sampled_from([None, 0.5]))
+def test_compiled_equals_plain(case, tx_name, clip):
+    batches = [case.batch(6, i) for i in range(10)]
+    tx = TXS[tx_name]()
+    plain_tx = tx if clip is None else optim.chain(optim.clip_by_global_norm(clip), tx)
+    ref_state, ref_losses = run(train_step, make(case, plain_tx), batches)
+    step = fzero.compile(train_step, clip_norm=clip)
+    state, losses = run(step, step.init(make(case, tx)), batches)
+    ft.assert_trees_close(losses, ref_losses)
+    ft.assert_trees_close(fzero.gather(state.params), ref_state.params)
+    assert int(state.step) == 10
+
+
+def test_grad_norm_metric_is_the_norm_before_clipping():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    batch = {"x": torch.randn(16, 4) * 10, "y": torch.randn(16, 2) * 10}
+    model(batch["x"])
+    loss = F.mse_loss(model(batch["x"]), batch["y"])
+    loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    step = fzero.compile(train_step, clip_norm=0.1)
+    _, metrics = step(step.init(state), batch)
+    torch.testing.assert_close(metrics["grad_norm"], ref_norm)
+
+
+def test_unknown_option_names_it_and_the_nearest():
+    with pytest.raises(TypeError, match=r"unknown option 'zeroo'; did you mean 'zero'\?"):
+        fzero.compile(train_step, zeroo=2)
+
+
+@pytest.mark.parametrize(
+    "opts, name",
+    [({"zero": 2}, "zero=2"), ({"precision": "bf16"}, "precision='bf16'"), ({"accumulate": 4}, "accumulate=4"),
+     ({"bucket_size": 2**20}, "bucket_size")],
+)
+def test_options_not_yet_supported_are_errors(opts, name):
+    with pytest.raises(NotImplementedError, match=f"fzero.compile: option {name}.*not supported yet"):
+        fzero.compile(train_step, **opts)
+
+
+def test_bad_option_values():
+    with pytest.raises(ValueError, match="zero=5"):
+        fzero.compile(train_step, zero=5)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        fzero.compile(train_step, precision="fp8")
+    with pytest.raises(ValueError, match="clip_norm=-1"):
+        fzero.compile(train_step, clip_norm=-1)
+    with pytest.raises(NotImplementedError, match="config="):
+        fzero.compile(train_step, config={"train_batch_size": 8})
+
+
+def test_step_output_and_init_checked():
+    step = fzero.compile(lambda s, b: s)
+    with pytest.raises(TypeError, match=r"must return \(state, metrics\)"):
+        step(None, None)
+    with pytest.raises(TypeError, match="expects an fzero.TrainState"):
+        step.init({"params": 1})
+
+
+def test_transforms_not_yet_landed_raise():
+    for name in ["shard_state", "mixed_precision", "accumulate", "pipeline"]:
+        with pytest.raises(NotImplementedError, match=f"fzero.{name}: .*not supported yet"):
+            getattr(fzero, name)(train_step)
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+class Recorder(_core.Handler):
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
+        self.log.append(f"{self.name}:vg")
+        (value, grads) = next(fn, params, args, kwargs, **options)
+        return value, tree.map(lambda g: g * 2, grads)
+
+    def apply_gradients(self, state, grads, *, next):
+        self.log.append(f"{self.name}:apply")
+        return next(state, grads)
+
+
+def test_handlers_nest_innermost_first():
+    log = []
+    w = {"w": torch.ones(2)}
+    with _core.installed(Recorder("outer", log)), _core.installed(Recorder("inner", log)):
+        _, g = fzero.value_and_grad(lambda p: p["w"].sum())(w)
+    assert log == ["inner:vg", "outer:vg"]
+    assert g["w"].tolist() == [4.0, 4.0]  # each handler doubled the gradient once
+    assert _core.handlers() == ()
+
+
+def test_handler_sees_apply_gradients_and_psum_is_identity():
+    log = []
+    apply, params = fzero.functionalize(torch.nn.Linear(1, 1))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(1.0))
+    with _core.installed(Recorder("h", log)):
+        state.apply_gradients(tree.map(torch.zeros_like, params))
+    assert log == ["h:apply"]
+    x = torch.tensor(3.0)
+    assert _core.psum(x) is x
+
+
+def test_emit_outside_a_step_is_dropped_inside_collected():
+    _core.emit_metric("x", 1)  # no collector: nothing happens
+    with _core.collecting_metrics() as m:
+        _core.emit_metric("x", 2)
+    assert m == {"x": 2}
