@@ -22,19 +22,17 @@ OPTIONS: dict[str, Any] = {
     "loss_scale": "dynamic",
     "reduce_dtype": None,
     "bucket_size": None,
-    "overlap_comm": None,
+    "overlap_comm": True,
 }
 
 # Options that exist in fzero's design but whose transform has not landed yet: giving
 # them a non-default value is an error that says so, never a silent no-op.
 _NOT_YET = {
-    "zero": "ZeRO partitioning (fzero.shard_state) is not supported yet",
     "precision": "mixed precision (fzero.mixed_precision) is not supported yet",
     "accumulate": "gradient accumulation (fzero.accumulate) is not supported yet",
     "loss_scale": "loss scaling (fzero.mixed_precision) is not supported yet",
     "reduce_dtype": "a gradient reduction dtype (fzero.shard_state) is not supported yet",
-    "bucket_size": "bucketed collectives (fzero.shard_state) are not supported yet",
-    "overlap_comm": "overlapped communication (fzero.shard_state) is not supported yet",
+    "overlap_comm": "turning off overlapped communication is not supported yet",
 }
 
 
@@ -83,7 +81,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         train_step: a pure single-device ``train_step(state, batch) -> (state, metrics)``.
         mesh: the :class:`fzero.Mesh` to run on (default: ``Mesh(dp=-1)``).
         config: a DeepSpeed-format config (not supported yet).
-        zero: ZeRO stage 0-3 over the mesh's ``dp`` axis.
+        zero: ZeRO stage 0-3 over the mesh's ``dp`` axis (``fzero.shard_state``); on a
+            mesh of more than one rank, stage 0 is plain data parallelism (DDP).
+        bucket_size: bytes per gradient bucket (default 25 MiB).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         accumulate: micro-batches per update.
         clip_norm: clip gradients to this global L2 norm; ``metrics["grad_norm"]`` then
@@ -115,16 +115,17 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         raise NotImplementedError("fzero.compile: config= (DeepSpeed JSON configs) is not supported yet")
     opts = _check_options(options)
     mesh = mesh if mesh is not None else Mesh(dp=-1)
-    if mesh.world_size > 1 and opts["zero"] == 0:
-        # Data parallelism arrives with shard_state (stage 0 is DDP); running the plain step
-        # on each rank would silently train N different models.
-        raise NotImplementedError(
-            f"fzero.compile: a mesh of {mesh.world_size} ranks needs data parallelism "
-            "(fzero.shard_state), which is not supported yet"
-        )
+    if mesh.size("pp") > 1 or mesh.size("tp") > 1:
+        raise NotImplementedError(f"fzero.compile: {mesh} has pp or tp axes; pipeline and tensor "
+                                  "parallelism are not supported yet")
     inner = as_step(train_step)
     if opts["clip_norm"] is not None:
         inner = _with_clipping(inner, float(opts["clip_norm"]))
+    if opts["zero"] > 0 or mesh.size("dp") > 1:
+        from fzero.transforms.shard_state import DEFAULT_BUCKET_BYTES, shard_state
+
+        inner = shard_state(inner, mesh, opts["zero"],
+                            bucket_bytes=opts["bucket_size"] or DEFAULT_BUCKET_BYTES)
 
     def init(state):
         if not isinstance(state, TrainState):

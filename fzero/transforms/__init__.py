@@ -6,6 +6,7 @@ naming themselves, so a program written for them fails loudly instead of trainin
 """
 
 from fzero.transforms._core import Handler, Step, as_step
+from fzero.transforms.shard_state import shard_state
 
 
 def _not_yet(name: str, what: str):
@@ -18,7 +19,6 @@ def _not_yet(name: str, what: str):
     return transform
 
 
-shard_state = _not_yet("shard_state", "ZeRO partitioning over the mesh's dp axis")
 mixed_precision = _not_yet("mixed_precision", "low-precision compute with fp32 master weights")
 accumulate = _not_yet("accumulate", "gradient accumulation over micro-batches")
 pipeline = _not_yet("pipeline", "pipeline parallelism over the mesh's pp axis")

@@ -1,0 +1,66 @@
+"""Collectives with names: a failure or a timeout says which collective, on which rank."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveError", "Pending", "run", "start"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete in time; the message names it and the rank."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def run(name: str, fn: Callable[[], object], *, where: str = "fzero"):
+    """Run a blocking collective; re-raise failures naming ``name`` and this rank."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise CollectiveError(f"{where}: collective {name} failed on rank {_rank()}: {e}") from e
+
+
+class Pending:
+    """An asynchronous collective and what to do with its result."""
+
+    __slots__ = ("name", "work", "done", "where")
+
+    def __init__(self, name: str, work, done: Callable[[], object] | None, where: str):
+        self.name, self.work, self.done, self.where = name, work, done, where
+
+    def wait(self, timeout_s: float):
+        try:
+            if self.work is not None:
+                self.work.wait(datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001
+            raise CollectiveError(
+                f"{self.where}: collective {self.name} did not complete on rank {_rank()} "
+                f"within {timeout_s:g} s (a rank may have died or taken another path): {e}"
+            ) from e
+        return self.done() if self.done is not None else None
+
+
+def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None = None, *,
+          where: str = "fzero") -> Pending:
+    """Start an asynchronous collective (``fn`` passes ``async_op=True``)."""
+    try:
+        work = fn()
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(f"{where}: collective {name} failed to start on rank {_rank()}: {e}") from e
+    return Pending(name, work, done, where)
+
+
+def all_gather_ints(values: list[int], group=None) -> torch.Tensor:
+    """Every rank's ``values`` (equal length everywhere), as a ``(world, len)`` int64 tensor."""
+    x = torch.tensor(values, dtype=torch.int64)
+    n = dist.get_world_size(group)
+    out = torch.empty(n * len(values), dtype=torch.int64)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view(n, len(values))

@@ -1,0 +1,251 @@
+"""Flat groups: how ZeRO lays parameters out and cuts them between ranks.
+
+Parameters are packed into *groups* (a transformer block, or a bucket of consecutive
+parameters up to a byte budget). A group's parameters are concatenated, in order, into one
+flat buffer padded to a multiple of the ``dp`` size ``N``; rank ``r`` owns the contiguous
+slice ``[r*c, (r+1)*c)`` with ``c = padded / N``. This is FSDP1's layout, chosen over
+per-parameter sharding because both collectives then work on the flat buffer as it is:
+``all_gather_into_tensor`` writes the gathered group straight into the storage the
+parameters view, and ``reduce_scatter_tensor`` reads the group's gradient straight from
+the flat gradient: no copy in, no copy out.
+
+A leaf of the training state that is partitioned becomes a :class:`Shard`: a pytree node
+whose one child is this rank's piece of the leaf (the part of the leaf that falls in the
+owned slice: possibly empty, possibly the whole leaf) and whose static metadata says where
+the piece sits. Optimizers see the pieces as ordinary leaves; :func:`fzero.gather` and
+checkpoints read the metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fzero import tree
+
+__all__ = ["Group", "Layout", "Shard", "ShardInfo", "build_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """Where a rank's piece of one leaf sits.
+
+    Attributes:
+        shape: the leaf's global shape.
+        offset: the leaf's first element in its group's flat buffer.
+        chunk: elements per rank in the group (``c``).
+        world: the number of ranks sharing the group (``N``).
+        rank: this rank's index on the ``dp`` axis.
+        group: the process group of the ``dp`` axis (not compared).
+    """
+
+    shape: tuple[int, ...]
+    offset: int
+    chunk: int
+    world: int
+    rank: int
+    group: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def piece(self, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)`` of ``rank``'s piece, in elements of the flattened leaf."""
+        r = self.rank if rank is None else rank
+        lo = max(self.offset, r * self.chunk)
+        hi = min(self.offset + self.numel, (r + 1) * self.chunk)
+        if hi <= lo:
+            return 0, 0
+        return lo - self.offset, hi - self.offset
+
+
+class Shard:
+    """This rank's piece of a partitioned leaf; a pytree node with one child, ``local``."""
+
+    __slots__ = ("local", "info")
+
+    def __init__(self, local: torch.Tensor, info: ShardInfo):
+        self.local = local
+        self.info = info
+
+    @property
+    def shape(self):
+        return self.info.shape
+
+    def __fzero_gather__(self) -> torch.Tensor:
+        info = self.info
+        if info.world == 1:
+            return self.local.detach().clone().reshape(info.shape)
+        pieces = [info.piece(r) for r in range(info.world)]
+        width = max(b - a for a, b in pieces)
+        send = torch.zeros(width, dtype=self.local.dtype, device=self.local.device)
+        send[: self.local.numel()] = self.local.detach().reshape(-1)
+        recv = torch.empty(width * info.world, dtype=send.dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=info.group)
+        parts = [recv[r * width: r * width + (b - a)] for r, (a, b) in enumerate(pieces)]
+        return torch.cat(parts).reshape(info.shape)
+
+    def __repr__(self) -> str:
+        a, b = self.info.piece()
+        return f"Shard({tuple(self.info.shape)}, elements [{a}, {b}) on rank {self.info.rank}/{self.info.world})"
+
+
+optree.register_pytree_node(
+    Shard,
+    lambda s: ((s.local,), s.info, ("local",)),
+    lambda info, children: Shard(children[0], info),
+    path_entry_type=optree.GetAttrEntry,
+    namespace=tree.NAMESPACE,
+)
+
+
+def is_shard(x: Any) -> bool:
+    return isinstance(x, Shard)
+
+
+@dataclasses.dataclass
+class Group:
+    """One flat group: parameter names, their offsets, the padded size and the owned slice."""
+
+    index: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    numel: int
+    padded: int
+    world: int
+    rank: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def chunk(self) -> int:
+        return self.padded // self.world
+
+    @property
+    def owned(self) -> tuple[int, int]:
+        return self.rank * self.chunk, (self.rank + 1) * self.chunk
+
+    def info(self, i: int, group=None) -> ShardInfo:
+        return ShardInfo(tuple(self.shapes[i]), self.offsets[i], self.chunk, self.world, self.rank, group)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter as a view into the group's full flat buffer."""
+        return [flat[o: o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
+
+    def pieces(self, local: torch.Tensor, group=None) -> list[Shard]:
+        """Each parameter's piece as a view into the rank's owned slice ``local``."""
+        base = self.rank * self.chunk
+        out = []
+        for i in range(len(self.names)):
+            info = self.info(i, group)
+            a, b = info.piece()
+            lo = self.offsets[i] + a - base
+            out.append(Shard(local[lo: lo + (b - a)], info))
+        return out
+
+
+@dataclasses.dataclass
+class Layout:
+    """All groups of a params dict, and where each name lives."""
+
+    groups: list[Group]
+    where: dict[str, tuple[int, int]]  # name -> (group index, position in group)
+
+    def flatten_full(self, params: dict[str, torch.Tensor], g: Group) -> torch.Tensor:
+        flat = torch.zeros(g.padded, dtype=g.dtype, device=g.device)
+        for name, o, s in zip(g.names, g.offsets, g.shapes):
+            flat[o: o + math.prod(s)] = params[name].detach().reshape(-1)
+        return flat
+
+    def shard_params(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
+        """Cut full parameters into this rank's pieces (copies: the full tensors can go)."""
+        out = {}
+        for g in self.groups:
+            lo, hi = g.owned
+            local = self.flatten_full(params, g)[lo:hi].clone()
+            for name, piece in zip(g.names, g.pieces(local, group)):
+                out[name] = piece
+        return {k: out[k] for k in params}
+
+    def piece_views(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
+        """This rank's pieces of full parameters, as views (no copy)."""
+        out = {}
+        for name, p in params.items():
+            gi, i = self.where[name]
+            info = self.groups[gi].info(i, group)
+            a, b = info.piece()
+            out[name] = Shard(p.reshape(-1)[a:b], info)
+        return out
+
+
+def build_layout(
+    params: dict[str, torch.Tensor],
+    *,
+    world: int,
+    rank: int,
+    units: Sequence[Sequence[str]] | None = None,
+    bucket_bytes: int = 25 * 2**20,
+) -> Layout:
+    """Group ``params`` and lay each group out flat.
+
+    Args:
+        params: full parameters by name (their order is the registration order).
+        world, rank: the ``dp`` size and this rank's index.
+        units: explicit groups of names (ZeRO-3's per-block units), in order; names not in
+            any unit form further groups by ``bucket_bytes``.
+        bucket_bytes: the size budget of a group formed from loose parameters.
+
+    Raises:
+        ValueError: a unit names a parameter that does not exist, or names one twice.
+    """
+    names = list(params)
+    groups_names: list[list[str]] = []
+    seen: set[str] = set()
+    for unit in units or ():
+        for n in unit:
+            if n not in params:
+                raise ValueError(f"fzero.shard_state: unit parameter {n!r} is not in the params")
+            if n in seen:
+                raise ValueError(f"fzero.shard_state: parameter {n!r} is in two units")
+            seen.add(n)
+        if unit:
+            groups_names.append(list(unit))
+    # Loose parameters, grouped in *reverse* registration order, which approximates the
+    # order in which backward produces their gradients (DDP buckets the same way).
+    loose = [n for n in reversed(names) if n not in seen]
+    cur: list[str] = []
+    cur_bytes = 0
+    for n in loose:
+        p = params[n]
+        if cur and (cur_bytes + p.numel() * p.element_size() > bucket_bytes or p.dtype != params[cur[0]].dtype):
+            groups_names.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(n)
+        cur_bytes += p.numel() * p.element_size()
+    if cur:
+        groups_names.append(cur)
+
+    groups, where = [], {}
+    for gi, gnames in enumerate(groups_names):
+        dtypes = {params[n].dtype for n in gnames}
+        if len(dtypes) > 1:
+            raise ValueError(f"fzero.shard_state: unit {gnames} mixes dtypes {sorted(map(str, dtypes))}")
+        offsets, off = [], 0
+        for n in gnames:
+            offsets.append(off)
+            off += params[n].numel()
+        padded = max(world, -(-off // world) * world)
+        first = params[gnames[0]]
+        groups.append(Group(gi, gnames, [tuple(params[n].shape) for n in gnames], offsets, off, padded,
+                            world, rank, first.dtype, first.device))
+        for i, n in enumerate(gnames):
+            where[n] = (gi, i)
+    return Layout(groups, where)

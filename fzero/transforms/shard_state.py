@@ -1,0 +1,484 @@
+"""``shard_state``: ZeRO stages 0-3 over the mesh's ``dp`` axis.
+
+What each stage keeps on a rank between steps (Ψ parameters, N ranks, fp32 Adam):
+
+=====  ==========================  =====================  ==================================
+stage  parameters                  optimizer state        gradients (inside the step)
+=====  ==========================  =====================  ==================================
+0      full (4Ψ)                   full (8Ψ)              full, all-reduced (4Ψ)
+1      full (4Ψ)                   own slice (8Ψ/N)       full, all-reduced (4Ψ)
+2      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (4Ψ/N + a bucket)
+3      own slice (4Ψ/N)            own slice (8Ψ/N)       own slice (4Ψ/N + a unit)
+=====  ==========================  =====================  ==================================
+
+How the step is rewritten (see docs/zero.md): the handler of ``value_and_grad`` asks the
+autograd engine for each gradient the moment it is complete and starts its bucket's
+collective then, so communication overlaps the rest of backward; the handler of
+``apply_gradients`` runs the unchanged optimizer on this rank's slices (optimizers reduce
+across slices through ``psum``, which becomes an all-reduce), then all-gathers the new
+parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
+model) just before the unit's forward, freed after it, and gathered again when backward
+first needs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from fzero import tree
+from fzero.distributed import comm
+from fzero.distributed.flat import Layout, Shard, build_layout
+from fzero.distributed.mesh import Mesh
+from fzero.transforms._core import Handler, Step, as_step, installed
+
+__all__ = ["shard_state"]
+
+WHERE = "fzero.shard_state"
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+# --------------------------------------------------------------------------- gradient sinks
+
+
+class _ReduceSink:
+    """Receives gradients during backward and reduces them group by group.
+
+    Groups are launched strictly in index order (the order is the same on every rank, so
+    the collectives match), each as soon as it and every group before it is complete.
+    """
+
+    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int]], leaf_names: list[str] | None):
+        self.h = h
+        self.leaf_names = leaf_names  # None at stage 3: the leaves are the groups' flat buffers
+        self.leaf_groups = leaf_groups  # leaf index -> (group, position) ; position -1: whole flat
+        self.missing = [set(range(len(g.names))) for g in h.layout.groups]
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, comm.Pending] = {}
+        self.results: dict[int, torch.Tensor] = {}
+        self.next = 0
+        self.after_grad: Callable[[int], None] | None = None
+
+    def on_grad(self, i: int, g: torch.Tensor) -> None:
+        gi, pos = self.leaf_groups[i]
+        group = self.h.layout.groups[gi]
+        if pos < 0:  # stage 3: the gradient of a whole group's flat buffer
+            self.buffers[gi] = g
+            self.missing[gi].clear()
+        else:
+            buf = self.buffers.get(gi)
+            if buf is None:
+                buf = self.buffers[gi] = torch.zeros(group.padded, dtype=g.dtype, device=g.device)
+            o = group.offsets[pos]
+            buf[o: o + g.numel()].copy_(g.reshape(-1))
+            self.missing[gi].discard(pos)
+        if self.after_grad is not None and not self.missing[gi]:
+            self.after_grad(gi)
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        groups = self.h.layout.groups
+        while self.next < len(groups) and (force or not self.missing[self.next]):
+            self._launch(self.next)
+            self.next += 1
+
+    def _launch(self, gi: int) -> None:
+        h, group = self.h, self.h.layout.groups[gi]
+        buf = self.buffers.pop(gi, None)
+        if buf is None:  # no parameter of this group reached the loss
+            buf = torch.zeros(group.padded, dtype=group.dtype, device=group.device)
+        if h.world == 1:
+            self.results[gi] = buf if h.stage < 2 else buf[: group.chunk]
+            return
+        if h.stage < 2:
+            self.pending[gi] = comm.start(
+                f"all_reduce(gradient group {gi}, {group.padded} elements)",
+                lambda: dist.all_reduce(buf, group=h.group, async_op=True),
+                lambda: buf, where=WHERE)
+        else:
+            out = torch.empty(group.chunk, dtype=buf.dtype, device=buf.device)
+            self.pending[gi] = comm.start(
+                f"reduce_scatter(gradient group {gi}, {group.padded} elements)",
+                lambda: dist.reduce_scatter_tensor(out, buf, group=h.group, async_op=True),
+                lambda: out, where=WHERE)
+            # ``buf`` stays referenced by the work until it completes, then is freed.
+
+    def finish(self) -> list[torch.Tensor]:
+        self._launch_ready(force=True)
+        h = self.h
+        for gi, p in sorted(self.pending.items()):
+            self.results[gi] = p.wait(h.timeout_s)
+        self.pending.clear()
+        for r in self.results.values():
+            r.div_(h.world)
+        if self.leaf_names is None:
+            return [self.results[gi] for gi in range(len(h.layout.groups))]
+        grads = h.grads_from_results(self.results)
+        return [grads[n] for n in self.leaf_names]
+
+
+# --------------------------------------------------------------------------- the handler
+
+
+class _ShardHandler(Handler):
+    def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None):
+        self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
+        self.world = mesh.size("dp")
+        self.rank = mesh.coords["dp"]
+        self.group = mesh.group("dp")
+        self.timeout_s = mesh.timeout_s if timeout_s is None else timeout_s
+        self.layout: Layout | None = None
+        self.names: list[str] = []
+        self.module: torch.nn.Module | None = None
+        self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
+
+    # ---------------------------------------------------------------- init
+
+    def init(self, state):
+        params = state.params
+        if not (isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values())):
+            raise TypeError(
+                f"{WHERE}: state.params must be a dict of tensors (as fzero.functionalize returns), "
+                f"got {type(params).__name__}"
+            )
+        self._check_replicated(params)
+        self.names = list(params)
+        module = getattr(state.apply_fn, "module", None)
+        unit_names = None
+        if self.stage == 3 and isinstance(module, torch.nn.Module):
+            self.module = module
+            unit_names = self._unit_names(module, params)
+        self.layout = build_layout(params, world=self.world, rank=self.rank, units=unit_names,
+                                   bucket_bytes=self.bucket_bytes)
+        if self.stage == 0:
+            return state
+        if self.stage in (1, 2):
+            full = self._regroup(params)
+            opt_state = state.tx.init(self.layout.piece_views(full, self.group))
+            return state.replace(params=full, opt_state=opt_state)
+        # Stage 3: the state keeps only this rank's pieces; the module lets its own
+        # parameters go, so nothing holds the full set.
+        shards = self.layout.shard_params(params, self.group)
+        if self.module is not None:
+            _release_parameters(self.module)
+            by_module = {id(m): m for m, _ in self.units}
+            self.units = [(by_module[id(m)], self.layout.where[names[0]][0])
+                          for m, names in zip(self._unit_modules, unit_names)]
+        self._full = [self._empty_full(g) for g in self.layout.groups]
+        return state.replace(params=shards, opt_state=state.tx.init(shards))
+
+    def _check_replicated(self, params: dict) -> None:
+        if self.world == 1:
+            return
+        stats = []
+        for v in params.values():
+            stats.append(v.numel())
+            stats.append(int(v.detach().double().sum().mul(1e6).round().clamp(-2**62, 2**62).item()))
+        allstats = comm.run("all_gather(parameter fingerprints)",
+                            lambda: comm.all_gather_ints([len(params)] + stats, self.group), where=WHERE)
+        if not bool((allstats == allstats[0]).all()):
+            bad_rank = int((allstats != allstats[0]).any(dim=1).nonzero()[0])
+            if int(allstats[bad_rank, 0]) != len(params):
+                raise ValueError(f"{WHERE}: rank {bad_rank} has {int(allstats[bad_rank, 0])} parameters, "
+                                 f"rank 0 has {int(allstats[0, 0])}")
+            col = int((allstats[bad_rank] != allstats[0]).nonzero()[0]) - 1
+            name = list(params)[col // 2]
+            what = "shape" if col % 2 == 0 else "values"
+            raise ValueError(f"{WHERE}: parameter {name!r} differs in {what} between rank 0 and rank {bad_rank}: "
+                             "every rank must start from the same parameters (seed the model identically)")
+
+    def _unit_names(self, module: torch.nn.Module, params: dict) -> list[list[str]]:
+        """ZeRO-3 units: each element of a ModuleList (a transformer's blocks), unless the
+        user named unit modules; parameters outside every unit stay gathered for the step."""
+        by_tensor = {}
+        for name, p in module.named_parameters():
+            by_tensor.setdefault(id(p), name)
+        mods = []
+        if self.units_spec is None:
+            for m in module.modules():
+                if isinstance(m, torch.nn.ModuleList):
+                    mods.extend(m)
+        else:
+            mods = [m for m in module.modules() if self.units_spec(m)]
+        units, seen, unit_modules = [], set(), []
+        for m in mods:
+            names = [by_tensor[id(p)] for p in m.parameters() if by_tensor.get(id(p)) in params
+                     and by_tensor[id(p)] not in seen]
+            if names:
+                seen.update(names)
+                units.append(names)
+                unit_modules.append(m)
+        self._unit_modules = unit_modules
+        self.units = [(m, -1) for m in unit_modules]
+        return units
+
+    def _regroup(self, params: dict) -> dict:
+        """Full parameters as views into one flat buffer per group (all-gathers write there)."""
+        out = {}
+        for g in self.layout.groups:
+            flat = self.layout.flatten_full(params, g)
+            for name, view in zip(g.names, g.views(flat)):
+                out[name] = view
+        return {k: out[k] for k in self.names}
+
+    @staticmethod
+    def _empty_full(g) -> torch.Tensor:
+        t = torch.empty(g.padded, dtype=g.dtype, device=g.device)
+        t.untyped_storage().resize_(0)
+        return t
+
+    # ---------------------------------------------------------------- primitives
+
+    def psum(self, value, *, next):
+        if self.stage >= 1 and self.world > 1:
+            value = value.clone()
+            comm.run("all_reduce(psum)", lambda: dist.all_reduce(value, group=self.group), where=WHERE)
+        return next(value)
+
+    def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
+        if options.get("grad_sink") is not None:
+            raise NotImplementedError(f"{WHERE}: another transform already reduces gradients inside this one")
+        if self.stage == 3:
+            out = self._value_and_grad_3(fn, params, args, kwargs, next=next, **options)
+        else:
+            leaf_names = [path[0].entry for path in tree.paths(params)]
+            sink = _ReduceSink(self, [self.layout.where[n] for n in leaf_names], leaf_names)
+            out = next(fn, params, args, kwargs, grad_sink=sink, **options)
+        return self._mean_value(out, options.get("has_aux", False))
+
+    def _mean_value(self, out, has_aux):
+        (value, grads) = out
+        loss = value[0] if has_aux else value
+        if self.world > 1:
+            loss = loss.clone()
+            comm.run("all_reduce(loss)", lambda: dist.all_reduce(loss, group=self.group), where=WHERE)
+            loss = loss / self.world
+        return ((loss, value[1]) if has_aux else loss), grads
+
+    def grads_from_results(self, results: dict[int, torch.Tensor]):
+        """Per-parameter gradients from the reduced group buffers: full tensors at stage 0,
+        this rank's pieces (``Shard``) at stages 1-3."""
+        out = {}
+        for g in self.layout.groups:
+            r = results[g.index]
+            if self.stage == 0:
+                for name, v in zip(g.names, g.views(r)):
+                    out[name] = v
+                continue
+            if self.stage == 1:
+                lo, hi = g.owned
+                r = r[lo:hi].clone()  # keep the owned slice, let the full gradient go
+            for name, piece in zip(g.names, g.pieces(r, self.group)):
+                out[name] = piece
+        return {k: out[k] for k in self.names}
+
+    def apply_gradients(self, state, grads, *, next):
+        if self.stage == 0:
+            return next(state, grads)
+        if self.stage == 3:
+            return next(state, grads)
+        pieces = self.layout.piece_views(state.params, self.group)
+        new = next(state.replace(params=pieces), grads)
+        if new is None or new.params is pieces:  # an inner transform deferred or skipped
+            return new if new is None else new.replace(params=state.params)
+        return new.replace(params=self._all_gather_params(new.params))
+
+    def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
+        out = {}
+        for g in self.layout.groups:
+            own = torch.zeros(g.chunk, dtype=g.dtype, device=g.device)
+            base = g.rank * g.chunk
+            for i, name in enumerate(g.names):
+                a, b = g.info(i).piece()
+                lo = g.offsets[i] + a - base
+                own[lo: lo + (b - a)] = pieces[name].local.reshape(-1)
+            full = self._gather_group(g, own, torch.empty(g.padded, dtype=g.dtype, device=g.device))
+            for name, view in zip(g.names, g.views(full)):
+                out[name] = view
+        return {k: out[k] for k in self.names}
+
+    def _gather_group(self, g, own: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            full.copy_(own)
+            return full
+        comm.run(f"all_gather(parameter group {g.index}, {g.padded} elements)",
+                 lambda: dist.all_gather_into_tensor(full, own, group=self.group), where=WHERE)
+        return full
+
+    # ---------------------------------------------------------------- stage 3
+
+    def _value_and_grad_3(self, fn, params, args, kwargs, *, next, **options):
+        layout = self.layout
+        groups = layout.groups
+        full = self._full
+        gathered: set[int] = set()
+        unit_groups = {gi for _, gi in self.units}
+
+        def own_slice(gi):
+            g = groups[gi]
+            own = torch.zeros(g.chunk, dtype=g.dtype, device=g.device)
+            base = g.rank * g.chunk
+            for i, name in enumerate(g.names):
+                a, b = g.info(i).piece()
+                lo = g.offsets[i] + a - base
+                own[lo: lo + (b - a)] = params[name].local.reshape(-1)
+            return own
+
+        def gather(gi):
+            if gi in gathered:
+                return
+            g = groups[gi]
+            full[gi].untyped_storage().resize_(g.padded * full[gi].element_size())
+            self._gather_group(g, own_slice(gi), full[gi])
+            gathered.add(gi)
+
+        def free(gi):
+            if gi in gathered:
+                full[gi].untyped_storage().resize_(0)
+                gathered.discard(gi)
+
+        def pack(t):
+            if isinstance(t, torch.Tensor) and t.device == full[0].device:
+                ptr = t.untyped_storage().data_ptr()
+                for gi in list(gathered):
+                    if gi in unit_groups and ptr == full[gi].untyped_storage().data_ptr() and ptr != 0:
+                        return (_Handle, gi, tuple(t.shape), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(x):
+            if isinstance(x, tuple) and len(x) == 5 and x[0] is _Handle:
+                _, gi, shape, stride, offset = x
+                gather(gi)
+                return full[gi].as_strided(shape, stride, offset)
+            return x
+
+        hooks = []
+        for m, gi in self.units:
+            hooks.append(m.register_forward_pre_hook(lambda mod, inp, gi=gi: gather(gi)))
+            hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: free(gi)))
+
+        def wrapped(flats, *a, **kw):
+            views = {}
+            for g, flat in zip(groups, flats):
+                # Views are checked against the storage's size when made: give a freed
+                # unit its size back for that moment (no page is touched), then free again.
+                freed = g.index not in gathered
+                if freed:
+                    flat.untyped_storage().resize_(g.padded * flat.element_size())
+                for name, v in zip(g.names, g.views(flat)):
+                    views[name] = v
+                if freed:
+                    flat.untyped_storage().resize_(0)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return fn({k: views[k] for k in self.names}, *a, **kw)
+
+        sink = _ReduceSink(self, [(gi, -1) for gi in range(len(groups))], None)
+        sink.after_grad = lambda gi: free(gi) if gi in unit_groups else None
+        try:
+            for gi in range(len(groups)):
+                if gi not in unit_groups:
+                    gather(gi)  # parameters outside every unit stay gathered for the step
+            value, chunks = next(wrapped, list(full), args, kwargs, grad_sink=sink, **options)
+            return value, self.grads_from_results(dict(enumerate(chunks)))
+        finally:
+            for h in hooks:
+                h.remove()
+            for gi in list(gathered):
+                free(gi)
+
+
+class _Handle:
+    """Marks a saved tensor that is a view of a ZeRO-3 unit, to be gathered again."""
+
+
+def _release_parameters(module: torch.nn.Module) -> None:
+    """Swap every parameter of ``module`` for a meta tensor of its shape (ties kept).
+
+    At stage 3 the module is only code: its parameters come from the sharded state through
+    ``functional_call``. Releasing them lets their memory go once the caller's own
+    references do.
+    """
+    memo: dict[int, torch.nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            m._parameters[name] = memo[id(p)]
+
+
+# --------------------------------------------------------------------------- the transform
+
+
+def shard_state(
+    step: Callable,
+    mesh: Mesh | None = None,
+    stage: Literal[0, 1, 2, 3] = 0,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    units: Callable[[torch.nn.Module], bool] | None = None,
+    timeout_s: float | None = None,
+) -> Step:
+    """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
+
+    Each rank passes its own local batch; the step computes the same update as the plain
+    step on the concatenation of all local batches (gradients are averaged, so a mean loss
+    over equal local batches gives the global batch's gradient). The reported loss is the
+    mean over ranks.
+
+    Args:
+        step: ``train_step(state, batch) -> (state, metrics)``.
+        mesh: the :class:`fzero.Mesh` (default ``Mesh(dp=-1)``).
+        stage: 0 replicates (DDP); 1 partitions optimizer state; 2 also gradients; 3 also
+            parameters.
+        bucket_bytes: size of a gradient bucket (a group of parameters reduced together).
+        units: stage 3: predicate choosing the modules that are gathered one at a time
+            (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
+        timeout_s: collective timeout (default: the mesh's).
+
+    Returns:
+        A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
+        consumes its input state at stages 1-3 (use the returned one).
+
+    Raises:
+        ValueError: ``stage`` not in 0-3; at ``init``, parameters that differ between ranks
+            (named, with the rank).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{WHERE}: stage={stage!r} must be 0, 1, 2 or 3")
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"{WHERE}: bucket_bytes={bucket_bytes!r} must be a positive int")
+    mesh = mesh if mesh is not None else Mesh(dp=-1)
+    inner = as_step(step)
+    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s)
+
+    def init(state):
+        return handler.init(inner.init(state))
+
+    def call(state, batch):
+        if handler.layout is None:
+            raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
+        _check_batch(batch, handler)
+        with installed(handler):
+            return inner(state, batch)
+
+    out = Step(call, init=init, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
+    out.handler = handler
+    return out
+
+
+def _check_batch(batch: Any, h: _ShardHandler) -> None:
+    """Every rank's batch must have the same leading size (or the average is wrong)."""
+    if h.world == 1:
+        return
+    leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    n = int(leaves[0].shape[0]) if leaves else -1
+    sizes = comm.run("all_gather(batch sizes)", lambda: comm.all_gather_ints([n], h.group), where=WHERE)[:, 0]
+    if not bool((sizes == sizes[0]).all()):
+        per_rank = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(sizes))
+        raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank}")
