@@ -22,6 +22,10 @@ Axis = Literal["pp", "dp", "tp"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FZERO_TIMEOUT", "300"))
 
+# DeviceMeshes by (device type, shape): building one creates process groups (a collective),
+# so meshes of one shape in one process share it.
+_DEVICE_MESHES: dict = {}
+
 
 def _launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -115,9 +119,10 @@ class Mesh:
         if self._device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._device_mesh = init_device_mesh(
-                self.device.type, tuple(self.shape[a] for a in AXES), mesh_dim_names=AXES
-            )
+            key = (self.device.type, tuple(self.shape[a] for a in AXES), id(dist.group.WORLD))
+            if key not in _DEVICE_MESHES:
+                _DEVICE_MESHES[key] = init_device_mesh(self.device.type, key[1], mesh_dim_names=AXES)
+            self._device_mesh = _DEVICE_MESHES[key]
         return self._device_mesh
 
     def group(self, axis: Axis):

@@ -135,6 +135,7 @@ class _ShardHandler(Handler):
         self.names: list[str] = []
         self.module: torch.nn.Module | None = None
         self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
+        self.peak_gathered_bytes = 0  # stage 3: most parameter bytes gathered at once
 
     # ---------------------------------------------------------------- init
 
@@ -335,6 +336,8 @@ class _ShardHandler(Handler):
             full[gi].untyped_storage().resize_(g.padded * full[gi].element_size())
             self._gather_group(g, own_slice(gi), full[gi])
             gathered.add(gi)
+            now = sum(groups[i].padded * full[i].element_size() for i in gathered)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
 
         def free(gi):
             if gi in gathered:

@@ -1,0 +1,214 @@
+"""shard_state on real ranks: the plain step's trajectory at every stage and world size,
+the ZeRO paper's memory per rank, and clear errors.
+
+The reference is always the plain single-process step on the full global batch, computed on
+each rank in the same job; the sharded step sees only its rank's slice of that batch.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fzero
+import fzero.testing as ft
+from fzero import optim
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+TXS = {
+    "sgd": lambda: optim.sgd(0.05, momentum=0.9),  # sensitive to a wrong gradient average
+    "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
+    "lamb": lambda: optim.lamb(1e-2, weight_decay=0.01),  # per-tensor norms across slices
+    "clipped": lambda: optim.chain(optim.clip_by_global_norm(0.05), optim.sgd(0.1)),
+}
+
+
+class Blocks(nn.Module):
+    """An MLP whose hidden layers sit in a ModuleList: ZeRO-3 gathers them one by one."""
+
+    def __init__(self, d_in, width, depth, d_out):
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _train_step(state, batch):
+    def loss_fn(p):
+        return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _state(make_model, tx_name):
+    apply, params = fzero.functionalize(make_model())
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS[tx_name]())
+
+
+def _local(batch, n, r):
+    return {k: v.chunk(n)[r] for k, v in batch.items()}
+
+
+def _same_as_plain(model_args, stage, tx_name, steps, per_rank, bucket_bytes, seed):
+    """Runs on every rank: the sharded trajectory equals the plain one."""
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def make_model():
+        torch.manual_seed(seed)
+        return Blocks(*model_args)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [{"x": torch.randn(per_rank * n, model_args[0], generator=g),
+                "y": torch.randn(per_rank * n, model_args[3], generator=g)} for _ in range(steps)]
+    ref, ref_losses = _state(make_model, tx_name), []
+    for b in batches:
+        ref, m = _train_step(ref, b)
+        ref_losses.append(m["loss"])
+    mesh = fzero.Mesh(dp=-1)
+    step = fzero.shard_state(_train_step, mesh, stage, bucket_bytes=bucket_bytes)
+    state, losses = step.init(_state(make_model, tx_name)), []
+    for b in batches:
+        state, m = step(state, _local(b, n, r))
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses on rank {r}")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params on rank {r}")
+    ft.assert_trees_close(fzero.gather(state.opt_state), ref.opt_state, what=f"opt_state on rank {r}")
+    assert int(state.step) == steps
+    return [float(x) for x in losses]
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    d_in=st.integers(1, 6), width=st.integers(1, 9), depth=st.integers(0, 3), d_out=st.integers(1, 4),
+    stage=st.sampled_from([0, 1, 2, 3]), world=st.sampled_from([1, 2, 3]),
+    tx_name=st.sampled_from(sorted(TXS)), per_rank=st.integers(1, 3),
+    bucket_bytes=st.sampled_from([4, 64, 2**20]), seed=st.integers(0, 1000),
+)
+def test_sharded_step_equals_plain_step(ranks, d_in, width, depth, d_out, stage, world, tx_name, per_rank,
+                                        bucket_bytes, seed):
+    results = ranks(world).run(_same_as_plain, (d_in, width, depth, d_out), stage, tx_name, 5, per_rank,
+                               bucket_bytes, seed)
+    assert all(r == results[0] for r in results)  # every rank reports the same global loss
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_every_world(ranks, stage, world):
+    ranks(world).run(_same_as_plain, (5, 8, 2, 3), stage, "adamw", 4, 2, 256, 7)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _storage_bytes(*trees) -> int:
+    """Bytes of distinct storages reachable from the trees (views count once)."""
+    seen, total = set(), 0
+    for t in trees:
+        for x in fzero.tree.leaves(t):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes():
+                s = x.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+    return total
+
+
+def _memory(stage, width, depth, bucket_bytes):
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(Blocks(16, width, depth, 16))
+    psi = sum(p.numel() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+    del params
+    seen = {}
+
+    def train_step(state, batch):
+        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+        seen["after_backward"] = _storage_bytes(state.params, state.opt_state, g)
+        seen["grads"] = _storage_bytes(g)
+        return state.apply_gradients(g), {"loss": loss}
+
+    step = fzero.shard_state(train_step, fzero.Mesh(dp=-1), stage, bucket_bytes=bucket_bytes)
+    state = step.init(state)
+    for _ in range(2):
+        state, _ = step(state, {"x": torch.randn(4, 16), "y": torch.randn(4, 16)})
+    between = _storage_bytes(state.params, state.opt_state)
+    return {"psi": psi, "between": between, **seen, "peak_gathered": step.handler.peak_gathered_bytes,
+            "max_group": max(g.padded * 4 for g in step.handler.layout.groups)}
+
+
+# Bytes per parameter between steps, fp32 Adam (ZeRO paper, less the 4Ψ of gradients).
+BETWEEN = {0: lambda n: 12, 1: lambda n: 4 + 8 / n, 2: lambda n: 4 + 8 / n, 3: lambda n: 12 / n}
+GRADS = {0: lambda n: 4, 1: lambda n: 4, 2: lambda n: 4 / n, 3: lambda n: 4 / n}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_per_rank_matches_the_zero_formula(ranks, stage):
+    world, bucket = 2, 64 * 1024
+    for res in ranks(world).run(_memory, stage, 96, 6, bucket):
+        psi = res["psi"]
+        expected = BETWEEN[stage](world) * psi
+        assert abs(res["between"] - expected) <= 0.02 * expected, (stage, res, expected)
+        grads_limit = GRADS[stage](world) * psi * 1.02 + (bucket if stage >= 2 else 0)
+        assert res["grads"] <= grads_limit, (stage, res, grads_limit)
+        if stage == 3:
+            # Never the full parameter set at once: the loose groups plus about one block.
+            assert 0 < res["peak_gathered"] < 0.5 * 4 * psi, res
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _different_params():
+    r = dist.get_rank()
+    torch.manual_seed(r)  # every rank a different model
+    apply, params = fzero.functionalize(nn.Linear(3, 2))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    try:
+        fzero.shard_state(_train_step, fzero.Mesh(dp=-1), 2).init(state)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_params_that_differ_between_ranks_are_named(ranks):
+    msgs = ranks(2).run(_different_params)
+    assert all(m and "'bias'" in m or m and "'weight'" in m for m in msgs), msgs
+    assert all("rank 1" in m for m in msgs)
+
+
+def _uneven_batches():
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(nn.Linear(3, 2))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    step = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), 1)
+    state = step.init(state)
+    try:
+        step(state, {"x": torch.randn(2 + r, 3), "y": torch.randn(2 + r, 2)})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_uneven_local_batches_are_an_error_naming_ranks(ranks):
+    for m in ranks(2).run(_uneven_batches):
+        assert m is not None and "rank 0: 2, rank 1: 3" in m
+
+
+def test_bad_stage():
+    with pytest.raises(ValueError, match="stage=4"):
+        fzero.shard_state(_train_step, stage=4)
