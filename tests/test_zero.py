@@ -212,3 +212,26 @@ def test_uneven_local_batches_are_an_error_naming_ranks(ranks):
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage=4"):
         fzero.shard_state(_train_step, stage=4)
+
+
+def _one_rank_walks_away():
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(nn.Linear(3, 2))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    step = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), 2, timeout_s=3)
+    state = step.init(state)
+    if r == 1:
+        return None  # rank 1 never joins the step's collectives
+    try:
+        step(state, {"x": torch.randn(2, 3), "y": torch.randn(2, 2)})
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_collective_that_never_completes_times_out_with_its_name(ranks):
+    pool = ranks(2)
+    msg = pool.run(_one_rank_walks_away)[0]
+    pool.close()  # rank 0's process group saw a timed-out collective: start afresh next time
+    assert msg is not None and "all_gather(batch sizes)" in msg and "rank 0" in msg and "3 s" in msg, msg

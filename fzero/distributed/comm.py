@@ -19,12 +19,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def run(name: str, fn: Callable[[], object], *, where: str = "fzero"):
-    """Run a blocking collective; re-raise failures naming ``name`` and this rank."""
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise CollectiveError(f"{where}: collective {name} failed on rank {_rank()}: {e}") from e
+def run(name: str, fn: Callable[[], object], *, timeout_s: float, where: str = "fzero"):
+    """Run a collective to completion within ``timeout_s``.
+
+    ``fn`` starts it with ``async_op=True`` and returns the work; a failure or a timeout is
+    a :class:`CollectiveError` naming ``name`` and this rank.
+    """
+    return start(name, fn, where=where).wait(timeout_s)
 
 
 class Pending:
@@ -57,10 +58,11 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
     return Pending(name, work, done, where)
 
 
-def all_gather_ints(values: list[int], group=None) -> torch.Tensor:
+def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero"):
     """Every rank's ``values`` (equal length everywhere), as a ``(world, len)`` int64 tensor."""
     x = torch.tensor(values, dtype=torch.int64)
     n = dist.get_world_size(group)
     out = torch.empty(n * len(values), dtype=torch.int64)
-    dist.all_gather_into_tensor(out, x, group=group)
+    run(name, lambda: dist.all_gather_into_tensor(out, x, group=group, async_op=True),
+        timeout_s=timeout_s, where=where)
     return out.view(n, len(values))

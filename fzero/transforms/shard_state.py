@@ -179,8 +179,8 @@ class _ShardHandler(Handler):
         for v in params.values():
             stats.append(v.numel())
             stats.append(int(v.detach().double().sum().mul(1e6).round().clamp(-2**62, 2**62).item()))
-        allstats = comm.run("all_gather(parameter fingerprints)",
-                            lambda: comm.all_gather_ints([len(params)] + stats, self.group), where=WHERE)
+        allstats = comm.all_gather_ints("all_gather(parameter fingerprints)", [len(params)] + stats, self.group,
+                                        timeout_s=self.timeout_s, where=WHERE)
         if not bool((allstats == allstats[0]).all()):
             bad_rank = int((allstats != allstats[0]).any(dim=1).nonzero()[0])
             if int(allstats[bad_rank, 0]) != len(params):
@@ -237,7 +237,8 @@ class _ShardHandler(Handler):
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
             value = value.clone()
-            comm.run("all_reduce(psum)", lambda: dist.all_reduce(value, group=self.group), where=WHERE)
+            comm.run("all_reduce(psum)", lambda: dist.all_reduce(value, group=self.group, async_op=True),
+                     timeout_s=self.timeout_s, where=WHERE)
         return next(value)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
@@ -256,7 +257,8 @@ class _ShardHandler(Handler):
         loss = value[0] if has_aux else value
         if self.world > 1:
             loss = loss.clone()
-            comm.run("all_reduce(loss)", lambda: dist.all_reduce(loss, group=self.group), where=WHERE)
+            comm.run("all_reduce(loss)", lambda: dist.all_reduce(loss, group=self.group, async_op=True),
+                     timeout_s=self.timeout_s, where=WHERE)
             loss = loss / self.world
         return ((loss, value[1]) if has_aux else loss), grads
 
@@ -307,7 +309,8 @@ class _ShardHandler(Handler):
             full.copy_(own)
             return full
         comm.run(f"all_gather(parameter group {g.index}, {g.padded} elements)",
-                 lambda: dist.all_gather_into_tensor(full, own, group=self.group), where=WHERE)
+                 lambda: dist.all_gather_into_tensor(full, own, group=self.group, async_op=True),
+                 timeout_s=self.timeout_s, where=WHERE)
         return full
 
     # ---------------------------------------------------------------- stage 3
@@ -481,7 +484,7 @@ def _check_batch(batch: Any, h: _ShardHandler) -> None:
         return
     leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
     n = int(leaves[0].shape[0]) if leaves else -1
-    sizes = comm.run("all_gather(batch sizes)", lambda: comm.all_gather_ints([n], h.group), where=WHERE)[:, 0]
+    sizes = comm.all_gather_ints("all_gather(batch sizes)", [n], h.group, timeout_s=h.timeout_s, where=WHERE)[:, 0]
     if not bool((sizes == sizes[0]).all()):
         per_rank = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(sizes))
         raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank}")
