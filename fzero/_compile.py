@@ -20,6 +20,7 @@ OPTIONS: dict[str, Any] = {
     "accumulate": 1,
     "clip_norm": None,
     "loss_scale": "dynamic",
+    "loss_scale_options": None,
     "reduce_dtype": None,
     "bucket_size": None,
     "overlap_comm": True,
@@ -28,9 +29,6 @@ OPTIONS: dict[str, Any] = {
 # Options that exist in fzero's design but whose transform has not landed yet: giving
 # them a non-default value is an error that says so, never a silent no-op.
 _NOT_YET = {
-    "precision": "mixed precision (fzero.mixed_precision) is not supported yet",
-    "accumulate": "gradient accumulation (fzero.accumulate) is not supported yet",
-    "loss_scale": "loss scaling (fzero.mixed_precision) is not supported yet",
     "reduce_dtype": "a gradient reduction dtype (fzero.shard_state) is not supported yet",
     "overlap_comm": "turning off overlapped communication is not supported yet",
 }
@@ -88,6 +86,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         accumulate: micro-batches per update.
         clip_norm: clip gradients to this global L2 norm; ``metrics["grad_norm"]`` then
             holds the norm before clipping.
+        loss_scale: fp16 only: ``"dynamic"`` (DeepSpeed's scaler), a fixed float, or None.
+        loss_scale_options: fp16 scaler settings, DeepSpeed's names
+            (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
+            ``consecutive_hysteresis``, ``min_loss_scale``).
 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
@@ -121,6 +123,14 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     inner = as_step(train_step)
     if opts["clip_norm"] is not None:
         inner = _with_clipping(inner, float(opts["clip_norm"]))
+    if opts["accumulate"] > 1:
+        from fzero.transforms.accumulate import accumulate
+
+        inner = accumulate(inner, opts["accumulate"])
+    if opts["precision"] != "fp32":
+        from fzero.transforms.mixed_precision import mixed_precision
+
+        inner = mixed_precision(inner, opts["precision"], opts["loss_scale"], **(opts["loss_scale_options"] or {}))
     if opts["zero"] > 0 or mesh.size("dp") > 1:
         from fzero.transforms.shard_state import DEFAULT_BUCKET_BYTES, shard_state
 

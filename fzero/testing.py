@@ -132,7 +132,10 @@ class ModelCase:
         for i, (a, b) in enumerate(zip(self.widths[:-1], self.widths[1:])):
             layers.append(torch.nn.Linear(a, b, bias=self.bias))
             if i < len(self.widths) - 2:
-                if self.layernorm:
+                # LayerNorm over one or two features outputs a constant (its bias, or ±1 times
+                # its weight): the gradient reaching the layer before is pure rounding noise,
+                # which Adam amplifies -- not a model to compare trajectories on.
+                if self.layernorm and b > 2:
                     layers.append(torch.nn.LayerNorm(b))
                 layers.append(act())
         return torch.nn.Sequential(*layers)

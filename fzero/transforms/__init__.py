@@ -6,6 +6,8 @@ naming themselves, so a program written for them fails loudly instead of trainin
 """
 
 from fzero.transforms._core import Handler, Step, as_step
+from fzero.transforms.accumulate import accumulate
+from fzero.transforms.mixed_precision import mixed_precision
 from fzero.transforms.shard_state import shard_state
 
 
@@ -19,8 +21,6 @@ def _not_yet(name: str, what: str):
     return transform
 
 
-mixed_precision = _not_yet("mixed_precision", "low-precision compute with fp32 master weights")
-accumulate = _not_yet("accumulate", "gradient accumulation over micro-batches")
 pipeline = _not_yet("pipeline", "pipeline parallelism over the mesh's pp axis")
 
 __all__ = ["Handler", "Step", "as_step", "accumulate", "mixed_precision", "pipeline", "shard_state"]

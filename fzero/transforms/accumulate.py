@@ -1,0 +1,129 @@
+"""``accumulate``: gradient accumulation over micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fzero import tree
+from fzero.transforms._core import Handler, Step, as_step, installed
+
+__all__ = ["accumulate", "split_batch"]
+
+WHERE = "fzero.accumulate"
+
+
+class _AccumulateHandler(Handler):
+    """Defers ``apply_gradients`` for the first k-1 micro-batches (summing ``grads / k``)
+    and passes the accumulated gradient on at the k-th, from inside the inner step, so the
+    call still runs under every handler inside and outside this one."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.seen = 0
+        self.total = None
+
+    def apply_gradients(self, state, grads, *, next):
+        self.seen += 1
+        scaled = tree.map(lambda g: g / self.k, grads)
+        # Whatever the gradients are (full tensors, or this rank's ZeRO pieces), the sum
+        # has their structure: the accumulator is as partitioned as they are.
+        self.total = scaled if self.total is None else tree.map(torch.add, self.total, scaled)
+        if self.seen < self.k:
+            return state
+        total, self.total = self.total, None
+        return next(state, total)
+
+
+def split_batch(batch: Any, k: int, *, where: str = WHERE) -> list[Any]:
+    """Split every tensor leaf of ``batch`` on its leading dim into ``k`` equal parts.
+
+    Raises:
+        ValueError: a leaf's leading size does not divide by ``k`` (names the leaf's key
+            path and both numbers), or the leaves disagree on the leading size.
+    """
+    paths, leaves, spec = tree.flatten_with_path(batch)
+    sizes = {}
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            sizes[tree.keystr(p) or "<batch>"] = x.shape[0]
+    if not sizes:
+        raise ValueError(f"{where}: the batch has no tensor with a leading dim to split into {k} micro-batches")
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"{where}: batch leaves disagree on the leading size: "
+                         + ", ".join(f"{n}: {s}" for n, s in sizes.items()))
+    name, n = next(iter(sizes.items()))
+    if n % k:
+        raise ValueError(f"{where}: the batch's leading size {n} (at {name}) does not divide into "
+                         f"{k} micro-batches")
+    parts = [[] for _ in range(k)]
+    for x in leaves:
+        chunks = x.chunk(k) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * k
+        for i in range(k):
+            parts[i].append(chunks[i])
+    return [tree.unflatten(spec, p) for p in parts]
+
+
+def _mean_metrics(all_metrics: list[dict]) -> dict:
+    out = {}
+    for key in all_metrics[-1]:
+        vals = [m[key] for m in all_metrics if key in m]
+        if all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals) and len(vals) == len(all_metrics):
+            out[key] = torch.stack([v.detach() for v in vals]).mean(0)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals) and len(vals) == len(all_metrics):
+            out[key] = sum(vals) / len(vals)
+        else:
+            out[key] = vals[-1]
+    return out
+
+
+def accumulate(step: Callable, micro_batches: int) -> Step:
+    """Accumulate gradients over ``micro_batches`` micro-batches, then update once.
+
+    The local batch is split on its leading dim into ``k`` equal micro-batches; the inner
+    step runs on each; their gradients are averaged (so a mean loss gives the full batch's
+    gradient, as DeepSpeed and optax's ``MultiSteps`` do) and applied once. Floating-point
+    metrics are averaged over the micro-batches; others are taken from the last.
+
+    Args:
+        step: ``train_step(state, batch) -> (state, metrics)``.
+        micro_batches: ``k``, a positive int.
+
+    Raises:
+        ValueError: ``k`` is not a positive int; at call time, a batch whose leading size
+            does not divide by ``k`` (naming both numbers).
+
+    Example:
+        >>> import torch, fzero
+        >>> from fzero import optim
+        >>> apply, params = fzero.functionalize(torch.nn.Linear(2, 1))
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        >>> def train_step(state, batch):
+        ...     loss, g = fzero.value_and_grad(lambda p: state.apply_fn(p, batch).pow(2).mean())(state.params)
+        ...     return state.apply_gradients(g), {"loss": loss}
+        >>> step = fzero.accumulate(train_step, micro_batches=2)
+        >>> state, metrics = step(step.init(state), torch.ones(4, 2))
+        >>> int(state.step)
+        1
+    """
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"{WHERE}: micro_batches={micro_batches!r} must be a positive int")
+    inner = as_step(step)
+    k = micro_batches
+
+    def call(state, batch):
+        parts = split_batch(batch, k)
+        handler = _AccumulateHandler(k)
+        metrics = []
+        with installed(handler):
+            for mb in parts:
+                state, m = inner(state, mb)
+                metrics.append(m)
+        if handler.seen not in (0, k):
+            raise RuntimeError(f"{WHERE}: the step applied gradients in {handler.seen} of {k} micro-batches; "
+                               "it must apply them once per micro-batch")
+        return state, _mean_metrics(metrics)
+
+    return Step(call, init=inner.init, name=f"accumulate({inner.__name__}, {k})", inner=inner)

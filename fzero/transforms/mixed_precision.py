@@ -1,0 +1,210 @@
+"""``mixed_precision``: low-precision compute, fp32 master weights, DeepSpeed's loss scaler."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from fzero import tree
+from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, emit_metric, installed, psum
+
+__all__ = ["LossScaler", "mixed_precision"]
+
+WHERE = "fzero.mixed_precision"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@tree.dataclass
+class LossScaler:
+    """DeepSpeed's dynamic loss scaler state (``deepspeed.runtime.fp16.loss_scaler``), as
+    0-dim CPU tensors so it is saved with the state.
+
+    Attributes:
+        scale: the current scale (float64).
+        iter: updates seen, skipped ones included (DeepSpeed's ``cur_iter``).
+        last_overflow: ``iter`` of the last overflow, -1 if none.
+        hysteresis: overflows still tolerated before the scale drops (``cur_hysteresis``).
+    """
+
+    scale: torch.Tensor
+    iter: torch.Tensor
+    last_overflow: torch.Tensor
+    hysteresis: torch.Tensor
+
+    @classmethod
+    def create(cls, initial_scale_power: int = 16, hysteresis: int = 2) -> "LossScaler":
+        return cls(torch.tensor(2.0 ** initial_scale_power, dtype=torch.float64),
+                   torch.tensor(0), torch.tensor(-1), torch.tensor(hysteresis))
+
+
+def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: int, consecutive: bool,
+                   min_scale: float) -> LossScaler:
+    """One step of DeepSpeed's ``DynamicLossScaler.update_scale``.
+
+    Raises:
+        FloatingPointError: an overflow at the minimum scale (DeepSpeed's
+            ``raise_error_at_min_scale``), rather than skipping forever.
+    """
+    scale, it, last, hyst = float(s.scale), int(s.iter), int(s.last_overflow), int(s.hysteresis)
+    if overflow:
+        if hysteresis == 1 or hyst == 1:
+            if scale == min_scale:
+                raise FloatingPointError(
+                    f"{WHERE}: gradients overflowed at the minimum loss scale {min_scale:g} "
+                    f"(update {it}): the loss or gradients are not finite at any scale")
+            scale = max(scale / 2.0, min_scale)
+        else:
+            hyst -= 1
+        last = it
+    else:
+        if consecutive:
+            hyst = hysteresis
+        if (it - last) % window == 0:
+            if not consecutive:
+                hyst = hysteresis
+            scale *= 2.0
+    return LossScaler(torch.tensor(scale, dtype=torch.float64), torch.tensor(it + 1), torch.tensor(last),
+                      torch.tensor(hyst))
+
+
+class _PrecisionHandler(Handler):
+    def __init__(self, dtype: torch.dtype, loss_scale, opts: dict):
+        self.dtype, self.loss_scale, self.opts = dtype, loss_scale, opts
+        self.scale = 1.0  # the scale of the step running now
+        self.pending_overflow = False  # overflow seen in micro-batches whose update was deferred
+
+    def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
+        has_aux, scale, dtype = options.get("has_aux", False), self.scale, self.dtype
+
+        @functools.wraps(fn)
+        def low_precision(p, *a, **kw):
+            # Ops run in the low dtype (torch's autocast casts each op's inputs, the
+            # parameters included, as it uses them); the parameters stay fp32 masters.
+            device = next_device(p)
+            with torch.autocast(device_type=device, dtype=dtype):
+                out = fn(p, *a, **kw)
+            if scale == 1.0:
+                return out
+            if has_aux:
+                return out[0].float() * scale, out[1]
+            return out.float() * scale
+
+        value, grads = next(low_precision, params, args, kwargs, **options)
+        if scale != 1.0:
+            value = (value[0] / scale, value[1]) if has_aux else value / scale
+        return value, grads
+
+    def apply_gradients(self, state, grads, *, next):
+        if self.loss_scale is None:
+            return next(state, grads)
+        scale = self.scale
+        bad = torch.zeros((), dtype=torch.float32)
+        for g in tree.leaves(grads):
+            if isinstance(g, torch.Tensor):
+                bad = bad + (~torch.isfinite(g)).any().float().cpu()
+        overflow = bool(psum(bad) > 0)  # one collective under ZeRO: every rank agrees
+        unscaled = tree.map(lambda g: g / scale, grads) if scale != 1.0 else grads
+        # The update goes on even on overflow and is discarded below: an accumulation
+        # outside this transform must still count this micro-batch, and the verdict is
+        # for the whole update (every micro-batch of it), as DeepSpeed checks the
+        # accumulated gradient.
+        new = next(state, unscaled)
+        if new is state:  # deferred by an accumulation outside: remember, decide later
+            self.pending_overflow |= overflow
+            return new
+        overflow |= self.pending_overflow
+        self.pending_overflow = False
+        emit_metric("loss_scale", torch.tensor(scale))
+        emit_metric("skipped", torch.tensor(overflow))
+        extra = {}
+        if self.loss_scale == "dynamic":
+            extra["loss_scale"] = _update_scaler(state.extra["loss_scale"], overflow, **self.opts)
+        if overflow:
+            # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
+            # count) and the step counter stay as they were.
+            return state.replace(extra={**state.extra, **extra})
+        return new.replace(extra={**new.extra, **extra})
+
+
+def next_device(params) -> str:
+    for x in tree.leaves(params):
+        if isinstance(x, torch.Tensor):
+            return x.device.type
+    return "cpu"
+
+
+def mixed_precision(
+    step: Callable,
+    dtype: Literal["bf16", "fp16"] = "bf16",
+    loss_scale: Literal["dynamic"] | float | None = "dynamic",
+    *,
+    initial_scale_power: int = 16,
+    loss_scale_window: int = 1000,
+    hysteresis: int = 2,
+    consecutive_hysteresis: bool = False,
+    min_loss_scale: float = 1.0,
+) -> Step:
+    """Compute in bf16 or fp16 with fp32 master weights.
+
+    The parameters in the state stay fp32 (the masters the optimizer updates); the forward
+    and backward run under ``torch.autocast`` in ``dtype``, and gradients reach the fp32
+    parameters in fp32. With ``fp16`` the loss is multiplied by a scale first; the update
+    unscales, checks every gradient for inf/nan (agreed by all ranks under ZeRO) and, on
+    overflow, is skipped, as DeepSpeed's ``DynamicLossScaler`` with its defaults does
+    (initial scale 2^16, window 1000, hysteresis 2, minimum 1). ``bf16`` needs no scaler.
+
+    Args:
+        step: ``train_step(state, batch) -> (state, metrics)``.
+        dtype: ``"bf16"`` or ``"fp16"``.
+        loss_scale: ``"dynamic"`` (fp16 default), a fixed float, or ``None`` (bf16 default
+            is no scaling, whatever is passed: bf16 has fp32's range).
+        initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis,
+            min_loss_scale: DeepSpeed's ``fp16`` section, same names and defaults.
+
+    Returns:
+        A :class:`Step`; under fp16 its metrics carry ``loss_scale`` (the scale this
+        update's loss was multiplied by) and ``skipped``.
+
+    Raises:
+        ValueError: an unknown ``dtype`` or ``loss_scale``.
+        FloatingPointError: at call time, an overflow at the minimum scale.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"{WHERE}: dtype={dtype!r} must be 'bf16' or 'fp16'")
+    if dtype == "bf16":
+        loss_scale = None
+    elif not (loss_scale in ("dynamic", None) or isinstance(loss_scale, (int, float)) and loss_scale > 0):
+        raise ValueError(f"{WHERE}: loss_scale={loss_scale!r} must be 'dynamic', a positive number or None")
+    if loss_scale_window < 1 or hysteresis < 1 or min_loss_scale <= 0:
+        raise ValueError(f"{WHERE}: loss_scale_window, hysteresis and min_loss_scale must be positive")
+    inner = as_step(step)
+    opts = dict(window=loss_scale_window, hysteresis=hysteresis, consecutive=consecutive_hysteresis,
+                min_scale=float(min_loss_scale))
+    handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts)
+
+    def init(state):
+        state = inner.init(state)
+        if loss_scale == "dynamic" and "loss_scale" not in state.extra:
+            state = state.replace(extra={**state.extra,
+                                         "loss_scale": LossScaler.create(initial_scale_power, hysteresis)})
+        return state
+
+    def call(state, batch):
+        if loss_scale == "dynamic":
+            if "loss_scale" not in state.extra:
+                raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
+            handler.scale = float(state.extra["loss_scale"].scale)
+        else:
+            handler.scale = 1.0 if loss_scale is None else float(loss_scale)
+        # Collect what this step emits (loss_scale, skipped) into its own metrics, so the
+        # transform reports them used alone as well as under compile.
+        with collecting_metrics() as emitted, installed(handler):
+            state, metrics = inner(state, batch)
+        for k, v in emitted.items():
+            emit_metric(k, v)  # and pass them outwards for enclosing collectors
+        return state, {**metrics, **emitted}
+
+    return Step(call, init=init, name=f"mixed_precision({inner.__name__}, {dtype})", inner=inner)

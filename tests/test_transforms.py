@@ -1,0 +1,208 @@
+"""accumulate and mixed_precision in one process, and their compositions, against the
+plain step (fp32) or a plain step that casts the same way (bf16 / fp16)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fzero
+import fzero.testing as ft
+from fzero import optim
+from fzero.transforms.mixed_precision import LossScaler, _update_scaler
+
+TXS = {"sgd": lambda: optim.sgd(0.05, momentum=0.9), "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1)}
+
+
+def make(case, tx_name):
+    apply, params = fzero.functionalize(case.make())
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS[tx_name]())
+
+
+def train_step(state, batch):
+    def loss_fn(p):
+        return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def run(step, state, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return state, torch.stack(losses)
+
+
+@settings(max_examples=20, deadline=None)
+@given(ft.models(), st.integers(1, 4), st.integers(1, 3), st.sampled_from(sorted(TXS)))
+def test_accumulate_equals_the_full_batch_step(case, k, per_micro, tx_name):
+    batches = [case.batch(k * per_micro, i) for i in range(6)]
+    ref, ref_losses = run(train_step, make(case, tx_name), batches)
+    step = fzero.accumulate(train_step, micro_batches=k)
+    state, losses = run(step, step.init(make(case, tx_name)), batches)
+    ft.assert_trees_close(losses, ref_losses)
+    ft.assert_trees_close(state.params, ref.params)
+    assert int(state.step) == 6
+
+
+def test_accumulate_bad_batch_names_both_numbers():
+    step = fzero.accumulate(train_step, micro_batches=3)
+    case = ft.ModelCase((2, 2), "tanh", False, True, 0)
+    with pytest.raises(ValueError, match=r"leading size 4 \(at \['x'\]\) does not divide into 3 micro-batches"):
+        step(make(case, "sgd"), case.batch(4))
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        fzero.accumulate(train_step, micro_batches=0)
+
+
+def autocast_step(dtype):
+    def step(state, batch):
+        def loss_fn(p):
+            with torch.autocast("cpu", dtype=dtype):
+                return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    return step
+
+
+@settings(max_examples=10, deadline=None)
+@given(ft.models(), st.sampled_from(sorted(TXS)))
+def test_bf16_equals_a_plain_step_under_autocast(case, tx_name):
+    batches = [case.batch(6, i) for i in range(5)]
+    ref, ref_losses = run(autocast_step(torch.bfloat16), make(case, tx_name), batches)
+    step = fzero.mixed_precision(train_step, "bf16")
+    state, losses = run(step, step.init(make(case, tx_name)), batches)
+    ft.assert_trees_close(losses, ref_losses, rtol=0, atol=0)
+    ft.assert_trees_close(state.params, ref.params, rtol=0, atol=0)
+    for p in state.params.values():
+        assert p.dtype == torch.float32  # fp32 masters
+    # and within bf16's tolerance of the fp32 trajectory
+    _, fp32_losses = run(train_step, make(case, tx_name), batches)
+    ft.assert_trees_close(losses.float(), fp32_losses, rtol=5e-2, atol=5e-2)
+
+
+def scaled_fp16_step(scale):
+    def step(state, batch):
+        def loss_fn(p):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]).float() * scale
+
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        grads = fzero.tree.map(lambda g: g / scale, grads)
+        return state.apply_gradients(grads), {"loss": loss / scale}
+
+    return step
+
+
+def test_fp16_static_scale_equals_a_step_that_scales_the_same_way():
+    case = ft.ModelCase((3, 4, 2), "tanh", False, True, 1)
+    batches = [case.batch(4, i) for i in range(3)]
+    ref, ref_losses = run(scaled_fp16_step(128.0), make(case, "sgd"), batches)
+    step = fzero.mixed_precision(train_step, "fp16", loss_scale=128.0)
+    state, losses = run(step, step.init(make(case, "sgd")), batches)
+    ft.assert_trees_close(losses, ref_losses, rtol=0, atol=0)
+    ft.assert_trees_close(state.params, ref.params, rtol=0, atol=0)
+    _, m = step(state, batches[0])
+    assert float(m["loss_scale"]) == 128.0 and not bool(m["skipped"])
+
+
+def test_fp16_dynamic_scale_starts_at_2_16_and_skips_overflowing_updates():
+    case = ft.ModelCase((3, 4, 2), "tanh", False, True, 1)
+    step = fzero.mixed_precision(train_step, "fp16")
+    state = step.init(make(case, "sgd"))
+    assert float(state.extra["loss_scale"].scale) == 2.0 ** 16
+    _, m = step(state, case.batch(4, 0))
+    assert float(m["loss_scale"]) == 2.0 ** 16
+
+
+def test_fp16_overflow_skips_everything_and_hysteresis_then_halves():
+    case = ft.ModelCase((3, 2), "tanh", False, True, 2)
+    step = fzero.mixed_precision(train_step, "fp16")
+    state = step.init(make(case, "adamw"))
+    state, _ = step(state, case.batch(4, 0))  # one clean update
+    bad = case.batch(4, 1)
+    bad["y"][0, 0] = float("inf")
+    before = fzero.gather(state)
+    scales = []
+    for _ in range(3):
+        state, m = step(state, bad)
+        assert bool(m["skipped"])
+        scales.append(float(m["loss_scale"]))
+    # hysteresis 2: the first overflow only spends it; then the scale halves each time
+    assert scales == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15]
+    assert float(state.extra["loss_scale"].scale) == 2.0 ** 14
+    ft.assert_trees_close(state.params, before.params, rtol=0, atol=0)
+    ft.assert_trees_close(state.opt_state, before.opt_state, rtol=0, atol=0)
+    assert int(state.step) == 1
+
+
+def deepspeed_scaler(events, window, hysteresis, consecutive):
+    """DeepSpeed's DynamicLossScaler.update_scale, written from its published definition."""
+    scale, it, last, hyst, out = 2.0 ** 16, 0, -1, hysteresis, []
+    for overflow in events:
+        if overflow:
+            if hysteresis == 1 or hyst == 1:
+                scale = max(scale / 2, 1.0)
+            else:
+                hyst -= 1
+            last = it
+        else:
+            if consecutive:
+                hyst = hysteresis
+            if (it - last) % window == 0:
+                if not consecutive:
+                    hyst = hysteresis
+                scale *= 2
+        it += 1
+        out.append((scale, hyst))
+    return out
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.booleans(), max_size=60), st.integers(1, 5), st.integers(1, 3), st.booleans())
+def test_scaler_follows_deepspeed(events, window, hysteresis, consecutive):
+    s = LossScaler.create(16, hysteresis)
+    got = []
+    for e in events:
+        s = _update_scaler(s, e, window=window, hysteresis=hysteresis, consecutive=consecutive, min_scale=1.0)
+        got.append((float(s.scale), int(s.hysteresis)))
+    assert got == deepspeed_scaler(events, window, hysteresis, consecutive)
+
+
+def test_overflow_at_min_scale_is_an_error():
+    s = LossScaler(torch.tensor(1.0, dtype=torch.float64), torch.tensor(5), torch.tensor(4), torch.tensor(1))
+    with pytest.raises(FloatingPointError, match="minimum loss scale 1"):
+        _update_scaler(s, True, window=1000, hysteresis=2, consecutive=False, min_scale=1.0)
+
+
+ORDERS = list(itertools.permutations(["acc", "mp"]))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_compositions_in_any_order_agree(order, dtype):
+    case = ft.ModelCase((4, 6, 3), "gelu", True, True, 3)
+    batches = [case.batch(8, i) for i in range(4)]
+    results = []
+    for o in (order, order[::-1]):
+        step = train_step
+        for t in o:
+            step = fzero.accumulate(step, 2) if t == "acc" else fzero.mixed_precision(step, dtype)
+        state, losses = run(step, step.init(make(case, "adamw")), batches)
+        results.append((state.params, losses))
+    ft.assert_trees_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_compile_precision_and_accumulate_options():
+    case = ft.ModelCase((4, 6, 3), "tanh", False, True, 4)
+    batches = [case.batch(8, i) for i in range(3)]
+    step = fzero.compile(train_step, precision="fp16", accumulate=2, clip_norm=1.0)
+    state, _ = run(step, step.init(make(case, "adamw")), batches)
+    _, m = step(state, batches[0])
+    assert {"loss", "loss_scale", "skipped", "grad_norm"} <= set(m)
