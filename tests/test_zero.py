@@ -235,3 +235,65 @@ def test_a_collective_that_never_completes_times_out_with_its_name(ranks):
     msg = pool.run(_one_rank_walks_away)[0]
     pool.close()  # rank 0's process group saw a timed-out collective: start afresh next time
     assert msg is not None and "all_gather(batch sizes)" in msg and "rank 0" in msg and "3 s" in msg, msg
+
+
+# --------------------------------------------------------------------------- compositions
+
+
+def _autocast_step(dtype):
+    def step(state, batch):
+        def loss_fn(p):
+            with torch.autocast("cpu", dtype=dtype):
+                return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    return step
+
+
+def _composed(order, stage, k, precision, seed, steps=4, per_rank=4):
+    n, r = dist.get_world_size(), dist.get_rank()
+    model_args = (5, 8, 2, 3)
+
+    def make_model():
+        torch.manual_seed(seed)
+        return Blocks(*model_args)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [{"x": torch.randn(per_rank * n, 5, generator=g), "y": torch.randn(per_rank * n, 3, generator=g)}
+               for _ in range(steps)]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    ref_step = _train_step if precision == "fp32" else _autocast_step(dtypes[precision])
+    ref, ref_losses = _state(make_model, "adamw"), []
+    for b in batches:
+        ref, m = ref_step(ref, b)
+        ref_losses.append(m["loss"])
+    step = _train_step
+    for t in order:
+        if t == "shard":
+            step = fzero.shard_state(step, fzero.Mesh(dp=-1), stage)
+        elif t == "acc":
+            step = fzero.accumulate(step, k)
+        elif precision != "fp32":
+            # a fixed scale keeps the fp16 trajectory free of skipped updates, so it can be
+            # compared with the unscaled reference
+            step = fzero.mixed_precision(step, precision, loss_scale=64.0)
+    state, losses = step.init(_state(make_model, "adamw")), []
+    for b in batches:
+        state, m = step(state, _local(b, n, r))
+        losses.append(m["loss"])
+    tol = {"fp32": (1e-5, 1e-6), "bf16": (5e-2, 2e-2), "fp16": (1e-2, 2e-3)}[precision]
+    ft.assert_trees_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), rtol=tol[0], atol=tol[1],
+                          what=f"losses, order {order}")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, rtol=tol[0], atol=tol[1],
+                          what=f"params, order {order}")
+    return True
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=st.permutations(["shard", "acc", "mp"]), stage=st.sampled_from([0, 1, 2, 3]),
+       world=st.sampled_from([1, 2, 3]), k=st.sampled_from([1, 2, 4]),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]), seed=st.integers(0, 100))
+def test_compositions_in_any_order_equal_the_reference(ranks, order, stage, world, k, precision, seed):
+    ranks(world).run(_composed, tuple(order), stage, k, precision, seed)
