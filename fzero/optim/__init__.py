@@ -1,0 +1,80 @@
+"""Optax-style gradient transformations on torch tensors.
+
+An optimizer is a :class:`GradientTransformation`, a pair of pure functions
+``init(params) -> opt_state`` and ``update(grads, opt_state, params) -> (updates, opt_state)``;
+:func:`apply_updates` adds the updates to the parameters. Optimizers are chains of small
+transformations (``adamw`` is ``chain(scale_by_adam, add_decayed_weights,
+scale_by_learning_rate)``) and compose with :func:`chain`.
+
+Example:
+    >>> import torch
+    >>> from fzero import optim
+    >>> tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, weight_decay=0.1))
+    >>> params = {"w": torch.ones(3)}
+    >>> opt_state = tx.init(params)
+    >>> updates, opt_state = tx.update({"w": torch.ones(3)}, opt_state, params)
+    >>> params = optim.apply_updates(params, updates)
+    >>> params["w"]
+    tensor([0.9989, 0.9989, 0.9989])
+"""
+
+from fzero.optim import schedules
+from fzero.optim.alias import adam, adamw, lamb, lion, sgd
+from fzero.optim.base import (
+    EmptyState,
+    FusedSpec,
+    GradientTransformation,
+    apply_updates,
+    chain,
+    fused_spec_of,
+    identity,
+)
+from fzero.optim.clipping import clip_by_global_norm, global_norm
+from fzero.optim.transform import (
+    MaskedState,
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByScheduleState,
+    TraceState,
+    add_decayed_weights,
+    masked,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_schedule,
+    scale_by_trust_ratio,
+    trace,
+)
+
+__all__ = [
+    "EmptyState",
+    "FusedSpec",
+    "GradientTransformation",
+    "MaskedState",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "fused_spec_of",
+    "global_norm",
+    "identity",
+    "lamb",
+    "lion",
+    "masked",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_schedule",
+    "scale_by_trust_ratio",
+    "schedules",
+    "sgd",
+    "trace",
+]
