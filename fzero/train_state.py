@@ -24,8 +24,11 @@ class TrainState:
         opt_state: the optimizer state, ``tx.init(params)``.
         apply_fn: static; the model's pure apply function.
         tx: static; the ``fzero.optim`` gradient transformation.
-        extra: per-transform state that must be saved with the rest (e.g. the fp16 loss
-            scaler), keyed by transform; empty for a plain step.
+        extra: per-transform state that must be saved with the rest, keyed by name; empty
+            for a plain step. ``mixed_precision`` keeps ``"master"`` (the fp32 master
+            weights, a pytree like ``params``; the optimizer state is built over them, and
+            ``shard_state`` partitions them like optimizer state) and, for fp16,
+            ``"loss_scale"``.
 
     Example:
         >>> import torch, fzero
@@ -87,6 +90,16 @@ def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
     tree.assert_same_structure(
         state.params, grads, what="fzero.TrainState.apply_gradients", names=("state.params", "grads")
     )
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    params = optim.apply_updates(state.params, updates)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    master = state.extra.get("master")
+    if master is None:
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optim.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    # Mixed precision: the optimizer updates the fp32 masters; the parameters the model
+    # uses are their low-precision copies.
+    grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
+    updates, opt_state = state.tx.update(grads, state.opt_state, master)
+    master = optim.apply_updates(master, updates)
+    params = tree.map(lambda m, p: m.to(p.dtype), master, state.params)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         extra={**state.extra, "master": master})

@@ -59,11 +59,17 @@ def test_accumulate_bad_batch_names_both_numbers():
         fzero.accumulate(train_step, micro_batches=0)
 
 
+def lowp(p, dtype):
+    return fzero.tree.map(lambda x: x.to(dtype), p)
+
+
 def autocast_step(dtype):
+    """The reference mixed-precision step: fp32 params, cast to dtype where used."""
+
     def step(state, batch):
         def loss_fn(p):
             with torch.autocast("cpu", dtype=dtype):
-                return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+                return F.mse_loss(state.apply_fn(lowp(p, dtype), batch["x"]), batch["y"])
 
         loss, grads = fzero.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads), {"loss": loss}
@@ -79,9 +85,8 @@ def test_bf16_equals_a_plain_step_under_autocast(case, tx_name):
     step = fzero.mixed_precision(train_step, "bf16")
     state, losses = run(step, step.init(make(case, tx_name)), batches)
     ft.assert_trees_close(losses, ref_losses, rtol=0, atol=0)
-    ft.assert_trees_close(state.params, ref.params, rtol=0, atol=0)
-    for p in state.params.values():
-        assert p.dtype == torch.float32  # fp32 masters
+    ft.assert_trees_close(state.extra["master"], ref.params, rtol=0, atol=0)  # fp32 masters
+    ft.assert_trees_close(state.params, lowp(ref.params, torch.bfloat16), rtol=0, atol=0)
     # and within bf16's tolerance of the fp32 trajectory
     _, fp32_losses = run(train_step, make(case, tx_name), batches)
     ft.assert_trees_close(losses.float(), fp32_losses, rtol=5e-2, atol=5e-2)
@@ -91,7 +96,7 @@ def scaled_fp16_step(scale):
     def step(state, batch):
         def loss_fn(p):
             with torch.autocast("cpu", dtype=torch.float16):
-                return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]).float() * scale
+                return F.mse_loss(state.apply_fn(lowp(p, torch.float16), batch["x"]), batch["y"]).float() * scale
 
         loss, grads = fzero.value_and_grad(loss_fn)(state.params)
         grads = fzero.tree.map(lambda g: g / scale, grads)
@@ -107,7 +112,7 @@ def test_fp16_static_scale_equals_a_step_that_scales_the_same_way():
     step = fzero.mixed_precision(train_step, "fp16", loss_scale=128.0)
     state, losses = run(step, step.init(make(case, "sgd")), batches)
     ft.assert_trees_close(losses, ref_losses, rtol=0, atol=0)
-    ft.assert_trees_close(state.params, ref.params, rtol=0, atol=0)
+    ft.assert_trees_close(state.extra["master"], ref.params, rtol=0, atol=0)
     _, m = step(state, batches[0])
     assert float(m["loss_scale"]) == 128.0 and not bool(m["skipped"])
 
@@ -129,6 +134,7 @@ def test_fp16_overflow_skips_everything_and_hysteresis_then_halves():
     bad = case.batch(4, 1)
     bad["y"][0, 0] = float("inf")
     before = fzero.gather(state)
+    assert all(p.dtype == torch.float16 for p in state.params.values())
     scales = []
     for _ in range(3):
         state, m = step(state, bad)

@@ -160,7 +160,8 @@ class Layout:
     where: dict[str, tuple[int, int]]  # name -> (group index, position in group)
 
     def flatten_full(self, params: dict[str, torch.Tensor], g: Group) -> torch.Tensor:
-        flat = torch.zeros(g.padded, dtype=g.dtype, device=g.device)
+        dtype = params[g.names[0]].dtype  # the group's own dtype, or its masters' (fp32)
+        flat = torch.zeros(g.padded, dtype=dtype, device=g.device)
         for name, o, s in zip(g.names, g.offsets, g.shapes):
             flat[o: o + math.prod(s)] = params[name].detach().reshape(-1)
         return flat

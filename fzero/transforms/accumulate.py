@@ -27,7 +27,10 @@ class _AccumulateHandler(Handler):
 
     def apply_gradients(self, state, grads, *, next):
         self.seen += 1
-        scaled = tree.map(lambda g: g / self.k, grads)
+        # Low-precision gradients are summed in fp32 (k bf16 additions lose bits fast), so
+        # the sum is the same whether a precision transform unscales before or after it.
+        scaled = tree.map(lambda g: (g.float() if g.dtype in (torch.bfloat16, torch.float16) else g) / self.k,
+                          grads)
         # Whatever the gradients are (full tensors, or this rank's ZeRO pieces), the sum
         # has their structure: the accumulator is as partitioned as they are.
         self.total = scaled if self.total is None else tree.map(torch.add, self.total, scaled)

@@ -106,7 +106,8 @@ class _PrecisionHandler(Handler):
             if isinstance(g, torch.Tensor):
                 bad = bad + (~torch.isfinite(g)).any().float().cpu()
         overflow = bool(psum(bad) > 0)  # one collective under ZeRO: every rank agrees
-        unscaled = tree.map(lambda g: g / scale, grads) if scale != 1.0 else grads
+        # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
+        unscaled = tree.map(lambda g: g.float() / scale, grads) if scale != 1.0 else grads
         # The update goes on even on overflow and is discarded below: an accumulation
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
@@ -149,9 +150,11 @@ def mixed_precision(
 ) -> Step:
     """Compute in bf16 or fp16 with fp32 master weights.
 
-    The parameters in the state stay fp32 (the masters the optimizer updates); the forward
-    and backward run under ``torch.autocast`` in ``dtype``, and gradients reach the fp32
-    parameters in fp32. With ``fp16`` the loss is multiplied by a scale first; the update
+    ``init`` keeps fp32 master weights in ``state.extra["master"]`` (the optimizer state is
+    built over them) and makes ``state.params`` their ``dtype`` copies, which the model
+    computes with (under ``torch.autocast``, so ops torch keeps in fp32 still run in fp32)
+    and which ZeRO-3 gathers (half the bytes). Gradients come out in ``dtype``; the update
+    runs on the fp32 masters and writes the new low-precision copies. With ``fp16`` the loss is multiplied by a scale first; the update
     unscales, checks every gradient for inf/nan (agreed by all ranks under ZeRO) and, on
     overflow, is skipped, as DeepSpeed's ``DynamicLossScaler`` with its defaults does
     (initial scale 2^16, window 1000, hysteresis 2, minimum 1). ``bf16`` needs no scaler.
@@ -186,11 +189,18 @@ def mixed_precision(
     handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts)
 
     def init(state):
-        state = inner.init(state)
+        # Before the inner transforms' init (pre-order), so that a shard_state inside or
+        # outside this transform finds the masters and partitions them.
+        if "master" not in state.extra:
+            low = DTYPES[dtype]
+            master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, state.params)
+            params = tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master)
+            state = state.replace(params=params, opt_state=state.tx.init(master),
+                                  extra={**state.extra, "master": master})
         if loss_scale == "dynamic" and "loss_scale" not in state.extra:
             state = state.replace(extra={**state.extra,
                                          "loss_scale": LossScaler.create(initial_scale_power, hysteresis)})
-        return state
+        return inner.init(state)
 
     def call(state, batch):
         if loss_scale == "dynamic":

@@ -67,12 +67,13 @@ class _ReduceSink:
         gi, pos = self.leaf_groups[i]
         group = self.h.layout.groups[gi]
         if pos < 0:  # stage 3: the gradient of a whole group's flat buffer
-            self.buffers[gi] = g
+            self.buffers[gi] = g.to(self.h.reduce_dtype(g.dtype))
             self.missing[gi].clear()
         else:
             buf = self.buffers.get(gi)
             if buf is None:
-                buf = self.buffers[gi] = torch.zeros(group.padded, dtype=g.dtype, device=g.device)
+                buf = self.buffers[gi] = torch.zeros(group.padded, dtype=self.h.reduce_dtype(g.dtype),
+                                                     device=g.device)
             o = group.offsets[pos]
             buf[o: o + g.numel()].copy_(g.reshape(-1))
             self.missing[gi].discard(pos)
@@ -90,7 +91,7 @@ class _ReduceSink:
         h, group = self.h, self.h.layout.groups[gi]
         buf = self.buffers.pop(gi, None)
         if buf is None:  # no parameter of this group reached the loss
-            buf = torch.zeros(group.padded, dtype=group.dtype, device=group.device)
+            buf = torch.zeros(group.padded, dtype=h.reduce_dtype(group.dtype), device=group.device)
         if h.world == 1:
             self.results[gi] = buf if h.stage < 2 else buf[: group.chunk]
             return
@@ -157,10 +158,15 @@ class _ShardHandler(Handler):
                                    bucket_bytes=self.bucket_bytes)
         if self.stage == 0:
             return state
+        # fp32 master weights (mixed precision) count as optimizer state: partitioned from
+        # stage 1 on, and the optimizer state is built over them.
+        extra = dict(state.extra)
+        if "master" in extra:
+            extra["master"] = self.layout.shard_params(extra["master"], self.group)
         if self.stage in (1, 2):
             full = self._regroup(params)
-            opt_state = state.tx.init(self.layout.piece_views(full, self.group))
-            return state.replace(params=full, opt_state=opt_state)
+            target = extra.get("master", None) or self.layout.piece_views(full, self.group)
+            return state.replace(params=full, opt_state=state.tx.init(target), extra=extra)
         # Stage 3: the state keeps only this rank's pieces; the module lets its own
         # parameters go, so nothing holds the full set.
         shards = self.layout.shard_params(params, self.group)
@@ -170,7 +176,8 @@ class _ShardHandler(Handler):
             self.units = [(by_module[id(m)], self.layout.where[names[0]][0])
                           for m, names in zip(self._unit_modules, unit_names)]
         self._full = [self._empty_full(g) for g in self.layout.groups]
-        return state.replace(params=shards, opt_state=state.tx.init(shards))
+        target = extra.get("master", None) or shards
+        return state.replace(params=shards, opt_state=state.tx.init(target), extra=extra)
 
     def _check_replicated(self, params: dict) -> None:
         if self.world == 1:
@@ -234,6 +241,11 @@ class _ShardHandler(Handler):
 
     # ---------------------------------------------------------------- primitives
 
+    @staticmethod
+    def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+        """Gradients are summed in fp32 whatever their dtype (bf16 sums lose bits fast)."""
+        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
             value = value.clone()
@@ -268,6 +280,8 @@ class _ShardHandler(Handler):
         out = {}
         for g in self.layout.groups:
             r = results[g.index]
+            if r.dtype != g.dtype:  # reduced in fp32, kept in the parameters' dtype
+                r = r.to(g.dtype)
             if self.stage == 0:
                 for name, v in zip(g.names, g.views(r)):
                     out[name] = v
