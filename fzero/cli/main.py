@@ -1,0 +1,60 @@
+"""``fzero``: the console entry point (``[project.scripts] fzero = "fzero.cli.main:main"``).
+
+Subcommands::
+
+    fzero launch --nproc 4 train.py [script args]     # torchrun underneath
+    fzero estimate --params 1.3B --world-size 8       # per-rank memory per ZeRO stage
+    fzero checkpoint inspect|verify|export PATH       # not supported yet
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fzero.cli import estimate, launch
+
+__all__ = ["build_parser", "main"]
+
+CHECKPOINT_ACTIONS = ("inspect", "verify", "export")
+
+
+def _checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    parser.exit(2, f"{parser.prog}: error: 'fzero checkpoint {args.action}' is not supported yet; "
+                   f"use fzero.checkpoint from Python meanwhile\n")
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fzero",
+        description="fzero: JAX-style functional training on torch.func.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (launch, estimate):
+        p = module.add_parser(sub)
+        p.set_defaults(_parser=p)  # so errors are reported under "fzero SUBCOMMAND"
+    ck = sub.add_parser("checkpoint", help="inspect, verify or export a saved checkpoint (not supported yet)",
+                        description="Inspect, verify or export a saved checkpoint (not supported yet).")
+    ck.add_argument("action", choices=CHECKPOINT_ACTIONS)
+    ck.add_argument("path", metavar="PATH")
+    ck.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    ck.set_defaults(func=_checkpoint, _parser=ck)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``fzero`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    Usage errors exit with code 2 and a message ``fzero SUBCOMMAND: error: ...``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.func(args, args._parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

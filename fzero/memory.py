@@ -1,0 +1,106 @@
+"""Per-rank memory of the model states under ZeRO: the formula of the ZeRO paper.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(SC'20), section 3.1 / figure 1: with Ψ parameters, N data-parallel ranks and K bytes of
+optimizer state per parameter, a rank holds
+
+=====  =========================  ==============================
+stage  fp32 Adam (K = 8)          mixed precision Adam (K = 12)
+=====  =========================  ==============================
+0      4Ψ + 4Ψ + 8Ψ   = 16Ψ       2Ψ + 2Ψ + 12Ψ    = 16Ψ
+1      4Ψ + 4Ψ + 8Ψ/N             2Ψ + 2Ψ + 12Ψ/N
+2      4Ψ + (4Ψ + 8Ψ)/N           2Ψ + (2Ψ + 12Ψ)/N
+3      (4Ψ + 4Ψ + 8Ψ)/N           (2Ψ + 2Ψ + 12Ψ)/N
+=====  =========================  ==============================
+
+(parameters + gradients + optimizer state). Under mixed precision the optimizer state
+includes the fp32 master weights (4 bytes) beside the fp32 Adam moments (2 x 4 bytes).
+Activations, temporary buffers (gathered ZeRO-3 parameters, communication buckets) and
+allocator fragmentation are not model states and are not counted.
+
+A partitioned flat buffer is padded to a multiple of N, so a rank's shard is
+``ceil(Ψ / N)`` elements.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["model_state_bytes", "coefficients", "OPTIMIZER_STATES", "PRECISIONS"]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+# fp32 state tensors per parameter that each optimizer keeps.
+OPTIMIZER_STATES = {
+    "adam": 2,  # exp_avg, exp_avg_sq
+    "adamw": 2,
+    "lamb": 2,
+    "lion": 1,  # momentum
+    "sgd-momentum": 1,  # momentum buffer
+    "sgd": 0,
+}
+# Bytes of the parameters (and gradients) a step computes with.
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def model_state_bytes(
+    num_params: int,
+    *,
+    world_size: int,
+    stage: int,
+    precision: Precision = "fp32",
+    optimizer: str = "adam",
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that one rank holds.
+
+    Args:
+        num_params: Ψ, the number of (trainable) parameters.
+        world_size: N, the number of data-parallel ranks the states are partitioned over.
+        stage: ZeRO stage: 0 replicates everything, 1 partitions the optimizer state,
+            2 also the gradients, 3 also the parameters.
+        precision: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` mixed precision (2-byte
+            parameters and gradients, fp32 master weights counted as optimizer state).
+        optimizer: ``adam``, ``adamw``, ``lamb`` (2 fp32 states per parameter), ``lion``,
+            ``sgd-momentum`` (1) or ``sgd`` (0).
+
+    Returns:
+        ``{"params": ..., "grads": ..., "optimizer": ..., "total": ...}`` in bytes.
+
+    Raises:
+        ValueError: an argument out of range; the message names it.
+
+    Example:
+        >>> model_state_bytes(1_000_000, world_size=8, stage=2, precision="bf16")
+        {'params': 2000000, 'grads': 250000, 'optimizer': 1500000, 'total': 3750000}
+    """
+    name = "model_state_bytes"
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
+        raise ValueError(f"{name}: num_params must be a positive int, got {num_params!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{name}: world_size must be a positive int, got {world_size!r}")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"{name}: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name}: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    opt = str(optimizer).lower().replace("_", "-")
+    if opt not in OPTIMIZER_STATES:
+        raise ValueError(f"{name}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+
+    p = g = PRECISIONS[precision]
+    k = 4 * OPTIMIZER_STATES[opt] + (4 if precision != "fp32" else 0)  # + fp32 master weights
+    shard = -(-num_params // world_size)  # ceil: the flat buffer is padded to a multiple of N
+    params = p * (shard if stage >= 3 else num_params)
+    grads = g * (shard if stage >= 2 else num_params)
+    optim = k * (shard if stage >= 1 else num_params)
+    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam") -> tuple[int, int]:
+    """``(a, b)`` such that the per-rank bytes are ``aΨ + bΨ/N`` (before padding)."""
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"coefficients: stage must be 0, 1, 2 or 3, got {stage!r}")
+    one = model_state_bytes(1, world_size=1, stage=0, precision=precision, optimizer=optimizer)
+    parts = [("params", 3), ("grads", 2), ("optimizer", 1)]
+    a = sum(one[k] for k, s in parts if stage < s)
+    b = sum(one[k] for k, s in parts if stage >= s)
+    return a, b

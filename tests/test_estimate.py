@@ -1,0 +1,144 @@
+"""``fzero.memory.model_state_bytes`` against the ZeRO paper's figures, and ``fzero estimate``."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from fzero.cli.estimate import format_bytes, parse_count
+from fzero.cli.main import main
+from fzero.memory import coefficients, model_state_bytes
+
+PSI = 1_000_000
+
+# Rajbhandari et al. 2020, figure 1 / section 5: per-rank bytes of (params, grads, optimizer
+# state) as (coefficient of Ψ, coefficient of Ψ/N); K = 12 under mixed precision (fp32
+# master weights + two Adam moments), K = 8 for fp32 Adam.
+PAPER = {
+    "fp32": {0: ((4, 0), (4, 0), (8, 0)), 1: ((4, 0), (4, 0), (0, 8)),
+             2: ((4, 0), (0, 4), (0, 8)), 3: ((0, 4), (0, 4), (0, 8))},
+    "mixed": {0: ((2, 0), (2, 0), (12, 0)), 1: ((2, 0), (2, 0), (0, 12)),
+              2: ((2, 0), (0, 2), (0, 12)), 3: ((0, 2), (0, 2), (0, 12))},
+}
+TOTALS = {  # the headline figures, written as the paper writes them
+    "fp32": ["16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"],
+    "mixed": ["16Ψ", "4Ψ + 12Ψ/N", "2Ψ + 14Ψ/N", "16Ψ/N"],
+}
+
+
+def _paper(coef, n, *, padded):
+    a, b = coef
+    shard = -(-PSI // n) if padded else Fraction(PSI, n)
+    return a * PSI + b * shard
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_matches_zero_paper(precision, stage, n):
+    table = PAPER["fp32" if precision == "fp32" else "mixed"][stage]
+    got = model_state_bytes(PSI, world_size=n, stage=stage, precision=precision)
+    for part, coef in zip(("params", "grads", "optimizer"), table):
+        assert got[part] == _paper(coef, n, padded=True), part
+        # padding to a multiple of N adds less than one element per partitioned buffer
+        extra = got[part] - _paper(coef, n, padded=False)
+        assert extra == 0 or 0 < extra < coef[1]
+    assert got["total"] == got["params"] + got["grads"] + got["optimizer"]
+    if PSI % n == 0:  # no padding: the paper's figure exactly
+        a, b = coefficients(stage=stage, precision=precision)
+        assert got["total"] == a * PSI + b * PSI // n
+        assert f"{a}Ψ + {b}Ψ/N".replace("0Ψ + ", "").replace(" + 0Ψ/N", "") == TOTALS[
+            "fp32" if precision == "fp32" else "mixed"][stage]
+
+
+@pytest.mark.parametrize("optimizer, states", [("adam", 2), ("adamw", 2), ("lamb", 2), ("lion", 1),
+                                               ("sgd-momentum", 1), ("sgd_momentum", 1), ("sgd", 0)])
+def test_optimizer_state_counts(optimizer, states):
+    fp32 = model_state_bytes(PSI, world_size=1, stage=0, optimizer=optimizer)
+    assert fp32["optimizer"] == 4 * states * PSI
+    mixed = model_state_bytes(PSI, world_size=4, stage=1, precision="bf16", optimizer=optimizer)
+    assert mixed["optimizer"] == (4 * states + 4) * PSI // 4  # + fp32 master weights
+
+
+def test_padding():
+    # 10 parameters over 4 ranks: each shard is padded to 3 elements
+    got = model_state_bytes(10, world_size=4, stage=3)
+    assert got == {"params": 12, "grads": 12, "optimizer": 24, "total": 48}
+    assert model_state_bytes(10, world_size=4, stage=0)["total"] == 160
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_params=0, world_size=1, stage=0), "num_params"),
+    (dict(num_params=10, world_size=0, stage=0), "world_size"),
+    (dict(num_params=10, world_size=1, stage=5), "stage"),
+    (dict(num_params=10, world_size=1, stage=1, precision="fp8"), "precision"),
+    (dict(num_params=10, world_size=1, stage=1, optimizer="adagrad"), "optimizer"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"model_state_bytes: {name}"):
+        model_state_bytes(kwargs.pop("num_params"), **kwargs)
+
+
+def test_parse_count():
+    assert parse_count("1.3B") == 1_300_000_000
+    assert parse_count("125M") == parse_count("125m") == 125_000_000
+    assert parse_count("7e9") == parse_count("7G") == 7_000_000_000
+    assert parse_count("350K") == 350_000 and parse_count("2T") == 2 * 10**12
+    assert parse_count("12345") == 12345 and parse_count("1_000") == 1000
+    for bad, msg in [("1.3X", "not a parameter count"), ("B", "not a parameter count"),
+                     ("1.5", "whole number"), ("0", "positive"), ("-1M", "positive"), ("inf", "whole number")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_count(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(2**30) == "1.00 GiB"
+    assert format_bytes(3 * 2**20 // 2) == "1.50 MiB"
+    assert format_bytes(1000) == "1000 B"
+
+
+def test_cli_table(capsys):
+    assert main(["estimate", "--params", "1.3B", "--world-size", "8", "--stage", "2", "--precision", "bf16",
+                 "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    b = model_state_bytes(1_300_000_000, world_size=8, stage=2, precision="bf16", optimizer="adamw")
+    row = next(line for line in out.splitlines() if line.strip().startswith("2 "))
+    for part in ("params", "grads", "optimizer", "total"):
+        assert format_bytes(b[part]) in row
+    assert "4.54 GiB" in row and "2Ψ + 14Ψ/N" in row
+    assert "activations" in out.lower() and "not counted" in out.lower()
+    assert "1,300,000,000" in out and "N = 8" in out
+    assert not any(line.strip().startswith(("0 ", "1 ", "3 ")) for line in out.splitlines())
+
+
+def test_cli_all_stages_in_bytes(capsys):
+    assert main(["estimate", "--params", "1M", "-N", "8", "--bytes"]) == 0
+    out = capsys.readouterr().out
+    rows = [r for r in map(str.split, out.splitlines()) if len(r) >= 6 and r[0] in {"0", "1", "2", "3"}]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    totals = [int(r[4].replace(",", "")) for r in rows]
+    assert totals == [16 * PSI, 8 * PSI + PSI, 4 * PSI + 12 * PSI // 8, 2 * PSI]
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--params", "1.3X"], "argument --params"),
+    (["--params", "1M", "--stage", "5"], "argument --stage"),
+    (["--params", "1M", "--world-size", "0"], "argument --world-size"),
+    (["--params", "1M", "--precision", "fp8"], "argument --precision"),
+    (["--params", "1M", "--optimizer", "adagrad"], "argument --optimizer"),
+    (["--world-size", "8"], "--params"),
+])
+def test_cli_bad_input(capsys, argv, name):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "fzero estimate: error:" in err and name in err
+
+
+def test_checkpoint_command_not_supported_yet(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["checkpoint", "verify", "ckpt/step_1"])
+    assert e.value.code == 2
+    assert "not supported yet" in capsys.readouterr().err
