@@ -7,6 +7,7 @@ into a partitioned, communicating, mixed-precision step. See README.md and docs/
 from fzero import tree
 from fzero import optim
 from fzero._compile import compile
+from fzero.config import Config
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, remat, value_and_grad
 from fzero.train_state import TrainState
@@ -15,6 +16,7 @@ from fzero.transforms import Step, accumulate, mixed_precision, pipeline, shard_
 __version__ = "0.1.0"
 
 __all__ = [
+    "Config",
     "Mesh",
     "Step",
     "TrainState",

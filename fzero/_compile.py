@@ -78,7 +78,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     Args:
         train_step: a pure single-device ``train_step(state, batch) -> (state, metrics)``.
         mesh: the :class:`fzero.Mesh` to run on (default: ``Mesh(dp=-1)``).
-        config: a DeepSpeed-format config (not supported yet).
+        config: a DeepSpeed-format config: a dict, a path to a JSON file, or an
+            :class:`fzero.Config` (see docs/config.md). Its options join the keywords (a
+            keyword that contradicts it is an error); its optimizer and scheduler sections
+            replace the state's optimizer at ``step.init``.
         zero: ZeRO stage 0-3 over the mesh's ``dp`` axis (``fzero.shard_state``); on a
             mesh of more than one rank, stage 0 is plain data parallelism (DDP).
         bucket_size: bytes per gradient bucket (default 25 MiB).
@@ -113,10 +116,19 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         >>> sorted(metrics)
         ['grad_norm', 'loss']
     """
-    if config is not None:
-        raise NotImplementedError("fzero.compile: config= (DeepSpeed JSON configs) is not supported yet")
-    opts = _check_options(options)
     mesh = mesh if mesh is not None else Mesh(dp=-1)
+    cfg = None
+    if config is not None:
+        from fzero.config import Config
+
+        cfg = Config.load(config, world_size=mesh.size("dp"))
+        from_config = cfg.compile_options()
+        for key, value in options.items():
+            if key in from_config and from_config[key] != value:
+                raise ValueError(f"fzero.compile: option {key}={value!r} contradicts the config's "
+                                 f"{key}={from_config[key]!r}; set it in one place")
+        options = {**from_config, **options}
+    opts = _check_options(options)
     if mesh.size("pp") > 1 or mesh.size("tp") > 1:
         raise NotImplementedError(f"fzero.compile: {mesh} has pp or tp axes; pipeline and tensor "
                                   "parallelism are not supported yet")
@@ -140,6 +152,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     def init(state):
         if not isinstance(state, TrainState):
             raise TypeError(f"fzero.compile: step.init expects an fzero.TrainState, got {type(state).__name__}")
+        if cfg is not None:
+            # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
+            state = cfg.install(state)
         return inner.init(state)
 
     def call(state, batch):
@@ -156,4 +171,5 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     step = Step(call, init=init, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
     step.mesh = mesh
     step.options = opts
+    step.config = cfg
     return step

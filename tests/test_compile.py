@@ -90,8 +90,6 @@ def test_bad_option_values():
         fzero.compile(train_step, precision="fp8")
     with pytest.raises(ValueError, match="clip_norm=-1"):
         fzero.compile(train_step, clip_norm=-1)
-    with pytest.raises(NotImplementedError, match="config="):
-        fzero.compile(train_step, config={"train_batch_size": 8})
 
 
 def test_step_output_and_init_checked():
