@@ -92,14 +92,25 @@ def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
     )
     master = state.extra.get("master")
     if master is None:
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
+        params, opt_state = _update(state.tx, grads, state.opt_state, state.params)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     # Mixed precision: the optimizer updates the fp32 masters; the parameters the model
     # uses are their low-precision copies.
     grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
-    updates, opt_state = state.tx.update(grads, state.opt_state, master)
-    master = optim.apply_updates(master, updates)
+    master, opt_state = _update(state.tx, grads, state.opt_state, master)
     params = tree.map(lambda m, p: m.to(p.dtype), master, state.params)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                          extra={**state.extra, "master": master})
+
+
+def _update(tx, grads, opt_state, params):
+    """One optimizer update: the fused kernels where they apply (see fzero.optim.fused),
+    else the transformation chain."""
+    from fzero import optim
+    from fzero.optim.fused import fused_update
+
+    fused = fused_update(tx, grads, opt_state, params)
+    if fused is not None:
+        return fused
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optim.apply_updates(params, updates), opt_state

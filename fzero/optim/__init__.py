@@ -30,6 +30,7 @@ from fzero.optim.base import (
     identity,
 )
 from fzero.optim.clipping import clip_by_global_norm, global_norm
+from fzero.optim.fused import use_fused
 from fzero.optim.transform import (
     MaskedState,
     ScaleByAdamState,
@@ -48,6 +49,7 @@ from fzero.optim.transform import (
 )
 
 __all__ = [
+    "use_fused",
     "EmptyState",
     "FusedSpec",
     "GradientTransformation",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from fzero import tree
@@ -478,6 +479,13 @@ class MaskedState(NamedTuple):
 def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
     """One bool per leaf of ``params``, from a pytree of bools or a callable returning one."""
     m = mask(params) if callable(mask) else mask
+    if tree.structure(m) != tree.structure(params):
+        # A mask may be a prefix of the params' tree (as in JAX): one bool for a whole
+        # subtree -- e.g. for each leaf that ZeRO has wrapped as a shard of this rank.
+        try:
+            m = optree.tree_broadcast_prefix(m, params, namespace=tree.NAMESPACE)
+        except ValueError:
+            _check_same(where, params, m, ("params", "mask"))
     m_paths, m_leaves, m_spec = tree.flatten_with_path(m)
     if m_spec != tree.structure(params):
         _check_same(where, params, m, ("params", "mask"))
