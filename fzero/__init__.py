@@ -5,7 +5,7 @@ into a partitioned, communicating, mixed-precision step. See README.md and docs/
 """
 
 from fzero import tree
-from fzero import optim
+from fzero import checkpoint, optim
 from fzero._compile import compile
 from fzero.config import Config
 from fzero.distributed import Mesh, gather
@@ -21,6 +21,7 @@ __all__ = [
     "Step",
     "TrainState",
     "accumulate",
+    "checkpoint",
     "compile",
     "functionalize",
     "gather",

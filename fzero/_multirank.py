@@ -317,6 +317,12 @@ class RankPool:
             self.starts += 1
             self.start_s = time.monotonic() - t0
 
+    def restart(self) -> None:
+        """Stop the ranks now; the next :meth:`run` starts a fresh world (e.g. after a job
+        left a collective half done on some rank)."""
+        with self._lock:
+            self._stop(graceful=False)
+
     def close(self) -> None:
         """Stop the ranks for good (gracefully, then by force)."""
         with self._lock:

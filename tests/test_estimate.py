@@ -137,8 +137,7 @@ def test_cli_bad_input(capsys, argv, name):
     assert "fzero estimate: error:" in err and name in err
 
 
-def test_checkpoint_command_not_supported_yet(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["checkpoint", "verify", "ckpt/step_1"])
-    assert e.value.code == 2
-    assert "not supported yet" in capsys.readouterr().err
+def test_checkpoint_command_on_a_missing_path_names_it(capsys, tmp_path):
+    missing = str(tmp_path / "no_such_checkpoint")
+    assert main(["checkpoint", "verify", missing]) == 2
+    assert "no such file or directory" in capsys.readouterr().err

@@ -252,7 +252,7 @@ def _one_rank_walks_away():
 def test_a_collective_that_never_completes_times_out_with_its_name(ranks):
     pool = ranks(2)
     msg = pool.run(_one_rank_walks_away)[0]
-    pool.close()  # rank 0's process group saw a timed-out collective: start afresh next time
+    pool.restart()  # rank 0's process group saw a timed-out collective: start afresh next time
     assert msg is not None and "all_gather(batch sizes)" in msg and "rank 0" in msg and "3 s" in msg, msg
 
 

@@ -4,7 +4,7 @@ Subcommands::
 
     fzero launch --nproc 4 train.py [script args]     # torchrun underneath
     fzero estimate --params 1.3B --world-size 8       # per-rank memory per ZeRO stage
-    fzero checkpoint inspect|verify|export PATH       # not supported yet
+    fzero checkpoint inspect|verify|export PATH [OUT] # over saved checkpoints
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from fzero.cli import estimate, launch
 
 __all__ = ["build_parser", "main"]
 
-CHECKPOINT_ACTIONS = ("inspect", "verify", "export")
-
 
 def _checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    parser.exit(2, f"{parser.prog}: error: 'fzero checkpoint {args.action}' is not supported yet; "
-                   f"use fzero.checkpoint from Python meanwhile\n")
-    return 2
+    from fzero.checkpoint.cli import run
+
+    return run(args, parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,11 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (launch, estimate):
         p = module.add_parser(sub)
         p.set_defaults(_parser=p)  # so errors are reported under "fzero SUBCOMMAND"
-    ck = sub.add_parser("checkpoint", help="inspect, verify or export a saved checkpoint (not supported yet)",
-                        description="Inspect, verify or export a saved checkpoint (not supported yet).")
-    ck.add_argument("action", choices=CHECKPOINT_ACTIONS)
-    ck.add_argument("path", metavar="PATH")
-    ck.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    from fzero.checkpoint.cli import add_arguments
+
+    ck = sub.add_parser("checkpoint", help="inspect, verify or export a saved checkpoint",
+                        description="Inspect, verify or export a saved checkpoint. verify exits 0 only "
+                                    "on an intact checkpoint.")
+    add_arguments(ck)
     ck.set_defaults(func=_checkpoint, _parser=ck)
     return parser
 

@@ -1,0 +1,86 @@
+"""The few collectives a save or a load needs, on a gloo group of the checkpoint's own.
+
+A separate group (created once per process, on the first save or load, by every rank) lets
+an asynchronous save talk to the other ranks from its background thread while training
+runs collectives on the default group: collectives on one group must be issued in the
+same order on every rank, which two threads sharing a group cannot promise. gloo also
+keeps the checkpoint's small messages on the CPU when training uses NCCL.
+
+Messages are JSON bytes in uint8 tensors: no pickle (``broadcast_object_list`` pickles).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fzero.distributed import comm
+from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
+
+__all__ = ["World", "world"]
+
+_LOCK = threading.Lock()
+_GROUPS: list[tuple[Any, Any]] = []  # (default group object, its checkpoint group)
+
+
+class World:
+    """This process's place in the checkpoint's world: ``size``, ``rank``, and ``group``
+    (``None`` for a world of one)."""
+
+    def __init__(self, size: int, rank: int, group, timeout_s: float, where: str):
+        self.size, self.rank, self.group, self.timeout_s, self.where = size, rank, group, timeout_s, where
+
+    def all_gather_json(self, name: str, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        if self.group is None:
+            return [json.loads(data)]
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
+        comm.run(f"all_gather({name} lengths)", lambda: dist.all_gather(lengths, n, group=self.group, async_op=True),
+                 timeout_s=self.timeout_s, where=self.where)
+        sizes = [int(x) for x in lengths]
+        width = max(sizes)
+        send = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            send[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        recv = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        comm.run(f"all_gather({name})", lambda: dist.all_gather(recv, send, group=self.group, async_op=True),
+                 timeout_s=self.timeout_s, where=self.where)
+        return [json.loads(t.numpy().tobytes()[:k]) for t, k in zip(recv, sizes)]
+
+    def broadcast_json(self, name: str, obj: Any = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        data = json.dumps(obj, separators=(",", ":")).encode() if self.rank == src else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        comm.run(f"broadcast({name} length)", lambda: dist.broadcast(n, src, group=self.group, async_op=True),
+                 timeout_s=self.timeout_s, where=self.where)
+        buf = torch.zeros(int(n), dtype=torch.uint8)
+        if self.rank == src and data:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        comm.run(f"broadcast({name})", lambda: dist.broadcast(buf, src, group=self.group, async_op=True),
+                 timeout_s=self.timeout_s, where=self.where)
+        return json.loads(buf.numpy().tobytes())
+
+
+def world(where: str, timeout_s: float | None = None) -> World:
+    """The checkpoint world of this process: every rank of the default process group."""
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return World(1, 0, None, timeout, where)
+    default = dist.group.WORLD
+    with _LOCK:
+        group = next((g for d, g in _GROUPS if d is default), None)
+        if group is None:
+            # Every rank reaches its first save/load at the same point of the program, so
+            # every rank creates this group in the same order relative to other groups.
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+            _GROUPS[:] = [(d, g) for d, g in _GROUPS if dist.is_initialized()] + [(default, group)]
+    return World(dist.get_world_size(), dist.get_rank(), group, timeout, where)

@@ -1,0 +1,411 @@
+"""``load``: any checkpoint onto the current mesh, at any world size and ZeRO stage.
+
+Resharding is interval overlap. Every tensor leaf is, on disk, a set of pieces: elements
+``[start, stop)`` of the flattened leaf, each in some rank's file (a replicated leaf is one
+piece ``[0, numel)``). A target leaf of ``like`` needs ``[a, b)``: its ``Shard``'s piece
+(``ShardInfo.piece()``), or the whole leaf. The loader reads the overlap of ``[a, b)`` with
+each saved piece straight into the new tensor. N -> M and stage s -> t are the same code.
+
+Checksums: each rank verifies every block it reads, and rank ``f mod M`` verifies the header
+and RNG blocks of the f-th file. Since the ranks' targets together cover every leaf, a load
+with ``verify=True`` checks every byte of the checkpoint somewhere, and every rank learns of
+a failure on any rank (the error names the file).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fzero import tree
+from fzero.checkpoint import _comm, _format, _leaves, _rng
+from fzero.checkpoint._format import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    Files,
+    Progress,
+)
+from fzero.distributed.flat import Shard
+
+__all__ = ["load", "metadata", "manifest", "verify"]
+
+WHERE = "fzero.checkpoint.load"
+
+
+def _shape_str(shape) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _describe_like(x: Any) -> str:
+    if isinstance(x, Shard):
+        return f"{_shape_str(x.info.shape)} {_format.DTYPE_NAME.get(x.local.dtype, x.local.dtype)}"
+    if isinstance(x, torch.Tensor):
+        return f"{_shape_str(x.shape)} {_format.DTYPE_NAME.get(x.dtype, x.dtype)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def _describe_saved(rec: dict) -> str:
+    if rec["kind"] == "tensor":
+        return f"{_shape_str(rec['shape'])} {rec['dtype']}"
+    return f"{rec['type']} {rec['value']!r}"
+
+
+def _match(path: str, man: dict, keys: list[str], leaves: list[Any]) -> list[dict]:
+    """The saved record of each leaf of ``like``; a mismatch lists every difference."""
+    saved = {rec["path"]: rec for rec in man["leaves"]}
+    missing, mismatched = [], []  # (key, line)
+    for key, x in zip(keys, leaves):
+        rec = saved.get(key)
+        if rec is None:
+            missing.append((key, f"{key} {_describe_like(x)}"))
+            continue
+        if isinstance(x, (Shard, torch.Tensor)):
+            t = x.local if isinstance(x, Shard) else x
+            ok = rec["kind"] == "tensor" and tuple(rec["shape"]) == _leaves.global_shape(x)
+            if ok and rec["dtype"] != _format.DTYPE_NAME.get(t.dtype):
+                saved_dt = _format.DTYPE_OF.get(rec["dtype"])
+                ok = saved_dt is not None and saved_dt.is_floating_point and t.dtype.is_floating_point
+        elif _leaves.is_value(x):
+            ok = rec["kind"] == "value" and rec["type"] == type(x).__name__
+        else:
+            raise TypeError(f"{WHERE}: leaf {key} of like is a {type(x).__name__}; a checkpoint holds tensors, "
+                            f"fzero Shards and Python scalars")
+        if not ok:
+            mismatched.append((key, f"{key}: checkpoint {_describe_saved(rec)}, like {_describe_like(x)}"))
+    keyset = set(keys)
+    extra = [(rec["path"], f"{rec['path']} {_describe_saved(rec)}") for rec in man["leaves"]
+             if rec["path"] not in keyset]
+    if missing or extra or mismatched:
+        lines = [f"{WHERE}: the checkpoint at {path} does not match `like`:"]
+        for title, items in (("missing from the checkpoint (in like only)", missing),
+                             ("extra in the checkpoint (not in like)", extra),
+                             ("mismatched (shape, kind, or a dtype that cannot be cast)", mismatched)):
+            if items:
+                lines.append(f"  {title}: {len(items)}")
+                lines += [f"    {line}" for _, line in items[:20]]
+                if len(items) > 20:
+                    lines.append(f"    ... ({len(items) - 20} more)")
+        raise CheckpointMismatchError("\n".join(lines), missing=[k for k, _ in missing],
+                                      extra=[k for k, _ in extra], mismatched=[k for k, _ in mismatched])
+    return [saved[k] for k in keys]
+
+
+# --------------------------------------------------------------------------- reading ranges
+
+
+class _Reader:
+    """Reads byte ranges of pieces; with ``verify``, the blocks' CRC-32s are computed on the
+    checksum threads while the next bytes are read, and compared at :meth:`flush`."""
+
+    RUN = 8  # blocks read per system call in a run of whole blocks: checksummed while the next run is read
+
+    def __init__(self, files: Files, block: int, verify: bool, meter: _format._Meter | None):
+        self.files, self.block, self.verify, self.meter = files, block, verify, meter
+        self.pending: list = []
+
+    def flush(self) -> None:
+        """Compare every checksum queued so far (call before the buffers read into go away)."""
+        _format.check_pending(self.pending)
+
+    def read(self, piece: dict, bs: int, be: int, out, what: str, *, count: bool = True) -> None:
+        """Bytes ``[bs, be)`` of ``piece``'s entry into ``out`` (a buffer of ``be - bs`` bytes)."""
+        out = memoryview(out).cast("B")
+        files, off, nb, B = self.files, piece["offset"], piece["nbytes"], self.block
+        if self.meter is not None and count:
+            self.meter.add(be - bs)
+        if not self.verify:
+            files.read_into(piece["file"], off + bs, out)
+            return
+        pos = bs
+        while pos < be:
+            k = pos // B
+            blo, bhi = k * B, min((k + 1) * B, nb)
+            if pos == blo and be >= bhi:
+                # A run of whole blocks: read them straight into ``out`` and check them there.
+                last = -(-nb // B) - 1 if be == nb else be // B - 1
+                last = min(last, k + self.RUN - 1)
+                run_hi = min((last + 1) * B, nb)
+                dst = out[pos - bs: run_hi - bs]
+                files.read_into(piece["file"], off + pos, dst)
+                _format.check_blocks(files, piece, dst, k, B, what, self.pending)
+                pos = run_hi
+            else:  # a block we need only part of: read it whole to check it
+                stage = bytearray(bhi - blo)
+                files.read_into(piece["file"], off + blo, stage)
+                _format.check_blocks(files, piece, memoryview(stage), k, B, what)
+                hi = min(be, bhi)
+                out[pos - bs: hi - bs] = memoryview(stage)[pos - blo: hi - blo]
+                pos = hi
+
+
+def _tensor_bytes(t: torch.Tensor):
+    return t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray(0)
+
+
+def _fill(reader: _Reader, rec: dict, a: int, b: int, dst: torch.Tensor) -> None:
+    """Elements ``[a, b)`` of the saved leaf ``rec`` into the flat CPU tensor ``dst``."""
+    item = dst.element_size()
+    out = _tensor_bytes(dst)
+    mv = memoryview(out).cast("B") if dst.numel() else memoryview(bytearray(0))
+    covered = 0
+    for p in rec["pieces"]:
+        lo, hi = max(a, p["start"]), min(b, p["stop"])
+        if hi <= lo:
+            continue
+        reader.read(p, (lo - p["start"]) * item, (hi - p["start"]) * item,
+                    mv[(lo - a) * item: (hi - a) * item], rec["path"])
+        covered += hi - lo
+    if covered != b - a:
+        raise CorruptCheckpointError(f"{WHERE}: the manifest's pieces of {rec['path']} cover {covered} of the "
+                                     f"{b - a} elements [{a}, {b}) this rank needs: the manifest is inconsistent",
+                                     os.path.join(reader.files.root, _format.MANIFEST))
+
+
+def _load_leaf(reader: _Reader, rec: dict, x: Any, in_place: bool):
+    if rec["kind"] == "value":
+        v = rec["value"]
+        return float(v) if rec["type"] == "float" and isinstance(v, str) else v
+    saved_dtype = _format.dtype_of(rec["dtype"], reader.files.path(_format.MANIFEST))
+    target = x.local if isinstance(x, Shard) else x
+    a, b = x.info.piece() if isinstance(x, Shard) else (0, target.numel())
+    direct = (in_place and target.dtype == saved_dtype and target.device.type == "cpu"
+              and target.is_contiguous())
+    flat = target.detach().view(-1) if direct else torch.empty(b - a, dtype=saved_dtype)
+    _fill(reader, rec, a, b, flat)
+    reader.flush()
+    if direct:
+        out = target
+    elif in_place:
+        with torch.no_grad():
+            target.copy_(flat.view(target.shape))
+        out = target
+    else:
+        out = flat.view(target.shape)
+        if out.dtype != target.dtype or out.device != target.device:
+            out = out.to(device=target.device, dtype=target.dtype)
+    return Shard(out, x.info) if isinstance(x, Shard) else out
+
+
+def _rng_tensors(reader: _Reader, entry: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in entry.get("tensors", {}).items():
+        t = torch.empty(p["nbytes"], dtype=torch.uint8)
+        reader.read(p, 0, p["nbytes"], _tensor_bytes(t), f"RNG state {name} of rank {entry['rank']}", count=False)
+        reader.flush()
+        out[name] = t
+    return out
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load(
+    path: str | os.PathLike,
+    like: Any,
+    *,
+    verify: bool = True,
+    restore_rng: bool = False,
+    in_place: bool = False,
+    progress: bool | Callable[[Progress], None] = False,
+    timeout_s: float | None = None,
+) -> Any:
+    """Load the checkpoint at ``path`` into the layout of ``like``.
+
+    Collective when a process group exists (every rank calls it). ``like`` is a state as
+    the step gives it (``step.init(state)``): its tree says which leaves to load, and its
+    ``Shard`` pieces say which elements this rank needs, whatever world size and ZeRO stage
+    the checkpoint was saved with. Floating-point leaves are cast to ``like``'s dtype
+    (fp32 <-> bf16/fp16) and placed on ``like``'s device. No code runs: the manifest is
+    JSON and tensors are raw bytes.
+
+    Args:
+        path: a committed checkpoint directory (see :func:`latest`).
+        like: the template state; it is not modified unless ``in_place``.
+        verify: check the CRC-32 of every block read (and, over all ranks, every byte).
+        restore_rng: also set this rank's torch/CUDA/Python/numpy RNG states to those saved
+            by the same rank (needs the world size the checkpoint was saved with).
+        in_place: write into ``like``'s tensors instead of new ones (saves the memory of a
+            second copy; ``like`` and the result then share storage). A load that fails
+            may leave ``like`` partly overwritten.
+        progress: ``True`` prints bytes read per rank and MiB/s to stderr; or a callable
+            receiving :class:`Progress`.
+        timeout_s: how long a rank waits for the others (default ``$FZERO_TIMEOUT``).
+
+    Returns:
+        A state with ``like``'s structure and the checkpoint's values, ready to step.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointMismatchError: the trees differ: every missing, extra and mismatched key
+            path is listed with its shape.
+        CorruptCheckpointError: a missing, truncated or corrupted file (named).
+        CheckpointError: ``path`` was never committed; another rank failed (named).
+
+    Example:
+        >>> import tempfile, torch, fzero.checkpoint as ckpt
+        >>> root = tempfile.mkdtemp()
+        >>> _ = ckpt.save(f"{root}/a", {"w": torch.arange(3.0)})
+        >>> ckpt.load(f"{root}/a", like={"w": torch.zeros(3)})["w"].tolist()
+        [0.0, 1.0, 2.0]
+    """
+    from fzero.checkpoint._save import wait_pending
+
+    path = os.path.abspath(os.fspath(path))
+    # An asynchronous save talks to the other ranks on the checkpoint's process group from
+    # its thread; collectives from two threads on one group could pair up differently on
+    # different ranks, so it finishes first.
+    wait_pending()
+    world = _comm.world(WHERE, timeout_s)
+    result, error = None, None
+    try:
+        result = _load_local(path, like, world, verify, restore_rng, in_place,
+                             _printer if progress is True else (progress or None))
+    except Exception as e:  # noqa: BLE001  (every rank must reach the agreement below)
+        error = e
+    if world.size > 1:
+        status = world.all_gather_json("load outcome", None if error is None else f"{type(error).__name__}: {error}")
+        failed = [r for r, s in enumerate(status) if s is not None]
+        if failed and error is None:
+            r = failed[0]
+            raise CheckpointError(f"{WHERE}: loading {path} failed on rank {r}: {status[r]}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _printer(p: Progress) -> None:
+    import sys
+
+    print(p, file=sys.stderr, flush=True)
+
+
+def _load_local(path, like, world, verify, restore_rng, in_place, callback):
+    man = _format.read_manifest(path, WHERE, verify=verify)
+    paths, leaves, spec = _leaves.flatten(like)
+    keys = [_leaves.keystr(p) for p in paths]
+    recs = _match(path, man, keys, leaves)
+    if restore_rng and man["world_size"] != world.size:
+        raise CheckpointError(f"{WHERE}: restore_rng=True needs the world size the checkpoint was saved with "
+                              f"({man['world_size']}); this world has {world.size}")
+    files = Files(path, man, WHERE)
+    total = 0
+    for rec, x in zip(recs, leaves):
+        if rec["kind"] == "tensor":
+            a, b = x.info.piece() if isinstance(x, Shard) else (0, x.numel())
+            total += (b - a) * _format.dtype_of(rec["dtype"], _format.MANIFEST).itemsize
+    meter = _format._Meter("load", world.rank, total, callback)
+    reader = _Reader(files, man["block_bytes"], verify, meter)
+    try:
+        out = [_load_leaf(reader, rec, x, in_place) for rec, x in zip(recs, leaves)]
+        rng_by_rank = {e["rank"]: e for e in man["rng"]}
+        if verify:  # this rank's share of the bytes no target reads: headers and RNG states
+            for i, name in enumerate(sorted(man["files"])):
+                if i % world.size == world.rank:
+                    files.check_head(name)
+                    entry = rng_by_rank.get(man["files"][name]["rank"])
+                    if entry is not None and not (restore_rng and entry["rank"] == world.rank):
+                        _rng_tensors(reader, entry)
+        if restore_rng:
+            entry = rng_by_rank[world.rank]
+            _rng.restore(_rng_tensors(reader, entry), entry)
+    finally:
+        files.close()
+    meter.finish()
+    return tree.unflatten(spec, out)
+
+
+
+# --------------------------------------------------------------------------- read-only helpers
+
+
+def manifest(path: str | os.PathLike) -> dict:
+    """The parsed ``manifest.json`` of the committed checkpoint at ``path`` (see docs/checkpoints.md).
+
+    Raises:
+        FileNotFoundError, CheckpointError, CorruptCheckpointError: as :func:`load`.
+    """
+    return _format.read_manifest(os.path.abspath(os.fspath(path)), "fzero.checkpoint.manifest")
+
+
+def metadata(path: str | os.PathLike) -> Any:
+    """The user metadata saved with ``save(..., metadata=...)`` (``None`` if none).
+
+    JSON round-trips it: tuples come back as lists.
+
+    Example:
+        >>> import tempfile, torch, fzero.checkpoint as ckpt
+        >>> path = tempfile.mkdtemp() + "/ck"
+        >>> _ = ckpt.save(path, {"w": torch.zeros(1)}, metadata={"loader": {"epoch": 3, "seen": (1, 2)}})
+        >>> ckpt.metadata(path)
+        {'loader': {'epoch': 3, 'seen': [1, 2]}}
+    """
+    return _format.read_manifest(os.path.abspath(os.fspath(path)), "fzero.checkpoint.metadata").get("metadata")
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """Check every byte of the checkpoint at ``path`` against its checksums (one process).
+
+    Returns:
+        ``{"files": n, "bytes": total}`` of what was checked.
+
+    Raises:
+        CorruptCheckpointError: a file is missing, truncated, has bytes the manifest does
+            not account for, or fails a checksum; the message names it.
+        CheckpointError: ``path`` is not a committed checkpoint.
+
+    Example:
+        >>> import tempfile, torch, fzero.checkpoint as ckpt
+        >>> path = tempfile.mkdtemp() + "/ck"
+        >>> _ = ckpt.save(path, {"w": torch.zeros(1000)})
+        >>> ckpt.verify(path)["files"]
+        1
+    """
+    where = "fzero.checkpoint.verify"
+    path = os.path.abspath(os.fspath(path))
+    man = _format.read_manifest(path, where)
+    files = Files(path, man, where)
+    reader = _Reader(files, man["block_bytes"], True, None)
+    by_file: dict[str, list[tuple[dict, str]]] = {name: [] for name in man["files"]}
+    for rec in man["leaves"]:
+        for p in rec.get("pieces", ()):
+            by_file.setdefault(p["file"], []).append((p, rec["path"]))
+    for e in man["rng"]:
+        for name, p in e.get("tensors", {}).items():
+            by_file.setdefault(p["file"], []).append((p, f"RNG state {name} of rank {e['rank']}"))
+    total = 0
+    block = man["block_bytes"]
+    chunk = bytearray(max(1, (64 * 2**20) // block) * block)  # whole blocks, so none is read twice
+    try:
+        for name in sorted(by_file):
+            info = man["files"].get(name)
+            fpath = files.path(name)
+            if info is None:
+                raise CorruptCheckpointError(f"{where}: the manifest refers to {fpath}, which it does not list", fpath)
+            files.check_head(name)
+            pieces = sorted(by_file[name], key=lambda pe: pe[0]["offset"])
+            pos = info["head_bytes"]
+            crcs = []
+            for p, what in pieces:
+                if p["offset"] != pos:
+                    raise CorruptCheckpointError(f"{where}: {fpath}: bytes [{pos}, {p['offset']}) are not accounted "
+                                                 f"for by the manifest", fpath)
+                for lo in range(0, p["nbytes"], len(chunk)):
+                    hi = min(p["nbytes"], lo + len(chunk))
+                    reader.read(p, lo, hi, memoryview(chunk)[: hi - lo], what)
+                    reader.flush()  # before the chunk is reused
+                pos += p["nbytes"]
+                crcs.append(p["crc32"])
+            if pos != info["bytes"]:
+                raise CorruptCheckpointError(f"{where}: {fpath} has {info['bytes']} bytes; the manifest accounts for "
+                                             f"{pos}", fpath)
+            if _format.file_digest(info["head_crc32"], crcs) != info["crc32"]:
+                raise CorruptCheckpointError(f"{where}: {fpath}: the block checksums do not add up to the file's "
+                                             f"checksum {info['crc32']}: the manifest is inconsistent", fpath)
+            total += pos
+    finally:
+        files.close()
+    return {"files": len(by_file), "bytes": total}

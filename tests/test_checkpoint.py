@@ -1,0 +1,645 @@
+"""fzero.checkpoint: round trips, resharding N -> M and stage s -> t on real ranks, atomic
+commits under SIGKILL, checksums, pickle-freedom, export, deterministic resume, the CLI.
+
+World-of-one parts run in this process (no process group); worlds of 2 and 3 run on the
+session's ``ranks`` pools, or on one-shot worlds where a rank is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fzero
+import fzero.checkpoint as ckpt
+import fzero.testing as ft
+from fzero import optim, tree
+from fzero.checkpoint.cli import main as cli_main
+from fzero.distributed.flat import Shard, ShardInfo, build_layout
+
+MULTI = [pytest.mark.multirank, pytest.mark.slow]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rank_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _on(ranks, n, fn, *args):
+    """``fn(*args)`` on a world of ``n``: in this process for one, on a pool otherwise."""
+    return [fn(*args)] if n == 1 else ranks(n).run(fn, *args)
+
+
+def _equal(actual, expected, what):
+    """Bitwise equality of two pytrees (dtypes included)."""
+    tree.assert_same_structure(expected, actual, what=what, names=("expected", "actual"))
+    for path, a, e in zip(tree.paths(expected), tree.leaves(actual), tree.leaves(expected)):
+        k = tree.keystr(path)
+        if isinstance(e, torch.Tensor):
+            assert a.dtype == e.dtype and a.shape == e.shape, f"{what} {k}: {a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
+            assert torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), \
+                f"{what} {k}: values differ"
+        else:
+            assert a == e and type(a) is type(e), f"{what} {k}: {a!r} vs {e!r}"
+
+
+def _partition(state, world, rank, stage, bucket_bytes):
+    """A ZeRO-like layout of a generic state {"step", "params", "opt_state", "extra"}:
+    stage 0 all replicated, 1-2 ``opt_state['mu']`` cut into Shards, 3 ``params`` too."""
+
+    def cut(t):
+        leaves, spec = tree.flatten(t)
+        named = {f"{i:04d}": x for i, x in enumerate(leaves)}
+        shards = build_layout(named, world=world, rank=rank, bucket_bytes=bucket_bytes).shard_params(named)
+        return tree.unflatten(spec, [shards[k] for k in named])
+
+    out = dict(state)
+    if stage >= 1:
+        out["opt_state"] = {**state["opt_state"], "mu": cut(state["opt_state"]["mu"])}
+    if stage == 3:
+        out["params"] = cut(state["params"])
+    return out
+
+
+def _zeros_like(state):
+    return tree.map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, state)
+
+
+_LEAF_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool)
+
+
+@st.composite
+def _states(draw):
+    """Random generic states: nested dicts/lists/tuples of tensors of several dtypes and
+    shapes (0-dim and empty included), Python scalars, and a step."""
+    leaf = st.builds(
+        lambda shape, dtype, seed: _tensor(shape, dtype, seed),
+        ft.shapes(min_side=0, max_side=5), st.sampled_from(_LEAF_DTYPES), ft.seeds())
+    params = draw(ft.pytrees(max_depth=2, max_children=3, leaf=leaf))
+    mu = tree.map(lambda x: _tensor(tuple(x.shape), x.dtype, draw(ft.seeds())), params)
+    return {
+        "step": torch.tensor(draw(st.integers(0, 10**6)), dtype=torch.int64),
+        "params": params,
+        "opt_state": {"count": torch.tensor(3, dtype=torch.int32), "mu": mu},
+        "extra": {"lr": draw(st.floats(-1e3, 1e3)), "name": draw(st.text(max_size=5)), "on": draw(st.booleans()),
+                  "n": draw(st.integers(-5, 5))},
+    }
+
+
+def _tensor(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _save_generic(path, state, stage, bucket):
+    r, n = _rank_world()
+    ckpt.save(path, _partition(state, n, r, stage, bucket))
+
+
+def _load_generic(path, state, stage, bucket):
+    r, n = _rank_world()
+    like = _partition(_zeros_like(state), n, r, stage, bucket)
+    out = ckpt.load(path, like=like)
+    # Shard metadata comes from like, untouched.
+    for a, b in zip(tree.leaves(out, is_leaf=lambda x: isinstance(x, Shard)),
+                    tree.leaves(like, is_leaf=lambda x: isinstance(x, Shard))):
+        assert type(a) is type(b) and (not isinstance(a, Shard) or a.info == b.info)
+    return fzero.gather(out)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+@settings(max_examples=25, deadline=None)
+@given(state=_states(), stage=st.sampled_from([0, 1, 3]), bucket=st.sampled_from([8, 2**20]))
+def test_round_trip_is_bitwise_for_any_tree(tmp_path_factory, state, stage, bucket):
+    path = str(tmp_path_factory.mktemp("rt") / "ck")
+    _save_generic(path, state, stage, bucket)
+    _equal(_load_generic(path, state, stage, bucket), state, "round trip")
+    _equal(_load_generic(path, state, 0, bucket), state, "round trip to stage 0")
+    assert ckpt.verify(path)["files"] == 1
+
+
+def test_files_are_safetensors_and_the_manifest_says_what_is_where(tmp_path):
+    from safetensors import safe_open
+
+    state = _partition({"step": torch.tensor(7), "params": {"w": torch.randn(3, 4), "b": torch.randn(4)},
+                        "opt_state": {"count": torch.tensor(1), "mu": {"w": torch.randn(3, 4), "b": torch.randn(4)}},
+                        "extra": {}}, 1, 0, 1, 2**20)
+    ckpt.save(tmp_path / "ck", state, metadata={"loader": {"epoch": 2, "index": 17}, "tags": ("a", "b")})
+    man = ckpt.manifest(tmp_path / "ck")
+    assert man["step"] == 7 and man["world_size"] == 1 and man["stages"] == [1, 2]
+    assert man["fzero_version"] == fzero.__version__ and man["format"] == "fzero.checkpoint"
+    assert ckpt.metadata(tmp_path / "ck") == {"loader": {"epoch": 2, "index": 17}, "tags": ["a", "b"]}
+    leaves = {rec["path"]: rec for rec in man["leaves"]}
+    assert set(leaves) == {"['step']", "['params']['b']", "['params']['w']", "['opt_state']['count']",
+                           "['opt_state']['mu']['b']", "['opt_state']['mu']['w']"}
+    rec = leaves["['opt_state']['mu']['w']"]
+    assert rec["shape"] == [3, 4] and rec["dtype"] == "float32" and rec["sharding"]["world"] == 1
+    assert [(p["start"], p["stop"]) for p in rec["pieces"]] == [(0, 12)]
+    assert leaves["['params']['w']"]["sharding"] is None
+    for name, info in man["files"].items():
+        assert len(info["crc32"]) == 8 and info["bytes"] == os.path.getsize(tmp_path / "ck" / name)
+        with safe_open(str(tmp_path / "ck" / name), framework="pt") as f:
+            pieces = [p for r in man["leaves"] for p in r.get("pieces", ()) if p["file"] == name]
+            assert set(f.keys()) == {p["name"] for p in pieces} | {"rng.torch"}
+            for p in pieces:
+                assert f.get_tensor(p["name"]).numel() == p["stop"] - p["start"]
+            assert f.get_tensor("rng.torch").dtype == torch.uint8
+
+
+def test_latest_retention_and_overwrite(tmp_path):
+    assert ckpt.latest(tmp_path) is None and ckpt.latest(tmp_path / "nope") is None
+    for s in (1, 3, 2):
+        ckpt.save(tmp_path / f"step_{s}", {"step": torch.tensor(s), "w": torch.full((2,), float(s))})
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step_3")  # by step, not by name or time
+    (tmp_path / "step_9").mkdir()  # uncommitted: no marker
+    (tmp_path / "step_9" / "manifest.json").write_text("{}")
+    (tmp_path / ".step_8.tmp-abc").mkdir()
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step_3")
+    with pytest.raises(ckpt.CheckpointError, match="no COMMITTED marker"):
+        ckpt.load(tmp_path / "step_9", like={"w": torch.zeros(2)})
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        ckpt.save(tmp_path / "step_3", {"step": torch.tensor(3), "w": torch.zeros(2)})
+    ckpt.save(tmp_path / "step_3", {"step": torch.tensor(3), "w": torch.full((2,), 33.0)}, overwrite=True)
+    assert ckpt.load(tmp_path / "step_3", like={"step": torch.tensor(0), "w": torch.zeros(2)})["w"].tolist() == [33.0] * 2
+    ckpt.save(tmp_path / "step_4", {"step": torch.tensor(4), "w": torch.zeros(2)}, keep=2)
+    committed = sorted(p.name for p in tmp_path.iterdir() if (p / "COMMITTED").exists())
+    assert committed == ["step_3", "step_4"]
+    assert not any(".del-" in p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="keep=0"):
+        ckpt.save(tmp_path / "x", {"w": torch.zeros(1)}, keep=0)
+
+
+def test_async_save_snapshots_and_a_second_save_waits(tmp_path):
+    w = torch.arange(1_000_000, dtype=torch.float32)
+    h1 = ckpt.save(tmp_path / "a", {"step": torch.tensor(1), "w": w}, async_=True)
+    w.add_(1.0)  # training goes on: the checkpoint holds the values at the call
+    h2 = ckpt.save(tmp_path / "b", {"step": torch.tensor(2), "w": w}, async_=True)
+    assert h1.done()  # the second save waited for the first
+    assert h2.wait() == str(tmp_path / "b") and h1.wait() == str(tmp_path / "a")
+    like = {"step": torch.tensor(0), "w": torch.zeros_like(w)}
+    assert torch.equal(ckpt.load(tmp_path / "a", like)["w"], torch.arange(1_000_000, dtype=torch.float32))
+    assert torch.equal(ckpt.load(tmp_path / "b", like)["w"], w)
+    assert h2.stats.done_bytes >= 4_000_000 and h2.stats.bytes_per_s > 0
+    bad = ckpt.save(tmp_path / "a", {"w": w}, async_=True)  # exists: fails in the background
+    with pytest.raises(FileExistsError):
+        bad.wait()
+    ckpt.save(tmp_path / "c", {"w": w})  # an error already reported is not raised again
+
+
+def test_metadata_must_be_json_and_leaves_storable(tmp_path):
+    with pytest.raises(TypeError, match=r"metadata\['a'\]\[1\] is a set"):
+        ckpt.save(tmp_path / "x", {"w": torch.zeros(1)}, metadata={"a": [1, {2}]})
+    with pytest.raises(TypeError, match=r"leaf \[.f.\] is a builtin_function_or_method"):
+        ckpt.save(tmp_path / "x", {"w": torch.zeros(1), "f": len})
+    assert not (tmp_path / "x").exists()
+
+
+def test_rng_states_are_restored_only_when_asked(tmp_path):
+    import numpy as np
+
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    ckpt.save(tmp_path / "ck", {"w": torch.zeros(1)})
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    like = {"w": torch.zeros(1)}
+    ckpt.load(tmp_path / "ck", like)  # leaves the generators alone
+    assert not torch.equal(torch.rand(3), expected[0])
+    ckpt.load(tmp_path / "ck", like, restore_rng=True)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def test_floating_leaves_cast_to_likes_dtype(tmp_path):
+    w = torch.randn(5, 3)
+    ckpt.save(tmp_path / "ck", {"w": w, "i": torch.arange(3)})
+    out = ckpt.load(tmp_path / "ck", {"w": torch.zeros(5, 3, dtype=torch.bfloat16), "i": torch.zeros(3, dtype=torch.int64)})
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], w.to(torch.bfloat16))
+    ckpt.save(tmp_path / "bf", {"w": w.to(torch.bfloat16), "i": torch.arange(3)})
+    out = ckpt.load(tmp_path / "bf", {"w": torch.zeros(5, 3), "i": torch.zeros(3, dtype=torch.int64)})
+    assert out["w"].dtype == torch.float32 and torch.equal(out["w"], w.to(torch.bfloat16).float())
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"\['i'\]: checkpoint \(3,\) int64, like \(3,\) int32"):
+        ckpt.load(tmp_path / "bf", {"w": torch.zeros(5, 3), "i": torch.zeros(3, dtype=torch.int32)})
+
+
+def test_in_place_load_writes_into_like(tmp_path):
+    w = torch.randn(4, 4)
+    ckpt.save(tmp_path / "ck", {"w": w, "h": w.half()})
+    like = {"w": torch.zeros(4, 4), "h": torch.zeros(4, 4, dtype=torch.half)}
+    out = ckpt.load(tmp_path / "ck", like, in_place=True)
+    assert out["w"] is like["w"] and torch.equal(like["w"], w) and torch.equal(like["h"], w.half())
+    like2 = {"w": torch.zeros(4, 4), "h": torch.zeros(4, 4, dtype=torch.half)}
+    out = ckpt.load(tmp_path / "ck", like2)
+    assert torch.equal(like2["w"], torch.zeros(4, 4)) and torch.equal(out["w"], w)
+
+
+def test_a_tree_that_does_not_match_lists_every_difference(tmp_path):
+    ckpt.save(tmp_path / "ck", {"params": {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1)}, "n": 3})
+    like = {"params": {"a": torch.zeros(3, 2), "b": torch.zeros(4), "d": torch.zeros(5)}, "n": 3}
+    with pytest.raises(ckpt.CheckpointMismatchError) as e:
+        ckpt.load(tmp_path / "ck", like)
+    msg = str(e.value)
+    assert msg.startswith("fzero.checkpoint.load: the checkpoint at")
+    assert "['params']['d'] (5,) float32" in msg  # missing, with its shape
+    assert "['params']['c'] (1,) float32" in msg  # extra
+    assert "['params']['a']: checkpoint (2, 3) float32, like (3, 2) float32" in msg  # mismatched
+    assert e.value.missing == ["['params']['d']"] and e.value.extra == ["['params']['c']"]
+    assert e.value.mismatched == ["['params']['a']"]
+
+
+# --------------------------------------------------------------------------- damage
+
+
+def _two_file_checkpoint(root):
+    """A small checkpoint and its like; written as one process."""
+    state = {"step": torch.tensor(4), "params": {"w": torch.randn(300, 70), "b": torch.randn(70)}}
+    ckpt.save(root / "ck", state)
+    return root / "ck", _zeros_like(state)
+
+
+def test_missing_and_truncated_files_are_named(tmp_path):
+    path, like = _two_file_checkpoint(tmp_path)
+    data = path / "rank00000.safetensors"
+    blob = data.read_bytes()
+    data.write_bytes(blob[:-10])
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"rank00000\.safetensors is truncated") as e:
+        ckpt.load(path, like)
+    assert e.value.file == str(data)
+    data.unlink()
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"rank00000\.safetensors is missing"):
+        ckpt.load(path, like)
+    (path / "manifest.json").unlink()
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"manifest\.json is missing"):
+        ckpt.load(path, like)
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_one_flipped_byte_is_caught_and_named(tmp_path, trial):
+    path, like = _two_file_checkpoint(tmp_path)
+    rng = random.Random(trial)
+    name = rng.choice(["rank00000.safetensors"] * 3 + ["manifest.json"])
+    f = path / name
+    blob = bytearray(f.read_bytes())
+    # Trial 0 hits the header, 1 the RNG state, the others anywhere.
+    head = ckpt.manifest(path)["files"]["rank00000.safetensors"]["head_bytes"]
+    i = {0: rng.randrange(8, head), 1: head + 10}.get(trial, rng.randrange(len(blob)))
+    if trial < 2:
+        f = path / "rank00000.safetensors"
+        blob = bytearray(f.read_bytes())
+    blob[i] ^= 1 << rng.randrange(8)
+    f.write_bytes(bytes(blob))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"{f.name}.*corrupted") as e:
+        ckpt.load(path, like)
+    assert e.value.file == str(f)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f.name):
+        ckpt.verify(path)
+    assert cli_main(["verify", str(path)]) == 1
+
+
+def test_an_edited_manifest_is_caught_and_cannot_point_outside(tmp_path):
+    path, like = _two_file_checkpoint(tmp_path)
+    man = json.loads((path / "manifest.json").read_text())
+    man["leaves"][0]["pieces"][0]["file"] = "../../etc/passwd"
+    (path / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"checksum mismatch in .*manifest\.json"):
+        ckpt.load(path, like)  # the COMMITTED marker holds the manifest's checksum
+    with pytest.raises(ckpt.CorruptCheckpointError, match="not a valid manifest .*names no listed file"):
+        ckpt.load(path, like, verify=False)
+
+
+class _Plant:
+    """Unpickling this would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("kind", ["pickle", "torch.save"])
+def test_a_planted_pickle_never_runs(tmp_path, kind):
+    path, like = _two_file_checkpoint(tmp_path)
+    marker = tmp_path / "PWNED"
+    data = path / "rank00000.safetensors"
+    if kind == "pickle":
+        data.write_bytes(pickle.dumps(_Plant(str(marker))))
+    else:
+        torch.save({"w": _Plant(str(marker))}, data)
+    assert not marker.exists()
+    for verify in (True, False):
+        with pytest.raises(ckpt.CorruptCheckpointError, match="rank00000.safetensors"):
+            ckpt.load(path, like, verify=verify)
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        ckpt.verify(path)
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        ckpt.export(path, tmp_path / "out.safetensors")
+    assert cli_main(["verify", str(path)]) == 1 and cli_main(["inspect", str(path)]) == 0
+    assert not marker.exists()
+
+
+def test_a_planted_pickle_of_the_right_size_is_caught_by_checksum(tmp_path):
+    path, like = _two_file_checkpoint(tmp_path)
+    marker = tmp_path / "PWNED"
+    data = path / "rank00000.safetensors"
+    size = data.stat().st_size
+    payload = pickle.dumps(_Plant(str(marker)))
+    data.write_bytes(payload + b"\0" * (size - len(payload)))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="rank00000.safetensors.*corrupted"):
+        ckpt.load(path, like)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- export
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.norm = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.head(self.norm(h.transpose(1, 2)).transpose(1, 2))
+
+
+def _lm_step(state, batch):
+    def loss_fn(p):
+        return F.cross_entropy(state.apply_fn(p, batch["x"]).flatten(0, 1), batch["y"].flatten())
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _train_tied(path, stage):
+    r, n = _rank_world()
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(_Tied())
+    step = fzero.compile(_lm_step, fzero.Mesh(dp=-1), zero=stage)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 11, (6, 5), generator=g)
+        state, _ = step(state, {"x": x.chunk(n)[r], "y": x.roll(1, 1).chunk(n)[r]})
+    ckpt.save(path, state)
+    return fzero.gather(state.params)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_export_of_a_sharded_tied_model_loads_strictly(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    full = ranks(2).run(_train_tied, path, 3)[0]
+    with pytest.raises(ckpt.CheckpointError, match="in the module, not in the checkpoint: weight, bias"):
+        ckpt.export(path, tmp_path / "m.safetensors", module=nn.Linear(6, 11))
+    names = ckpt.export(path, tmp_path / "p.safetensors")  # parameters only, first names
+    assert set(names) == set(full) and "head.weight" not in names
+    model = _Tied()
+    names = ckpt.export(path, tmp_path / "m.safetensors", module=model)
+    assert "head.weight" in names and "norm.running_mean" in names
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "m.safetensors"))
+    model.load_state_dict(sd, strict=True)
+    for k, v in full.items():
+        assert torch.equal(dict(model.named_parameters())[k].detach(), v), k
+    assert model.head.weight is model.emb.weight
+    # ZeRO-3 units on 2 ranks -> ZeRO-1 on 3 ranks.
+    for x in ranks(3).run(_load_tied, path, 1):
+        _equal(x, full, "tied model (2, 3) -> (3, 1)")
+
+
+def _load_tied(path, stage):
+    torch.manual_seed(1)  # other initial values: all must come from the checkpoint
+    apply, params = fzero.functionalize(_Tied())
+    step = fzero.compile(_lm_step, fzero.Mesh(dp=-1), zero=stage)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+    return fzero.gather(ckpt.load(path, like=state).params)
+
+
+# --------------------------------------------------------------------------- resharding on real ranks
+
+
+def _trained(case, stage, bucket, steps, path):
+    """Train ``steps`` steps of ``case`` at ``stage`` on this world; save to ``path``."""
+    r, n = _rank_world()
+    apply, params = fzero.functionalize(case.make())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1))
+    step = fzero.shard_state(_mse_step, fzero.Mesh(dp=-1), stage, bucket_bytes=bucket)
+    state = step.init(state)
+    for i in range(steps):
+        b = case.batch(6, i)
+        state, _ = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
+    ckpt.save(path, state)
+    return fzero.gather({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+
+
+def _restored(case, stage, bucket, path):
+    apply, params = fzero.functionalize(case.make())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1))
+    step = fzero.shard_state(_mse_step, fzero.Mesh(dp=-1), stage, bucket_bytes=bucket)
+    state = ckpt.load(path, like=step.init(state))
+    r, n = _rank_world()
+    b = case.batch(6, 99)
+    step(state, {k: v.chunk(n)[r] for k, v in b.items()})  # it can step at once
+    return fzero.gather({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+
+
+def _mse_step(state, batch):
+    loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+    return state.apply_gradients(g), {"loss": loss}
+
+
+_LAYOUTS = st.tuples(st.sampled_from([1, 2, 3]), st.sampled_from([0, 1, 2, 3]))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=ft.models(max_layers=2, max_width=9), save_at=_LAYOUTS, load_at=_LAYOUTS,
+       buckets=st.tuples(st.sampled_from([4, 64, 2**20]), st.sampled_from([4, 64, 2**20])))
+def test_model_states_reshard_between_any_world_and_stage(ranks, tmp_path_factory, case, save_at, load_at, buckets):
+    path = str(tmp_path_factory.mktemp("reshard") / "ck")
+    (n, s), (m, t) = save_at, load_at
+    saved = _on(ranks, n, _trained, case, s, buckets[0], 2, path)[0]
+    loaded = _on(ranks, m, _restored, case, t, buckets[1], path)
+    for x in loaded:
+        _equal(x, saved, f"({n}, {s}) -> ({m}, {t})")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=_states(), save_at=_LAYOUTS, load_at=_LAYOUTS, buckets=st.tuples(st.sampled_from([4, 64, 2**20]),
+                                                                              st.sampled_from([4, 64, 2**20])))
+def test_any_tree_reshards_between_any_world_and_stage(ranks, tmp_path_factory, state, save_at, load_at, buckets):
+    path = str(tmp_path_factory.mktemp("reshard") / "ck")
+    (n, s), (m, t) = save_at, load_at
+    _on(ranks, n, _save_generic, path, state, s, buckets[0])
+    for x in _on(ranks, m, _load_generic, path, state, t, buckets[1]):
+        _equal(x, state, f"({n}, {s}) -> ({m}, {t})")
+
+
+def _load_expecting_failure(path, like_state):
+    r, n = _rank_world()
+    like = _partition(_zeros_like(like_state), n, r, 3, 4)
+    try:
+        ckpt.load(path, like)
+    except ckpt.CheckpointError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_corruption_seen_by_one_rank_fails_every_rank(ranks, tmp_path):
+    state = {"step": torch.tensor(1), "params": {"w": torch.randn(64, 64)}, "opt_state": {"count": torch.tensor(0),
+             "mu": {"w": torch.randn(64, 64)}}, "extra": {}}
+    path = str(tmp_path / "ck")
+    ranks(2).run(_save_generic, path, state, 3, 4)
+    man = ckpt.manifest(path)
+    rec = next(r for r in man["leaves"] if r["path"] == "['params']['w']")
+    last = rec["pieces"][-1]  # the end of w: only rank 1 of a 2-rank load reads it
+    f = os.path.join(path, last["file"])
+    blob = bytearray(open(f, "rb").read())
+    blob[last["offset"] + last["nbytes"] - 1] ^= 0xFF
+    open(f, "wb").write(bytes(blob))
+    out = ranks(2).run(_load_expecting_failure, path, state)
+    assert out[1][0] == "CorruptCheckpointError" and last["file"] in out[1][1]
+    assert out[0][0] == "CheckpointError" and "failed on rank 1" in out[0][1] and last["file"] in out[0][1]
+
+
+# --------------------------------------------------------------------------- deterministic resume
+
+
+def _batches(case, k, n, r):
+    b = case.batch(12, k)
+    return {key: v.chunk(n)[r] for key, v in b.items()}
+
+
+def _resume_run(case, stage, tx_name, phase, root):
+    r, n = _rank_world()
+    apply, params = fzero.functionalize(case.make())
+    tx = optim.adamw(1e-2, weight_decay=0.1) if tx_name == "adamw" else optim.sgd(0.05, momentum=0.9)
+    step = fzero.compile(_mse_step, fzero.Mesh(dp=-1), zero=stage)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))
+    if phase == "resume":
+        path = ckpt.latest(root)
+        state = ckpt.load(path, like=state, restore_rng=ckpt.manifest(path)["world_size"] == n)
+    start = int(state.step)
+    stop = 3 if phase == "first" else 6
+    losses = []
+    for k in range(start, stop):
+        state, m = step(state, _batches(case, k, n, r))
+        losses.append(m["loss"].item())
+    if phase == "first":
+        ckpt.save(f"{root}/step_{int(state.step)}", state, metadata={"next_batch": stop})
+    return losses
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,tx_name", [(0, "sgd"), (1, "adamw"), (2, "sgd"), (3, "adamw")])
+def test_resume_continues_the_same_loss_curve(ranks, tmp_path, stage, tx_name):
+    case = ft.ModelCase((5, 8, 8, 3), "tanh", True, True, seed=11)
+    straight = ranks(2).run(_resume_run, case, stage, tx_name, "straight", str(tmp_path))[0]
+    first = ranks(2).run(_resume_run, case, stage, tx_name, "first", str(tmp_path))[0]
+    assert ckpt.metadata(ckpt.latest(tmp_path)) == {"next_batch": 3}
+    second = ranks(2).run(_resume_run, case, stage, tx_name, "resume", str(tmp_path))  # fresh state, same world
+    assert first + second[0] == straight  # bitwise
+    for m, t in ((3, (stage + 1) % 4), (1, stage)):  # another world size (and stage)
+        other = _on(ranks, m, _resume_run, case, t, tx_name, "resume", str(tmp_path))[0]
+        ft.assert_trees_close(torch.tensor(other), torch.tensor(straight[3:]), rtol=1e-5, atol=1e-7,
+                              what=f"losses after resuming on {m} ranks")
+
+
+# --------------------------------------------------------------------------- CLI and progress
+
+
+def test_cli_inspect_verify_export(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adam(1e-3))
+    ckpt.save(tmp_path / "run" / "step_0", state, metadata={"epoch": 0})
+    path = str(tmp_path / "run" / "step_0")
+    assert cli_main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "step 0" in out and ".params['0.weight']" in out and "(4, 3)" in out and "epoch" in out
+    assert cli_main(["inspect", str(tmp_path / "run")]) == 0  # a directory of checkpoints
+    assert "step_0" in capsys.readouterr().out
+    assert cli_main(["inspect", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 0
+    assert cli_main(["verify", path]) == 0
+    assert "OK" in capsys.readouterr().out
+    out_file = tmp_path / "model.safetensors"
+    assert cli_main(["export", path, str(out_file)]) == 0
+    from safetensors.torch import load_file
+
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    fresh.load_state_dict(load_file(str(out_file)), strict=True)
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    assert cli_main(["verify", str(tmp_path / "nothing")]) == 2
+    assert cli_main(["export", path]) == 2  # OUT missing: a usage error
+    capsys.readouterr()
+
+
+def test_progress_reports_bytes_per_second(tmp_path):
+    seen = []
+    big = {"w": torch.zeros(3_000_000)}
+    h = ckpt.save(tmp_path / "ck", big, progress=seen.append)
+    assert seen and seen[-1].done_bytes == seen[-1].total_bytes >= 12_000_000 and seen[-1].what == "save"
+    assert h.stats.bytes_per_s > 0 and "MiB/s" in str(h.stats)
+    seen.clear()
+    ckpt.load(tmp_path / "ck", big, progress=seen.append)
+    assert seen[-1].what == "load" and seen[-1].done_bytes == 12_000_000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_state_saves_async_and_loads_onto_the_gpu(tmp_path):
+    torch.cuda.manual_seed(3)
+    w = torch.randn(1000, 300, device="cuda")
+    expected = w.cpu()
+    state = {"w": w, "h": w.to(torch.bfloat16), "piece": Shard(w.view(-1)[:1000].clone(), ShardInfo((1000,), 0, 1000, 1, 0))}
+    h = ckpt.save(tmp_path / "a", state, async_=True)
+    w.add_(1.0)  # after the call: not in the checkpoint
+    h.wait()
+    after_save = torch.rand(4, device="cuda")
+    like = {"w": torch.zeros_like(w), "h": torch.zeros_like(state["h"]),
+            "piece": Shard(torch.zeros(1000, device="cuda"), ShardInfo((1000,), 0, 1000, 1, 0))}
+    out = ckpt.load(tmp_path / "a", like, restore_rng=True)
+    assert out["w"].device.type == "cuda" and torch.equal(out["w"].cpu(), expected)
+    assert torch.equal(out["h"].cpu(), expected.to(torch.bfloat16))
+    assert torch.equal(out["piece"].local.cpu(), expected.view(-1)[:1000])
+    assert torch.equal(torch.rand(4, device="cuda"), after_save)  # the CUDA generator was restored
+    ckpt.save(tmp_path / "b", {"w": w})  # synchronous, from the GPU
+    assert torch.equal(ckpt.load(tmp_path / "b", {"w": torch.zeros(1000, 300)})["w"], w.cpu())
+    into = {"w": torch.zeros_like(w)}
+    ckpt.load(tmp_path / "b", into, in_place=True)
+    assert torch.equal(into["w"], w)
+
