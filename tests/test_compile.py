@@ -100,12 +100,6 @@ def test_step_output_and_init_checked():
         step.init({"params": 1})
 
 
-def test_transforms_not_yet_landed_raise():
-    for name in ["pipeline"]:
-        with pytest.raises(NotImplementedError, match=f"fzero.{name}: .*not supported yet"):
-            getattr(fzero, name)(train_step)
-
-
 # --------------------------------------------------------------------------- handlers
 
 

@@ -137,8 +137,16 @@ class Group:
         return ShardInfo(tuple(self.shapes[i]), self.offsets[i], self.chunk, self.world, self.rank, group)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter as a view into the group's full flat buffer."""
-        return [flat[o: o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
+        """Each parameter as a view into the group's full flat buffer.
+
+        One ``split`` rather than a slice per parameter: under autograd a slice's backward
+        zero-fills a gradient the size of the whole buffer for every parameter, while
+        ``split``'s backward concatenates once (measured: 72 full-unit fills per step at
+        ZeRO-3 on the 10.8M GPT, gone with this).
+        """
+        sizes = [math.prod(s) for s in self.shapes]
+        parts = flat.split(sizes + [flat.numel() - self.numel])
+        return [t.view(s) for t, s in zip(parts, self.shapes)]
 
     def pieces(self, local: torch.Tensor, group=None) -> list[Shard]:
         """Each parameter's piece as a view into the rank's owned slice ``local``."""

@@ -8,6 +8,7 @@ naming themselves, so a program written for them fails loudly instead of trainin
 from fzero.transforms._core import Handler, Step, as_step
 from fzero.transforms.accumulate import accumulate
 from fzero.transforms.mixed_precision import mixed_precision
+from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
 
 
@@ -21,6 +22,5 @@ def _not_yet(name: str, what: str):
     return transform
 
 
-pipeline = _not_yet("pipeline", "pipeline parallelism over the mesh's pp axis")
 
 __all__ = ["Handler", "Step", "as_step", "accumulate", "mixed_precision", "pipeline", "shard_state"]

@@ -52,10 +52,10 @@ class _ReduceSink:
     the collectives match), each as soon as it and every group before it is complete.
     """
 
-    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int]], leaf_names: list[str] | None):
+    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int]], leaf_names: list[str]):
         self.h = h
-        self.leaf_names = leaf_names  # None at stage 3: the leaves are the groups' flat buffers
-        self.leaf_groups = leaf_groups  # leaf index -> (group, position) ; position -1: whole flat
+        self.leaf_names = leaf_names  # the leaves in flatten order
+        self.leaf_groups = leaf_groups  # leaf index -> (group, position in the group)
         self.missing = [set(range(len(g.names))) for g in h.layout.groups]
         self.buffers: dict[int, torch.Tensor] = {}
         self.pending: dict[int, comm.Pending] = {}
@@ -66,17 +66,12 @@ class _ReduceSink:
     def on_grad(self, i: int, g: torch.Tensor) -> None:
         gi, pos = self.leaf_groups[i]
         group = self.h.layout.groups[gi]
-        if pos < 0:  # stage 3: the gradient of a whole group's flat buffer
-            self.buffers[gi] = g.to(self.h.reduce_dtype(g.dtype))
-            self.missing[gi].clear()
-        else:
-            buf = self.buffers.get(gi)
-            if buf is None:
-                buf = self.buffers[gi] = torch.zeros(group.padded, dtype=self.h.reduce_dtype(g.dtype),
-                                                     device=g.device)
-            o = group.offsets[pos]
-            buf[o: o + g.numel()].copy_(g.reshape(-1))
-            self.missing[gi].discard(pos)
+        buf = self.buffers.get(gi)
+        if buf is None:
+            buf = self.buffers[gi] = torch.zeros(group.padded, dtype=self.h.reduce_dtype(g.dtype), device=g.device)
+        o = group.offsets[pos]
+        buf[o: o + g.numel()].copy_(g.reshape(-1))
+        self.missing[gi].discard(pos)
         if self.after_grad is not None and not self.missing[gi]:
             self.after_grad(gi)
         self._launch_ready()
@@ -116,8 +111,6 @@ class _ReduceSink:
         self.pending.clear()
         for r in self.results.values():
             r.div_(h.world)
-        if self.leaf_names is None:
-            return [self.results[gi] for gi in range(len(h.layout.groups))]
         grads = h.grads_from_results(self.results)
         return [grads[n] for n in self.leaf_names]
 
@@ -381,11 +374,15 @@ class _ShardHandler(Handler):
             hooks.append(m.register_forward_pre_hook(lambda mod, inp, gi=gi: gather(gi)))
             hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: free(gi)))
 
-        def wrapped(flats, *a, **kw):
+        try:
+            for gi in range(len(groups)):
+                if gi not in unit_groups:
+                    gather(gi)  # parameters outside every unit stay gathered for the step
+            # The autograd leaves are the parameters as views of their unit's buffer (made
+            # while the buffer has its size: views are checked against it, no page is touched),
+            # so each gradient arrives on its own and is copied into its group's reduce buffer.
             views = {}
-            for g, flat in zip(groups, flats):
-                # Views are checked against the storage's size when made: give a freed
-                # unit its size back for that moment (no page is touched), then free again.
+            for g, flat in zip(groups, full):
                 freed = g.index not in gathered
                 if freed:
                     flat.untyped_storage().resize_(g.padded * flat.element_size())
@@ -393,17 +390,16 @@ class _ShardHandler(Handler):
                     views[name] = v
                 if freed:
                     flat.untyped_storage().resize_(0)
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return fn({k: views[k] for k in self.names}, *a, **kw)
+            views = {k: views[k] for k in self.names}
+            leaf_names = [path[0].entry for path in tree.paths(views)]
 
-        sink = _ReduceSink(self, [(gi, -1) for gi in range(len(groups))], None)
-        sink.after_grad = lambda gi: free(gi) if gi in unit_groups else None
-        try:
-            for gi in range(len(groups)):
-                if gi not in unit_groups:
-                    gather(gi)  # parameters outside every unit stay gathered for the step
-            value, chunks = next(wrapped, list(full), args, kwargs, grad_sink=sink, **options)
-            return value, self.grads_from_results(dict(enumerate(chunks)))
+            def wrapped(p, *a, **kw):
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                    return fn(p, *a, **kw)
+
+            sink = _ReduceSink(self, [layout.where[n] for n in leaf_names], leaf_names)
+            sink.after_grad = lambda gi: free(gi) if gi in unit_groups else None
+            return next(wrapped, views, args, kwargs, grad_sink=sink, **options)
         finally:
             for h in hooks:
                 h.remove()

@@ -1,0 +1,88 @@
+"""Point-to-point sends with names and timeouts, between the ranks of one mesh axis.
+
+A pipeline moves activations forward and their gradients backward between neighbouring
+stages. Sends are asynchronous (``isend``; the tensor is kept alive until the send is
+waited on), so the only blocking operation is a receive, and each receive waits at most
+``timeout_s``: a peer that raised, died or took another path ends in a
+:class:`~fzero.distributed.comm.CollectiveError` that names what was expected, from which
+rank, instead of a hang.
+
+Ranks are given as positions on the axis (``0 .. size-1``); the global rank of a position is
+looked up once.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from fzero.distributed.comm import CollectiveError
+
+__all__ = ["Channel"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class _Send:
+    __slots__ = ("work", "tensor", "what")
+
+    def __init__(self, work, tensor, what):
+        self.work, self.tensor, self.what = work, tensor, what
+
+
+class Channel:
+    """Sends and receives between positions of one process group.
+
+    Args:
+        group: the process group of the axis (``mesh.group(axis)``).
+        timeout_s: how long a receive (or the wait for a send) may take.
+        where: the public function to name in errors (``"fzero.pipeline"``).
+    """
+
+    def __init__(self, group, *, timeout_s: float, where: str):
+        self.group, self.timeout_s, self.where = group, float(timeout_s), where
+        self.size = dist.get_world_size(group)
+        self._global = [dist.get_global_rank(group, i) for i in range(self.size)]
+        self._sends: list[_Send] = []
+
+    def global_rank(self, position: int) -> int:
+        return self._global[position]
+
+    def isend(self, tensor: torch.Tensor, to: int, what: str, *, tag: int = 0) -> None:
+        """Start sending ``tensor`` to position ``to``; it is kept alive until :meth:`flush`."""
+        tensor = tensor.contiguous()
+        try:
+            work = dist.isend(tensor, dst=self._global[to], group=self.group, tag=tag)
+        except Exception as e:  # noqa: BLE001
+            raise CollectiveError(f"{self.where}: send of {what} to rank {self._global[to]} failed to start "
+                                  f"on rank {_rank()}: {e}") from e
+        self._sends.append(_Send(work, tensor, what))
+        # Drop the sends that are already done, so what they keep alive can go.
+        if len(self._sends) > 8:
+            self._sends = [s for s in self._sends if not s.work.is_completed()]
+
+    def recv(self, buf: torch.Tensor, frm: int, what: str, *, tag: int = 0) -> torch.Tensor:
+        """Receive ``what`` from position ``frm`` into ``buf`` (waits at most ``timeout_s``)."""
+        src = self._global[frm]
+        try:
+            work = dist.irecv(buf, src=src, group=self.group, tag=tag)
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001
+            raise CollectiveError(
+                f"{self.where}: rank {_rank()} waited for {what} from rank {src} and got nothing within "
+                f"{self.timeout_s:g} s (that rank may have raised, died or taken another path): {e}") from e
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every started send."""
+        sends, self._sends = self._sends, []
+        for s in sends:
+            try:
+                s.work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except Exception as e:  # noqa: BLE001
+                raise CollectiveError(f"{self.where}: send of {s.what} from rank {_rank()} did not complete "
+                                      f"within {self.timeout_s:g} s: {e}") from e
