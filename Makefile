@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(PY) examples/train_gpt.py
+	$(VENV)/bin/fzero launch --nproc 2 examples/train_gpt.py --zero 2 --ckpt runs/demo
 
 test: install
 	$(PY) -m pytest -q --timeout=900

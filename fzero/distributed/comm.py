@@ -8,7 +8,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Pending", "run", "start"]
+__all__ = ["CollectiveError", "Pending", "all_gather_flat", "reduce_scatter_flat", "run", "start"]
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on
+# the GPU machines) has only the old ones. Same arguments either way.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveError(RuntimeError):
@@ -63,6 +68,6 @@ def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: floa
     x = torch.tensor(values, dtype=torch.int64)
     n = dist.get_world_size(group)
     out = torch.empty(n * len(values), dtype=torch.int64)
-    run(name, lambda: dist.all_gather_into_tensor(out, x, group=group, async_op=True),
+    run(name, lambda: all_gather_flat(out, x, group=group, async_op=True),
         timeout_s=timeout_s, where=where)
     return out.view(n, len(values))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fzero import tree
+from fzero.distributed import comm
 
 __all__ = ["Group", "Layout", "Shard", "ShardInfo", "build_layout"]
 
@@ -88,7 +89,7 @@ class Shard:
         send = torch.zeros(width, dtype=self.local.dtype, device=self.local.device)
         send[: self.local.numel()] = self.local.detach().reshape(-1)
         recv = torch.empty(width * info.world, dtype=send.dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=info.group)
+        comm.all_gather_flat(recv, send, group=info.group)
         parts = [recv[r * width: r * width + (b - a)] for r, (a, b) in enumerate(pieces)]
         return torch.cat(parts).reshape(info.shape)
 

@@ -99,7 +99,7 @@ class _ReduceSink:
             out = torch.empty(group.chunk, dtype=buf.dtype, device=buf.device)
             self.pending[gi] = comm.start(
                 f"reduce_scatter(gradient group {gi}, {group.padded} elements)",
-                lambda: dist.reduce_scatter_tensor(out, buf, group=h.group, async_op=True),
+                lambda: comm.reduce_scatter_flat(out, buf, group=h.group, async_op=True),
                 lambda: out, where=WHERE)
             # ``buf`` stays referenced by the work until it completes, then is freed.
 
@@ -316,7 +316,7 @@ class _ShardHandler(Handler):
             full.copy_(own)
             return full
         comm.run(f"all_gather(parameter group {g.index}, {g.padded} elements)",
-                 lambda: dist.all_gather_into_tensor(full, own, group=self.group, async_op=True),
+                 lambda: comm.all_gather_flat(full, own, group=self.group, async_op=True),
                  timeout_s=self.timeout_s, where=WHERE)
         return full
 
