@@ -1,0 +1,212 @@
+"""What does fzero cost on one device? A ~10.7M-parameter GPT, plain PyTorch vs ``fzero.compile``.
+
+Both programs do the same math on the same batches from the same initial weights: AdamW
+(decoupled weight decay 0.1 on the Linear weight matrices only, warmup-cosine learning rate),
+gradients clipped to global norm 1.0. The plain one is the loop everyone writes -- the module,
+``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``; the fzero one is
+the pure ``train_step`` of ``examples/train_gpt.py``, clipped by ``fzero.compile(..., clip_norm=1.0)``.
+
+They run alternately, one step each, in one process after a warmup, so drift in the machine
+(turbo, other tenants) hits both alike; the order within a pair flips every step so neither
+always runs on a cache the other warmed. We report median step times (wall and CPU), their
+ratio fzero/plain, the median of the per-pair ratios, and the load average: on shared cores a
+run with a load above the core count measures the neighbours more than the programs::
+
+    python benchmarks/overhead.py --steps 12 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import optim
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+LR, WARMUP, TOTAL, END_LR = 3e-4, 10, 1000, 3e-5
+BETAS, EPS, WEIGHT_DECAY, CLIP = (0.9, 0.999), 1e-8, 0.1, 1.0
+NO_DECAY = (".bias", "ln_1.weight", "ln_2.weight", "ln_f.weight", "wte.weight", "wpe.weight")
+
+
+def lr_at(count: int) -> float:
+    """optax's warmup_cosine_decay_schedule(0, LR, WARMUP, TOTAL, END_LR), for the plain loop."""
+    if count < WARMUP:
+        return LR * count / WARMUP
+    frac = min(count - WARMUP, TOTAL - WARMUP) / (TOTAL - WARMUP)
+    return END_LR + (LR - END_LR) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def make_plain(model: torch.nn.Module):
+    decay = [p for n, p in model.named_parameters() if not n.endswith(NO_DECAY)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(NO_DECAY)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr_at(0), betas=BETAS, eps=EPS, foreach=True,
+    )
+
+    def step(count: int, batch: dict) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(count)
+        opt.zero_grad(set_to_none=True)
+        logits = model(batch["x"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def make_fzero(model: torch.nn.Module):
+    apply, params = fzero.functionalize(model)
+    tx = optim.adamw(
+        optim.schedules.warmup_cosine(LR, warmup=WARMUP, total=TOTAL, end=END_LR),
+        b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+        mask={n: not n.endswith(NO_DECAY) for n in params},
+    )
+
+    def train_step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn(p, batch["x"])
+            return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    compiled = fzero.compile(train_step, fzero.Mesh(dp=-1), clip_norm=CLIP)
+    box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}
+
+    def step(count: int, batch: dict) -> float:
+        box["state"], metrics = compiled(box["state"], batch)
+        return metrics["loss"].item()
+
+    return step
+
+
+def timed(fn, *args) -> tuple[float, float, float]:
+    """Wall and CPU seconds of ``fn(*args)``, and its result.
+
+    CPU time (all of this process's threads) is reported too: on shared cores the wall time
+    includes waiting for other jobs, the CPU time mostly does not.
+    """
+    c, t = time.process_time(), time.perf_counter()
+    out = fn(*args)  # .item() inside each step is the sync point: the step is finished here
+    return time.perf_counter() - t, time.process_time() - c, out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12, help="timed steps of each program")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each program first")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=384)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    # Two copies of one initialisation: functionalize shares storage with its module, so the
+    # plain loop must own separate tensors. deepcopy keeps the tied head tied.
+    plain_step = make_plain(copy.deepcopy(model))
+    fzero_step = make_fzero(model)
+    load_before = os.getloadavg()[0]
+
+    g = torch.Generator().manual_seed(0)
+    n = args.warmup + args.steps
+    batches = []
+    for _ in range(n):
+        x = torch.randint(cfg.vocab_size, (args.batch_size, cfg.block_size + 1), generator=g)
+        batches.append({"x": x[:, :-1].contiguous(), "y": x[:, 1:].contiguous()})
+
+    times = {"plain": [], "fzero": []}
+    cpu = {"plain": [], "fzero": []}
+    losses = {"plain": [], "fzero": []}
+    for i, batch in enumerate(batches):
+        order = [("plain", plain_step), ("fzero", fzero_step)]
+        for name, fn in order if i % 2 == 0 else order[::-1]:
+            dt, dc, loss = timed(fn, i, batch)
+            losses[name].append(loss)
+            if i >= args.warmup:
+                times[name].append(dt)
+                cpu[name].append(dc)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    ratio = med["fzero"] / med["plain"]
+    # The same ratio taken within each alternating pair, then the median: robust to a machine
+    # whose speed drifts over the run (other jobs on shared cores), as a ratio of medians is not.
+    paired = statistics.median(f / p for f, p in zip(times["fzero"], times["plain"]))
+    # Same math, so the same losses up to fp32 reduction order: a benchmark of two programs
+    # that train differently would measure nothing.
+    parity = max(abs(a - b) / abs(a) for a, b in zip(losses["plain"], losses["fzero"]))
+    command = "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {
+        "command": command.strip(),
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "params": n_params,
+        "batch": [args.batch_size, cfg.block_size],
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "median_s": med,
+        "min_s": {k: min(v) for k, v in times.items()},
+        "max_s": {k: max(v) for k, v in times.items()},
+        "ratio_fzero_over_plain": ratio,
+        "paired_ratio_median": paired,
+        "median_cpu_s": med_cpu,
+        "cpu_ratio_fzero_over_plain": med_cpu["fzero"] / med_cpu["plain"],
+        "max_rel_loss_diff": parity,
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+    }
+
+    print(f"`{result['command']}`\n")
+    print(f"machine: {result['cpu']}, {args.threads} torch threads, torch {torch.__version__}, "
+          f"Python {result['python']}; GPT {n_params / 1e6:.1f}M params, batch {args.batch_size}x{cfg.block_size}, "
+          f"{args.steps} timed steps each after {args.warmup} warmup, alternating; "
+          f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    print("| program | median step (ms) | min (ms) | max (ms) | median CPU time (ms) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, label in (("plain", "plain PyTorch (AdamW foreach)"), ("fzero", "fzero.compile")):
+        print(f"| {label} | {1e3 * med[name]:.1f} | {1e3 * result['min_s'][name]:.1f} "
+              f"| {1e3 * result['max_s'][name]:.1f} | {1e3 * med_cpu[name]:.1f} |")
+    print(f"| **fzero / plain** | **{ratio:.3f}** | | | {result['cpu_ratio_fzero_over_plain']:.3f} |")
+    print(f"\nmedian of the {args.steps} paired (same-iteration) ratios fzero/plain: {paired:.3f}")
+    print(f"\nloss parity over {n} steps: max relative difference {parity:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The GPT example: a stored loss curve (torchtitan's loss-parity check) and the sampler.
+
+``tests/data/gpt_loss_curve.json`` holds the first 20 losses of a small fixed config, and
+the exact command that wrote it (its "command" field); run that command from the repository
+root to regenerate the file after a change that is meant to change the numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fzero
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the example imports its model as `gpt`
+
+import train_gpt  # noqa: E402
+from gpt import GPT, GPTConfig, generate  # noqa: E402
+
+CURVE = json.loads((ROOT / "tests" / "data" / "gpt_loss_curve.json").read_text())
+
+# Same program, same seed, same thread count: every step is the same sequence of kernels.
+# rtol 1e-5 (SPEC's reduction-order bound). Repeated runs on the recording machine are
+# bit-identical, even with other jobs competing for its 2 cores: with a fixed thread count
+# each matmul splits its reduction the same way. The slack is for a CPU whose kernels use
+# another vector width (a different summation order); a change in the math moves the
+# losses by far more than 1e-5 within a few steps.
+RTOL, ATOL = 1e-5, 0.0
+
+
+def _argv(tmp_path: Path) -> list[str]:
+    """The stored command's arguments, with the log written to ``tmp_path``."""
+    argv = shlex.split(CURVE["command"])[2:]  # drop "python examples/train_gpt.py"
+    i = argv.index("--log-losses")
+    argv[i + 1] = str(tmp_path / "losses.json")
+    return argv
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpt")
+    threads = torch.get_num_threads()
+    try:
+        out = train_gpt.main(_argv(tmp))
+    finally:
+        torch.set_num_threads(threads)  # main() sets it; leave the session as we found it
+    return out, json.loads((tmp / "losses.json").read_text())
+
+
+def test_loss_curve_matches_stored(run):
+    out, log = run
+    data, _ = train_gpt.load_stdlib(CURVE["config"]["max_bytes"])
+    if hashlib.sha256(data.numpy().tobytes()).hexdigest() != CURVE["data_sha256"]:
+        pytest.skip(f"this Python's stdlib ({platform.python_version()}) is not the one the curve was "
+                    f"recorded on ({CURVE['python']}); regenerate with: {CURVE['command']}")
+    if torch.__version__.split("+")[0] != CURVE["torch"].split("+")[0]:
+        pytest.skip(f"torch {torch.__version__} differs from the recorded {CURVE['torch']}; "
+                    f"regenerate with: {CURVE['command']}")
+    assert log["losses"] == out["losses"]
+    got, want = torch.tensor(out["losses"], dtype=torch.float64), torch.tensor(CURVE["losses"], dtype=torch.float64)
+    assert got.shape == want.shape
+    bad = [(i, g, w) for i, (g, w) in enumerate(zip(got.tolist(), want.tolist()))
+           if abs(g - w) > ATOL + RTOL * abs(w)]
+    assert not bad, f"steps whose loss left the stored curve (step, got, stored): {bad}"
+
+
+def test_loss_falls(run):
+    losses = run[0]["losses"]
+    assert len(losses) == 20
+    # Byte-level: an untrained model is near uniform, ln(256) = 5.55 (a little under: the tied
+    # head favours repeating the input byte, and code repeats spaces). 20 small steps must
+    # take a good part of that off.
+    assert 5.0 < losses[0] < 5.7, losses[0]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert run[0]["val_loss"] < losses[0] - 1.0
+
+
+def test_generate_returns_requested_length():
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
+    apply, params = fzero.functionalize(GPT(cfg))
+    idx = torch.tensor([list(b"abc"), list(b"xyz")])
+    # 20 > block_size: the sampler must crop its context, not fail on the position table.
+    out = generate(apply, params, idx, 20, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 3 + 20)
+    assert torch.equal(out[:, :3], idx)
+    assert 0 <= int(out.min()) and int(out.max()) < 256
+    again = generate(apply, params, idx, 20, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+    assert len(bytes(out[0].tolist())) == 23
