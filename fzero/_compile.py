@@ -29,7 +29,6 @@ OPTIONS: dict[str, Any] = {
 # Options that exist in fzero's design but whose transform has not landed yet: giving
 # them a non-default value is an error that says so, never a silent no-op.
 _NOT_YET = {
-    "reduce_dtype": "a gradient reduction dtype (fzero.shard_state) is not supported yet",
     "overlap_comm": "turning off overlapped communication is not supported yet",
 }
 
@@ -85,6 +84,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         zero: ZeRO stage 0-3 over the mesh's ``dp`` axis (``fzero.shard_state``); on a
             mesh of more than one rank, stage 0 is plain data parallelism (DDP).
         bucket_size: bytes per gradient bucket (default 25 MiB).
+        reduce_dtype: the dtype gradients are summed in across ranks (``"fp32"``,
+            ``"bf16"``, ``"fp16"``; default fp32 for low-precision gradients).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         accumulate: micro-batches per update.
         clip_norm: clip gradients to this global L2 norm; ``metrics["grad_norm"]`` then
@@ -147,7 +148,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         from fzero.transforms.shard_state import DEFAULT_BUCKET_BYTES, shard_state
 
         inner = shard_state(inner, mesh, opts["zero"],
-                            bucket_bytes=opts["bucket_size"] or DEFAULT_BUCKET_BYTES)
+                            bucket_bytes=opts["bucket_size"] or DEFAULT_BUCKET_BYTES,
+                            reduce_dtype=opts["reduce_dtype"])
 
     def init(state):
         if not isinstance(state, TrainState):

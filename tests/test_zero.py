@@ -321,3 +321,34 @@ def _composed(order, stage, k, precision, seed, steps=4, per_rank=4):
        precision=st.sampled_from(["fp32", "bf16", "fp16"]), seed=st.integers(0, 100))
 def test_compositions_in_any_order_equal_the_reference(ranks, order, stage, world, k, precision, seed):
     ranks(world).run(_composed, tuple(order), stage, k, precision, seed)
+
+
+def _bf16_reduction(stage):
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def make_model():
+        torch.manual_seed(5)
+        return Blocks(5, 8, 2, 3)
+
+    g = torch.Generator().manual_seed(6)
+    batches = [{"x": torch.randn(4 * n, 5, generator=g), "y": torch.randn(4 * n, 3, generator=g)} for _ in range(4)]
+    ref = _state(make_model, "sgd")
+    for b in batches:
+        ref, _ = _train_step(ref, b)
+    step = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), stage, reduce_dtype="bf16")
+    state = step.init(_state(make_model, "sgd"))
+    for b in batches:
+        state, _ = step(state, _local(b, n, r))
+    # Summed in bf16 (8 bits of mantissa): close to the fp32 trajectory, not equal to it.
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, rtol=2e-2, atol=2e-3)
+    exact = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), stage)
+    state = exact.init(_state(make_model, "sgd"))
+    for b in batches:
+        state, _ = exact(state, _local(b, n, r))
+    ft.assert_trees_close(fzero.gather(state.params), ref.params)
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_reduce_dtype_bf16(ranks, stage):
+    assert ranks(2).run(_bf16_reduction, stage) == [True, True]

@@ -167,8 +167,10 @@ class _ReduceSink:
 
 
 class _ShardHandler(Handler):
-    def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None):
+    def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
+                 reduce_in: torch.dtype | None = None):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
+        self.reduce_in = reduce_in
         self.world = mesh.size("dp")
         self.rank = mesh.coords["dp"]
         self.group = mesh.group("dp")
@@ -283,9 +285,11 @@ class _ShardHandler(Handler):
 
     # ---------------------------------------------------------------- primitives
 
-    @staticmethod
-    def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
-        """Gradients are summed in fp32 whatever their dtype (bf16 sums lose bits fast)."""
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients are summed in: the one asked for, else fp32 for low-precision
+        gradients (bf16 sums lose bits fast) and the gradients' own otherwise."""
+        if self.reduce_in is not None:
+            return self.reduce_in
         return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
     def psum(self, value, *, next):
@@ -488,6 +492,7 @@ def shard_state(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     units: Callable[[torch.nn.Module], bool] | None = None,
     timeout_s: float | None = None,
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
 ) -> Step:
     """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
 
@@ -505,6 +510,9 @@ def shard_state(
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
+        reduce_dtype: the dtype gradients are summed in across ranks (halving the bytes
+            moved with ``"bf16"``); default fp32 for low-precision gradients, else their own.
+            The reduced gradient is kept in the parameters' dtype either way.
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
@@ -518,9 +526,14 @@ def shard_state(
         raise ValueError(f"{WHERE}: stage={stage!r} must be 0, 1, 2 or 3")
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"{WHERE}: bucket_bytes={bucket_bytes!r} must be a positive int")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+        if reduce_dtype not in dtypes:
+            raise ValueError(f"{WHERE}: reduce_dtype={reduce_dtype!r} must be 'fp32', 'bf16', 'fp16' or a torch dtype")
+        reduce_dtype = dtypes[reduce_dtype]
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
-    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s)
+    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype)
 
     def init(state):
         return handler.init(inner.init(state))
