@@ -126,12 +126,15 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU, fzero's AdamW runs the fused kernel)")
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=384)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=384)
-    model = GPT(cfg)
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=args.n_layer, n_head=6, n_embd=args.n_embd)
+    model = GPT(cfg).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     # Two copies of one initialisation: functionalize shares storage with its module, so the
     # plain loop must own separate tensors. deepcopy keeps the tied head tied.
@@ -144,7 +147,7 @@ def main(argv=None) -> dict:
     batches = []
     for _ in range(n):
         x = torch.randint(cfg.vocab_size, (args.batch_size, cfg.block_size + 1), generator=g)
-        batches.append({"x": x[:, :-1].contiguous(), "y": x[:, 1:].contiguous()})
+        batches.append({"x": x[:, :-1].contiguous().to(args.device), "y": x[:, 1:].contiguous().to(args.device)})
 
     times = {"plain": [], "fzero": []}
     cpu = {"plain": [], "fzero": []}
@@ -190,6 +193,9 @@ def main(argv=None) -> dict:
     }
 
     print(f"`{result['command']}`\n")
+    if args.device != "cpu":
+        result["device"] = torch.cuda.get_device_name()
+        print(f"device: {result['device']}")
     print(f"machine: {result['cpu']}, {args.threads} torch threads, torch {torch.__version__}, "
           f"Python {result['python']}; GPT {n_params / 1e6:.1f}M params, batch {args.batch_size}x{cfg.block_size}, "
           f"{args.steps} timed steps each after {args.warmup} warmup, alternating; "
