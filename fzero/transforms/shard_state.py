@@ -168,9 +168,10 @@ class _ReduceSink:
 
 class _ShardHandler(Handler):
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
-                 reduce_in: torch.dtype | None = None):
+                 reduce_in: torch.dtype | None = None, prefetch: bool = True):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
         self.reduce_in = reduce_in
+        self.prefetch = prefetch
         self.world = mesh.size("dp")
         self.rank = mesh.coords["dp"]
         self.group = mesh.group("dp")
@@ -392,15 +393,45 @@ class _ShardHandler(Handler):
                 own[lo: lo + (b - a)] = params[name].local.reshape(-1)
             return own
 
-        def gather(gi):
-            if gi in gathered:
+        # Prefetch (``prefetch=True``): once a unit is gathered, the all-gather of the next
+        # unit in the direction of travel (forward order in forward, reverse in backward)
+        # starts asynchronously, so it overlaps this unit's compute. Every rank runs the
+        # same hooks in the same order, so the collectives match.
+        order = [gi for _, gi in self.units]
+        at = {gi: i for i, gi in enumerate(order)}
+        inflight: dict[int, tuple[comm.Pending, torch.Tensor]] = {}
+
+        def allocate(gi):
+            full[gi].untyped_storage().resize_(groups[gi].padded * full[gi].element_size())
+
+        def note_peak():
+            now = sum(groups[i].padded * full[i].element_size() for i in gathered | set(inflight))
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
+
+        def start_prefetch(gi):
+            if gi in gathered or gi in inflight or self.world == 1:
                 return
             g = groups[gi]
-            full[gi].untyped_storage().resize_(g.padded * full[gi].element_size())
-            self._gather_group(g, own_slice(gi), full[gi])
-            gathered.add(gi)
-            now = sum(groups[i].padded * full[i].element_size() for i in gathered)
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
+            allocate(gi)
+            own = own_slice(gi)  # kept alive with the work until it completes
+            work = comm.start(f"all_gather(parameter group {gi}, {g.padded} elements, prefetch)",
+                              lambda: comm.all_gather_flat(full[gi], own, group=self.group, async_op=True),
+                              where=WHERE)
+            inflight[gi] = (work, own)
+            note_peak()
+
+        def gather(gi, direction=1):
+            if gi not in gathered:
+                if gi in inflight:
+                    work, _ = inflight.pop(gi)
+                    work.wait(self.timeout_s)
+                else:
+                    allocate(gi)
+                    self._gather_group(groups[gi], own_slice(gi), full[gi])
+                gathered.add(gi)
+                note_peak()
+            if self.prefetch and gi in at and 0 <= at[gi] + direction < len(order):
+                start_prefetch(order[at[gi] + direction])
 
         def free(gi):
             if gi in gathered:
@@ -418,7 +449,7 @@ class _ShardHandler(Handler):
         def unpack(x):
             if isinstance(x, tuple) and len(x) == 5 and x[0] is _Handle:
                 _, gi, shape, stride, offset = x
-                gather(gi)
+                gather(gi, -1)
                 return full[gi].as_strided(shape, stride, offset)
             return x
 
@@ -456,6 +487,10 @@ class _ShardHandler(Handler):
         finally:
             for h in hooks:
                 h.remove()
+            for gi, (work, _) in list(inflight.items()):  # prefetched, never used
+                work.wait(self.timeout_s)
+                gathered.add(gi)
+            inflight.clear()
             for gi in list(gathered):
                 free(gi)
 
@@ -493,6 +528,7 @@ def shard_state(
     units: Callable[[torch.nn.Module], bool] | None = None,
     timeout_s: float | None = None,
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
+    prefetch: bool = True,
 ) -> Step:
     """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
 
@@ -513,6 +549,8 @@ def shard_state(
         reduce_dtype: the dtype gradients are summed in across ranks (halving the bytes
             moved with ``"bf16"``); default fp32 for low-precision gradients, else their own.
             The reduced gradient is kept in the parameters' dtype either way.
+        prefetch: stage 3: start gathering the next unit while the current one computes
+            (one extra unit resident at a time).
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
@@ -533,7 +571,7 @@ def shard_state(
         reduce_dtype = dtypes[reduce_dtype]
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
-    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype)
+    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype, prefetch)
 
     def init(state):
         return handler.init(inner.init(state))
