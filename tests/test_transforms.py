@@ -156,6 +156,9 @@ def deepspeed_scaler(events, window, hysteresis, consecutive):
     for overflow in events:
         if overflow:
             if hysteresis == 1 or hyst == 1:
+                if scale == 1.0:  # raise_error_at_min_scale, DeepSpeed's default
+                    out.append("raise")
+                    return out
                 scale = max(scale / 2, 1.0)
             else:
                 hyst -= 1
@@ -173,14 +176,28 @@ def deepspeed_scaler(events, window, hysteresis, consecutive):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.booleans(), max_size=60), st.integers(1, 5), st.integers(1, 3), st.booleans())
+@given(st.lists(st.booleans(), max_size=80), st.integers(1, 5), st.integers(1, 3), st.booleans())
 def test_scaler_follows_deepspeed(events, window, hysteresis, consecutive):
     s = LossScaler.create(16, hysteresis)
     got = []
     for e in events:
-        s = _update_scaler(s, e, window=window, hysteresis=hysteresis, consecutive=consecutive, min_scale=1.0)
+        try:
+            s = _update_scaler(s, e, window=window, hysteresis=hysteresis, consecutive=consecutive, min_scale=1.0)
+        except FloatingPointError:
+            got.append("raise")
+            break
         got.append((float(s.scale), int(s.hysteresis)))
     assert got == deepspeed_scaler(events, window, hysteresis, consecutive)
+
+
+def test_scaler_reaches_the_minimum_then_raises():
+    events = [True] * 40  # hysteresis 2: one overflow spent, then 16 halvings to 1, then an error
+    assert deepspeed_scaler(events, 1000, 2, False)[-1] == "raise"
+    s = LossScaler.create(16, 2)
+    with pytest.raises(FloatingPointError, match="minimum loss scale"):
+        for e in events:
+            s = _update_scaler(s, e, window=1000, hysteresis=2, consecutive=False, min_scale=1.0)
+    assert float(s.scale) == 1.0
 
 
 def test_overflow_at_min_scale_is_an_error():
