@@ -35,6 +35,7 @@ from fzero import optim
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from zero import cpu_model  # noqa: E402  (benchmarks/zero.py: one helper for every table)
 
 LR, WARMUP, TOTAL, END_LR = 3e-4, 10, 1000, 3e-5
 BETAS, EPS, WEIGHT_DECAY, CLIP = (0.9, 0.999), 1e-8, 0.1, 1.0
@@ -47,17 +48,6 @@ def lr_at(count: int) -> float:
         return LR * count / WARMUP
     frac = min(count - WARMUP, TOTAL - WARMUP) / (TOTAL - WARMUP)
     return END_LR + (LR - END_LR) * 0.5 * (1 + math.cos(math.pi * frac))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_plain(model: torch.nn.Module):

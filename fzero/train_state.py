@@ -85,7 +85,6 @@ class TrainState:
 
 @register_primitive("apply_gradients")
 def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
-    from fzero import optim
 
     tree.assert_same_structure(
         state.params, grads, what="fzero.TrainState.apply_gradients", names=("state.params", "grads")

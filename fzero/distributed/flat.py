@@ -25,7 +25,6 @@ from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
 
 from fzero import tree
 from fzero.distributed import comm
