@@ -6,6 +6,8 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fzero.distributed.mesh import Mesh
 from fzero.train_state import TrainState
 from fzero.transforms._core import Step, as_step, collecting_metrics
@@ -24,6 +26,7 @@ OPTIONS: dict[str, Any] = {
     "reduce_dtype": None,
     "bucket_size": None,
     "overlap_comm": True,
+    "buffer_sync": "broadcast",
 }
 
 # Options that exist in fzero's design but whose transform has not landed yet: giving
@@ -94,6 +97,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         loss_scale_options: fp16 scaler settings, DeepSpeed's names
             (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
             ``consecutive_hysteresis``, ``min_loss_scale``).
+        buffer_sync: how the model's buffers agree across ``dp`` ranks after each step:
+            ``"broadcast"`` (DDP's: dp-rank 0's), ``"mean"`` or ``"local"`` (see
+            :func:`fzero.shard_state`).
+
+    After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
+    (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
+    ``fzero.load_into(module, state)`` writes the trained ones back.
 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
@@ -149,7 +159,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 
         inner = shard_state(inner, mesh, opts["zero"],
                             bucket_bytes=opts["bucket_size"] or DEFAULT_BUCKET_BYTES,
-                            reduce_dtype=opts["reduce_dtype"])
+                            reduce_dtype=opts["reduce_dtype"], buffer_sync=opts["buffer_sync"])
 
     def init(state):
         if not isinstance(state, TrainState):
@@ -157,7 +167,15 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if cfg is not None:
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = cfg.install(state)
-        return inner.init(state)
+        state = inner.init(state)
+        module = getattr(state.apply_fn, "module", None)
+        if isinstance(module, torch.nn.Module):
+            # The module is only code from here on (its parameters live in the state);
+            # fzero.load_into writes trained weights back.
+            from fzero.transforms.shard_state import release_parameters
+
+            release_parameters(module)
+        return state
 
     def call(state, batch):
         with collecting_metrics() as emitted:

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
+from fzero._params import merge_trainable, trainable
 from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, emit_metric, installed, psum
 
 __all__ = ["LossScaler", "mixed_precision"]
@@ -193,8 +194,11 @@ def mixed_precision(
         # outside this transform finds the masters and partitions them.
         if "master" not in state.extra:
             low = DTYPES[dtype]
-            master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, state.params)
-            params = tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master)
+            # Masters for the trainable parameters only; frozen ones keep their own dtype
+            # (bit-identical, as they must stay) and autocast casts them per op.
+            master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, trainable(state.params))
+            params = merge_trainable(state.params,
+                                     tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master))
             state = state.replace(params=params, opt_state=state.tx.init(master),
                                   extra={**state.extra, "master": master})
         if loss_scale == "dynamic" and "loss_scale" not in state.extra:
