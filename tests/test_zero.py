@@ -118,7 +118,7 @@ def _storage_bytes(*trees) -> int:
     seen, total = set(), 0
     for t in trees:
         for x in fzero.tree.leaves(t):
-            if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes():
+            if isinstance(x, torch.Tensor) and not x.is_meta and x.untyped_storage().nbytes():
                 s = x.untyped_storage()
                 if s.data_ptr() not in seen:
                     seen.add(s.data_ptr())
@@ -146,7 +146,11 @@ def _memory(stage, width, depth, bucket_bytes, precision="fp32"):
     state = step.init(state)
     for _ in range(2):
         state, _ = step(state, {"x": torch.randn(4, 16), "y": torch.randn(4, 16)})
-    between = _storage_bytes(state.params, state.opt_state, state.extra.get("master"))
+    # Every byte the process holds for the model: the state and the user's module (whose
+    # own parameters would otherwise be a dead fp32 copy of the initial model).
+    module = state.apply_fn.module
+    between = _storage_bytes(state.params, state.opt_state, state.extra.get("master"),
+                             list(module.parameters()), list(module.buffers()))
     return {"psi": psi, "between": between, **seen, "peak_gathered": step.handler.peak_gathered_bytes,
             "max_group": max(g.padded * 4 for g in step.handler.layout.groups)}
 
