@@ -159,8 +159,7 @@ def _train_strided(step, batches, mode):
     return fzero.gather(state.params)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("on", marks=pytest.mark.xfail(
-    strict=True, reason="the fused path views parameters flat")), "off"])
+@pytest.mark.parametrize("mode", ["on", "off"])
 def test_non_contiguous_parameters_train_like_torch_adamw(mode):
     batches = _strided_batches(8)
     got = _train_strided(fzero.compile(train_step), batches, mode)
@@ -176,7 +175,6 @@ def _strided_data_parallel(mode):
     return True
 
 
-@pytest.mark.xfail(strict=True, reason="the fused path views parameters flat")
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_non_contiguous_parameters_under_data_parallelism(ranks):
