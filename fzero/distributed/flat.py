@@ -94,7 +94,7 @@ class Shard:
         send = torch.zeros(width, dtype=self.local.dtype, device=self.local.device)
         send[: self.local.numel()] = self.local.detach().reshape(-1)
         recv = torch.empty(width * info.world, dtype=send.dtype, device=send.device)
-        comm.all_gather_flat(recv, send, group=info.group)
+        comm.all_gather_flat(recv, send, group=info.group, what="gather")
         parts = [recv[r * width: r * width + (b - a)] for r, (a, b) in enumerate(pieces)]
         return torch.cat(parts).reshape(info.shape)
 
