@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 import fzero
 import fzero.testing as ft
 import fzero_kernels
+import fzero_kernels._common
 from fzero import optim
 from fzero.optim.fused import fused_update
 
@@ -107,3 +110,73 @@ def test_fused_triton_kernel_under_the_interpreter_equals_unfused():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "triton-ok" in r.stdout, r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- parameter layouts
+
+
+class _Strided(nn.Module):
+    """Parameters whose memory is not in row-major order: a transposed matrix, and a
+    strided view with gaps between its elements."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.w = nn.Parameter(torch.randn(4, 3).t())  # shape (3, 4), stride (1, 3)
+        self.v = nn.Parameter(torch.randn(4, 9).as_strided((4, 2), (9, 4)))
+        self.b = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w) @ self.v + self.b
+
+
+def _strided_batches(n):
+    g = torch.Generator().manual_seed(6)
+    return [{"x": torch.randn(n, 3, generator=g), "y": torch.randn(n, 2, generator=g)} for _ in range(5)]
+
+
+def _torch_adamw_params(batches):
+    ref = _Strided()
+    assert not ref.w.is_contiguous() and not ref.v.is_contiguous()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for b in batches:
+        opt.zero_grad()
+        F.mse_loss(ref(b["x"]), b["y"]).backward()
+        opt.step()
+    return {k: v.detach() for k, v in ref.named_parameters()}
+
+
+def _train_strided(step, batches, mode):
+    apply, params = fzero.functionalize(_Strided())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1))
+    calls = fzero_kernels._common.CALLS[("fzero_kernels.adamw_", "reference")]
+    with optim.use_fused(mode), fzero_kernels.force_backend("reference"):
+        state = step.init(state)
+        for b in batches:
+            state, _ = step(state, b)
+    ran_fused = fzero_kernels._common.CALLS[("fzero_kernels.adamw_", "reference")] > calls
+    assert ran_fused == (mode == "on"), (mode, ran_fused)
+    return fzero.gather(state.params)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_non_contiguous_parameters_train_like_torch_adamw(mode):
+    batches = _strided_batches(8)
+    got = _train_strided(fzero.compile(train_step), batches, mode)
+    ft.assert_trees_close(got, _torch_adamw_params(batches), what=f"params, fused {mode}")
+
+
+def _strided_data_parallel(mode):
+    n, r = dist.get_world_size(), dist.get_rank()
+    batches = _strided_batches(4 * n)
+    step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=0)
+    got = _train_strided(step, [{k: v.chunk(n)[r] for k, v in b.items()} for b in batches], mode)
+    ft.assert_trees_close(got, _torch_adamw_params(batches), what=f"params, fused {mode}, rank {r}")
+    return True
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_non_contiguous_parameters_under_data_parallelism(ranks):
+    for mode in ("on", "off"):
+        assert ranks(2).run(_strided_data_parallel, mode) == [True, True]

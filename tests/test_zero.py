@@ -384,3 +384,60 @@ def test_a_partitioned_gradient_used_as_a_tensor_is_an_error_not_a_local_value(r
     for errors in ranks(2).run(_shard_used_as_a_tensor, stage):
         assert all(e and "global shape (2, 3)" in e and "fzero.gather" in e for e in errors), errors
         assert "'.norm'" in errors[0] and "sum" in errors[1] and "arithmetic" in errors[2]
+
+# --------------------------------------------------------------------------- optimizer masks
+
+
+# optax-style callable masks: by rank of the tensor, and by name (the usual "no decay on biases").
+MASKS = {
+    "ndim": lambda p: fzero.tree.map(lambda x: x.ndim > 1, p),
+    "name": lambda p: fzero.tree.map_with_path(lambda path, x: not fzero.tree.keystr(path).endswith(".bias']"), p),
+}
+
+
+def _masked_adamw_like_torch_param_groups(stage, fused):
+    """A callable weight-decay mask sees whole parameters at every stage: the trajectory is
+    torch.optim.AdamW's with decay on the matrices only (two param groups), full batch."""
+    import fzero_kernels
+    import fzero_kernels._common
+
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def make_model():
+        torch.manual_seed(11)
+        return Blocks(5, 8, 2, 3)
+
+    g = torch.Generator().manual_seed(12)
+    batches = [{"x": torch.randn(4 * n, 5, generator=g), "y": torch.randn(4 * n, 3, generator=g)} for _ in range(4)]
+    ref = make_model()
+    matrices = [p for p in ref.parameters() if p.dim() > 1]
+    vectors = [p for p in ref.parameters() if p.dim() <= 1]
+    assert matrices and vectors
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.5}, {"params": vectors, "weight_decay": 0.0}],
+                            lr=1e-2)
+    for b in batches:
+        opt.zero_grad()
+        F.mse_loss(ref(b["x"]), b["y"]).backward()
+        opt.step()
+    expected = {k: v.detach() for k, v in ref.named_parameters()}
+    for kind, mask in MASKS.items():
+        apply, params = fzero.functionalize(make_model())
+        state = fzero.TrainState.create(apply_fn=apply, params=params,
+                                        tx=optim.adamw(1e-2, weight_decay=0.5, mask=mask))
+        step = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), stage, bucket_bytes=256)
+        kernel_calls = fzero_kernels._common.CALLS[("fzero_kernels.adamw_", "reference")]
+        with optim.use_fused(fused), fzero_kernels.force_backend("reference"):
+            state = step.init(state)
+            for b in batches:
+                state, _ = step(state, _local(b, n, r))
+        ran_fused = fzero_kernels._common.CALLS[("fzero_kernels.adamw_", "reference")] > kernel_calls
+        assert ran_fused == (fused == "on"), (fused, ran_fused)
+        ft.assert_trees_close(fzero.gather(state.params), expected,
+                              what=f"params, mask by {kind}, fused {fused}, stage {stage}, rank {r}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_callable_mask_sees_whole_parameters_at_every_stage(ranks, stage):
+    for fused in ("off", "on"):
+        assert ranks(2).run(_masked_adamw_like_torch_param_groups, stage, fused) == [True, True]

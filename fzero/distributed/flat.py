@@ -79,6 +79,12 @@ class Shard:
     def shape(self):
         return self.info.shape
 
+    def __fzero_meta__(self) -> torch.Tensor:
+        """The whole leaf's metadata as a meta tensor (global shape, this piece's dtype, no
+        storage): what a function of the parameters' structure, such as an optimizer mask,
+        needs to see instead of this rank's 1-D piece."""
+        return torch.empty(self.info.shape, dtype=self.local.dtype, device="meta")
+
     def __fzero_gather__(self) -> torch.Tensor:
         info = self.info
         if info.world == 1:
@@ -88,7 +94,7 @@ class Shard:
         send = torch.zeros(width, dtype=self.local.dtype, device=self.local.device)
         send[: self.local.numel()] = self.local.detach().reshape(-1)
         recv = torch.empty(width * info.world, dtype=send.dtype, device=send.device)
-        comm.all_gather_flat(recv, send, group=info.group)
+        comm.all_gather_flat(recv, send, group=info.group, what="gather")
         parts = [recv[r * width: r * width + (b - a)] for r, (a, b) in enumerate(pieces)]
         return torch.cat(parts).reshape(info.shape)
 

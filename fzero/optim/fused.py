@@ -132,7 +132,11 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     kernel = fzero_kernels.adamw_ if spec.kind == "adamw" else fzero_kernels.adam_
     new_p, new_mu, new_nu = [], [], []
     for p, g, m, v, d in zip(p_leaves, g_leaves, mu, nu, decay):
-        p2, m2, v2 = p.detach().clone(), m.clone(), v.clone()
+        # The kernels take flat, contiguous tensors. A parameter need not be row-major (a
+        # transposed weight, a strided view; its moments inherit its strides), and a clone
+        # keeps a dense tensor's strides, so the copies are made row-major explicitly; the
+        # gradient, whatever its layout, is read in the same (logical) element order.
+        p2, m2, v2 = (t.detach().clone(memory_format=torch.contiguous_format) for t in (p, m, v))
         if p.numel():
             kernel(p2.view(-1), g.detach().reshape(-1).contiguous(), m2.view(-1), v2.view(-1), lr=lr, beta1=spec.b1,
                    beta2=spec.b2, eps=spec.eps, weight_decay=spec.weight_decay if d else 0.0, step=count + 1,

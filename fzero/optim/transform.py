@@ -476,9 +476,29 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
+def _is_piece(x: Any) -> bool:
+    """A partitioned leaf (ZeRO's ``Shard``): a node whose leaf is this rank's piece."""
+    return hasattr(x, "__fzero_meta__")
+
+
+def _whole(params: Params) -> Params:
+    """``params`` with each partitioned leaf replaced by a meta tensor of the whole leaf.
+
+    Under ZeRO stages 1-3 the optimizer sees each rank's 1-D pieces; a callable mask written
+    for whole parameters (optax's ``lambda p: tree.map(lambda x: x.ndim > 1, p)``) would
+    then decide on the pieces' shapes, differently on every stage. It gets the whole leaves'
+    shape, dtype and key path instead (values it must not read: a meta tensor has none).
+    """
+    if not any(_is_piece(x) for x in tree.leaves(params, is_leaf=_is_piece)):
+        return params
+    return tree.map(lambda x: x.__fzero_meta__() if _is_piece(x) else x, params, is_leaf=_is_piece)
+
+
 def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
     """One bool per leaf of ``params``, from a pytree of bools or a callable returning one."""
-    m = mask(params) if callable(mask) else mask
+    # The callable's result has the whole parameters' structure: a prefix of the
+    # partitioned tree's (one bool per Shard node), broadcast onto its pieces below.
+    m = mask(_whole(params)) if callable(mask) else mask
     if tree.structure(m) != tree.structure(params):
         # A mask may be a prefix of the params' tree (as in JAX): one bool for a whole
         # subtree -- e.g. for each leaf that ZeRO has wrapped as a shard of this rank.

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import Params, frozen_names
@@ -132,13 +131,13 @@ class _ReduceSink:
         if h.stage < 2:
             self.pending[gi] = comm.start(
                 f"all_reduce(gradient group {gi}, {group.padded} elements)",
-                lambda: dist.all_reduce(buf, group=h.group, async_op=True),
+                lambda: comm.all_reduce(buf, group=h.group, async_op=True, what="gradients"),
                 lambda: buf, where=WHERE)
         else:
             out = torch.empty(group.chunk, dtype=buf.dtype, device=buf.device)
             self.pending[gi] = comm.start(
                 f"reduce_scatter(gradient group {gi}, {group.padded} elements)",
-                lambda: comm.reduce_scatter_flat(out, buf, group=h.group, async_op=True),
+                lambda: comm.reduce_scatter_flat(out, buf, group=h.group, async_op=True, what="gradients"),
                 lambda: out, where=WHERE)
             self.sending[gi] = buf
             # Bound what is in flight: beyond MAX_IN_FLIGHT buckets, wait for the oldest, so
@@ -362,7 +361,7 @@ class _ShardHandler(Handler):
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
             value = value.clone()
-            comm.run("all_reduce(psum)", lambda: dist.all_reduce(value, group=self.group, async_op=True),
+            comm.run("all_reduce(psum)", lambda: comm.all_reduce(value, group=self.group, async_op=True, what="psum"),
                      timeout_s=self.timeout_s, where=WHERE)
         return next(value)
 
@@ -382,7 +381,7 @@ class _ShardHandler(Handler):
         loss = value[0] if has_aux else value
         if self.world > 1:
             loss = loss.clone()
-            comm.run("all_reduce(loss)", lambda: dist.all_reduce(loss, group=self.group, async_op=True),
+            comm.run("all_reduce(loss)", lambda: comm.all_reduce(loss, group=self.group, async_op=True, what="loss"),
                      timeout_s=self.timeout_s, where=WHERE)
             loss = loss / self.world
         return ((loss, value[1]) if has_aux else loss), grads
@@ -437,7 +436,7 @@ class _ShardHandler(Handler):
             full.copy_(own)
             return full
         comm.run(f"all_gather(parameter group {g.index}, {g.padded} elements)",
-                 lambda: comm.all_gather_flat(full, own, group=self.group, async_op=True),
+                 lambda: comm.all_gather_flat(full, own, group=self.group, async_op=True, what="parameters"),
                  timeout_s=self.timeout_s, where=WHERE)
         return full
 
@@ -482,7 +481,8 @@ class _ShardHandler(Handler):
             allocate(gi)
             own = own_slice(gi)  # kept alive with the work until it completes
             work = comm.start(f"all_gather(parameter group {gi}, {g.padded} elements, prefetch)",
-                              lambda: comm.all_gather_flat(full[gi], own, group=self.group, async_op=True),
+                              lambda: comm.all_gather_flat(full[gi], own, group=self.group, async_op=True,
+                                                           what="parameters"),
                               where=WHERE)
             inflight[gi] = (work, own)
             note_peak()
