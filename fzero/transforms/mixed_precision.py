@@ -43,7 +43,14 @@ class LossScaler:
 
 def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: int, consecutive: bool,
                    min_scale: float) -> LossScaler:
-    """One step of DeepSpeed's ``DynamicLossScaler.update_scale``.
+    """One step of DeepSpeed 0.19.8's ``DynamicLossScaler.update_scale``, as its ZeRO
+    optimizers (stages 1-3) call it once per update, skipped ones included.
+
+    On overflow: with ``hysteresis == 1``, or once the hysteresis left is 1, the scale
+    halves (never below ``min_scale``); otherwise one unit of hysteresis is spent. On a
+    clean update: ``consecutive`` refills the hysteresis at once; the scale doubles when
+    ``iter - last_overflow - 1`` is positive and a multiple of ``window`` (and, without
+    ``consecutive``, the hysteresis refills then).
 
     Raises:
         FloatingPointError: an overflow at the minimum scale (DeepSpeed's
@@ -63,7 +70,11 @@ def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: in
     else:
         if consecutive:
             hyst = hysteresis
-        if (it - last) % window == 0:
+        # it - last - 1 updates lie strictly between the last overflow and this one, all
+        # clean: DeepSpeed 0.19.8's stable_interval. ``(it - last) % window`` would double
+        # one update early.
+        stable_interval = it - last - 1
+        if stable_interval > 0 and stable_interval % window == 0:
             if not consecutive:
                 hyst = hysteresis
             scale *= 2.0
