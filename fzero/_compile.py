@@ -23,6 +23,7 @@ OPTIONS: dict[str, Any] = {
     "clip_norm": None,
     "loss_scale": "dynamic",
     "loss_scale_options": None,
+    "check_grad_overflow": True,
     "reduce_dtype": None,
     "bucket_size": None,
     "overlap_comm": True,
@@ -97,6 +98,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         loss_scale_options: fp16 scaler settings, DeepSpeed's names
             (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
             ``consecutive_hysteresis``, ``min_loss_scale``).
+<<<<<<< HEAD
         buffer_sync: how the model's buffers agree across ``dp`` ranks after each step:
             ``"broadcast"`` (DDP's: dp-rank 0's), ``"mean"`` or ``"local"`` (see
             :func:`fzero.shard_state`).
@@ -104,6 +106,11 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
     (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
     ``fzero.load_into(module, state)`` writes the trained ones back.
+=======
+        check_grad_overflow: bf16 (and fp16 with ``loss_scale=None``): skip an update whose
+            gradients are not finite (default ``True``, DeepSpeed's
+            ``bf16.check_grad_overflow``); ``metrics["skipped"]`` says whether it was.
+>>>>>>> wt-prec
 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
@@ -153,7 +160,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if opts["precision"] != "fp32":
         from fzero.transforms.mixed_precision import mixed_precision
 
-        inner = mixed_precision(inner, opts["precision"], opts["loss_scale"], **(opts["loss_scale_options"] or {}))
+        inner = mixed_precision(inner, opts["precision"], opts["loss_scale"],
+                                check_grad_overflow=opts["check_grad_overflow"],
+                                **(opts["loss_scale_options"] or {}))
     if opts["zero"] > 0 or mesh.size("dp") > 1:
         from fzero.transforms.shard_state import DEFAULT_BUCKET_BYTES, shard_state
 

@@ -242,6 +242,112 @@ def test_overflow_at_min_scale_is_an_error():
         _update_scaler(s, True, window=1000, hysteresis=2, consecutive=False, min_scale=1.0)
 
 
+def test_check_grad_overflow_off_with_a_loss_scaler_is_an_error():
+    with pytest.raises(ValueError, match=r"fzero.mixed_precision: check_grad_overflow=False with loss_scale='dynamic'"):
+        fzero.mixed_precision(train_step, "fp16", check_grad_overflow=False)
+    with pytest.raises(ValueError, match=r"check_grad_overflow must be True or False, got 'yes'"):
+        fzero.mixed_precision(train_step, "bf16", check_grad_overflow="yes")
+
+
+def finite(tree_):
+    return all(bool(torch.isfinite(x).all()) for x in fzero.tree.leaves(tree_) if isinstance(x, torch.Tensor))
+
+
+@pytest.mark.parametrize("name", sorted(BF16_CASES))
+def test_compiled_bf16_step_replays_deepspeed(name):
+    case = BF16_CASES[name]
+    check = case["bf16"].get("check_grad_overflow", True)
+    # fzero follows DeepSpeed's ZeRO stages 1-2 (which agree); with the check off, its
+    # stage 3 still skips, on the non-finite gradient norm it computes anyway.
+    ds = case["by_zero_stage"]["1"]
+    assert case["by_zero_stage"]["2"] == ds
+    step = fzero.compile(tiny_linear_step, precision="bf16", check_grad_overflow=check)
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(torch.nn.Linear(4, 2))
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    skipped, params_finite = [], []
+    for batch in replay_batches(case["updates"], set(case["overflow_at"]), 1):
+        state, m = step(state, batch)
+        assert "loss_scale" not in m  # bf16 scales nothing
+        assert ("skipped" in m) == check
+        skipped.append(bool(m.get("skipped", False)))
+        params_finite.append(finite(state.params) and finite(state.extra["master"]))
+    assert skipped == ds["skipped"]
+    assert params_finite == ds["params_finite"]
+
+
+@pytest.mark.parametrize("order", ["compile", "accumulate outside"])
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_bf16_skipped_update_leaves_params_optimizer_state_and_step_bit_identical(order, micro_batches):
+    case = ft.ModelCase((3, 4, 2), "tanh", False, True, 2)
+    if order == "compile":
+        step = fzero.compile(train_step, precision="bf16", accumulate=micro_batches)
+    else:
+        step = fzero.accumulate(fzero.mixed_precision(train_step, "bf16"), micro_batches)
+    tx = optim.adamw(optim.schedules.linear_warmup(1e-2, warmup=10))  # a schedule: its count must hold
+    apply, params = fzero.functionalize(case.make())
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))
+    state, m = step(state, case.batch(4, 0))
+    assert not bool(m["skipped"]) and int(state.step) == 1
+    before = fzero.gather(state)
+    bad = case.batch(4, 1)
+    bad["y"][0, 0] = float("inf")  # in the first micro-batch only: the whole update is skipped
+    state, m = step(state, bad)
+    assert bool(m["skipped"]) and "loss_scale" not in m
+    for what in ("params", "opt_state"):
+        ft.assert_trees_close(getattr(state, what), getattr(before, what), rtol=0, atol=0, what=what)
+    ft.assert_trees_close(state.extra["master"], before.extra["master"], rtol=0, atol=0, what="master")
+    assert int(state.step) == 1
+    state, m = step(state, case.batch(4, 2))
+    assert not bool(m["skipped"]) and int(state.step) == 2 and finite(state.extra["master"])
+
+
+def test_bf16_with_the_check_off_applies_a_non_finite_update():
+    """The documented choice: check_grad_overflow=False trusts the gradients, as DeepSpeed's
+    ZeRO stages 1-2 do with bf16.check_grad_overflow false."""
+    case = ft.ModelCase((3, 4, 2), "tanh", False, True, 2)
+    step = fzero.mixed_precision(train_step, "bf16", check_grad_overflow=False)
+    state = step.init(make(case, "sgd"))
+    bad = case.batch(4, 1)
+    bad["y"][0, 0] = float("inf")
+    state, m = step(state, bad)
+    assert "skipped" not in m and int(state.step) == 1
+    assert not finite(state.extra["master"]) and not finite(state.params)
+
+
+def _bf16_inf_in_one_ranks_batch(stage):
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    # 16 weights in one flat group: rank 0 owns the first half at stages 1-3, so an inf at
+    # input column 0 of rank 0's batch makes only rank 0's gradient piece non-finite;
+    # rank 1 must skip on rank 0's word.
+    apply, params = fzero.functionalize(torch.nn.Linear(16, 1, bias=False))
+    step = fzero.compile(tiny_linear_step, fzero.Mesh(dp=-1), zero=stage, precision="bf16")
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+    g = torch.Generator().manual_seed(r)
+    state, m = step(state, {"x": torch.randn(2, 16, generator=g)})
+    first_skipped = bool(m["skipped"])
+    before = fzero.gather(state)
+    bad = torch.randn(2, 16, generator=g)
+    if r == 0:
+        bad[0, 0] = float("inf")
+    state, m = step(state, {"x": bad})
+    after = fzero.gather(state)
+    same = all(torch.equal(a, b) for a, b in zip(
+        fzero.tree.leaves((after.params, after.opt_state, after.extra["master"])),
+        fzero.tree.leaves((before.params, before.opt_state, before.extra["master"]))))
+    return first_skipped, bool(m["skipped"]), same, int(state.step)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_bf16_inf_in_one_ranks_batch_skips_on_every_rank(ranks):
+    for stage in (0, 1, 2, 3):
+        assert ranks(2).run(_bf16_inf_in_one_ranks_batch, stage) == [(False, True, True, 1)] * 2, stage
+
+
 ORDERS = list(itertools.permutations(["acc", "mp"]))
 
 

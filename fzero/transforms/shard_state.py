@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import Params, frozen_names
