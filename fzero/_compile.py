@@ -98,19 +98,16 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         loss_scale_options: fp16 scaler settings, DeepSpeed's names
             (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
             ``consecutive_hysteresis``, ``min_loss_scale``).
-<<<<<<< HEAD
         buffer_sync: how the model's buffers agree across ``dp`` ranks after each step:
             ``"broadcast"`` (DDP's: dp-rank 0's), ``"mean"`` or ``"local"`` (see
             :func:`fzero.shard_state`).
+        check_grad_overflow: bf16 (and fp16 with ``loss_scale=None``): skip an update whose
+            gradients are not finite (default ``True``, DeepSpeed's
+            ``bf16.check_grad_overflow``); ``metrics["skipped"]`` says whether it was.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
     (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
     ``fzero.load_into(module, state)`` writes the trained ones back.
-=======
-        check_grad_overflow: bf16 (and fp16 with ``loss_scale=None``): skip an update whose
-            gradients are not finite (default ``True``, DeepSpeed's
-            ``bf16.check_grad_overflow``); ``metrics["skipped"]`` says whether it was.
->>>>>>> wt-prec
 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
