@@ -21,11 +21,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import optree
-import torch
 
 from fzero import tree
 
-__all__ = ["Params", "frozen_names", "merge_trainable", "trainable"]
+__all__ = ["Params", "frozen_names", "merge_trainable", "trainable", "with_values"]
 
 
 class Params(dict):
@@ -58,11 +57,6 @@ class Params(dict):
     def trainable(self) -> "Params":
         """The same parameters with ``None`` at frozen names (what gradients look like)."""
         return Params({k: (None if k in self.frozen else v) for k, v in self.items()}, frozen=self.frozen)
-
-    def replace_values(self, values: Mapping[str, Any]) -> "Params":
-        """A ``Params`` with the same keys, order and frozen names, taking ``values[k]``
-        where given and keeping the current value elsewhere."""
-        return Params({k: values.get(k, v) for k, v in self.items()}, frozen=self.frozen)
 
     def __repr__(self) -> str:
         return f"Params({dict.__repr__(self)}, frozen={sorted(self.frozen)})"
@@ -102,15 +96,17 @@ def trainable(params: Any) -> Any:
     return params.trainable() if isinstance(params, Params) else params
 
 
+def with_values(like: dict, values: Mapping[str, Any]) -> dict:
+    """``like`` (a params dict, or a ``Params`` with its frozen names) with the entries named
+    in ``values`` replaced; same keys, same order."""
+    out = {k: values.get(k, v) for k, v in like.items()}
+    return Params(out, frozen=like.frozen) if isinstance(like, Params) else out
+
+
 def merge_trainable(params: Any, new_trainable: Any) -> Any:
-    """``params`` with its trainable entries taken from ``new_trainable`` (frozen kept)."""
-    if not isinstance(params, Params) or not params.frozen:
-        if isinstance(params, Params):
-            return Params(dict(new_trainable), frozen=())
+    """``params`` with its trainable entries taken from ``new_trainable`` (a tree like
+    ``params.trainable()``); frozen entries kept."""
+    if not isinstance(params, dict):
         return new_trainable
-    return Params({k: (v if k in params.frozen else new_trainable[k]) for k, v in params.items()},
-                  frozen=params.frozen)
-
-
-def is_tensor_dict(x: Any) -> bool:
-    return isinstance(x, dict) and all(isinstance(v, torch.Tensor) for v in x.values())
+    frozen = frozen_names(params)
+    return with_values(params, {k: v for k, v in new_trainable.items() if k not in frozen})

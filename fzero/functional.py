@@ -155,8 +155,11 @@ def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def _trainable_flags(params: Any) -> list[bool]:
-    """One flag per leaf of ``params``: False at the frozen entries of every ``Params``."""
+def _trainable_flags(params: Any, n: int) -> list[bool]:
+    """One flag per leaf of ``params`` (``n`` of them): False at the frozen entries of every
+    ``Params`` inside."""
+    if type(params) is dict and all(isinstance(v, torch.Tensor) for v in params.values()):
+        return [True] * n  # the common case, every step: no tree walk
     is_params = lambda x: isinstance(x, Params)  # noqa: E731
     flags = tree.map(
         lambda x: Params({k: (None if v is None else k not in x.frozen) for k, v in x.items()}, frozen=x.frozen)
@@ -177,7 +180,7 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     ``grad_sink.finish()`` returns the gradient leaves.
     """
     leaves, spec = tree.flatten(params)
-    train = _trainable_flags(params)
+    train = _trainable_flags(params, len(leaves))
     inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
     wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
     bindings = contextlib.ExitStack()
@@ -424,13 +427,14 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
     if problems:
         raise ValueError("fzero.load_into: shapes differ:\n" + "\n".join(problems))
 
+    p_canonical, b_canonical = dict(p_pairs), dict(b_pairs)
     made: dict[int, torch.nn.Parameter] = {}
     for mod_name, m in module.named_modules(remove_duplicate=False):
         prefix = mod_name + "." if mod_name else ""
         for pname, p in list(m._parameters.items()):
             if p is None:
                 continue
-            value = full[dict(p_pairs)[prefix + pname]]
+            value = full[p_canonical[prefix + pname]]
             if p.is_meta:
                 if id(p) not in made:
                     made[id(p)] = torch.nn.Parameter(value.detach().to(p.dtype, copy=True), requires_grad=p.requires_grad)
@@ -443,7 +447,7 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
             for bname, b in list(m._buffers.items()):
                 if b is None:
                     continue
-                value = buffers[dict(b_pairs)[prefix + bname]]
+                value = buffers[b_canonical[prefix + bname]]
                 if b is not value:
                     if b.is_meta:
                         m._buffers[bname] = value.detach().to(b.dtype, copy=True)

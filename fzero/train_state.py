@@ -121,18 +121,13 @@ TrainState.apply_fn = _BoundApply()
 
 
 def trainable_grads(params: Any, grads: Any, where: str) -> Any:
-    """``grads`` in the structure of ``params.trainable()``: ``None`` (or a gradient, which
-    is dropped) at frozen names."""
-    if isinstance(params, Params) and params.frozen and isinstance(grads, dict):
-        missing = sorted(k for k in params if k not in params.frozen and k not in grads)
-        extra = sorted(k for k in grads if k not in params)
-        if not missing and not extra:
-            return Params({k: (None if k in params.frozen else grads[k]) for k in params}, frozen=params.frozen)
-    target = trainable(params)
-    if isinstance(grads, dict) and isinstance(target, Params) and not isinstance(grads, Params) \
-            and grads.keys() == target.keys():
-        grads = Params(grads, frozen=target.frozen)
-    tree.assert_same_structure(target, grads, what=where, names=("state.params", "grads"))
+    """``grads`` in the structure of ``params.trainable()``. A plain dict of gradients (a
+    user's own) is accepted with or without the frozen names; a gradient given for a frozen
+    name is dropped (the parameter stays as it is)."""
+    if isinstance(params, Params) and isinstance(grads, dict) \
+            and params.keys() - params.frozen <= grads.keys() <= params.keys():
+        grads = Params({k: None if k in params.frozen else grads[k] for k in params}, frozen=params.frozen)
+    tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
     return grads
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fzero import tree
-from fzero._params import Params, frozen_names
+from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.flat import Layout, Shard, build_layout
@@ -220,13 +220,13 @@ class _ShardHandler(Handler):
         # stage 1 on, and the optimizer state is built over them.
         extra = dict(state.extra)
         if "master" in extra:
-            extra["master"] = self.with_values(extra["master"], self.layout.shard_params(
+            extra["master"] = with_values(extra["master"], self.layout.shard_params(
                 {k: v for k, v in extra["master"].items() if v is not None}, self.group))
         if self.stage in (1, 2):
             full = self._regroup(train)
-            target = extra.get("master", None) or self.with_values(
+            target = extra.get("master", None) or with_values(
                 trainable_view(params), self.layout.piece_views(full, self.group))
-            return state.replace(params=self.with_values(params, full), opt_state=state.tx.init(target), extra=extra)
+            return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), extra=extra)
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
         if self.module is not None:
@@ -234,16 +234,8 @@ class _ShardHandler(Handler):
             self.units = [(by_module[id(m)], self.layout.where[names[0]][0])
                           for m, names in zip(self._unit_modules, unit_names)]
         self._full = [self._empty_full(g) for g in self.layout.groups]
-        target = extra.get("master", None) or self.with_values(trainable_view(params), shards)
-        return state.replace(params=self.with_values(params, shards), opt_state=state.tx.init(target), extra=extra)
-
-    @staticmethod
-    def with_values(like: dict, values: dict) -> dict:
-        """``like`` (a params dict, or a Params with its frozen names) with the entries of
-        ``values`` replaced."""
-        if isinstance(like, Params):
-            return like.replace_values(values)
-        return {k: values.get(k, v) for k, v in like.items()}
+        target = extra.get("master", None) or with_values(trainable_view(params), shards)
+        return state.replace(params=with_values(params, shards), opt_state=state.tx.init(target), extra=extra)
 
     def _check_replicated(self, params: dict) -> None:
         if self.world == 1:
@@ -412,11 +404,11 @@ class _ShardHandler(Handler):
         if self.stage == 3:
             return next(state, grads)
         train = {k: v for k, v in state.params.items() if k not in self.frozen}
-        pieces = self.with_values(state.params, self.layout.piece_views(train, self.group))
+        pieces = with_values(state.params, self.layout.piece_views(train, self.group))
         new = next(state.replace(params=pieces), grads)
         if new is None or new.params is pieces:  # an inner transform deferred or skipped
             return new if new is None else new.replace(params=state.params)
-        return new.replace(params=self.with_values(new.params, self._all_gather_params(new.params)))
+        return new.replace(params=with_values(new.params, self._all_gather_params(new.params)))
 
     def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
         out = {}
@@ -549,7 +541,7 @@ class _ShardHandler(Handler):
                     views[name] = v
                 if freed:
                     flat.untyped_storage().resize_(0)
-            views = self.with_values(params, views)
+            views = with_values(params, views)
             leaf_names = [path[0].entry for path in tree.paths(views)]
 
             def wrapped(p, *a, **kw):
