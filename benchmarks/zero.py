@@ -131,7 +131,7 @@ def storage_bytes(*tensors_or_trees) -> int:
     for t in tensors_or_trees:
         for x in fzero.tree.leaves(t):
             x = local(x)
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, torch.Tensor) or x.is_meta:
                 continue
             s = x.untyped_storage()
             if s.nbytes() and s.data_ptr() not in seen:
@@ -198,7 +198,8 @@ def build_fsdp2(base, args, mesh):
 
 def build_fzero(stage):
     def build(base, args, mesh):
-        apply, params = fzero.functionalize(copy.deepcopy(base))
+        module = copy.deepcopy(base)
+        apply, params = fzero.functionalize(module)
         tx = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
         probe_box = {}
 
@@ -208,7 +209,9 @@ def build_fzero(stage):
 
             loss, grads = fzero.value_and_grad(loss_fn)(state.params)
             if probe_box.get("on"):
-                probe_box["bytes"] = storage_bytes(state.params, state.opt_state, grads)
+                # the module too: every byte the process holds for the model
+                probe_box["bytes"] = storage_bytes(state.params, state.opt_state, grads,
+                                                   list(module.parameters()), list(module.buffers()))
             return state.apply_gradients(grads), {"loss": loss}
 
         compiled = fzero.compile(train_step, mesh, zero=stage, bucket_size=int(args.bucket_mb * MIB))

@@ -5,11 +5,12 @@ into a partitioned, communicating, mixed-precision step. See README.md and docs/
 """
 
 from fzero import tree
+from fzero._params import Params
 from fzero import checkpoint, optim
 from fzero._compile import compile
 from fzero.config import Config
 from fzero.distributed import Mesh, gather
-from fzero.functional import functionalize, grad, remat, value_and_grad
+from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
 from fzero.transforms import Step, accumulate, mixed_precision, pipeline, shard_state
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "Mesh",
+    "Params",
     "Step",
     "TrainState",
     "accumulate",
@@ -26,6 +28,7 @@ __all__ = [
     "functionalize",
     "gather",
     "grad",
+    "load_into",
     "mixed_precision",
     "optim",
     "pipeline",
@@ -34,3 +37,12 @@ __all__ = [
     "tree",
     "value_and_grad",
 ]
+
+
+def __getattr__(name: str):
+    # fzero.testing needs hypothesis, a test dependency: imported on first use only.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("fzero.testing")
+    raise AttributeError(f"module 'fzero' has no attribute {name!r}")

@@ -6,6 +6,8 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fzero.distributed.mesh import Mesh
 from fzero.train_state import TrainState
 from fzero.transforms._core import Step, as_step, collecting_metrics
@@ -21,9 +23,11 @@ OPTIONS: dict[str, Any] = {
     "clip_norm": None,
     "loss_scale": "dynamic",
     "loss_scale_options": None,
+    "check_grad_overflow": True,
     "reduce_dtype": None,
     "bucket_size": None,
     "overlap_comm": True,
+    "buffer_sync": "broadcast",
 }
 
 # Options that exist in fzero's design but whose transform has not landed yet: giving
@@ -94,6 +98,19 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         loss_scale_options: fp16 scaler settings, DeepSpeed's names
             (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
             ``consecutive_hysteresis``, ``min_loss_scale``).
+<<<<<<< HEAD
+        buffer_sync: how the model's buffers agree across ``dp`` ranks after each step:
+            ``"broadcast"`` (DDP's: dp-rank 0's), ``"mean"`` or ``"local"`` (see
+            :func:`fzero.shard_state`).
+
+    After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
+    (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
+    ``fzero.load_into(module, state)`` writes the trained ones back.
+=======
+        check_grad_overflow: bf16 (and fp16 with ``loss_scale=None``): skip an update whose
+            gradients are not finite (default ``True``, DeepSpeed's
+            ``bf16.check_grad_overflow``); ``metrics["skipped"]`` says whether it was.
+>>>>>>> wt-prec
 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
@@ -143,13 +160,15 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if opts["precision"] != "fp32":
         from fzero.transforms.mixed_precision import mixed_precision
 
-        inner = mixed_precision(inner, opts["precision"], opts["loss_scale"], **(opts["loss_scale_options"] or {}))
+        inner = mixed_precision(inner, opts["precision"], opts["loss_scale"],
+                                check_grad_overflow=opts["check_grad_overflow"],
+                                **(opts["loss_scale_options"] or {}))
     if opts["zero"] > 0 or mesh.size("dp") > 1:
         from fzero.transforms.shard_state import DEFAULT_BUCKET_BYTES, shard_state
 
         inner = shard_state(inner, mesh, opts["zero"],
                             bucket_bytes=opts["bucket_size"] or DEFAULT_BUCKET_BYTES,
-                            reduce_dtype=opts["reduce_dtype"])
+                            reduce_dtype=opts["reduce_dtype"], buffer_sync=opts["buffer_sync"])
 
     def init(state):
         if not isinstance(state, TrainState):
@@ -157,7 +176,15 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if cfg is not None:
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = cfg.install(state)
-        return inner.init(state)
+        state = inner.init(state)
+        module = getattr(state.apply_fn, "module", None)
+        if isinstance(module, torch.nn.Module):
+            # The module is only code from here on (its parameters live in the state);
+            # fzero.load_into writes trained weights back.
+            from fzero.transforms.shard_state import release_parameters
+
+            release_parameters(module)
+        return state
 
     def call(state, batch):
         with collecting_metrics() as emitted:

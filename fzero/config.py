@@ -321,10 +321,7 @@ _FP16: dict[str, _Rule] = {
 _BF16: dict[str, _Rule] = {
     "enabled": _USE,
     "immediate_grad_update": _noop(_PERF, _never),
-    "check_grad_overflow": _reject("fzero's bf16 does not skip updates whose gradients "
-                                   "are not finite", _truthy),
-    "check_overflow": _reject("fzero's bf16 does not skip updates whose gradients are not "
-                              "finite", _truthy),
+    "check_grad_overflow": _USE,
     "bf16_master_weights_and_grads": _reject("fzero keeps fp32 master weights and gradients",
                                              _truthy),
     "bf16_optimizer_states": _reject("fzero keeps fp32 optimizer state", _truthy),
@@ -672,8 +669,14 @@ class BF16Config:
     enabled: bool = False
     """Compute in bf16 (``fzero.compile(precision="bf16")``), fp32 master weights, no scaler."""
 
+    check_grad_overflow: bool = True
+    """Skip an update whose gradients are not finite (``fzero.compile(check_grad_overflow=)``);
+    DeepSpeed 0.19's ``DeepSpeedBF16Config`` default, true."""
+
     def __post_init__(self) -> None:
         _bool("bf16.enabled", self.enabled)
+        object.__setattr__(self, "check_grad_overflow",
+                           _bool("bf16.check_grad_overflow", self.check_grad_overflow))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -921,10 +924,12 @@ class Config:
             float; it matters under fp16 only), ``loss_scale_options`` (the fp16 dynamic
             scaler's ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
             ``consecutive_hysteresis``, ``min_loss_scale``, as ``fzero.mixed_precision``
-            takes them), ``accumulate`` (gradient_accumulation_steps), ``clip_norm``
-            (gradient_clipping, ``None`` for 0) and ``bucket_size`` (reduce_bucket_size in
-            bytes, ``None`` when not written); plus ``overlap_comm`` when the config writes
-            it and ``reduce_dtype`` when ``communication_data_type`` is a 16-bit type.
+            takes them), ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
+            true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
+            (gradient_accumulation_steps), ``clip_norm`` (gradient_clipping, ``None`` for 0)
+            and ``bucket_size`` (reduce_bucket_size in bytes, ``None`` when not written);
+            plus ``overlap_comm`` when the config writes it and ``reduce_dtype`` when
+            ``communication_data_type`` is a 16-bit type.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
@@ -940,6 +945,9 @@ class Config:
                 "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
                 "min_loss_scale": float(fp16.min_loss_scale),
             },
+            # DeepSpeed reads bf16.check_grad_overflow only under bf16 and always checks
+            # under fp16 (DeepSpeedEngine._configure_zero_optimizer).
+            "check_grad_overflow": self.bf16.check_grad_overflow if self.bf16.enabled else True,
             "accumulate": self.gradient_accumulation_steps,
             "clip_norm": self.gradient_clipping or None,
             "bucket_size": None if zero.reduce_bucket_size is None else zero.reduce_bucket_size * itemsize,

@@ -13,18 +13,26 @@ each call and may cast, gather or reduce (see :mod:`fzero.transforms._core`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero import tree
+from fzero._params import Params
 from fzero.transforms._core import bind, register_primitive
 
-__all__ = ["functionalize", "value_and_grad", "grad", "remat"]
+# While a ``value_and_grad`` runs, the modules its function calls keep the parameters they
+# were called with until its backward has finished (see ``Apply.__call__``).
+_BINDINGS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
+    "fzero_bindings", default=None)
+
+__all__ = ["functionalize", "value_and_grad", "grad", "remat", "load_into"]
 
 
 # --------------------------------------------------------------------------- functionalize
@@ -33,19 +41,36 @@ __all__ = ["functionalize", "value_and_grad", "grad", "remat"]
 class Apply:
     """The pure apply function of a module: ``apply(params, *args, **kwargs)``.
 
-    It holds the module (for its code and buffers) and calls
-    ``torch.func.functional_call`` with the given parameters and the module's buffers.
-    Parameters are checked strictly: a missing or an unexpected key is an error naming it.
+    It holds the module (for its code) and runs its forward with the given parameters and
+    the buffers: the module's own, or those of the :class:`fzero.TrainState` it belongs to
+    (``state.apply_fn`` is bound to ``state.buffers``; a forward that updates a buffer in
+    place, as BatchNorm does, updates the state's). Parameters are checked strictly: a
+    missing or an unexpected key is an error naming it.
+
+    Inside :func:`fzero.value_and_grad` the module keeps the parameters it was called with
+    until the gradient has been computed, not only for the forward: a recomputation in
+    backward (``fzero.remat`` or ``torch.utils.checkpoint`` inside the model, as Hugging
+    Face's gradient checkpointing does) then runs with the same parameters as the forward.
+    ``torch.func.functional_call`` restores the module's own tensors on exit, which made
+    such a recomputation use stale (or, at ZeRO-3, absent) weights.
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, buffers: dict[str, torch.Tensor] | None = None):
         self.module = module
         self.param_names = tuple(name for name, _ in module.named_parameters())
         self._names = frozenset(self.param_names)
+        self._buffers = buffers
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_buffers())
+        """The buffers the forward runs with."""
+        return dict(self.module.named_buffers()) if self._buffers is None else self._buffers
+
+    def with_buffers(self, buffers: dict[str, torch.Tensor] | None) -> "Apply":
+        """This apply running with ``buffers`` instead of the module's own."""
+        out = object.__new__(Apply)
+        out.module, out.param_names, out._names, out._buffers = self.module, self.param_names, self._names, buffers
+        return out
 
     def __call__(self, params: dict[str, torch.Tensor], *args, **kwargs):
         if not isinstance(params, dict):
@@ -55,9 +80,15 @@ class Apply:
             )
         if params.keys() != self._names:
             self._key_error(params)
-        return functional_call(
-            self.module, {**params, **self.buffers}, args, kwargs, strict=True, tie_weights=True
-        )
+        tensors = {**params, **self.buffers}
+        bindings = _BINDINGS.get()
+        if bindings is None:
+            with _reparametrize_module(self.module, tensors, tie_weights=True, strict=True):
+                return self.module(*args, **kwargs)
+        # Under value_and_grad: released when its backward is done (LIFO, so a nested or
+        # repeated call restores correctly).
+        bindings.enter_context(_reparametrize_module(self.module, tensors, tie_weights=True, strict=True))
+        return self.module(*args, **kwargs)
 
     def _key_error(self, params):
         got = set(params)
@@ -73,7 +104,8 @@ class Apply:
     def __repr__(self) -> str:
         return f"<fzero apply of {type(self.module).__name__}>"
 
-    # Two Apply objects of one module are the same static pytree metadata.
+    # Two Apply objects of one module are the same static pytree metadata (whichever
+    # buffers they are bound to: buffers are state, not structure).
     def __eq__(self, other):
         return isinstance(other, Apply) and other.module is self.module
 
@@ -90,7 +122,9 @@ def functionalize(module: torch.nn.Module) -> tuple[Apply, dict[str, torch.Tenso
     Returns:
         ``(apply, params)``: ``params`` is a dict keyed by ``named_parameters()`` names
         (tied weights appear once, under their first name, and stay tied), holding detached
-        tensors that share storage with the module's parameters (no copy is made);
+        tensors that share storage with the module's parameters (no copy is made); when
+        some parameters have ``requires_grad=False`` it is a :class:`fzero.Params`, a dict
+        that lists them in ``params.frozen`` so that they are not trained;
         ``apply(params, *args, **kwargs)`` calls the module's forward with those
         parameters and the module's buffers, and returns whatever the module returns
         (tensors, tuples, dicts, dataclass outputs).
@@ -108,8 +142,10 @@ def functionalize(module: torch.nn.Module) -> tuple[Apply, dict[str, torch.Tenso
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fzero.functionalize: expected a torch.nn.Module, got {type(module).__name__}")
-    params = {name: p.detach() for name, p in module.named_parameters()}
-    return Apply(module), params
+    named = list(module.named_parameters())
+    params = {name: p.detach() for name, p in named}
+    frozen = {n for n, p in named if not p.requires_grad}
+    return Apply(module), (Params(params, frozen=frozen) if frozen else params)
 
 
 # --------------------------------------------------------------------------- value_and_grad
@@ -119,30 +155,50 @@ def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+def _trainable_flags(params: Any) -> list[bool]:
+    """One flag per leaf of ``params``: False at the frozen entries of every ``Params``."""
+    is_params = lambda x: isinstance(x, Params)  # noqa: E731
+    flags = tree.map(
+        lambda x: Params({k: (None if v is None else k not in x.frozen) for k, v in x.items()}, frozen=x.frozen)
+        if is_params(x) else True,
+        params, is_leaf=is_params)
+    return tree.leaves(flags)
+
+
 @register_primitive("value_and_grad")
 def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None):
     """The plain implementation: differentiate ``fn`` at ``params`` on the autograd engine.
 
-    ``grad_sink`` (used by transforms that reduce gradients while backward runs) receives
-    each leaf's gradient the moment it is complete -- ``grad_sink.on_grad(i, g)``, with
-    ``i`` the leaf's index in flatten order -- and the gradient is then dropped, so only
-    what the sink keeps stays resident; ``grad_sink.finish()`` returns the gradient leaves.
+    Frozen entries of a :class:`fzero.Params` are passed through undifferentiated and get
+    ``None`` as their gradient. ``grad_sink`` (used by transforms that reduce gradients
+    while backward runs) receives each trainable leaf's gradient the moment it is complete
+    -- ``grad_sink.on_grad(i, g)``, with ``i`` the leaf's index in flatten order -- and the
+    gradient is then dropped, so only what the sink keeps stays resident;
+    ``grad_sink.finish()`` returns the gradient leaves.
     """
     leaves, spec = tree.flatten(params)
-    inputs = [x.detach().requires_grad_(True) if _differentiable(x) else x for x in leaves]
-    with torch.enable_grad():
-        out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
-        value, aux = _split_output(out, has_aux)
-    wrt = [i for i, x in enumerate(inputs) if _differentiable(x)]
-    if grad_sink is not None:
-        out_leaves = _backward_into(grad_sink, value, inputs, wrt)
-    else:
-        grads = [None] * len(wrt)
-        if value.requires_grad and wrt:
-            grads = list(torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True))
-        by_index = dict(zip(wrt, grads))
-        out_leaves = [by_index.get(i) for i in range(len(inputs))]
-        out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
+    train = _trainable_flags(params)
+    inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
+    wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
+    bindings = contextlib.ExitStack()
+    token = _BINDINGS.set(bindings)
+    try:
+        with bindings:  # modules keep their parameters until backward is done
+            with torch.enable_grad():
+                out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
+                value, aux = _split_output(out, has_aux)
+            if grad_sink is not None:
+                out_leaves = _backward_into(grad_sink, value, inputs, wrt)
+            else:
+                grads = [None] * len(wrt)
+                if value.requires_grad and wrt:
+                    grads = list(torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True))
+                by_index = dict(zip(wrt, grads))
+                out_leaves = [by_index.get(i) for i in range(len(inputs))]
+                out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
+    finally:
+        _BINDINGS.reset(token)
+    out_leaves = [g if t else None for g, t in zip(out_leaves, train)]
     value = value.detach()
     if has_aux:
         aux = tree.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
@@ -203,7 +259,8 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *, has_aux: b
         A function with ``fn``'s signature returning ``(loss, grads)``, or
         ``((loss, aux), grads)`` with ``has_aux``, as ``jax.value_and_grad``. ``grads`` has
         the structure of the differentiated argument; leaves that do not influence the loss
-        get zeros.
+        get zeros, and the frozen entries of a :class:`fzero.Params` get ``None`` (no
+        gradient is computed for them).
 
     Raises:
         TypeError: ``fn`` did not return a scalar (or a pair with ``has_aux``).
@@ -280,3 +337,116 @@ def remat(fn: Callable) -> Callable:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     return wrapped
+
+
+# --------------------------------------------------------------------------- load_into
+
+
+def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
+    """Write trained weights back into ``module``, in place, on every rank.
+
+    After ``step.init`` the module is only code (its parameters were released to ``meta``
+    so that no dead copy of the model stays in memory); this puts full weights back so
+    ``module.state_dict()``, ``torch.save`` or Hugging Face's ``save_pretrained`` save the
+    trained model. Parameters are gathered if sharded (a collective: call it on every
+    rank), taken from the fp32 masters under mixed precision, and written in the module's
+    own dtype; tied parameters stay tied; buffers come from ``state.buffers``.
+
+    Args:
+        module: the module that was functionalized (or one with the same names).
+        state_or_params: a :class:`fzero.TrainState`, or a params dict (then buffers are
+            left as they are).
+
+    Returns:
+        ``module``.
+
+    Raises:
+        KeyError: names of the module's parameters or buffers that the state lacks, and
+            names of the state's that the module lacks (all of them).
+        ValueError: parameters or buffers whose shapes differ (each named, both shapes).
+
+    Example:
+        >>> import torch, fzero
+        >>> from fzero import optim
+        >>> model = torch.nn.Linear(2, 1)
+        >>> apply, params = fzero.functionalize(model)
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        >>> step = fzero.compile(lambda s, b: (s.apply_gradients(fzero.tree.map(torch.ones_like, s.params)), {}))
+        >>> state, _ = step(step.init(state), None)
+        >>> model.weight.is_meta
+        True
+        >>> fzero.load_into(model, state).weight.tolist() == fzero.gather(state.params)["weight"].tolist()
+        True
+    """
+    from fzero.distributed.gather import gather
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"fzero.load_into: expected a torch.nn.Module, got {type(module).__name__}")
+    params = getattr(state_or_params, "params", state_or_params)
+    if not isinstance(params, dict):
+        raise TypeError(f"fzero.load_into: expected a TrainState or a params dict, got {type(params).__name__}")
+    full = dict(gather(params))
+    extra = getattr(state_or_params, "extra", None) or {}
+    if extra.get("master") is not None:
+        full.update({k: v for k, v in gather(extra["master"]).items() if v is not None})
+    buffers = getattr(state_or_params, "buffers", None)
+    buffers = None if not buffers else dict(buffers)
+
+    def canonical(named):
+        by_id, pairs = {}, []
+        for name, t in named:
+            by_id.setdefault(id(t), name)
+            pairs.append((name, by_id[id(t)]))
+        return pairs
+
+    p_pairs = canonical(module.named_parameters(remove_duplicate=False))
+    b_pairs = canonical(module.named_buffers(remove_duplicate=False)) if buffers is not None else []
+    wanted_p = {c for _, c in p_pairs}
+    wanted_b = {c for _, c in b_pairs}
+    problems = []
+    missing = sorted((wanted_p - full.keys()) | (wanted_b - (buffers or {}).keys()))
+    extra_names = sorted((full.keys() - wanted_p) | ((buffers or {}).keys() - wanted_b))
+    if missing or extra_names:
+        msg = ["fzero.load_into: the state's names do not match the module's."]
+        if missing:
+            msg.append(f"  missing from the state: {missing}")
+        if extra_names:
+            msg.append(f"  not in the module: {extra_names}")
+        raise KeyError("\n".join(msg))
+    current = dict(module.named_parameters(remove_duplicate=False))
+    current_b = dict(module.named_buffers(remove_duplicate=False))
+    for name, c in p_pairs:
+        if tuple(current[name].shape) != tuple(full[c].shape):
+            problems.append(f"  parameter {name!r}: module {tuple(current[name].shape)}, state {tuple(full[c].shape)}")
+    for name, c in b_pairs:
+        if tuple(current_b[name].shape) != tuple(buffers[c].shape):
+            problems.append(f"  buffer {name!r}: module {tuple(current_b[name].shape)}, state {tuple(buffers[c].shape)}")
+    if problems:
+        raise ValueError("fzero.load_into: shapes differ:\n" + "\n".join(problems))
+
+    made: dict[int, torch.nn.Parameter] = {}
+    for mod_name, m in module.named_modules(remove_duplicate=False):
+        prefix = mod_name + "." if mod_name else ""
+        for pname, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            value = full[dict(p_pairs)[prefix + pname]]
+            if p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(value.detach().to(p.dtype, copy=True), requires_grad=p.requires_grad)
+                m._parameters[pname] = made[id(p)]
+            elif id(p) not in made:
+                with torch.no_grad():
+                    p.copy_(value)
+                made[id(p)] = p
+        if buffers is not None:
+            for bname, b in list(m._buffers.items()):
+                if b is None:
+                    continue
+                value = buffers[dict(b_pairs)[prefix + bname]]
+                if b is not value:
+                    if b.is_meta:
+                        m._buffers[bname] = value.detach().to(b.dtype, copy=True)
+                    else:
+                        b.copy_(value)
+    return module

@@ -48,6 +48,13 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2e-3, 1e-3),
 }
 
+def _plain(x: Any) -> Any:
+    from fzero._params import Params
+
+    return tree.map(lambda p: {k: v for k, v in p.items() if v is not None} if isinstance(p, Params) else p,
+                    x, is_leaf=lambda p: isinstance(p, Params))
+
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -176,6 +183,9 @@ def assert_trees_close(actual: Any, expected: Any, *, rtol: float | None = None,
         AssertionError: naming every key path that differs, with the largest absolute and
             relative error and where it is.
     """
+    # A Params compares as the dict of its entries (its frozen entries' None gradients are
+    # absent, as in a reference built from named_parameters() that require grad).
+    actual, expected = _plain(actual), _plain(expected)
     try:
         tree.assert_same_structure(expected, actual, what=f"assert_trees_close({what})", names=("expected", "actual"))
     except tree.StructureError as e:

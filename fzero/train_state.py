@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fzero import tree
+from fzero._params import Params, merge_trainable, trainable
 from fzero.transforms._core import bind, register_primitive
 
 __all__ = ["TrainState"]
@@ -26,9 +27,17 @@ class TrainState:
         tx: static; the ``fzero.optim`` gradient transformation.
         extra: per-transform state that must be saved with the rest, keyed by name; empty
             for a plain step. ``mixed_precision`` keeps ``"master"`` (the fp32 master
-            weights, a pytree like ``params``; the optimizer state is built over them, and
-            ``shard_state`` partitions them like optimizer state) and, for fp16,
-            ``"loss_scale"``.
+            weights of the trainable parameters, a pytree like ``params.trainable()``; the
+            optimizer state is built over them, and ``shard_state`` partitions them like
+            optimizer state) and, for fp16, ``"loss_scale"``.
+        buffers: the model's buffers by ``named_buffers()`` name (``{}`` when it has
+            none). ``state.apply_fn`` runs the forward with them, so a forward that
+            updates a buffer in place (BatchNorm's running statistics) updates the
+            state's; ``shard_state`` makes them identical on every ``dp`` rank after each
+            step; checkpoints save them.
+
+    Frozen parameters (``params.frozen``, from ``requires_grad=False``) get no optimizer
+    state and are never updated.
 
     Example:
         >>> import torch, fzero
@@ -48,10 +57,15 @@ class TrainState:
     apply_fn: Callable = tree.field(static=True)
     tx: Any = tree.field(static=True)
     extra: dict = tree.field(default_factory=dict)
+    buffers: dict = tree.field(default_factory=dict)
 
     @classmethod
-    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, **extra) -> "TrainState":
-        """A fresh state at step 0 with ``opt_state = tx.init(params)``.
+    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, buffers: dict | None = None,
+               **extra) -> "TrainState":
+        """A fresh state at step 0 with ``opt_state = tx.init(params.trainable())``.
+
+        ``buffers`` defaults to the module's own buffer tensors when ``apply_fn`` comes
+        from :func:`fzero.functionalize` (shared, not copied), else ``{}``.
 
         Raises:
             TypeError: ``tx`` is not an ``fzero.optim`` transformation.
@@ -61,13 +75,17 @@ class TrainState:
                 "fzero.TrainState.create: tx must be an fzero.optim gradient transformation "
                 f"(with init and update), got {type(tx).__name__}"
             )
+        if buffers is None:
+            module = getattr(apply_fn, "module", None)
+            buffers = dict(module.named_buffers()) if isinstance(module, torch.nn.Module) else {}
         return cls(
             step=torch.zeros((), dtype=torch.int64),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(trainable(params)),
             apply_fn=apply_fn,
             tx=tx,
             extra=dict(extra),
+            buffers=dict(buffers),
         )
 
     def apply_gradients(self, grads: Any) -> "TrainState":
@@ -83,22 +101,54 @@ class TrainState:
         return bind("apply_gradients", self, grads)
 
 
+class _BoundApply:
+    """``TrainState.apply_fn``: the stored apply, bound to the state's buffers on access."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        apply = obj.__dict__["_apply_fn"]
+        buffers = obj.__dict__.get("buffers")
+        if buffers and hasattr(apply, "with_buffers"):
+            return apply.with_buffers(buffers)
+        return apply
+
+    def __set__(self, obj, value):
+        obj.__dict__["_apply_fn"] = value
+
+
+TrainState.apply_fn = _BoundApply()
+
+
+def trainable_grads(params: Any, grads: Any, where: str) -> Any:
+    """``grads`` in the structure of ``params.trainable()``: ``None`` (or a gradient, which
+    is dropped) at frozen names."""
+    if isinstance(params, Params) and params.frozen and isinstance(grads, dict):
+        missing = sorted(k for k in params if k not in params.frozen and k not in grads)
+        extra = sorted(k for k in grads if k not in params)
+        if not missing and not extra:
+            return Params({k: (None if k in params.frozen else grads[k]) for k in params}, frozen=params.frozen)
+    target = trainable(params)
+    if isinstance(grads, dict) and isinstance(target, Params) and not isinstance(grads, Params) \
+            and grads.keys() == target.keys():
+        grads = Params(grads, frozen=target.frozen)
+    tree.assert_same_structure(target, grads, what=where, names=("state.params", "grads"))
+    return grads
+
+
 @register_primitive("apply_gradients")
 def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
-
-    tree.assert_same_structure(
-        state.params, grads, what="fzero.TrainState.apply_gradients", names=("state.params", "grads")
-    )
+    grads = trainable_grads(state.params, grads, "fzero.TrainState.apply_gradients")
     master = state.extra.get("master")
     if master is None:
-        params, opt_state = _update(state.tx, grads, state.opt_state, state.params)
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new, opt_state = _update(state.tx, grads, state.opt_state, trainable(state.params))
+        return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
     # Mixed precision: the optimizer updates the fp32 masters; the parameters the model
     # uses are their low-precision copies.
     grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
     master, opt_state = _update(state.tx, grads, state.opt_state, master)
-    params = tree.map(lambda m, p: m.to(p.dtype), master, state.params)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+    low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
+    return state.replace(step=state.step + 1, params=merge_trainable(state.params, low), opt_state=opt_state,
                          extra={**state.extra, "master": master})
 
 

@@ -578,6 +578,238 @@ def test_resume_continues_the_same_loss_curve(ranks, tmp_path, stage, tx_name):
                               what=f"losses after resuming on {m} ranks")
 
 
+# --------------------------------------------------------------------------- ranks holding different trees
+
+
+def _by_key(state):
+    """``{key path: leaf}`` of a (gathered) state."""
+    return {tree.keystr(p): x for p, x in zip(tree.paths(state), tree.leaves(state))}
+
+
+def _union(trees, what):
+    """One ``{key path: leaf}`` of several ranks' trees; a key on several ranks must be the
+    same leaf there (the reference for what a checkpoint of different trees holds)."""
+    out = {}
+    for t in trees:
+        for k, v in _by_key(t).items():
+            if k in out:
+                _equal(v, out[k], f"{what}: {k} on two ranks")
+            out[k] = v
+    return out
+
+
+def test_the_plan_spreads_writes_over_the_ranks_holding_each_leaf():
+    """Two parts (ranks 0-1 and 2-3, as two pipeline stages of dp=2): a leaf both hold is
+    written once, each piece by the lowest rank holding it; a part's own leaves by its ranks."""
+    from fzero.checkpoint._plan import _build
+
+    def t(name, shape, sharding=None):
+        return {"path": f".{name}", "entries": [["attr", name]], "kind": "tensor", "dtype": "float32",
+                "shape": list(shape), "sharding": sharding}
+
+    n3 = {"path": ".n", "entries": [["attr", "n"]], "kind": "value", "type": "int", "value": 3}
+    half = {"world": 2, "offset": 0, "chunk": 4}  # 8 elements over 2 ranks: [0, 4) and [4, 8)
+    part0 = [t("step", ()), t("a", (8,), half), t("w", (100,)), n3]
+    part1 = [t("step", ()), t("a", (8,), {"world": 2, "offset": 2, "chunk": 5}), t("b", (8,), half), n3]
+    parts = [(0, [0, 1], part0, "s0"), (1, [2, 3], part1, "s1")]
+    positions = [0, 1, 0, 1]
+    local = {".step": torch.zeros(()), ".a": torch.zeros(4), ".w": torch.zeros(100), ".b": torch.zeros(4)}
+    plans = [_build(parts, positions, local, me) for me in range(4)]
+    recs = {r["path"]: r for r in plans[0].records}
+    assert list(recs) == [".step", ".a", ".w", ".n", ".b"]  # part 0's order, then part 1's new keys
+    assert recs[".a"]["sharding"] == half and recs[".a"]["parts"] == [0, 1]  # the first part's layout
+    assert [(p["rank"], p["start"], p["stop"]) for p in recs[".a"]["pieces"]] == [(0, 0, 4), (1, 4, 8)]
+    assert [(p["rank"], p["start"], p["stop"]) for p in recs[".b"]["pieces"]] == [(2, 0, 4), (3, 4, 8)]
+    assert [p["rank"] for p in recs[".w"]["pieces"]] in ([0], [1])  # only part 0 holds it
+    assert recs[".step"]["parts"] == [0, 1] and recs[".n"]["value"] == 3 and "pieces" not in recs[".n"]
+    # Every rank plans the same; each writes what the plan gives it, nothing twice.
+    assert len({pl.fingerprint for pl in plans}) == 1
+    written = [name for pl in plans for name, _ in pl.mine]
+    expected = [p["name"] for r in plans[0].records for p in r.get("pieces", ())]
+    assert sorted(written) == sorted(expected) and len(set(written)) == len(written)
+    assert [x["ranks"] for x in plans[0].parts] == [[0, 1], [2, 3]]
+
+    bad = [(0, [0, 1], part0, "s0"), (1, [2, 3], [{**n3, "value": 4}], "")]
+    with pytest.raises(ckpt.CheckpointError, match=r"leaf \.n is the int 3 on rank\(s\) 0, 1 but the int 4 on "
+                                                   r"rank\(s\) 2, 3"):
+        _build(bad, positions, local, 0)
+    with pytest.raises(ckpt.CheckpointError, match=r"leaf \.a is partitioned over 2 ranks, but none of the ranks "
+                                                   r"holding it \(0, 1\) holds piece 1 \(elements \[4, 8\)\)"):
+        _build(parts[:1], [0, 0, 0, 0], local, 0)
+
+
+def _save_different_trees(path, trees):
+    ckpt.save(path, trees[_rank_world()[0]])
+
+
+def _load_different_trees(path, likes):
+    like = likes[_rank_world()[0]]
+    try:
+        return "ok", fzero.gather(ckpt.load(path, like))
+    except ckpt.CheckpointError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_ranks_with_different_trees_save_their_union(ranks, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    a, b, w = torch.randn(5, generator=g), torch.randn(3, 2, generator=g), torch.randn(7, generator=g)
+    trees = [{"step": torch.tensor(4), "params": {"a": a, "w": w}, "n": 2},
+             {"step": torch.tensor(4), "params": {"b": b, "w": w}, "n": 2}]
+    path = str(tmp_path / "ck")
+    ranks(2).run(_save_different_trees, path, trees)
+    man = ckpt.manifest(path)
+    assert [p["ranks"] for p in man["parts"]] == [[0], [1]]
+    assert {r["path"]: r["parts"] for r in man["leaves"]} == {
+        "['step']": [0, 1], "['params']['a']": [0], "['params']['w']": [0, 1], "['n']": [0, 1],
+        "['params']['b']": [1]}
+    union = _union(trees, "saved")
+    # One process reads it all back (a world of one), each rank its own tree, or the other's.
+    whole = _zeros_like({"step": torch.tensor(0), "params": {"a": a, "b": b, "w": w}, "n": 0})
+    _equal(_by_key(ckpt.load(path, whole)), union, "loaded by one process")
+    swapped = [_zeros_like(trees[1]), _zeros_like(trees[0])]
+    for r, (status, got) in enumerate(ranks(2).run(_load_different_trees, path, swapped)):
+        assert status == "ok", got
+        _equal(got, trees[1 - r], f"rank {r}")
+    # A leaf no rank loads is an extra leaf, named on every rank.
+    only_a = [_zeros_like({"step": torch.tensor(0), "params": {"a": a, "w": w}, "n": 0})] * 2
+    for status, msg in ranks(2).run(_load_different_trees, path, only_a):
+        assert status == "CheckpointMismatchError", msg
+        assert "extra in the checkpoint (in no rank's like): 1" in msg and "['params']['b'] (3, 2) float32" in msg
+    # Ranks that disagree on a shared key path save nothing, and say which.
+    clash = [trees[0], {**trees[1], "step": torch.tensor(5.0)}]
+    with pytest.raises(Exception, match=r"leaf \['step'\] is a tensor of int64, shape \(\) on rank\(s\) 0 but a "
+                                        r"tensor of float32, shape \(\) on rank\(s\) 1"):
+        ranks(2).run(_save_different_trees, str(tmp_path / "clash"), clash)
+    assert not (tmp_path / "clash").exists()
+
+
+# A pipeline of two stages (pp=2): an embedding and a hidden layer, then the head; the head
+# may be the embedding's weight (tied), so that both stages hold one key path.
+
+
+def _lm(tied, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(7, 6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 7, bias=not tied))
+    if tied:
+        model[3].weight = model[0].weight
+    return model
+
+
+def _lm_batch(k, n):
+    g = torch.Generator().manual_seed(100 + k)
+    return {"x": torch.randint(7, (n,), generator=g), "y": torch.randint(7, (n,), generator=g)}
+
+
+def _pipelined(pp, dp, zero, tied, seed=0, tx=None):
+    """``(step, state, pipe)`` of the pipeline (pp=2) or the plain step (pp=1) on ``Mesh(pp, dp)``."""
+    from fzero.transforms.pipeline import pipeline, split
+
+    mesh = fzero.Mesh(pp=pp, dp=dp)
+    model = _lm(tied, seed)
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx or optim.adamw(1e-2, weight_decay=0.1))
+    if pp == 1:
+        def plain(state, batch):
+            loss, g = fzero.value_and_grad(lambda p: F.cross_entropy(state.apply_fn(p, batch["x"]), batch["y"]))(
+                state.params)
+            return state.apply_gradients(g), {"loss": loss}
+        step = fzero.shard_state(plain, mesh, zero)
+        return step, step.init(state), None
+    pipe = pipeline(split(model, [2]), F.cross_entropy, mesh, micro_batches=2)
+
+    def train_step(state, batch):
+        loss, grads = pipe(state.params, batch["x"], batch["y"])
+        return state.apply_gradients(grads), {"loss": loss}
+
+    inner = train_step if zero is None else fzero.shard_state(train_step, mesh, zero, bucket_bytes=64)
+    step = pipe.transform(inner)
+    return step, step.init(state), pipe
+
+
+def _pipelined_resume(pp, dp, zero, phase, root):
+    step, state, _ = _pipelined(pp, dp, zero, tied=False, tx=optim.sgd(0.1, momentum=0.9))
+    j = fzero.Mesh(pp=pp, dp=dp).coords["dp"]
+    if phase == "resume":
+        state = ckpt.load(ckpt.latest(root), like=state)
+    losses = []
+    for k in range(int(state.step), 3 if phase == "first" else 6):
+        b = _lm_batch(k, 4 * dp)
+        state, m = step(state, {key: v.chunk(dp)[j] for key, v in b.items()})
+        losses.append(m["loss"].item())
+    if phase == "first":
+        ckpt.save(f"{root}/step_{int(state.step)}", state)
+    return losses
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,dp,zero", [(2, 1, None), (2, 2, 1)])
+def test_a_pipelined_run_resumes_on_the_same_loss_curve(ranks, tmp_path, pp, dp, zero):
+    pool = ranks(pp * dp)
+    straight = pool.run(_pipelined_resume, pp, dp, zero, "straight", str(tmp_path))
+    first = pool.run(_pipelined_resume, pp, dp, zero, "first", str(tmp_path))
+    second = pool.run(_pipelined_resume, pp, dp, zero, "resume", str(tmp_path))
+    for r in range(pp * dp):
+        assert first[r] + second[r] == straight[r], r  # bitwise, on every rank
+    assert len(ckpt.manifest(ckpt.latest(tmp_path))["parts"]) == pp
+
+
+def _pipelined_save(path):
+    """pp=2 x dp=2 at ZeRO-1, tied head: 2 steps, then a checkpoint."""
+    step, state, pipe = _pipelined(2, 2, 1, tied=True)
+    j = fzero.Mesh(pp=2, dp=2).coords["dp"]
+    for k in range(2):
+        state, _ = step(state, {key: v.chunk(2)[j] for key, v in _lm_batch(k, 8).items()})
+    ckpt.save(path, state)
+    return pipe.gather(state.params), fzero.gather({"step": state.step, "params": state.params,
+                                                     "opt_state": state.opt_state})
+
+
+def _pipelined_load(path, pp, dp, zero):
+    step, like, pipe = _pipelined(pp, dp, zero, tied=True, seed=1)  # other values: all must come from the file
+    state = ckpt.load(path, like=like)
+    j = fzero.Mesh(pp=pp, dp=dp).coords["dp"]
+    out = fzero.gather({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+    step(state, {key: v.chunk(dp)[j] for key, v in _lm_batch(9, 4 * dp).items()})  # it can step at once
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    saved = ranks(4).run(_pipelined_save, path)
+    full = saved[0][0]
+    stages = [saved[0][1], saved[2][1]]  # what stage 0 (ranks 0-1) and stage 1 (ranks 2-3) hold
+    for r in range(4):
+        _equal(saved[r][1], stages[r // 2], f"rank {r} against its stage's first rank")
+    man = ckpt.manifest(path)
+    assert [p["ranks"] for p in man["parts"]] == [[0, 1], [2, 3]] and man["stages"] == [1, 2]
+    held = {rec["path"]: rec["parts"] for rec in man["leaves"]}
+    assert held[".params['1.weight']"] == [0] and held[".params['0.weight']"] == [0, 1]  # tied: both stages
+    assert held[".step"] == [0, 1]
+    # pp=2 x dp=1 at ZeRO-3: each stage's ranks load what that stage saved.
+    for s, got in enumerate(ranks(2).run(_pipelined_load, path, 2, 1, 3)):
+        _equal(got, stages[s], f"stage {s}: (pp=2, dp=2, ZeRO-1) -> (pp=2, dp=1, ZeRO-3)")
+    # pp=1: the plain state of the whole model, in one process, at ZeRO-2.
+    whole = _pipelined_load(path, 1, 1, 2)
+    _equal(_by_key(whole), _union(stages, "stages"), "(pp=2, dp=2, ZeRO-1) -> (pp=1, ZeRO-2)")
+    # Export: every stage's parameters, under their named_parameters() names, once.
+    from safetensors.torch import load_file
+
+    names = ckpt.export(path, tmp_path / "model.safetensors")
+    assert set(names) == set(full) == {"0.weight", "1.weight", "1.bias"}
+    _equal(load_file(str(tmp_path / "model.safetensors")), full, "export against pipe.gather")
+    model = _lm(True, 2)
+    ckpt.export(path, tmp_path / "strict.safetensors", module=model)
+    model.load_state_dict(load_file(str(tmp_path / "strict.safetensors")), strict=True)
+    assert torch.equal(model[3].weight.detach(), full["0.weight"]) and model[3].weight is model[0].weight
+    assert cli_main(["export", path, str(tmp_path / "cli.safetensors")]) == 0
+    _equal(load_file(str(tmp_path / "cli.safetensors")), full, "fzero checkpoint export")
+
+
 # --------------------------------------------------------------------------- CLI and progress
 
 

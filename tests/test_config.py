@@ -103,6 +103,7 @@ def test_readme_sample_works_unchanged():
         "loss_scale_options": {"initial_scale_power": 16, "loss_scale_window": 1000,
                                "hysteresis": 2, "consecutive_hysteresis": False,
                                "min_loss_scale": 1.0},
+        "check_grad_overflow": True,  # DeepSpeed always checks under fp16
         "accumulate": 1,
         "clip_norm": 1.0,  # DeepSpeed 0.19's default gradient_clipping
         "bucket_size": None,
@@ -484,6 +485,8 @@ def test_scheduler_errors_name_the_key(sched, exc, match):
      "zero_optimization.reduce_bucket_size"),
     (base(fp16={"enabled": True, "loss_scale_windw": 10}), "fp16.loss_scale_windw", "fp16.loss_scale_window"),
     (base(bf16={"enable": True}), "bf16.enable", "bf16.enabled"),
+    # an old name in DeepSpeed's constants.py that DeepSpeedBF16Config (extra="forbid") refuses
+    (base(bf16={"enabled": True, "check_overflow": False}), "bf16.check_overflow", "bf16.check_grad_overflow"),
     (base(optimizer={"typ": "Adam"}), "optimizer.typ", "optimizer.type"),
     (base(optimizer={"type": "Adam", "params": {"betas1": 0.9}}), "optimizer.params.betas1",
      "optimizer.params.betas"),
@@ -516,7 +519,6 @@ def test_unknown_keys_name_the_key_and_the_nearest_valid_one(d, path, nearest):
      "zero_optimization.zero_quantized_gradients"),
     (base(zero_optimization={"stage": 3, "zero_hpz_partition_size": 8}), "zero_optimization.zero_hpz_partition_size"),
     (base(fp16={"enabled": True, "fp16_master_weights_and_grads": True}), "fp16.fp16_master_weights_and_grads"),
-    (base(bf16={"enabled": True, "check_grad_overflow": True}), "bf16.check_grad_overflow"),
     (base(bf16={"enabled": True, "bf16_master_weights_and_grads": True}), "bf16.bf16_master_weights_and_grads"),
 ])
 def test_deepspeed_features_fzero_does_not_implement_are_named(d, key):
@@ -578,6 +580,23 @@ def test_fp16_settings_reach_the_compile_options():
     # the names are fzero.mixed_precision's keyword arguments
     import inspect
     assert set(opts["loss_scale_options"]) <= set(inspect.signature(fzero.mixed_precision).parameters)
+
+
+@pytest.mark.parametrize("d, check", [
+    (base(bf16={"enabled": True}), True),  # DeepSpeedBF16Config.check_grad_overflow defaults to true
+    (base(bf16={"enabled": True, "check_grad_overflow": True}), True),
+    (base(bf16={"enabled": True, "check_grad_overflow": False}), False),
+    (base(bfloat16={"enabled": True, "check_grad_overflow": False}), False),
+    # read under bf16 only: DeepSpeed always checks under fp16 and never under fp32
+    (base(fp16={"enabled": True}, bf16={"enabled": False, "check_grad_overflow": False}), True),
+])
+def test_bf16_check_grad_overflow_reaches_the_compile_options(d, check):
+    assert load(d).compile_options()["check_grad_overflow"] is check
+
+
+def test_bf16_check_grad_overflow_must_be_a_bool():
+    with pytest.raises(TypeError, match=re.escape("bf16.check_grad_overflow must be true or false, got 'no'")):
+        load(base(bf16={"enabled": True, "check_grad_overflow": "no"}))
 
 
 @pytest.mark.parametrize("d, precision", [
@@ -754,3 +773,33 @@ def test_deepspeed_readme_sample_runs_through_compile():
     state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
     assert {"loss", "loss_scale", "skipped"} <= set(metrics)
     assert float(metrics["loss_scale"]) == 2.0 ** 16
+
+
+@pytest.mark.parametrize("check", [None, True, False])
+def test_bf16_check_grad_overflow_drives_the_compiled_step(check):
+    """bf16.check_grad_overflow (DeepSpeed's default: true) decides whether a compiled bf16
+    step skips an update whose gradients are not finite."""
+    import torch.nn.functional as F
+
+    import fzero
+
+    section = {"enabled": True} if check is None else {"enabled": True, "check_grad_overflow": check}
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(torch.nn.Linear(4, 2))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.sgd(0.1))
+
+    def train_step(state, batch):
+        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+        return state.apply_gradients(g), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=-1), config=base(bf16=section))
+    state = step.init(state)
+    x = torch.randn(8, 4)
+    x[0, 0] = float("inf")
+    state, metrics = step(state, {"x": x, "y": torch.randn(8, 2)})
+    assert "loss_scale" not in metrics
+    master_finite = all(bool(torch.isfinite(m).all()) for m in state.extra["master"].values())
+    if check is False:
+        assert "skipped" not in metrics and not master_finite and int(state.step) == 1
+    else:
+        assert bool(metrics["skipped"]) and master_finite and int(state.step) == 0

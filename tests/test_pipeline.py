@@ -88,12 +88,15 @@ def _wrap(step, precision, accumulate):
 
 
 def _same_as_plain(p, m, kind, tx_name, *, steps=3, per_mb=2, width=6, depth=2, seed=0, dp=1, zero=None,
-                   units=False, precision=None, accumulate=None, remat=False, tied=False):
+                   units=False, precision=None, accumulate=None, remat=False, tied=False, freeze=False):
     """Runs on every rank: the pipelined trajectory equals the plain one."""
     r = dist.get_rank()
     mesh = fzero.Mesh(pp=p, dp=dp)
     d_in, d_out, vocab = 3, 2, 7
     make = (lambda: _tied(vocab, width, seed)) if tied else (lambda: _mlp(d_in, width, depth, d_out, seed))
+    if freeze:  # the second Linear's weight is frozen in both models
+        make_unfrozen = make
+        make = lambda: _freeze(make_unfrozen())  # noqa: E731
     loss_fn = _xent if tied else _mse
     k = accumulate or 1
     n = per_mb * m * k * dp
@@ -154,7 +157,14 @@ def _same_as_plain(p, m, kind, tx_name, *, steps=3, per_mb=2, width=6, depth=2, 
         mine = fzero.gather(state.params)["0.weight"]
         assert torch.equal(mine, full["0.weight"]), "the tied copies drifted apart"
     assert int(state.step) == int(ref.step) == steps - sum(skipped)
+    if freeze and "2.weight" in full:
+        assert torch.equal(full["2.weight"], _freeze(make_unfrozen()).get_parameter("2.weight"))
     return [float(x) for x in losses]
+
+
+def _freeze(model):
+    model[2].weight.requires_grad_(False)
+    return model
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -220,6 +230,13 @@ def test_accumulate_fp32(ranks):
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_remat_inside_stages(ranks, kind):
     ranks(3).run(_same_as_plain, 3, 4, kind, "adamw", remat=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,zero", [(1, None), (2, 2), (2, 3)])
+def test_frozen_parameters_in_a_pipeline(ranks, dp, zero):
+    ranks(2 * dp).run(_same_as_plain, 2, 2, "1f1b", "adamw", dp=dp, zero=zero, freeze=True)
 
 
 @pytest.mark.multirank

@@ -65,13 +65,13 @@ def global_shape(x: Any) -> tuple[int, ...] | None:
     return None
 
 
-def stages_of(paths, leaves) -> list[int]:
-    """The ZeRO stages a state's layout is consistent with: ``[0]`` (nothing partitioned),
-    ``[1, 2]`` (optimizer state partitioned, parameters whole: the two stages keep the same
-    state between steps) or ``[3]`` (parameters partitioned too)."""
-    sharded = [p for p, x in zip(paths, leaves) if isinstance(x, Shard)]
+def stages_of(records: list[dict]) -> list[int]:
+    """The ZeRO stages a layout is consistent with, from its manifest records: ``[0]``
+    (nothing partitioned), ``[1, 2]`` (optimizer state partitioned, parameters whole: the
+    two stages keep the same state between steps) or ``[3]`` (parameters partitioned too)."""
+    sharded = [r for r in records if r.get("sharding") is not None]
     if not sharded:
         return [0]
-    if any(json_entries(p)[:1] in ([["attr", "params"]], [["key", "params"]]) for p in sharded):
+    if any(r["entries"][:1] in ([["attr", "params"]], [["key", "params"]]) for r in sharded):
         return [3]
     return [1, 2]

@@ -54,8 +54,12 @@ def _describe_saved(rec: dict) -> str:
     return f"{rec['type']} {rec['value']!r}"
 
 
-def _match(path: str, man: dict, keys: list[str], leaves: list[Any]) -> list[dict]:
-    """The saved record of each leaf of ``like``; a mismatch lists every difference."""
+def _match(path: str, man: dict, keys: list[str], leaves: list[Any], *, alone: bool) -> tuple[list[dict], set[str]]:
+    """The saved record of each leaf of ``like``, and the checkpoint's key paths ``like``
+    does not have. A leaf missing from the checkpoint or mismatched is an error listing
+    every difference; so are the extra key paths when this rank loads ``alone`` (in a
+    larger world they may be other ranks' -- another pipeline stage's -- and are checked
+    over all ranks by :func:`_agree_coverage`)."""
     saved = {rec["path"]: rec for rec in man["leaves"]}
     missing, mismatched = [], []  # (key, line)
     for key, x in zip(keys, leaves):
@@ -77,21 +81,52 @@ def _match(path: str, man: dict, keys: list[str], leaves: list[Any]) -> list[dic
         if not ok:
             mismatched.append((key, f"{key}: checkpoint {_describe_saved(rec)}, like {_describe_like(x)}"))
     keyset = set(keys)
-    extra = [(rec["path"], f"{rec['path']} {_describe_saved(rec)}") for rec in man["leaves"]
-             if rec["path"] not in keyset]
-    if missing or extra or mismatched:
-        lines = [f"{WHERE}: the checkpoint at {path} does not match `like`:"]
-        for title, items in (("missing from the checkpoint (in like only)", missing),
-                             ("extra in the checkpoint (not in like)", extra),
-                             ("mismatched (shape, kind, or a dtype that cannot be cast)", mismatched)):
-            if items:
-                lines.append(f"  {title}: {len(items)}")
-                lines += [f"    {line}" for _, line in items[:20]]
-                if len(items) > 20:
-                    lines.append(f"    ... ({len(items) - 20} more)")
-        raise CheckpointMismatchError("\n".join(lines), missing=[k for k, _ in missing],
-                                      extra=[k for k, _ in extra], mismatched=[k for k, _ in mismatched])
-    return [saved[k] for k in keys]
+    extra = {rec["path"] for rec in man["leaves"] if rec["path"] not in keyset}
+    shown_extra = [(rec["path"], f"{rec['path']} {_describe_saved(rec)}") for rec in man["leaves"]
+                   if rec["path"] in extra] if alone else []
+    if missing or shown_extra or mismatched:
+        _mismatch(path, missing, shown_extra, mismatched, "extra in the checkpoint (not in like)")
+    return [saved[k] for k in keys], extra
+
+
+def _mismatch(path: str, missing, extra, mismatched, extra_title: str):
+    lines = [f"{WHERE}: the checkpoint at {path} does not match `like`:"]
+    for title, items in (("missing from the checkpoint (in like only)", missing), (extra_title, extra),
+                         ("mismatched (shape, kind, or a dtype that cannot be cast)", mismatched)):
+        if items:
+            lines.append(f"  {title}: {len(items)}")
+            lines += [f"    {line}" for _, line in items[:20]]
+            if len(items) > 20:
+                lines.append(f"    ... ({len(items) - 20} more)")
+    raise CheckpointMismatchError("\n".join(lines), missing=[k for k, _ in missing],
+                                  extra=[k for k, _ in extra], mismatched=[k for k, _ in mismatched])
+
+
+def _agree_coverage(path: str, man: dict, world: _comm.World, extra: set[str] | None,
+                    error: BaseException | None) -> None:
+    """Every leaf of the checkpoint must be loaded by some rank: a pipelined checkpoint's
+    leaves are spread over the stages' ``like`` trees, and a leaf no rank takes is an
+    extra leaf, as in a world of one. The ranks exchange one bit per leaf (which they do
+    not load) and an error if they already failed; every rank raises the same."""
+    bits = 0
+    if extra is not None:
+        for i, rec in enumerate(man["leaves"]):
+            if rec["path"] not in extra:
+                bits |= 1 << i
+    said = world.all_gather_json("which leaves each rank loads", {
+        "loads": format(bits, "x"), "error": None if error is None else f"{type(error).__name__}: {error}"})
+    if error is not None:
+        raise error
+    failed = [r for r, s in enumerate(said) if s["error"] is not None]
+    if failed:
+        raise CheckpointError(f"{WHERE}: loading {path} failed on rank {failed[0]}: {said[failed[0]]['error']}")
+    covered = 0
+    for s in said:
+        covered |= int(s["loads"], 16)
+    left = [(rec["path"], f"{rec['path']} {_describe_saved(rec)}") for i, rec in enumerate(man["leaves"])
+            if not covered >> i & 1]
+    if left:
+        _mismatch(path, [], left, [], "extra in the checkpoint (in no rank's like)")
 
 
 # --------------------------------------------------------------------------- reading ranges
@@ -218,7 +253,9 @@ def load(
     Collective when a process group exists (every rank calls it). ``like`` is a state as
     the step gives it (``step.init(state)``): its tree says which leaves to load, and its
     ``Shard`` pieces say which elements this rank needs, whatever world size and ZeRO stage
-    the checkpoint was saved with. Floating-point leaves are cast to ``like``'s dtype
+    the checkpoint was saved with. Ranks may load different parts of the checkpoint (each
+    pipeline stage its own parameters, whatever the pipeline it was saved with); together
+    they must load every leaf of it. Floating-point leaves are cast to ``like``'s dtype
     (fp32 <-> bf16/fp16) and placed on ``like``'s device. No code runs: the manifest is
     JSON and tensors are raw bytes.
 
@@ -240,8 +277,9 @@ def load(
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        CheckpointMismatchError: the trees differ: every missing, extra and mismatched key
-            path is listed with its shape.
+        CheckpointMismatchError: the trees differ: every key path missing from the
+            checkpoint, mismatched, or extra in it (loaded by no rank) is listed with its
+            shape.
         CorruptCheckpointError: a missing, truncated or corrupted file (named).
         CheckpointError: ``path`` was never committed; another rank failed (named).
 
@@ -260,9 +298,19 @@ def load(
     # different ranks, so it finishes first.
     wait_pending()
     world = _comm.world(WHERE, timeout_s)
-    result, error = None, None
+    prepared, error = None, None
     try:
-        result = _load_local(path, like, world, verify, restore_rng, in_place,
+        prepared = _prepare(path, like, world, verify, restore_rng)
+    except Exception as e:  # noqa: BLE001  (every rank must reach the agreement below)
+        error = e
+    if world.size > 1:
+        _agree_coverage(path, prepared[0] if prepared else {"leaves": []}, world,
+                        prepared[4] if prepared else None, error)
+    elif error is not None:
+        raise error
+    result = None
+    try:
+        result = _load_local(path, prepared, world, verify, restore_rng, in_place,
                              _printer if progress is True else (progress or None))
     except Exception as e:  # noqa: BLE001  (every rank must reach the agreement below)
         error = e
@@ -283,14 +331,20 @@ def _printer(p: Progress) -> None:
     print(p, file=sys.stderr, flush=True)
 
 
-def _load_local(path, like, world, verify, restore_rng, in_place, callback):
+def _prepare(path, like, world, verify, restore_rng):
+    """``(manifest, leaves of like, its treespec, their saved records, extra key paths)``."""
     man = _format.read_manifest(path, WHERE, verify=verify)
     paths, leaves, spec = _leaves.flatten(like)
     keys = [_leaves.keystr(p) for p in paths]
-    recs = _match(path, man, keys, leaves)
+    recs, extra = _match(path, man, keys, leaves, alone=world.size == 1)
     if restore_rng and man["world_size"] != world.size:
         raise CheckpointError(f"{WHERE}: restore_rng=True needs the world size the checkpoint was saved with "
                               f"({man['world_size']}); this world has {world.size}")
+    return man, leaves, spec, recs, extra
+
+
+def _load_local(path, prepared, world, verify, restore_rng, in_place, callback):
+    man, leaves, spec, recs, _ = prepared
     files = Files(path, man, WHERE)
     total = 0
     for rec, x in zip(recs, leaves):

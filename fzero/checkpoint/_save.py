@@ -3,8 +3,9 @@
 The commit protocol (rank 0 decides, every rank learns the outcome):
 
 1. rank 0 creates ``.NAME.tmp-<uuid>`` next to ``path`` and broadcasts its name;
-2. every rank writes ``rankRRRRR.safetensors`` into it (its pieces of partitioned leaves,
-   its share of the replicated leaves, its RNG states) and fsyncs it;
+2. every rank writes ``rankRRRRR.safetensors`` into it (what the plan gives it: its pieces
+   of partitioned leaves, its share of the replicated leaves; and its RNG states) and
+   fsyncs it (the plan, agreed before: ``_plan.py``);
 3. the ranks all-gather what they wrote (offsets, checksums) or the error they hit;
 4. rank 0 writes ``manifest.json``, then the ``COMMITTED`` marker, fsyncs, and renames the
    directory to ``path`` (the rename is the commit: before it, ``path`` does not exist or
@@ -17,7 +18,6 @@ overwrites a committed checkpoint before its replacement is complete.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from fzero.checkpoint import _comm, _format, _leaves, _rng
+from fzero.checkpoint import _comm, _format, _rng
 from fzero.checkpoint._format import MANIFEST, MARKER, CheckpointError, Progress
+from fzero.checkpoint._plan import Plan, plan as make_plan
 from fzero.distributed.flat import Shard
 
 __all__ = ["SaveHandle", "latest", "save"]
@@ -83,74 +84,6 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "committed" if self.done() else "writing"
         return f"SaveHandle({self.path!r}, {state})"
-
-
-# --------------------------------------------------------------------------- the plan
-
-
-class _Plan:
-    """What every leaf is, and which rank writes which bytes (the same on every rank)."""
-
-    def __init__(self, state: Any, world: _comm.World):
-        paths, leaves, self.spec = _leaves.flatten(state)
-        self.keys = [_leaves.keystr(p) for p in paths]
-        self.stages = _leaves.stages_of(paths, leaves)
-        n = world.size
-        self.records: list[dict] = []
-        self.mine: list[tuple[str, torch.Tensor]] = []  # (tensor name, tensor) this rank writes
-        load = [0] * n
-        replicated = []
-        for i, (path, key, x) in enumerate(zip(paths, self.keys, leaves)):
-            rec: dict[str, Any] = {"path": key, "entries": _leaves.json_entries(path)}
-            if isinstance(x, Shard):
-                info = x.info
-                if info.world != n:
-                    raise CheckpointError(
-                        f"{WHERE}: leaf {key} is partitioned over {info.world} ranks, but the world has {n}: "
-                        f"save every rank's state together (partitioning over a sub-axis is not supported yet)")
-                local = x.local
-                if local.numel() != info.piece(world.rank)[1] - info.piece(world.rank)[0]:
-                    raise CheckpointError(f"{WHERE}: leaf {key}: the piece holds {local.numel()} elements, "
-                                          f"its ShardInfo says {info.piece(world.rank)}")
-                rec.update(kind="tensor", dtype=_format.dtype_name(local.dtype, WHERE, key),
-                           shape=list(info.shape),
-                           sharding={"world": info.world, "offset": info.offset, "chunk": info.chunk},
-                           pieces=[])
-                item = local.element_size()
-                for r in range(n):
-                    a, b = info.piece(r)
-                    if b > a:
-                        rec["pieces"].append({"rank": r, "name": _leaves.piece_name(key, a, b), "start": a, "stop": b})
-                        load[r] += (b - a) * item
-                a, b = info.piece(world.rank)
-                if b > a:
-                    self.mine.append((_leaves.piece_name(key, a, b), local))
-            elif isinstance(x, torch.Tensor):
-                rec.update(kind="tensor", dtype=_format.dtype_name(x.dtype, WHERE, key), shape=list(x.shape),
-                           sharding=None, pieces=[])
-                replicated.append(i)
-            elif _leaves.is_value(x):
-                if isinstance(x, float) and not math.isfinite(x):
-                    rec.update(kind="value", type="float", value=repr(x))
-                else:
-                    rec.update(kind="value", type=type(x).__name__, value=x)
-            else:
-                raise TypeError(f"{WHERE}: leaf {key} is a {type(x).__name__}; a checkpoint stores tensors, "
-                                f"fzero Shards and Python scalars (int, float, bool, str)")
-            self.records.append(rec)
-        # Replicated leaves go to the least-loaded rank, largest first (LPT), so writing
-        # is spread over the ranks; ties go to the lowest rank, so every rank agrees.
-        for i in sorted(replicated, key=lambda i: (-leaves[i].numel() * leaves[i].element_size(), i)):
-            x = leaves[i]
-            owner = min(range(n), key=lambda r: (load[r], r))
-            load[owner] += x.numel() * x.element_size()
-            key = self.keys[i]
-            self.records[i]["pieces"].append({"rank": owner, "name": key, "start": 0, "stop": x.numel()})
-            if owner == world.rank:
-                self.mine.append((key, x))
-        self.fingerprint = zlib.crc32(json.dumps(
-            [[r["path"], r["kind"], r.get("dtype"), r.get("shape"), r.get("sharding")] for r in self.records]
-        ).encode())
 
 
 def _step_of(state: Any, step: int | None) -> int | None:
@@ -205,11 +138,14 @@ def save(
     """Save ``state`` (any pytree of tensors, ``Shard`` pieces and scalars) to the directory ``path``.
 
     Collective: every rank of the process group calls it with its own state (a process
-    without a group is a world of one). Each rank writes only what it owns: its pieces of
-    partitioned leaves, and a share of the replicated leaves (spread over the ranks by
-    size), in parallel, as safetensors; rank 0 then writes the JSON manifest and commits
-    atomically (see the module docstring). Every rank's RNG states (torch, CUDA, Python,
-    numpy) are saved too; :func:`load` restores them when asked.
+    without a group is a world of one). The ranks' states may differ -- each pipeline
+    stage holds its own parameters -- and the checkpoint holds their union, each key path
+    once (a key path on several ranks must be the same leaf there). Each rank writes only
+    what it owns: its pieces of partitioned leaves, and a share of the replicated leaves
+    (spread over the ranks holding them, by size), in parallel, as safetensors; rank 0 then
+    writes the JSON manifest and commits atomically (see the module docstring). Every
+    rank's RNG states (torch, CUDA, Python, numpy) are saved too; :func:`load` restores them
+    when asked.
 
     Args:
         path: the checkpoint directory to create (its parent is created if needed).
@@ -235,7 +171,9 @@ def save(
         FileExistsError: ``path`` exists and ``overwrite`` is False.
         TypeError, ValueError: a leaf that cannot be stored, metadata that is not JSON (named
             by key path), ``keep`` < 1.
-        CheckpointError: writing failed on some rank (named); nothing was committed.
+        CheckpointError: writing failed on some rank (named); ranks hold different leaves
+            under one key path, or a partitioned leaf has a piece no rank holds (named,
+            with the ranks); nothing was committed.
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
@@ -259,7 +197,7 @@ def save(
                 previous._reported = True
                 raise CheckpointError(f"{WHERE}: the previous asynchronous save to {previous.path} failed: {e}") from e
     world = _comm.world(WHERE, timeout_s)
-    plan = _Plan(state, world)
+    plan = make_plan(state, world)
     step_value = _step_of(state, step)
     rng_tensors, rng_json = _rng.capture()
     entries = [_format.WriteEntry(k, t.detach().reshape(t.shape)) for k, t in rng_tensors.items()]
@@ -320,7 +258,7 @@ def _snapshot(entries: list[_format.WriteEntry]) -> list[_format.WriteEntry]:
     return out
 
 
-def _run(handle: SaveHandle, path: str, plan: _Plan, entries, world: _comm.World, step: int | None,
+def _run(handle: SaveHandle, path: str, plan: Plan, entries, world: _comm.World, step: int | None,
          metadata: Any, rng_json: dict, keep: int | None, overwrite: bool, callback) -> None:
     try:
         _write_and_commit(handle, path, plan, entries, world, step, metadata, rng_json, keep, overwrite, callback)
@@ -394,9 +332,8 @@ def _commit(path, tmp, plan, reports, world, step, metadata, keep, overwrite) ->
     if failed:
         return {"error": "writing failed on " + "; ".join(failed)}
     bad = [r for r, rep in enumerate(reports) if rep["fingerprint"] != reports[0]["fingerprint"]]
-    if bad:
-        return {"error": f"the state on rank(s) {', '.join(map(str, bad))} has another tree, shapes or layout "
-                         f"than on rank 0: every rank must save the same state"}
+    if bad:  # the plan is agreed before writing: this is a bug, caught before it is committed
+        return {"error": f"rank(s) {', '.join(map(str, bad))} planned another checkpoint than rank 0"}
     where: dict[tuple[int, str], dict] = {}
     files, rng = {}, []
     for r, rep in enumerate(reports):
@@ -422,7 +359,7 @@ def _commit(path, tmp, plan, reports, world, step, metadata, keep, overwrite) ->
         "fzero_version": __version__, "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "created_unix": time.time(),
         "step": step, "world_size": world.size, "stages": plan.stages,
-        "block_bytes": _format.BLOCK_BYTES, "treespec": str(plan.spec),
+        "block_bytes": _format.BLOCK_BYTES, "treespec": plan.treespec, "parts": plan.parts,
         "leaves": leaves, "files": files, "rng": rng, "metadata": metadata,
     }
     data = _format.write_json(os.path.join(tmp, MANIFEST), manifest)

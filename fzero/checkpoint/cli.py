@@ -100,17 +100,26 @@ def _inspect(path: str, *, as_json: bool) -> int:
     print(f"  files: {len(man['files'])}, {_size(total)}")
     for name, f in sorted(man["files"].items()):
         print(f"    {name}  {_size(f['bytes'])}  crc32-of-blocks {f['crc32']}")
+    parts = man.get("parts") or []
+    if len(parts) > 1:  # ranks that held different trees: the stages of a pipeline
+        print(f"  parts: {len(parts)} (ranks holding different leaves, e.g. pipeline stages)")
+        for i, part in enumerate(parts):
+            print(f"    part {i}: rank{'s' if len(part['ranks']) != 1 else ''} {_ranks(part['ranks'])}, "
+                  f"{part['leaves']} leaves")
     print(f"  leaves: {len(man['leaves'])} ({len(tensors)} tensors, {numel:,} elements)")
     width = max((len(r["path"]) for r in man["leaves"]), default=0)
     for r in man["leaves"]:
+        held = ""
+        if len(parts) > 1 and r.get("parts"):
+            held = f"  [part{'s' if len(r['parts']) != 1 else ''} {', '.join(map(str, r['parts']))}]"
         if r["kind"] == "value":
-            print(f"    {r['path']:<{width}}  {r['type']:<9} {r['value']!r}")
+            print(f"    {r['path']:<{width}}  {r['type']:<9} {r['value']!r}{held}")
             continue
         shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
         sh = r["sharding"]
         where = (f"replicated, in {r['pieces'][0]['file']}" if sh is None else
                  f"{len(r['pieces'])} piece{'s' if len(r['pieces']) != 1 else ''} over {sh['world']} ranks")
-        print(f"    {r['path']:<{width}}  {r['dtype']:<9} {shape:<14} {where}")
+        print(f"    {r['path']:<{width}}  {r['dtype']:<9} {shape:<14} {where}{held}")
     if man.get("metadata") is not None:
         print(f"  metadata: {json.dumps(man['metadata'])}")
     return 0
@@ -129,6 +138,12 @@ def _list(root: str) -> int:
     for i, ((step, _, name), _p) in enumerate(found):
         print(f"  {name}  step {step if step >= 0 else '?'}{'  <- latest' if i == len(found) - 1 else ''}")
     return 0
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _numel(shape) -> int:

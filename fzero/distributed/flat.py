@@ -102,6 +102,33 @@ class Shard:
         a, b = self.info.piece()
         return f"Shard({tuple(self.info.shape)}, elements [{a}, {b}) on rank {self.info.rank}/{self.info.world})"
 
+    # Used as a tensor inside a train step (``g.norm()``, ``torch.sum(g)``, ``g * 2``), a
+    # piece would give a rank-local answer: refuse, naming the operation and the way out.
+    def _refuse(self, op: str, error: type = TypeError):
+        a, b = self.info.piece()
+        raise error(
+            f"fzero.shard_state: {op} on a partitioned tensor of global shape {tuple(self.info.shape)} "
+            f"(this rank holds elements [{a}, {b})) would give a rank-local result. Use "
+            "fzero.gather(tree) for the full tensors, or do it in an optimizer transform "
+            "(fzero.optim.clip_by_global_norm, masks), which are exact across shards")
+
+    def __getattr__(self, name: str):
+        # AttributeError (with the message), so that hasattr() probes still answer False.
+        if name.startswith("_") or name in ("local", "info"):
+            raise AttributeError(name)
+        self._refuse(f"'.{name}'", AttributeError)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        shard = next(a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, Shard))
+        shard._refuse(f"torch function {getattr(func, '__name__', func)!s}")
+
+    def _binary(self, *_):
+        self._refuse("arithmetic")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _binary
+    __pow__ = __neg__ = __abs__ = __matmul__ = __rmatmul__ = _binary
+
 
 optree.register_pytree_node(
     Shard,

@@ -1,4 +1,5 @@
-"""``mixed_precision``: low-precision compute, fp32 master weights, DeepSpeed's loss scaler."""
+"""``mixed_precision``: low-precision compute, fp32 master weights, DeepSpeed's loss scaler
+and overflow check."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
+from fzero._params import merge_trainable, trainable
 from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, emit_metric, installed, psum
 from fzero.transforms._deferred import is_deferred
 
@@ -43,7 +45,14 @@ class LossScaler:
 
 def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: int, consecutive: bool,
                    min_scale: float) -> LossScaler:
-    """One step of DeepSpeed's ``DynamicLossScaler.update_scale``.
+    """One step of DeepSpeed 0.19.8's ``DynamicLossScaler.update_scale``, as its ZeRO
+    optimizers (stages 1-3) call it once per update, skipped ones included.
+
+    On overflow: with ``hysteresis == 1``, or once the hysteresis left is 1, the scale
+    halves (never below ``min_scale``); otherwise one unit of hysteresis is spent. On a
+    clean update: ``consecutive`` refills the hysteresis at once; the scale doubles when
+    ``iter - last_overflow - 1`` is positive and a multiple of ``window`` (and, without
+    ``consecutive``, the hysteresis refills then).
 
     Raises:
         FloatingPointError: an overflow at the minimum scale (DeepSpeed's
@@ -63,7 +72,11 @@ def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: in
     else:
         if consecutive:
             hyst = hysteresis
-        if (it - last) % window == 0:
+        # it - last - 1 updates lie strictly between the last overflow and this one, all
+        # clean: DeepSpeed 0.19.8's stable_interval. ``(it - last) % window`` would double
+        # one update early.
+        stable_interval = it - last - 1
+        if stable_interval > 0 and stable_interval % window == 0:
             if not consecutive:
                 hyst = hysteresis
             scale *= 2.0
@@ -72,8 +85,10 @@ def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: in
 
 
 class _PrecisionHandler(Handler):
-    def __init__(self, dtype: torch.dtype, loss_scale, opts: dict):
+    def __init__(self, dtype: torch.dtype, loss_scale, opts: dict, check_grad_overflow: bool):
         self.dtype, self.loss_scale, self.opts = dtype, loss_scale, opts
+        # A loss scaler needs the verdict on every update; without one it is the user's choice.
+        self.check = loss_scale is not None or check_grad_overflow
         self.scale = 1.0  # the scale of the step running now
         self.pending_overflow = False  # overflow seen in micro-batches whose update was deferred
 
@@ -99,14 +114,16 @@ class _PrecisionHandler(Handler):
         return value, grads
 
     def apply_gradients(self, state, grads, *, next):
-        if self.loss_scale is None:
+        if not self.check:
             return next(state, grads)
         scale = self.scale
         bad = torch.zeros((), dtype=torch.float32)
         for g in tree.leaves(grads):
             if isinstance(g, torch.Tensor):
                 bad = bad + (~torch.isfinite(g)).any().float().cpu()
-        overflow = bool(psum(bad) > 0)  # one collective under ZeRO: every rank agrees
+        # One collective under ZeRO: a rank whose own gradient pieces are finite still skips
+        # when another rank's are not (DeepSpeed all-reduces its overflow flag with MAX).
+        overflow = bool(psum(bad) > 0)
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
         unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
@@ -120,7 +137,8 @@ class _PrecisionHandler(Handler):
             return new
         overflow |= self.pending_overflow
         self.pending_overflow = False
-        emit_metric("loss_scale", torch.tensor(scale))
+        if self.loss_scale is not None:
+            emit_metric("loss_scale", torch.tensor(scale))
         emit_metric("skipped", torch.tensor(overflow))
         extra = {}
         if self.loss_scale == "dynamic":
@@ -128,8 +146,8 @@ class _PrecisionHandler(Handler):
         if overflow:
             # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
             # count) and the step counter stay as they were.
-            return state.replace(extra={**state.extra, **extra})
-        return new.replace(extra={**new.extra, **extra})
+            return state.replace(extra={**state.extra, **extra}) if extra else state
+        return new.replace(extra={**new.extra, **extra}) if extra else new
 
 
 def next_device(params) -> str:
@@ -149,17 +167,32 @@ def mixed_precision(
     hysteresis: int = 2,
     consecutive_hysteresis: bool = False,
     min_loss_scale: float = 1.0,
+    check_grad_overflow: bool = True,
 ) -> Step:
-    """Compute in bf16 or fp16 with fp32 master weights.
+    """Compute in bf16 or fp16 with fp32 master weights; skip updates whose gradients are
+    not finite.
 
     ``init`` keeps fp32 master weights in ``state.extra["master"]`` (the optimizer state is
     built over them) and makes ``state.params`` their ``dtype`` copies, which the model
     computes with (under ``torch.autocast``, so ops torch keeps in fp32 still run in fp32)
     and which ZeRO-3 gathers (half the bytes). Gradients come out in ``dtype``; the update
-    runs on the fp32 masters and writes the new low-precision copies. With ``fp16`` the loss is multiplied by a scale first; the update
-    unscales, checks every gradient for inf/nan (agreed by all ranks under ZeRO) and, on
-    overflow, is skipped, as DeepSpeed's ``DynamicLossScaler`` with its defaults does
-    (initial scale 2^16, window 1000, hysteresis 2, minimum 1). ``bf16`` needs no scaler.
+    runs on the fp32 masters and writes the new low-precision copies.
+
+    With ``fp16`` the loss is multiplied by a scale first; the update unscales, checks
+    every gradient for inf/nan and, on overflow, is skipped, with DeepSpeed 0.19.8's
+    ``DynamicLossScaler`` as its ZeRO optimizers drive it at every stage: initial scale
+    ``2**initial_scale_power``; on overflow the scale halves (never below
+    ``min_loss_scale``) once ``hysteresis`` overflows have been spent; it doubles on a clean
+    update when ``iter - last_overflow_iter - 1`` is positive and a multiple of
+    ``loss_scale_window`` (``iter`` counts updates, skipped ones included); an overflow at
+    the minimum scale is an error. ``bf16`` has fp32's range and needs no scaler; its
+    update is skipped when a gradient is not finite (DeepSpeed's
+    ``bf16.check_grad_overflow``, on by default), unless ``check_grad_overflow=False``.
+
+    A skipped update leaves the parameters, the optimizer state (so the schedule's count)
+    and ``state.step`` as they were. The verdict is agreed by every rank under ZeRO, and is
+    for the whole update under ``accumulate`` (any micro-batch's non-finite gradient skips
+    it).
 
     Args:
         step: ``train_step(state, batch) -> (state, metrics)``.
@@ -168,14 +201,39 @@ def mixed_precision(
             is no scaling, whatever is passed: bf16 has fp32's range).
         initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis,
             min_loss_scale: DeepSpeed's ``fp16`` section, same names and defaults.
+        check_grad_overflow: without a loss scaler (bf16, or fp16 with ``loss_scale=None``),
+            whether to skip an update whose gradients are not finite (DeepSpeed's
+            ``bf16.check_grad_overflow``, default true). ``False`` applies such an update
+            (the parameters become inf/nan) and saves the check. A loss scaler always
+            checks, as DeepSpeed always does under fp16.
 
     Returns:
-        A :class:`Step`; under fp16 its metrics carry ``loss_scale`` (the scale this
-        update's loss was multiplied by) and ``skipped``.
+        A :class:`Step`. Its metrics carry ``skipped`` (whether this update was skipped)
+        whenever gradients are checked, and under fp16 with a scale ``loss_scale`` (the
+        scale this update's loss was multiplied by).
 
     Raises:
-        ValueError: an unknown ``dtype`` or ``loss_scale``.
+        ValueError: an unknown ``dtype`` or ``loss_scale``, a scaler setting out of range,
+            or ``check_grad_overflow=False`` with a loss scaler.
         FloatingPointError: at call time, an overflow at the minimum scale.
+
+    Example:
+        >>> import torch, fzero
+        >>> from fzero import optim
+        >>> apply, params = fzero.functionalize(torch.nn.Linear(2, 1))
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        >>> def train_step(state, batch):
+        ...     loss_fn = lambda p: state.apply_fn(p, batch).float().pow(2).mean()
+        ...     loss, g = fzero.value_and_grad(loss_fn)(state.params)
+        ...     return state.apply_gradients(g), {"loss": loss}
+        >>> step = fzero.mixed_precision(train_step, "bf16")
+        >>> state = step.init(state)
+        >>> state, metrics = step(state, torch.ones(4, 2))
+        >>> bool(metrics["skipped"]), int(state.step), state.params["weight"].dtype
+        (False, 1, torch.bfloat16)
+        >>> state, metrics = step(state, torch.full((4, 2), float("inf")))
+        >>> bool(metrics["skipped"]), int(state.step)  # not applied: params stay finite
+        (True, 1)
     """
     if dtype not in DTYPES:
         raise ValueError(f"{WHERE}: dtype={dtype!r} must be 'bf16' or 'fp16'")
@@ -184,19 +242,29 @@ def mixed_precision(
     elif not (loss_scale in ("dynamic", None) or isinstance(loss_scale, (int, float)) and loss_scale > 0):
         raise ValueError(f"{WHERE}: loss_scale={loss_scale!r} must be 'dynamic', a positive number or None")
     if loss_scale_window < 1 or hysteresis < 1 or min_loss_scale <= 0:
-        raise ValueError(f"{WHERE}: loss_scale_window, hysteresis and min_loss_scale must be positive")
+        raise ValueError(f"{WHERE}: loss_scale_window, hysteresis and min_loss_scale must be positive, got "
+                         f"{loss_scale_window!r}, {hysteresis!r} and {min_loss_scale!r}")
+    if not isinstance(check_grad_overflow, bool):
+        raise ValueError(f"{WHERE}: check_grad_overflow must be True or False, got {check_grad_overflow!r}")
+    if loss_scale is not None and not check_grad_overflow:
+        raise ValueError(f"{WHERE}: check_grad_overflow=False with loss_scale={loss_scale!r}: a loss scaler "
+                         "must see every overflow (DeepSpeed always checks under fp16); pass loss_scale=None "
+                         "to compute in fp16 unscaled and unchecked")
     inner = as_step(step)
     opts = dict(window=loss_scale_window, hysteresis=hysteresis, consecutive=consecutive_hysteresis,
                 min_scale=float(min_loss_scale))
-    handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts)
+    handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts, check_grad_overflow)
 
     def init(state):
         # Before the inner transforms' init (pre-order), so that a shard_state inside or
         # outside this transform finds the masters and partitions them.
         if "master" not in state.extra:
             low = DTYPES[dtype]
-            master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, state.params)
-            params = tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master)
+            # Masters for the trainable parameters only; frozen ones keep their own dtype
+            # (bit-identical, as they must stay) and autocast casts them per op.
+            master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, trainable(state.params))
+            params = merge_trainable(state.params,
+                                     tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master))
             state = state.replace(params=params, opt_state=state.tx.init(master),
                                   extra={**state.extra, "master": master})
         if loss_scale == "dynamic" and "loss_scale" not in state.extra:

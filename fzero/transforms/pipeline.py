@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from fzero import tree
+from fzero._params import Params, frozen_names, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, bind, handlers, installed
@@ -369,7 +370,10 @@ class Pipeline:
         if missing:
             raise KeyError(f"{WHERE}: stage {self.stage}'s parameters are missing from params: {missing[:8]}"
                            + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        return {k: params[k] for k in self.keys}
+        out = {k: params[k] for k in self.keys}
+        if isinstance(params, Params):  # keep which of them are frozen
+            return Params(out, frozen=params.frozen & out.keys())
+        return out
 
     def init(self, state):
         """The state keeping only this stage's parameters, with its optimizer state rebuilt
@@ -383,7 +387,7 @@ class Pipeline:
             raise ValueError(f"{WHERE}: init the pipeline before the other transforms (make pipe.transform "
                              "the outermost transform): this state is already partitioned or cast")
         local = self.stage_params(state.params)
-        return state.replace(params=local, opt_state=state.tx.init(local))
+        return state.replace(params=local, opt_state=state.tx.init(trainable(local)))
 
     def transform(self, step: Callable) -> Step:
         """``step`` as a pipeline step: outermost of the transforms.
@@ -462,7 +466,9 @@ class Pipeline:
         value, grads = bind("value_and_grad", self._run, local, (xs, ys), {}, has_aux=False)
         if len(local) == len(params):
             return value, grads
-        return value, {k: grads[k] if k in grads else torch.zeros_like(v) for k, v in params.items()}
+        frozen = frozen_names(params)
+        out = {k: grads[k] if k in grads else None if k in frozen else torch.zeros_like(v) for k, v in params.items()}
+        return value, (Params(out, frozen=frozen) if isinstance(params, Params) else out)
 
     # ---------------------------------------------------------------- communication
 

@@ -27,8 +27,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from fzero import tree
+from fzero._params import Params, frozen_names
+from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
@@ -83,11 +86,11 @@ class _ReduceSink:
     from (``held``); the update's last sink reduces the sum.
     """
 
-    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int]], leaf_names: list[str], *,
+    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int] | None], leaf_names: list[str], *,
                  held: dict[int, torch.Tensor] | None = None, reduce: bool = True, summed: bool = False):
         self.h = h
         self.leaf_names = leaf_names  # the leaves in flatten order
-        self.leaf_groups = leaf_groups  # leaf index -> (group, position in the group)
+        self.leaf_groups = leaf_groups  # leaf index -> (group, position in the group); None: frozen
         self.missing = [set(range(len(g.names))) for g in h.layout.groups]
         self.buffers: dict[int, torch.Tensor] = dict(held or {})
         self.carried = set(self.buffers)  # groups whose buffer holds earlier micro-batches' sum
@@ -164,7 +167,7 @@ class _ReduceSink:
         h = self.h
         if not self.reduce:
             held = h.held_back()
-            return [held[n] for n in self.leaf_names]
+            return [held.get(n) for n in self.leaf_names]  # frozen leaves: None
         self._launch_ready(force=True)
         for gi in sorted(self.pending):
             if gi in self.sending:
@@ -174,7 +177,7 @@ class _ReduceSink:
         for r in self.results.values():
             r.div_(h.world)
         grads = h.grads_from_results(self.results, keep_fp32=self.summed)
-        return [grads[n] for n in self.leaf_names]
+        return [grads.get(n) for n in self.leaf_names]  # frozen leaves: None
 
 
 # --------------------------------------------------------------------------- the handler
@@ -182,8 +185,11 @@ class _ReduceSink:
 
 class _ShardHandler(Handler):
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
-                 reduce_in: torch.dtype | None = None, prefetch: bool = True):
+                 reduce_in: torch.dtype | None = None, prefetch: bool = True,
+                 buffer_sync: str = "broadcast"):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
+        self.buffer_sync = buffer_sync
+        self.frozen: frozenset[str] = frozenset()
         self.reduce_in = reduce_in
         self.prefetch = prefetch
         self.world = mesh.size("dp")
@@ -208,36 +214,53 @@ class _ShardHandler(Handler):
                 f"got {type(params).__name__}"
             )
         self._check_replicated(params)
-        self.names = list(params)
+        # Frozen parameters stay out of the flat groups: no gradient buffer, no reduction,
+        # no optimizer state. They are kept whole on every rank (their bytes are the model's,
+        # not the training state's).
+        self.frozen = frozen_names(params)
+        train = {k: v for k, v in params.items() if k not in self.frozen}
+        self.names = list(train)
         module = getattr(state.apply_fn, "module", None)
         unit_names = None
         if self.stage == 3 and isinstance(module, torch.nn.Module):
             self.module = module
-            unit_names = self._unit_names(module, params)
-        self.layout = build_layout(params, world=self.world, rank=self.rank, units=unit_names,
+            unit_names = self._unit_names(module, train)
+        self.layout = build_layout(train, world=self.world, rank=self.rank, units=unit_names,
                                    bucket_bytes=self.bucket_bytes)
+        if isinstance(module, torch.nn.Module):
+            # The module is only code from here on: its parameters come from the state
+            # (fzero.load_into writes trained weights back), so its own storage can go.
+            release_parameters(module)
         if self.stage == 0:
             return state
         # fp32 master weights (mixed precision) count as optimizer state: partitioned from
         # stage 1 on, and the optimizer state is built over them.
         extra = dict(state.extra)
         if "master" in extra:
-            extra["master"] = self.layout.shard_params(extra["master"], self.group)
+            extra["master"] = self.with_values(extra["master"], self.layout.shard_params(
+                {k: v for k, v in extra["master"].items() if v is not None}, self.group))
         if self.stage in (1, 2):
-            full = self._regroup(params)
-            target = extra.get("master", None) or self.layout.piece_views(full, self.group)
-            return state.replace(params=full, opt_state=state.tx.init(target), extra=extra)
-        # Stage 3: the state keeps only this rank's pieces; the module lets its own
-        # parameters go, so nothing holds the full set.
-        shards = self.layout.shard_params(params, self.group)
+            full = self._regroup(train)
+            target = extra.get("master", None) or self.with_values(
+                trainable_view(params), self.layout.piece_views(full, self.group))
+            return state.replace(params=self.with_values(params, full), opt_state=state.tx.init(target), extra=extra)
+        # Stage 3: the state keeps only this rank's pieces.
+        shards = self.layout.shard_params(train, self.group)
         if self.module is not None:
-            _release_parameters(self.module)
             by_module = {id(m): m for m, _ in self.units}
             self.units = [(by_module[id(m)], self.layout.where[names[0]][0])
                           for m, names in zip(self._unit_modules, unit_names)]
         self._full = [self._empty_full(g) for g in self.layout.groups]
-        target = extra.get("master", None) or shards
-        return state.replace(params=shards, opt_state=state.tx.init(target), extra=extra)
+        target = extra.get("master", None) or self.with_values(trainable_view(params), shards)
+        return state.replace(params=self.with_values(params, shards), opt_state=state.tx.init(target), extra=extra)
+
+    @staticmethod
+    def with_values(like: dict, values: dict) -> dict:
+        """``like`` (a params dict, or a Params with its frozen names) with the entries of
+        ``values`` replaced."""
+        if isinstance(like, Params):
+            return like.replace_values(values)
+        return {k: values.get(k, v) for k, v in like.items()}
 
     def _check_replicated(self, params: dict) -> None:
         if self.world == 1:
@@ -261,10 +284,19 @@ class _ShardHandler(Handler):
 
     def _unit_names(self, module: torch.nn.Module, params: dict) -> list[list[str]]:
         """ZeRO-3 units: each element of a ModuleList (a transformer's blocks), unless the
-        user named unit modules; parameters outside every unit stay gathered for the step."""
-        by_tensor = {}
-        for name, p in module.named_parameters():
-            by_tensor.setdefault(id(p), name)
+        user named unit modules; parameters outside every unit stay gathered for the step.
+
+        A parameter that is also reachable from outside a unit (tied to an embedding
+        outside it, or shared between two units) stays outside every unit: it is used
+        where its unit is not gathered.
+        """
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        prefixes: dict[int, list[str]] = {}
+        for name, m in module.named_modules(remove_duplicate=False):
+            prefixes.setdefault(id(m), []).append(name + "." if name else "")
+        by_tensor = {id_: names[0] for id_, names in aliases.items()}
         mods = []
         if self.units_spec is None:
             for m in module.modules():
@@ -274,8 +306,10 @@ class _ShardHandler(Handler):
             mods = [m for m in module.modules() if self.units_spec(m)]
         units, seen, unit_modules = [], set(), []
         for m in mods:
+            inside = tuple(prefixes.get(id(m), ()))
             names = [by_tensor[id(p)] for p in m.parameters() if by_tensor.get(id(p)) in params
-                     and by_tensor[id(p)] not in seen]
+                     and by_tensor[id(p)] not in seen
+                     and all(a.startswith(inside) for a in aliases[id(p)])]
             if names:
                 seen.update(names)
                 units.append(names)
@@ -298,6 +332,40 @@ class _ShardHandler(Handler):
         t = torch.empty(g.padded, dtype=g.dtype, device=g.device)
         t.untyped_storage().resize_(0)
         return t
+
+    # ---------------------------------------------------------------- buffers
+
+    def sync_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Make the model's buffers identical on every ``dp`` rank, in place.
+
+        ``"broadcast"`` (default) gives every rank dp-rank 0's buffers, as DDP's
+        ``broadcast_buffers`` does before each forward; here it happens after the step, so
+        the state is identical everywhere when the step returns (and checkpoints agree).
+        ``"mean"`` averages floating-point buffers over the ranks (running statistics of
+        the global batch, as SyncBatchNorm's would be) and broadcasts the others. One
+        collective per dtype: the buffers are packed into one flat tensor each.
+        """
+        if self.world == 1 or not buffers or self.buffer_sync == "local":
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in buffers.values():
+            by_dtype.setdefault(b.dtype, []).append(b)
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for dtype, bs in by_dtype.items():
+            flat = torch.cat([b.reshape(-1) for b in bs])
+            if self.buffer_sync == "mean" and dtype.is_floating_point:
+                comm.run(f"all_reduce(buffers, {dtype}, {flat.numel()} elements)",
+                         lambda: dist.all_reduce(flat, group=self.group, async_op=True),
+                         timeout_s=self.timeout_s, where=WHERE)
+                flat.div_(self.world)
+            else:
+                comm.run(f"broadcast(buffers, {dtype}, {flat.numel()} elements)",
+                         lambda: dist.broadcast(flat, src=src, group=self.group, async_op=True),
+                         timeout_s=self.timeout_s, where=WHERE)
+            o = 0
+            for b in bs:
+                b.copy_(flat[o: o + b.numel()].view_as(b))
+                o += b.numel()
 
     # ---------------------------------------------------------------- primitives
 
@@ -329,7 +397,7 @@ class _ShardHandler(Handler):
             # that its gradient memory stays at the partition.
             mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
             held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
-            sink = _ReduceSink(self, [self.layout.where[n] for n in leaf_names], leaf_names,
+            sink = _ReduceSink(self, [self.layout.where.get(n) for n in leaf_names], leaf_names,
                                held=held, reduce=mb.last, summed=mb.count > 1)
             out = next(fn, params, args, kwargs, grad_sink=sink, **options)
             if not mb.last:
@@ -386,11 +454,12 @@ class _ShardHandler(Handler):
             return next(state, grads)
         if self.stage == 3:
             return next(state, grads)
-        pieces = self.layout.piece_views(state.params, self.group)
+        train = {k: v for k, v in state.params.items() if k not in self.frozen}
+        pieces = self.with_values(state.params, self.layout.piece_views(train, self.group))
         new = next(state.replace(params=pieces), grads)
         if new is None or new.params is pieces:  # an inner transform deferred or skipped
             return new if new is None else new.replace(params=state.params)
-        return new.replace(params=self._all_gather_params(new.params))
+        return new.replace(params=self.with_values(new.params, self._all_gather_params(new.params)))
 
     def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
         out = {}
@@ -480,8 +549,15 @@ class _ShardHandler(Handler):
                 full[gi].untyped_storage().resize_(0)
                 gathered.discard(gi)
 
+        def free_after_forward(gi):
+            # A forward run again inside backward (remat, torch.utils.checkpoint) is saving
+            # the unit's parameters for the backward about to run: the unit stays gathered
+            # until its gradients are complete (the sink frees it then).
+            if torch._C._current_graph_task_id() == -1:
+                free(gi)
+
         def pack(t):
-            if isinstance(t, torch.Tensor) and t.device == full[0].device:
+            if full and isinstance(t, torch.Tensor) and t.device == full[0].device:
                 ptr = t.untyped_storage().data_ptr()
                 for gi in list(gathered):
                     if gi in unit_groups and ptr == full[gi].untyped_storage().data_ptr() and ptr != 0:
@@ -498,7 +574,7 @@ class _ShardHandler(Handler):
         hooks = []
         for m, gi in self.units:
             hooks.append(m.register_forward_pre_hook(lambda mod, inp, gi=gi: gather(gi)))
-            hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: free(gi)))
+            hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: free_after_forward(gi)))
 
         try:
             for gi in range(len(groups)):
@@ -516,14 +592,14 @@ class _ShardHandler(Handler):
                     views[name] = v
                 if freed:
                     flat.untyped_storage().resize_(0)
-            views = {k: views[k] for k in self.names}
+            views = self.with_values(params, views)
             leaf_names = [path[0].entry for path in tree.paths(views)]
 
             def wrapped(p, *a, **kw):
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     return fn(p, *a, **kw)
 
-            sink = _ReduceSink(self, [layout.where[n] for n in leaf_names], leaf_names)
+            sink = _ReduceSink(self, [layout.where.get(n) for n in leaf_names], leaf_names)
             sink.after_grad = lambda gi: free(gi) if gi in unit_groups else None
             return next(wrapped, views, args, kwargs, grad_sink=sink, **options)
         finally:
@@ -541,17 +617,20 @@ class _Handle:
     """Marks a saved tensor that is a view of a ZeRO-3 unit, to be gathered again."""
 
 
-def _release_parameters(module: torch.nn.Module) -> None:
+def release_parameters(module: torch.nn.Module) -> None:
     """Swap every parameter of ``module`` for a meta tensor of its shape (ties kept).
 
-    At stage 3 the module is only code: its parameters come from the sharded state through
-    ``functional_call``. Releasing them lets their memory go once the caller's own
-    references do.
+    Under a compiled step the module is only code: its parameters come from the state.
+    Releasing them lets their memory go once the caller's own references do (at stages
+    0-2 the module would otherwise keep a dead copy of the initial weights, 4 bytes per
+    parameter beyond the ZeRO formula). ``fzero.load_into`` writes trained weights back.
     """
     memo: dict[int, torch.nn.Parameter] = {}
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is None:
+                continue
+            if p.device.type == "meta":
                 continue
             if id(p) not in memo:
                 memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
@@ -571,6 +650,7 @@ def shard_state(
     timeout_s: float | None = None,
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
     prefetch: bool = True,
+    buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast",
 ) -> Step:
     """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
 
@@ -593,6 +673,11 @@ def shard_state(
             The reduced gradient is kept in the parameters' dtype either way.
         prefetch: stage 3: start gathering the next unit while the current one computes
             (one extra unit resident at a time).
+        buffer_sync: how ``state.buffers`` (BatchNorm statistics, counters) agree across
+            ``dp`` ranks after each step: ``"broadcast"`` dp-rank 0's (DDP's
+            ``broadcast_buffers``), ``"mean"`` the average of floating-point buffers, or
+            ``"local"`` not synchronised (each rank keeps its own; checkpoints then save
+            rank 0's).
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
@@ -604,6 +689,8 @@ def shard_state(
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"{WHERE}: stage={stage!r} must be 0, 1, 2 or 3")
+    if buffer_sync not in ("broadcast", "mean", "local"):
+        raise ValueError(f"{WHERE}: buffer_sync={buffer_sync!r} must be 'broadcast', 'mean' or 'local'")
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"{WHERE}: bucket_bytes={bucket_bytes!r} must be a positive int")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -613,7 +700,7 @@ def shard_state(
         reduce_dtype = dtypes[reduce_dtype]
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
-    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype, prefetch)
+    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype, prefetch, buffer_sync)
 
     def init(state):
         return handler.init(inner.init(state))
@@ -623,7 +710,10 @@ def shard_state(
             raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
         _check_batch(batch, handler)
         with installed(handler):
-            return inner(state, batch)
+            out = inner(state, batch)
+        if isinstance(out, tuple) and len(out) == 2:
+            handler.sync_buffers(getattr(out[0], "buffers", None))
+        return out
 
     out = Step(call, init=init, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
     out.handler = handler
