@@ -6,6 +6,7 @@ each rank in the same job; the sharded step sees only its rank's slice of that b
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -441,3 +442,79 @@ def _masked_adamw_like_torch_param_groups(stage, fused):
 def test_callable_mask_sees_whole_parameters_at_every_stage(ranks, stage):
     for fused in ("off", "on"):
         assert ranks(2).run(_masked_adamw_like_torch_param_groups, stage, fused) == [True, True]
+
+
+# --------------------------------------------------------------------------- traffic under accumulation
+
+
+def _gradient_traffic(stage, order, k, updates=2):
+    """Gradient bytes each update hands to collectives under accumulate(k), in either order;
+    the trajectory is the plain full-batch step's all the same."""
+    from fzero.distributed import comm
+
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def make_model():
+        torch.manual_seed(21)
+        return Blocks(5, 8, 2, 3)
+
+    g = torch.Generator().manual_seed(22)
+    batches = [{"x": torch.randn(2 * k * n, 5, generator=g), "y": torch.randn(2 * k * n, 3, generator=g)}
+               for _ in range(updates)]
+    ref, ref_losses = _state(make_model, "adamw"), []
+    for b in batches:
+        ref, m = _train_step(ref, b)
+        ref_losses.append(m["loss"])
+    mesh = fzero.Mesh(dp=-1)
+    big = 2**20  # one bucket: the whole gradient is one flat buffer
+    if order == "shard(acc)":
+        step = fzero.shard_state(fzero.accumulate(_train_step, k), mesh, stage, bucket_bytes=big)
+    else:
+        step = fzero.accumulate(fzero.shard_state(_train_step, mesh, stage, bucket_bytes=big), k)
+    state, losses, traffic = step.init(_state(make_model, "adamw")), [], []
+    for b in batches:
+        comm.traffic.reset()
+        state, m = step(state, _local(b, n, r))
+        losses.append(m["loss"])
+        traffic.append((comm.traffic.bytes("all_reduce", "gradients"), comm.traffic.bytes("reduce_scatter", "gradients")))
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses on rank {r}")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params on rank {r}")
+    psi = sum(p.numel() for p in make_model().parameters())
+    return traffic, -(-psi // n) * n * 4  # fp32 gradient, padded to a multiple of the world
+
+
+@pytest.mark.parametrize("order", ["shard(acc)", "acc(shard)"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_accumulation_reduces_gradients_once_per_update_at_stages_0_1(ranks, stage, order):
+    k = 4
+    for traffic, full in ranks(2).run(_gradient_traffic, stage, order, k):
+        if stage < 2:
+            # DDP's no_sync / DeepSpeed stages 0-1: one all-reduce of the summed gradient.
+            assert traffic == [(full, 0)] * 2, (traffic, full)
+        else:
+            # Stage 2 reduce-scatters every micro-batch, keeping memory at the partition.
+            assert traffic == [(0, k * full)] * 2, (traffic, full)
+
+
+def _deferred_gradient_touched(stage):
+    def norm_step(state, batch):
+        loss, grads = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+        norm = sum(g.pow(2).sum() for g in fzero.tree.leaves(grads))  # a micro-batch's norm, by hand
+        return state.apply_gradients(grads), {"loss": loss, "norm": norm}
+
+    step = fzero.shard_state(fzero.accumulate(norm_step, 2), fzero.Mesh(dp=-1), stage)
+    state = step.init(_state(lambda: Blocks(3, 4, 1, 2), "sgd"))
+    try:
+        step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 2)})
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_gradient_held_back_for_the_last_micro_batch_cannot_be_computed_with(ranks, stage):
+    for msg in ranks(2).run(_deferred_gradient_touched, stage):
+        assert msg is not None and re.match(
+            r"fzero\.value_and_grad: Tensor\.pow on the gradient of '[\w.]+', which no rank has in this "
+            r"micro-batch: under accumulate, shard_state stages 0-1 .* pass the gradients to "
+            r"state\.apply_gradients unchanged", msg), msg

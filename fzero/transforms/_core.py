@@ -5,7 +5,9 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
 * ``value_and_grad`` -- where parameters are used and gradients are born
   (:func:`fzero.value_and_grad`);
 * ``apply_gradients`` -- where the update happens (:meth:`fzero.TrainState.apply_gradients`);
-* ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip).
+* ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip);
+* ``micro_batch`` -- which micro-batch of its update the step is running
+  (:func:`micro_batch`), so a transform can act once per update rather than once per call.
 
 A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
 runs, the innermost installed handler sees it first and decides what to do; it passes the
@@ -23,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Handler", "Step", "as_step", "bind", "emit_metric", "installed", "psum", "register_primitive"]
+__all__ = ["Handler", "MicroBatch", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
+           "register_primitive"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -51,6 +54,9 @@ class Handler:
 
     def psum(self, value, *, next: Callable):
         return next(value)
+
+    def micro_batch(self, *, next: Callable):
+        return next()
 
 
 def register_primitive(name: str):
@@ -109,6 +115,33 @@ def psum(value):
 @register_primitive("psum")
 def _psum_base(value):
     return value
+
+
+# --------------------------------------------------------------------------- micro-batches
+
+
+class MicroBatch(NamedTuple):
+    """Where the running step sits in its update: micro-batch ``index`` (0-based) of ``count``."""
+
+    index: int
+    count: int
+
+    @property
+    def last(self) -> bool:
+        """Whether the update is applied after this micro-batch."""
+        return self.index == self.count - 1
+
+
+def micro_batch() -> MicroBatch:
+    """Which micro-batch of its update the running step is: ``MicroBatch(0, 1)`` unless an
+    ``accumulate`` handler says otherwise. A transform that reduces gradients asks, so that
+    it can reduce once per update rather than once per micro-batch."""
+    return bind("micro_batch")
+
+
+@register_primitive("micro_batch")
+def _micro_batch_base() -> MicroBatch:
+    return MicroBatch(0, 1)
 
 
 # --------------------------------------------------------------------------- metrics

@@ -8,32 +8,55 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.transforms._core import Handler, MicroBatch, Step, as_step, installed
+from fzero.transforms._deferred import is_deferred
 
 __all__ = ["accumulate", "split_batch"]
 
 WHERE = "fzero.accumulate"
 
 
+def _scaled(g, k: int):
+    if is_deferred(g):
+        return g
+    # Low-precision gradients are summed in fp32 (k bf16 additions lose bits fast), so the
+    # sum is the same whether a precision transform unscales before or after it.
+    return (g.float() if g.dtype in (torch.bfloat16, torch.float16) else g) / k
+
+
+def _sum(a, b):
+    # A deferred gradient adds nothing here: the reducer holding it adds it into the
+    # gradient it returns at the update's last micro-batch.
+    if is_deferred(a):
+        return b
+    if is_deferred(b):
+        return a
+    return a + b
+
+
 class _AccumulateHandler(Handler):
     """Defers ``apply_gradients`` for the first k-1 micro-batches (summing ``grads / k``)
     and passes the accumulated gradient on at the k-th, from inside the inner step, so the
-    call still runs under every handler inside and outside this one."""
+    call still runs under every handler inside and outside this one. Answers
+    ``micro_batch`` with the micro-batch running now."""
 
     def __init__(self, k: int):
         self.k = k
+        self.index = 0  # the micro-batch running now (set by the loop in ``accumulate``)
         self.seen = 0
         self.total = None
 
+    def micro_batch(self, *, next):
+        # An accumulation inside another cuts each of the outer one's micro-batches again.
+        outer = next()
+        return MicroBatch(outer.index * self.k + self.index, outer.count * self.k)
+
     def apply_gradients(self, state, grads, *, next):
         self.seen += 1
-        # Low-precision gradients are summed in fp32 (k bf16 additions lose bits fast), so
-        # the sum is the same whether a precision transform unscales before or after it.
-        scaled = tree.map(lambda g: (g.float() if g.dtype in (torch.bfloat16, torch.float16) else g) / self.k,
-                          grads)
+        scaled = tree.map(lambda g: _scaled(g, self.k), grads)
         # Whatever the gradients are (full tensors, or this rank's ZeRO pieces), the sum
         # has their structure: the accumulator is as partitioned as they are.
-        self.total = scaled if self.total is None else tree.map(torch.add, self.total, scaled)
+        self.total = scaled if self.total is None else tree.map(_sum, self.total, scaled)
         if self.seen < self.k:
             return state
         total, self.total = self.total, None
@@ -121,7 +144,8 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
         handler = _AccumulateHandler(k)
         metrics = []
         with installed(handler):
-            for mb in parts:
+            for i, mb in enumerate(parts):
+                handler.index = i
                 state, m = inner(state, mb)
                 metrics.append(m)
         if handler.seen not in (0, k):

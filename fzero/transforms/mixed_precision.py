@@ -12,6 +12,7 @@ import torch
 from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, emit_metric, installed, psum
+from fzero.transforms._deferred import is_deferred
 
 __all__ = ["LossScaler", "mixed_precision"]
 
@@ -124,7 +125,8 @@ class _PrecisionHandler(Handler):
         # when another rank's are not (DeepSpeed all-reduces its overflow flag with MAX).
         overflow = bool(psum(bad) > 0)
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
-        unscaled = tree.map(lambda g: g.float() / scale, grads) if scale != 1.0 else grads
+        # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
+        unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
         # The update goes on even on overflow and is discarded below: an accumulation
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the

@@ -35,7 +35,8 @@ from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
-from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.transforms._core import Handler, MicroBatch, Step, as_step, installed, micro_batch
+from fzero.transforms._deferred import Deferred
 
 __all__ = ["shard_state"]
 
@@ -79,14 +80,22 @@ class _ReduceSink:
 
     Groups are launched strictly in index order (the order is the same on every rank, so
     the collectives match), each as soon as it and every group before it is complete.
+
+    Under accumulation at stages 0-1 a sink may hold instead of reduce (``reduce=False``):
+    it only adds the gradients into its buffers, which the next micro-batch's sink starts
+    from (``held``); the update's last sink reduces the sum.
     """
 
-    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int] | None], leaf_names: list[str]):
+    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int] | None], leaf_names: list[str], *,
+                 held: dict[int, torch.Tensor] | None = None, reduce: bool = True, summed: bool = False):
         self.h = h
         self.leaf_names = leaf_names  # the leaves in flatten order
         self.leaf_groups = leaf_groups  # leaf index -> (group, position in the group); None: frozen
         self.missing = [set(range(len(g.names))) for g in h.layout.groups]
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, torch.Tensor] = dict(held or {})
+        self.carried = set(self.buffers)  # groups whose buffer holds earlier micro-batches' sum
+        self.reduce = reduce
+        self.summed = summed  # the result is a sum over micro-batches
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
         self.next = 0
@@ -107,11 +116,15 @@ class _ReduceSink:
         if buf is None:
             buf = self.buffers[gi] = self._buffer(group, self.h.reduce_dtype(g.dtype))
         o = group.offsets[pos]
-        buf[o: o + g.numel()].copy_(g.reshape(-1))
+        if gi in self.carried:
+            buf[o: o + g.numel()].add_(g.reshape(-1))
+        else:
+            buf[o: o + g.numel()].copy_(g.reshape(-1))
         self.missing[gi].discard(pos)
         if self.after_grad is not None and not self.missing[gi]:
             self.after_grad(gi)
-        self._launch_ready()
+        if self.reduce:
+            self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
         groups = self.h.layout.groups
@@ -151,8 +164,11 @@ class _ReduceSink:
         self.h.pool.give(self.sending.pop(gi))
 
     def finish(self) -> list[torch.Tensor]:
-        self._launch_ready(force=True)
         h = self.h
+        if not self.reduce:
+            held = h.held_back()
+            return [held.get(n) for n in self.leaf_names]  # frozen leaves: None
+        self._launch_ready(force=True)
         for gi in sorted(self.pending):
             if gi in self.sending:
                 self._complete(gi)
@@ -160,7 +176,7 @@ class _ReduceSink:
                 self.results[gi] = self.pending.pop(gi).wait(h.timeout_s)
         for r in self.results.values():
             r.div_(h.world)
-        grads = h.grads_from_results(self.results)
+        grads = h.grads_from_results(self.results, keep_fp32=self.summed)
         return [grads.get(n) for n in self.leaf_names]  # frozen leaves: None
 
 
@@ -186,6 +202,7 @@ class _ShardHandler(Handler):
         self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
         self.peak_gathered_bytes = 0  # stage 3: most parameter bytes gathered at once
         self.pool = _BufferPool()
+        self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
 
     # ---------------------------------------------------------------- init
 
@@ -365,8 +382,18 @@ class _ShardHandler(Handler):
             out = self._value_and_grad_3(fn, params, args, kwargs, next=next, **options)
         else:
             leaf_names = [path[0].entry for path in tree.paths(params)]
-            sink = _ReduceSink(self, [self.layout.where.get(n) for n in leaf_names], leaf_names)
+            # Under accumulation every rank holds whole gradients at stages 0-1 anyway, so
+            # the micro-batches before the last only add into the reduce buffers and the sum
+            # is all-reduced once, at the last: one k-th of the traffic (DDP's no_sync;
+            # DeepSpeed stages 0-1). Stage 2 reduce-scatters each micro-batch instead, so
+            # that its gradient memory stays at the partition.
+            mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
+            held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
+            sink = _ReduceSink(self, [self.layout.where.get(n) for n in leaf_names], leaf_names,
+                               held=held, reduce=mb.last, summed=mb.count > 1)
             out = next(fn, params, args, kwargs, grad_sink=sink, **options)
+            if not mb.last:
+                self.held = sink.buffers
         return self._mean_value(out, options.get("has_aux", False))
 
     def _mean_value(self, out, has_aux):
@@ -379,14 +406,17 @@ class _ShardHandler(Handler):
             loss = loss / self.world
         return ((loss, value[1]) if has_aux else loss), grads
 
-    def grads_from_results(self, results: dict[int, torch.Tensor]):
+    def grads_from_results(self, results: dict[int, torch.Tensor], *, keep_fp32: bool = False):
         """Per-parameter gradients from the reduced group buffers: full tensors at stage 0,
-        this rank's pieces (``Shard``) at stages 1-3."""
+        this rank's pieces (``Shard``) at stages 1-3. ``keep_fp32``: a sum over micro-batches
+        stays in fp32 at least (``accumulate`` sums in fp32 anyway; k times one micro-batch's
+        gradient could overflow fp16)."""
         out = {}
         for g in self.layout.groups:
             r = results[g.index]
-            if r.dtype != g.dtype:  # reduced in fp32, kept in the parameters' dtype
-                r = r.to(g.dtype)
+            dtype = torch.promote_types(g.dtype, torch.float32) if keep_fp32 else g.dtype
+            if r.dtype != dtype:  # reduced in fp32, kept in the parameters' dtype
+                r = r.to(dtype)
             if self.stage == 0:
                 for name, v in zip(g.names, g.views(r)):
                     out[name] = v
@@ -397,6 +427,19 @@ class _ShardHandler(Handler):
             for name, piece in zip(g.names, g.pieces(r, self.group)):
                 out[name] = piece
         return {k: out[k] for k in self.names}
+
+    def held_back(self) -> dict:
+        """Placeholders for the gradients a micro-batch adds into the held sums, in the
+        structure :meth:`grads_from_results` gives the reduced ones."""
+        out = {}
+        for g in self.layout.groups:
+            for i, name in enumerate(g.names):
+                if self.stage == 0:
+                    out[name] = Deferred(name, g.shapes[i], g.dtype)
+                else:
+                    a, b = g.info(i).piece()
+                    out[name] = Shard(Deferred(name, (b - a,), g.dtype), g.info(i, self.group))
+        return out
 
     def apply_gradients(self, state, grads, *, next):
         if self.stage == 0:
