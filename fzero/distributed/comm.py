@@ -63,11 +63,17 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
     return Pending(name, work, done, where)
 
 
-def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero"):
-    """Every rank's ``values`` (equal length everywhere), as a ``(world, len)`` int64 tensor."""
-    x = torch.tensor(values, dtype=torch.int64)
+def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero",
+                    device: torch.device | str | None = None):
+    """Every rank's ``values`` (equal length everywhere), as a ``(world, len)`` int64 CPU tensor.
+
+    ``device`` is where the collective's tensors are made: the group's device
+    (``mesh.device``; an NCCL group moves CUDA tensors only). The result is copied back to
+    the host, where callers read it.
+    """
+    x = torch.tensor(values, dtype=torch.int64, device=device)
     n = dist.get_world_size(group)
-    out = torch.empty(n * len(values), dtype=torch.int64)
+    out = torch.empty(n * len(values), dtype=torch.int64, device=device)
     run(name, lambda: all_gather_flat(out, x, group=group, async_op=True),
         timeout_s=timeout_s, where=where)
-    return out.view(n, len(values))
+    return out.view(n, len(values)).cpu()

@@ -39,6 +39,11 @@ class Mesh:
     process group is needed and none exists, it is initialised from torchrun's
     environment: NCCL when CUDA is available, gloo otherwise.
 
+    ``mesh.device`` is the device of this rank's collectives: ``cuda:LOCAL_RANK`` on an
+    NCCL group, the CPU on a gloo group (and in a world of one). NCCL moves CUDA tensors
+    only, so every tensor fzero hands to the mesh's groups is made there, and
+    ``step.init`` puts the state there (:meth:`place`); see docs/design.md, "Devices".
+
     Args:
         dp, tp, pp: axis sizes; one of them may be ``-1``, "the rest of the world".
         backend: force ``"gloo"`` or ``"nccl"``.
@@ -106,6 +111,42 @@ class Mesh:
         if total != world:
             raise ValueError(f"fzero.Mesh: {_fmt(sizes)} multiply to {total}, but the world has {world} ranks")
         return {a: sizes[a] for a in AXES}
+
+    def place(self, state):
+        """``state`` with its tensors on :attr:`device`, as ``step.init`` needs them.
+
+        Every tensor of ``state.params`` moves, and every tensor of the rest of the state
+        (optimizer state, ``extra``: moments, master weights) but 0-dim ones: update
+        counters and the loss scaler stay on the host, where they are read every step
+        (``int(count)``, ``float(scale)``) without a device synchronisation and from where
+        they never enter a collective. In a process without a process group (a world of
+        one) the state stays where its creator put it, as in plain PyTorch: the device is
+        chosen by the program there, and by the mesh only when the mesh's ranks exchange
+        tensors.
+
+        Example:
+            >>> import torch, fzero
+            >>> state = {"params": {"w": torch.ones(2)}, "count": torch.tensor(0)}
+            >>> fzero.Mesh(dp=-1).place(state)["params"]["w"].device.type
+            'cpu'
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return state
+        from fzero import tree
+
+        def every(x):
+            return x.to(self.device) if isinstance(x, torch.Tensor) else x
+
+        def shaped(x):
+            return x.to(self.device) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+        if hasattr(state, "params") and hasattr(state, "replace"):
+            return state.replace(params=tree.map(every, state.params),
+                                 **{f: tree.map(shaped, getattr(state, f)) for f in ("opt_state", "extra")
+                                    if hasattr(state, f)})
+        if isinstance(state, dict) and "params" in state:
+            return {k: tree.map(every if k == "params" else shaped, v) for k, v in state.items()}
+        return tree.map(shaped, state)
 
     def size(self, axis: Axis) -> int:
         """Number of ranks along ``axis``."""

@@ -101,10 +101,14 @@ class _PrecisionHandler(Handler):
         if self.loss_scale is None:
             return next(state, grads)
         scale = self.scale
-        bad = torch.zeros((), dtype=torch.float32)
-        for g in tree.leaves(grads):
-            if isinstance(g, torch.Tensor):
-                bad = bad + (~torch.isfinite(g)).any().float().cpu()
+        # The flag stays on the gradients' device: under ZeRO it is all-reduced on the
+        # mesh's group (NCCL moves CUDA tensors only), and one read of the verdict below
+        # is the only synchronisation.
+        leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
+        tensors = leaves or [p for p in tree.leaves(state.params) if isinstance(p, torch.Tensor)]
+        bad = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+        for g in leaves:
+            bad = bad + (~torch.isfinite(g)).any().float()
         overflow = bool(psum(bad) > 0)  # one collective under ZeRO: every rank agrees
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         unscaled = tree.map(lambda g: g.float() / scale, grads) if scale != 1.0 else grads
