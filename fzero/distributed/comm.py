@@ -55,9 +55,19 @@ class Pending:
 
 def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None = None, *,
           where: str = "fzero") -> Pending:
-    """Start an asynchronous collective (``fn`` passes ``async_op=True``)."""
+    """Start an asynchronous collective (``fn`` passes ``async_op=True``).
+
+    Under a device check (``$FZERO_CHECK_DEVICE``, or ``device_check.pretend()`` in tests)
+    every tensor ``fn`` hands to torch's collectives is checked first: see
+    :mod:`fzero.distributed.device_check`.
+    """
+    from fzero.distributed import device_check
+
     try:
-        work = fn()
+        with device_check.guard(name, where):
+            work = fn()
+    except device_check.DeviceMismatchError:
+        raise  # it names the collective and the rank already
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(f"{where}: collective {name} failed to start on rank {_rank()}: {e}") from e
     return Pending(name, work, done, where)

@@ -13,6 +13,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from fzero.distributed import device_check
+
 __all__ = ["Mesh", "AXES"]
 
 # Outermost first: pipeline stages are furthest apart, tensor parallel ranks closest
@@ -84,6 +86,8 @@ class Mesh:
         self.coords = {a: coords[a] for a in AXES}
         if torch.cuda.is_available() and (backend == "nccl" or dist.is_initialized() and dist.get_backend() == "nccl"):
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        elif device_check.pretending():  # tests: the CPU, standing for an accelerator
+            self.device = device_check.PRETEND_DEVICE
         else:
             self.device = torch.device("cpu")
 
