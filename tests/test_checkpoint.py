@@ -778,7 +778,7 @@ def _pipelined_load(path, pp, dp, zero):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports(ranks, tmp_path):
+def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports(ranks, tmp_path, capsys):
     path = str(tmp_path / "ck")
     saved = ranks(4).run(_pipelined_save, path)
     full = saved[0][0]
@@ -808,6 +808,11 @@ def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports
     assert torch.equal(model[3].weight.detach(), full["0.weight"]) and model[3].weight is model[0].weight
     assert cli_main(["export", path, str(tmp_path / "cli.safetensors")]) == 0
     _equal(load_file(str(tmp_path / "cli.safetensors")), full, "fzero checkpoint export")
+    capsys.readouterr()
+    assert cli_main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "parts: 2" in out and "part 0: ranks 0, 1" in out and "part 1: ranks 2, 3" in out, out
+    assert ".params['1.bias']" in out and "[part 0]" in out and "[parts 0, 1]" in out, out
 
 
 # --------------------------------------------------------------------------- CLI and progress
