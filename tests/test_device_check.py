@@ -83,6 +83,11 @@ def _compiled(zero, precision, check, root):
         apply, params = fzero.functionalize(_mlp(0))
         step = fzero.compile(_mse_step, mesh, zero=zero, precision=precision, accumulate=2, clip_norm=0.5)
         state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+        if check:  # step.init placed the state: all but the host scalars (step, counts, loss scaler)
+            placed = [state.params, state.extra["master"], state.opt_state]
+            assert not any(is_host(x) for x in fzero.tree.leaves(placed) if x.dim() > 0)
+            assert all(is_host(x) for x in fzero.tree.leaves([state.step, state.opt_state, state.extra["loss_scale"]])
+                       if x.dim() == 0)
         losses = []
         for k in range(3):
             state, m = step(state, {key: v.chunk(n)[r] for key, v in _batch(k, 8).items()})
