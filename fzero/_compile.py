@@ -170,6 +170,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     def init(state):
         if not isinstance(state, TrainState):
             raise TypeError(f"fzero.compile: step.init expects an fzero.TrainState, got {type(state).__name__}")
+        # First, so that every transform's init (masters, layouts, optimizer state) builds
+        # on the mesh's device.
+        state = mesh.place(state)
         if cfg is not None:
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = cfg.install(state)

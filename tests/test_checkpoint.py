@@ -767,9 +767,11 @@ def _pipelined_save(path):
                                                      "opt_state": state.opt_state})
 
 
-def _pipelined_load(path, pp, dp, zero):
+def _pipelined_load(path, pp, dp, zero, resave=None):
     step, like, pipe = _pipelined(pp, dp, zero, tied=True, seed=1)  # other values: all must come from the file
     state = ckpt.load(path, like=like)
+    if resave is not None:
+        ckpt.save(resave, state)
     j = fzero.Mesh(pp=pp, dp=dp).coords["dp"]
     out = fzero.gather({"step": state.step, "params": state.params, "opt_state": state.opt_state})
     step(state, {key: v.chunk(dp)[j] for key, v in _lm_batch(9, 4 * dp).items()})  # it can step at once
@@ -778,7 +780,7 @@ def _pipelined_load(path, pp, dp, zero):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports(ranks, tmp_path):
+def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports(ranks, tmp_path, capsys):
     path = str(tmp_path / "ck")
     saved = ranks(4).run(_pipelined_save, path)
     full = saved[0][0]
@@ -793,9 +795,13 @@ def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports
     # pp=2 x dp=1 at ZeRO-3: each stage's ranks load what that stage saved.
     for s, got in enumerate(ranks(2).run(_pipelined_load, path, 2, 1, 3)):
         _equal(got, stages[s], f"stage {s}: (pp=2, dp=2, ZeRO-1) -> (pp=2, dp=1, ZeRO-3)")
-    # pp=1: the plain state of the whole model, in one process, at ZeRO-2.
-    whole = _pipelined_load(path, 1, 1, 2)
+    # pp=1: the plain state of the whole model, in one process, at ZeRO-2; saved again, it
+    # loads back into the pipeline.
+    whole = _pipelined_load(path, 1, 1, 2, resave=str(tmp_path / "whole"))
     _equal(_by_key(whole), _union(stages, "stages"), "(pp=2, dp=2, ZeRO-1) -> (pp=1, ZeRO-2)")
+    assert len(ckpt.manifest(tmp_path / "whole")["parts"]) == 1
+    for s, got in enumerate(ranks(2).run(_pipelined_load, str(tmp_path / "whole"), 2, 1, 0)):
+        _equal(got, stages[s], f"stage {s}: (pp=1, ZeRO-2) -> (pp=2, dp=1, ZeRO-0)")
     # Export: every stage's parameters, under their named_parameters() names, once.
     from safetensors.torch import load_file
 
@@ -808,6 +814,11 @@ def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports
     assert torch.equal(model[3].weight.detach(), full["0.weight"]) and model[3].weight is model[0].weight
     assert cli_main(["export", path, str(tmp_path / "cli.safetensors")]) == 0
     _equal(load_file(str(tmp_path / "cli.safetensors")), full, "fzero checkpoint export")
+    capsys.readouterr()
+    assert cli_main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "parts: 2" in out and "part 0: ranks 0, 1" in out and "part 1: ranks 2, 3" in out, out
+    assert ".params['1.bias']" in out and "[part 0]" in out and "[parts 0, 1]" in out, out
 
 
 # --------------------------------------------------------------------------- CLI and progress

@@ -4,7 +4,8 @@ A separate group (created once per process, on the first save or load, by every 
 an asynchronous save talk to the other ranks from its background thread while training
 runs collectives on the default group: collectives on one group must be issued in the
 same order on every rank, which two threads sharing a group cannot promise. gloo also
-keeps the checkpoint's small messages on the CPU when training uses NCCL.
+keeps the checkpoint's small messages on the CPU when training uses NCCL (so they run inside
+``device_check.on_host()``: host tensors on a host group, on purpose).
 
 Messages are JSON bytes in uint8 tensors: no pickle (``broadcast_object_list`` pickles).
 """
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import comm
+from fzero.distributed import comm, device_check
 from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
 __all__ = ["World", "world"]
@@ -35,6 +36,10 @@ class World:
     def __init__(self, size: int, rank: int, group, timeout_s: float, where: str):
         self.size, self.rank, self.group, self.timeout_s, self.where = size, rank, group, timeout_s, where
 
+    def _run(self, name: str, fn) -> None:
+        with device_check.on_host():
+            comm.run(name, fn, timeout_s=self.timeout_s, where=self.where)
+
     def all_gather_json(self, name: str, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), in rank order."""
         data = json.dumps(obj, separators=(",", ":")).encode()
@@ -42,16 +47,14 @@ class World:
             return [json.loads(data)]
         n = torch.tensor([len(data)], dtype=torch.int64)
         lengths = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
-        comm.run(f"all_gather({name} lengths)", lambda: dist.all_gather(lengths, n, group=self.group, async_op=True),
-                 timeout_s=self.timeout_s, where=self.where)
+        self._run(f"all_gather({name} lengths)", lambda: dist.all_gather(lengths, n, group=self.group, async_op=True))
         sizes = [int(x) for x in lengths]
         width = max(sizes)
         send = torch.zeros(width, dtype=torch.uint8)
         if data:
             send[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         recv = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
-        comm.run(f"all_gather({name})", lambda: dist.all_gather(recv, send, group=self.group, async_op=True),
-                 timeout_s=self.timeout_s, where=self.where)
+        self._run(f"all_gather({name})", lambda: dist.all_gather(recv, send, group=self.group, async_op=True))
         return [json.loads(t.numpy().tobytes()[:k]) for t, k in zip(recv, sizes)]
 
     def broadcast_json(self, name: str, obj: Any = None, src: int = 0) -> Any:
@@ -60,13 +63,11 @@ class World:
             return obj
         data = json.dumps(obj, separators=(",", ":")).encode() if self.rank == src else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
-        comm.run(f"broadcast({name} length)", lambda: dist.broadcast(n, src, group=self.group, async_op=True),
-                 timeout_s=self.timeout_s, where=self.where)
+        self._run(f"broadcast({name} length)", lambda: dist.broadcast(n, src, group=self.group, async_op=True))
         buf = torch.zeros(int(n), dtype=torch.uint8)
         if self.rank == src and data:
             buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        comm.run(f"broadcast({name})", lambda: dist.broadcast(buf, src, group=self.group, async_op=True),
-                 timeout_s=self.timeout_s, where=self.where)
+        self._run(f"broadcast({name})", lambda: dist.broadcast(buf, src, group=self.group, async_op=True))
         return json.loads(buf.numpy().tobytes())
 
 

@@ -219,9 +219,8 @@ def _load_leaf(reader: _Reader, rec: dict, x: Any, in_place: bool):
             target.copy_(flat.view(target.shape))
         out = target
     else:
-        out = flat.view(target.shape)
-        if out.dtype != target.dtype or out.device != target.device:
-            out = out.to(device=target.device, dtype=target.dtype)
+        # ``to`` returns the tensor itself where device and dtype match already.
+        out = flat.view(target.shape).to(device=target.device, dtype=target.dtype)
     return Shard(out, x.info) if isinstance(x, Shard) else out
 
 

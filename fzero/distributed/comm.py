@@ -67,6 +67,12 @@ def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what
     return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
+def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = False, what: str = "other"):
+    """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`."""
+    traffic.add("broadcast", what, tensor)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                     what: str = "other"):
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
@@ -120,19 +126,35 @@ class Pending:
 
 def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None = None, *,
           where: str = "fzero") -> Pending:
-    """Start an asynchronous collective (``fn`` passes ``async_op=True``)."""
+    """Start an asynchronous collective (``fn`` passes ``async_op=True``).
+
+    Under a device check (``$FZERO_CHECK_DEVICE``, or ``device_check.pretend()`` in tests)
+    every tensor ``fn`` hands to torch's collectives is checked first: see
+    :mod:`fzero.distributed.device_check`.
+    """
+    from fzero.distributed import device_check
+
     try:
-        work = fn()
+        with device_check.guard(name, where):
+            work = fn()
+    except device_check.DeviceMismatchError:
+        raise  # it names the collective and the rank already
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(f"{where}: collective {name} failed to start on rank {_rank()}: {e}") from e
     return Pending(name, work, done, where)
 
 
-def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero"):
-    """Every rank's ``values`` (equal length everywhere), as a ``(world, len)`` int64 tensor."""
-    x = torch.tensor(values, dtype=torch.int64)
+def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero",
+                    device: torch.device | str | None = None):
+    """Every rank's ``values`` (equal length everywhere), as a ``(world, len)`` int64 CPU tensor.
+
+    ``device`` is where the collective's tensors are made: the group's device
+    (``mesh.device``; an NCCL group moves CUDA tensors only). The result is copied back to
+    the host, where callers read it.
+    """
+    x = torch.tensor(values, dtype=torch.int64, device=device)
     n = dist.get_world_size(group)
-    out = torch.empty(n * len(values), dtype=torch.int64)
+    out = torch.empty(n * len(values), dtype=torch.int64, device=device)
     run(name, lambda: all_gather_flat(out, x, group=group, async_op=True, what="metadata"),
         timeout_s=timeout_s, where=where)
-    return out.view(n, len(values))
+    return out.view(n, len(values)).cpu()

@@ -28,6 +28,7 @@ import torch
 
 from fzero import tree
 from fzero.distributed import comm
+from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
 __all__ = ["Group", "Layout", "Shard", "ShardInfo", "build_layout"]
 
@@ -94,7 +95,10 @@ class Shard:
         send = torch.zeros(width, dtype=self.local.dtype, device=self.local.device)
         send[: self.local.numel()] = self.local.detach().reshape(-1)
         recv = torch.empty(width * info.world, dtype=send.dtype, device=send.device)
-        comm.all_gather_flat(recv, send, group=info.group, what="gather")
+        comm.run(f"all_gather(gather of a {tuple(info.shape)} leaf)",
+                 lambda: comm.all_gather_flat(recv, send, group=info.group, async_op=True,
+                                              what="gather"),
+                 timeout_s=DEFAULT_TIMEOUT_S, where="fzero.gather")
         parts = [recv[r * width: r * width + (b - a)] for r, (a, b) in enumerate(pieces)]
         return torch.cat(parts).reshape(info.shape)
 

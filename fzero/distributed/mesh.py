@@ -13,6 +13,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from fzero.distributed import device_check
+
 __all__ = ["Mesh", "AXES"]
 
 # Outermost first: pipeline stages are furthest apart, tensor parallel ranks closest
@@ -38,6 +40,11 @@ class Mesh:
     that was not launched it is a world of one and no process group is created. If a
     process group is needed and none exists, it is initialised from torchrun's
     environment: NCCL when CUDA is available, gloo otherwise.
+
+    ``mesh.device`` is the device of this rank's collectives: ``cuda:LOCAL_RANK`` on an
+    NCCL group, the CPU on a gloo group (and in a world of one). NCCL moves CUDA tensors
+    only, so every tensor fzero hands to the mesh's groups is made there, and
+    ``step.init`` puts the state there (:meth:`place`); see docs/design.md, "Devices".
 
     Args:
         dp, tp, pp: axis sizes; one of them may be ``-1``, "the rest of the world".
@@ -79,6 +86,8 @@ class Mesh:
         self.coords = {a: coords[a] for a in AXES}
         if torch.cuda.is_available() and (backend == "nccl" or dist.is_initialized() and dist.get_backend() == "nccl"):
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        elif device_check.pretending():  # tests: the CPU, standing for an accelerator
+            self.device = device_check.PRETEND_DEVICE
         else:
             self.device = torch.device("cpu")
 
@@ -106,6 +115,46 @@ class Mesh:
         if total != world:
             raise ValueError(f"fzero.Mesh: {_fmt(sizes)} multiply to {total}, but the world has {world} ranks")
         return {a: sizes[a] for a in AXES}
+
+    def place(self, state):
+        """``state`` with its tensors on :attr:`device`, as ``step.init`` needs them.
+
+        Every tensor of ``state.params`` and ``state.buffers`` moves (a module's buffers,
+        ``num_batches_tracked`` too, live where its forward runs), and every tensor of the rest of the state
+        (optimizer state, ``extra``: moments, master weights) but 0-dim ones: update
+        counters and the loss scaler stay on the host, where they are read every step
+        (``int(count)``, ``float(scale)``) without a device synchronisation and from where
+        they never enter a collective. In a process without a process group (a world of
+        one) the state stays where its creator put it, as in plain PyTorch: the device is
+        chosen by the program there, and by the mesh only when the mesh's ranks exchange
+        tensors.
+
+        Example:
+            >>> import torch, fzero
+            >>> state = {"params": {"w": torch.ones(2)}, "count": torch.tensor(0)}
+            >>> fzero.Mesh(dp=-1).place(state)["params"]["w"].device.type
+            'cpu'
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return state
+        from fzero import tree
+
+        def every(x):
+            return x.to(self.device) if isinstance(x, torch.Tensor) else x
+
+        def shaped(x):
+            return x.to(self.device) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+        if hasattr(state, "params") and hasattr(state, "replace"):
+            moved = {f: tree.map(every, getattr(state, f)) for f in ("params", "buffers")
+                     if hasattr(state, f)}
+            return state.replace(**moved,
+                                 **{f: tree.map(shaped, getattr(state, f)) for f in ("opt_state", "extra")
+                                    if hasattr(state, f)})
+        if isinstance(state, dict) and "params" in state:
+            return {k: tree.map(every if k in ("params", "buffers") else shaped, v)
+                    for k, v in state.items()}
+        return tree.map(shaped, state)
 
     def size(self, axis: Axis) -> int:
         """Number of ranks along ``axis``."""

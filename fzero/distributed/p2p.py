@@ -18,6 +18,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from fzero.distributed import device_check
 from fzero.distributed.comm import CollectiveError
 
 __all__ = ["Channel"]
@@ -56,7 +57,10 @@ class Channel:
         """Start sending ``tensor`` to position ``to``; it is kept alive until :meth:`flush`."""
         tensor = tensor.contiguous()
         try:
-            work = dist.isend(tensor, dst=self._global[to], group=self.group, tag=tag)
+            with device_check.guard(f"send of {what}", self.where):
+                work = dist.isend(tensor, dst=self._global[to], group=self.group, tag=tag)
+        except device_check.DeviceMismatchError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise CollectiveError(f"{self.where}: send of {what} to rank {self._global[to]} failed to start "
                                   f"on rank {_rank()}: {e}") from e
@@ -69,8 +73,11 @@ class Channel:
         """Receive ``what`` from position ``frm`` into ``buf`` (waits at most ``timeout_s``)."""
         src = self._global[frm]
         try:
-            work = dist.irecv(buf, src=src, group=self.group, tag=tag)
+            with device_check.guard(f"receive of {what}", self.where):
+                work = dist.irecv(buf, src=src, group=self.group, tag=tag)
             work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except device_check.DeviceMismatchError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise CollectiveError(
                 f"{self.where}: rank {_rank()} waited for {what} from rank {src} and got nothing within "

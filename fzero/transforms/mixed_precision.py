@@ -117,12 +117,16 @@ class _PrecisionHandler(Handler):
         if not self.check:
             return next(state, grads)
         scale = self.scale
-        bad = torch.zeros((), dtype=torch.float32)
-        for g in tree.leaves(grads):
-            if isinstance(g, torch.Tensor):
-                bad = bad + (~torch.isfinite(g)).any().float().cpu()
-        # One collective under ZeRO: a rank whose own gradient pieces are finite still skips
-        # when another rank's are not (DeepSpeed all-reduces its overflow flag with MAX).
+        # The flag stays on the gradients' device: under ZeRO it is all-reduced on the
+        # mesh's group (NCCL moves CUDA tensors only), and one read of the verdict below
+        # is the only synchronisation. One collective under ZeRO: a rank whose own gradient
+        # pieces are finite still skips when another rank's are not (DeepSpeed all-reduces
+        # its overflow flag with MAX).
+        leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
+        tensors = leaves or [p for p in tree.leaves(state.params) if isinstance(p, torch.Tensor)]
+        bad = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+        for g in leaves:
+            bad = bad + (~torch.isfinite(g)).any().float()
         overflow = bool(psum(bad) > 0)
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.

@@ -387,6 +387,9 @@ class Pipeline:
             raise ValueError(f"{WHERE}: init the pipeline before the other transforms (make pipe.transform "
                              "the outermost transform): this state is already partitioned or cast")
         local = self.stage_params(state.params)
+        # On the mesh's device first: the optimizer state is built there, and the sends of
+        # activations and gradients move tensors of that device.
+        local = self.mesh.place(state.replace(params=local)).params
         return state.replace(params=local, opt_state=state.tx.init(trainable(local)))
 
     def transform(self, step: Callable) -> Step:

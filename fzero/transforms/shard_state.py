@@ -262,7 +262,7 @@ class _ShardHandler(Handler):
             stats.append(v.numel())
             stats.append(int(v.detach().double().sum().mul(1e6).round().clamp(-2**62, 2**62).item()))
         allstats = comm.all_gather_ints("all_gather(parameter fingerprints)", [len(params)] + stats, self.group,
-                                        timeout_s=self.timeout_s, where=WHERE)
+                                        timeout_s=self.timeout_s, where=WHERE, device=self.mesh.device)
         if not bool((allstats == allstats[0]).all()):
             bad_rank = int((allstats != allstats[0]).any(dim=1).nonzero()[0])
             if int(allstats[bad_rank, 0]) != len(params):
@@ -347,12 +347,13 @@ class _ShardHandler(Handler):
             flat = torch.cat([b.reshape(-1) for b in bs])
             if self.buffer_sync == "mean" and dtype.is_floating_point:
                 comm.run(f"all_reduce(buffers, {dtype}, {flat.numel()} elements)",
-                         lambda: dist.all_reduce(flat, group=self.group, async_op=True),
+                         lambda: comm.all_reduce(flat, group=self.group, async_op=True, what="buffers"),
                          timeout_s=self.timeout_s, where=WHERE)
                 flat.div_(self.world)
             else:
                 comm.run(f"broadcast(buffers, {dtype}, {flat.numel()} elements)",
-                         lambda: dist.broadcast(flat, src=src, group=self.group, async_op=True),
+                         lambda: comm.broadcast(flat, src=src, group=self.group, async_op=True,
+                                                    what="buffers"),
                          timeout_s=self.timeout_s, where=WHERE)
             o = 0
             for b in bs:
@@ -695,7 +696,7 @@ def shard_state(
     handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype, prefetch, buffer_sync)
 
     def init(state):
-        return handler.init(inner.init(state))
+        return handler.init(mesh.place(inner.init(state)))
 
     def call(state, batch):
         if handler.layout is None:
@@ -718,7 +719,8 @@ def _check_batch(batch: Any, h: _ShardHandler) -> None:
         return
     leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
     n = int(leaves[0].shape[0]) if leaves else -1
-    sizes = comm.all_gather_ints("all_gather(batch sizes)", [n], h.group, timeout_s=h.timeout_s, where=WHERE)[:, 0]
+    sizes = comm.all_gather_ints("all_gather(batch sizes)", [n], h.group, timeout_s=h.timeout_s, where=WHERE,
+                                 device=h.mesh.device)[:, 0]
     if not bool((sizes == sizes[0]).all()):
         per_rank = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(sizes))
         raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank}")
