@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 from collections.abc import Callable, Sequence
@@ -60,12 +62,44 @@ class StructureError(ValueError):
     """Two pytrees that had to share a structure do not; the message names the key paths."""
 
 
+# --------------------------------------------------------------------------- the user's view
+
+# Types that are pytree nodes for fzero's transforms but leaves for the user's own step:
+# a ZeRO ``Shard`` is one node (this rank's piece of a leaf, and where it sits) to an
+# optimizer, which updates pieces; to the ``train_step`` a user wrote for one device it is
+# one tensor with global semantics, so ``leaves(grads)`` there yields the Shards, never the
+# rank-local pieces. ``fzero.distributed.flat`` registers Shard here.
+_USER_LEAVES: list[type] = []
+_USER_VIEW: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_user_view", default=False)
+
+
+@contextlib.contextmanager
+def user_view(on: bool = True):
+    """Within the block, :data:`_USER_LEAVES` types are leaves (``on``: the user's step, as
+    :class:`fzero.transforms.Step` runs it) or nodes (``on=False``: fzero's own machinery,
+    entered by every primitive and by ``fzero.gather``)."""
+    token = _USER_VIEW.set(on)
+    try:
+        yield
+    finally:
+        _USER_VIEW.reset(token)
+
+
+def _leafy(is_leaf):
+    if not _USER_VIEW.get() or not _USER_LEAVES:
+        return is_leaf
+    types = tuple(_USER_LEAVES)
+    if is_leaf is None:
+        return lambda x: isinstance(x, types)
+    return lambda x: isinstance(x, types) or is_leaf(x)
+
+
 # --------------------------------------------------------------------------- basics
 
 
 def flatten(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     """``(leaves, spec)`` of ``tree``; ``spec`` rebuilds it with :func:`unflatten`."""
-    return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return optree.tree_flatten(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
 def unflatten(spec, leaves: Sequence[Any]) -> PyTree:
@@ -84,17 +118,17 @@ def unflatten(spec, leaves: Sequence[Any]) -> PyTree:
 
 def leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list:
     """The leaves of ``tree`` in flatten order."""
-    return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return optree.tree_leaves(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
 def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     """The spec of ``tree`` (what :func:`flatten` returns second)."""
-    return optree.tree_structure(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return optree.tree_structure(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
 def flatten_with_path(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     """``(paths, leaves, spec)``; each path is a tuple of optree path entries."""
-    accessors, lv, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    accessors, lv, spec = optree.tree_flatten_with_accessor(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
     return [tuple(a) for a in accessors], lv, spec
 
 
@@ -144,8 +178,8 @@ def _describe(node: Any) -> str:
 def _first_difference(a: PyTree, b: PyTree, path: str = "") -> tuple[str, str, str] | None:
     """Walk both trees together; return (path, what a has, what b has) at the first node
     whose kind or children differ."""
-    spec_a = optree.tree_structure(a, namespace=NAMESPACE)
-    spec_b = optree.tree_structure(b, namespace=NAMESPACE)
+    spec_a = optree.tree_structure(a, is_leaf=_leafy(None), namespace=NAMESPACE)
+    spec_b = optree.tree_structure(b, is_leaf=_leafy(None), namespace=NAMESPACE)
     if spec_a == spec_b:
         return None
     if spec_a.is_leaf() or spec_b.is_leaf():
@@ -216,7 +250,7 @@ def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf=None) -> PyT
     for i, other in enumerate(rest):
         if is_leaf is None:
             assert_same_structure(tree, other, what="fzero.tree.map", names=("tree 0", f"tree {i + 1}"))
-    return optree.tree_map(f, tree, *rest, is_leaf=is_leaf, namespace=NAMESPACE)
+    return optree.tree_map(f, tree, *rest, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
 def map_with_path(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf=None) -> PyTree:
