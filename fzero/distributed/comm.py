@@ -61,10 +61,12 @@ class Traffic:
 traffic = Traffic()
 
 
-def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what: str = "other"):
-    """``dist.all_reduce`` (a sum) of ``tensor`` in place, counted in :data:`traffic`."""
+def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what: str = "other",
+               op=dist.ReduceOp.SUM):
+    """``dist.all_reduce`` of ``tensor`` in place (a sum unless ``op`` says otherwise),
+    counted in :data:`traffic`."""
     traffic.add("all_reduce", what, tensor)
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = False, what: str = "other"):

@@ -27,6 +27,8 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from fzero.tree import _USER_VIEW, user_view
+
 __all__ = ["Handler", "MicroBatch", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
            "register_primitive"]
 
@@ -70,7 +72,13 @@ def register_primitive(name: str):
 
 
 def bind(primitive: str, *args, **kwargs):
-    """Run ``primitive`` through the installed handlers, innermost first."""
+    """Run ``primitive`` through the installed handlers, innermost first.
+
+    The handlers and the base run in fzero's own view of the pytrees, where a ZeRO ``Shard``
+    flattens to this rank's piece (see :func:`fzero.tree.user_view`)."""
+    if _USER_VIEW.get():
+        with user_view(False):
+            return bind(primitive, *args, **kwargs)
     stack = _STACK.get()
     base = _BASE[primitive]
 
@@ -180,6 +188,11 @@ def collecting_metrics() -> Iterator[dict]:
 class Step:
     """A train step that knows how to prepare its state.
 
+    A step with no ``inner`` step is the user's own code (``as_step(fn)``): it runs in the
+    user's view of the pytrees, where a partitioned leaf is one ``Shard`` with the whole
+    tensor's semantics, not this rank's piece; every primitive it calls goes back to fzero's
+    view. A transform wraps its inner step with ``inner=`` set.
+
     ``step.init(state)`` places / partitions / extends a freshly created state for this step;
     ``step(state, batch) -> (state, metrics)`` runs it. Every transform returns a ``Step``; a
     plain function is a ``Step`` whose ``init`` returns the state unchanged.
@@ -194,6 +207,9 @@ class Step:
         self.__wrapped__ = fn
 
     def __call__(self, state, batch):
+        if self.inner is None:  # the user's own step: Shards are whole tensors to it
+            with user_view(True):
+                return self._fn(state, batch)
         return self._fn(state, batch)
 
     def init(self, state):

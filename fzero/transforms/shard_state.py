@@ -35,6 +35,7 @@ from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
+from fzero.transforms._arguments import Arguments
 from fzero.transforms._core import Handler, MicroBatch, Step, as_step, installed, micro_batch
 from fzero.transforms._deferred import Deferred
 
@@ -101,6 +102,7 @@ class _ReduceSink:
         self.next = 0
         self.after_grad: Callable[[int], None] | None = None
         self.sending: dict[int, torch.Tensor] = {}  # stage 2-3: send buffers of collectives in flight
+        self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
 
     def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed reduce buffer for ``group``: at stages 2-3 from the handler's small pool
@@ -110,6 +112,9 @@ class _ReduceSink:
         return torch.zeros(group.padded, dtype=dtype, device=group.device)
 
     def on_grad(self, i: int, g: torch.Tensor) -> None:
+        if self.leaf_groups[i] is None:  # a differentiated argument beside the parameters: this
+            self.local[self.leaf_names[i]] = g / self.h.world  # rank's share of the global gradient
+            return
         gi, pos = self.leaf_groups[i]
         group = self.h.layout.groups[gi]
         buf = self.buffers.get(gi)
@@ -167,7 +172,7 @@ class _ReduceSink:
         h = self.h
         if not self.reduce:
             held = h.held_back()
-            return [held.get(n) for n in self.leaf_names]  # frozen leaves: None
+            return [self.local[n] if n in self.local else held.get(n) for n in self.leaf_names]  # frozen: None
         self._launch_ready(force=True)
         for gi in sorted(self.pending):
             if gi in self.sending:
@@ -177,7 +182,7 @@ class _ReduceSink:
         for r in self.results.values():
             r.div_(h.world)
         grads = h.grads_from_results(self.results, keep_fp32=self.summed)
-        return [grads.get(n) for n in self.leaf_names]  # frozen leaves: None
+        return [self.local[n] if n in self.local else grads.get(n) for n in self.leaf_names]  # frozen: None
 
 
 # --------------------------------------------------------------------------- the handler
@@ -198,6 +203,7 @@ class _ShardHandler(Handler):
         self.timeout_s = mesh.timeout_s if timeout_s is None else timeout_s
         self.layout: Layout | None = None
         self.names: list[str] = []
+        self.all_names: frozenset[str] = frozenset()
         self.module: torch.nn.Module | None = None
         self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
         self.peak_gathered_bytes = 0  # stage 3: most parameter bytes gathered at once
@@ -220,6 +226,7 @@ class _ShardHandler(Handler):
         self.frozen = frozen_names(params)
         train = {k: v for k, v in params.items() if k not in self.frozen}
         self.names = list(train)
+        self.all_names = frozenset(params)
         module = getattr(state.apply_fn, "module", None)
         unit_names = None
         if self.stage == 3 and isinstance(module, torch.nn.Module):
@@ -379,6 +386,18 @@ class _ShardHandler(Handler):
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if options.get("grad_sink") is not None:
             raise NotImplementedError(f"{WHERE}: another transform already reduces gradients inside this one")
+        names = self.all_names
+        if not (isinstance(params, dict) and params.keys() == names):
+            # argnums beside (or instead of) the parameters: see fzero/transforms/_arguments.py
+            single = not isinstance(params, tuple)
+            what = Arguments((params,) if single else params, names, WHERE)
+            what.check_per_rank(self.group, self.world, self.timeout_s)
+            value, grads = self._value_and_grad(what.call(fn, single), what.combined, args, kwargs, next=next, **options)
+            grads = what.split(grads)
+            return value, (grads[0] if single else grads)
+        return self._value_and_grad(fn, params, args, kwargs, next=next, **options)
+
+    def _value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if self.stage == 3:
             out = self._value_and_grad_3(fn, params, args, kwargs, next=next, **options)
         else:
