@@ -16,7 +16,10 @@ stage  fp32 Adam (K = 8)          mixed precision Adam (K = 12)
 (parameters + gradients + optimizer state). Under mixed precision the optimizer state
 includes the fp32 master weights (4 bytes) beside the fp32 Adam moments (2 x 4 bytes).
 Activations, temporary buffers (gathered ZeRO-3 parameters, communication buckets) and
-allocator fragmentation are not model states and are not counted.
+allocator fragmentation are not model states and are not counted here;
+:func:`reduce_buffer_bytes` gives what fzero holds beside them at the step's peak (its
+gradient reduce buffers, and ZeRO-3's gathered units), which ``fzero estimate`` adds to
+its total; a test holds the sum within 10% of every tensor byte a rank's process holds.
 
 A partitioned flat buffer is padded to a multiple of N, so a rank's shard is
 ``ceil(Ψ / N)`` elements.
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["model_state_bytes", "coefficients", "OPTIMIZER_STATES", "PRECISIONS"]
+__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "OPTIMIZER_STATES", "PRECISIONS",
+           "REDUCE_BUFFERS"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -41,6 +45,9 @@ OPTIMIZER_STATES = {
 }
 # Bytes of the parameters (and gradients) a step computes with.
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2) reduce-scatters
+# outstanding, one bucket filling, one more in its pool (fzero/transforms/shard_state.py).
+REDUCE_BUFFERS = 4
 
 
 def model_state_bytes(
@@ -93,6 +100,38 @@ def model_state_bytes(
     grads = g * (shard if stage >= 2 else num_params)
     optim = k * (shard if stage >= 1 else num_params)
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precision: Precision = "fp32",
+                        bucket_bytes: int = 25 * 2**20) -> int:
+    """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
+    buffers, and at stage 3 the gathered parameters.
+
+    * Stages 0-1 all-reduce the gradients in their flat groups, in fp32 for bf16/fp16
+      gradients (2 bytes per parameter more than the formula's 2-byte gradients).
+    * Stages 2-3 copy each bucket into a reduce buffer (fp32 for bf16/fp16) and
+      reduce-scatter it; up to :data:`REDUCE_BUFFERS` are alive at once and kept between
+      steps, never more than the whole gradient. The reduced partition stays in fp32 until
+      the last bucket is in (2 bytes per partitioned parameter more than the formula's).
+    * Stage 3 holds the unit being computed and the one prefetched, gathered.
+
+    At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
+    parameters as ``bucket_bytes``.
+
+    Example:
+        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 4 buckets of 25 MiB
+        104857600
+        >>> reduce_buffer_bytes(1000, world_size=1, stage=2)  # a small model: its whole gradient, once
+        4000
+    """
+    p = PRECISIONS[precision]
+    if stage < 2:
+        return (4 - p) * num_params
+    per_bucket = -(-bucket_bytes // p)
+    total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
+    if stage == 3:
+        total += p * min(num_params, 2 * per_bucket)
+    return total
 
 
 def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam") -> tuple[int, int]:

@@ -8,7 +8,7 @@ import pytest
 
 from fzero.cli.estimate import format_bytes, parse_count
 from fzero.cli.main import main
-from fzero.memory import coefficients, model_state_bytes
+from fzero.memory import coefficients, model_state_bytes, reduce_buffer_bytes
 
 PSI = 1_000_000
 
@@ -141,3 +141,88 @@ def test_checkpoint_command_on_a_missing_path_names_it(capsys, tmp_path):
     missing = str(tmp_path / "no_such_checkpoint")
     assert main(["checkpoint", "verify", missing]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the estimate against the process
+
+
+def _process_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (views count once): a
+    census of the process, not of the state pytree, so a dead copy anywhere shows."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not o.is_meta:
+            s = o.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def _census(stage, precision):
+    import functools
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fzero
+    from fzero import optim
+
+    from fzero.transforms.shard_state import _ReduceSink
+
+    before = _process_tensor_bytes()
+    seen = {"peak": 0}
+    finish = _ReduceSink.finish
+
+    def census_then_finish(sink):  # every gradient is in a reduce buffer: the stages' peak
+        seen["peak"] = max(seen["peak"], _process_tensor_bytes() - before)
+        return finish(sink)
+
+    torch.manual_seed(0)
+    # Twelve blocks in a ModuleList: ZeRO-3 gathers them one by one (the units).
+    model = nn.Sequential(nn.Linear(8, 128), nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh())
+                                                             for _ in range(12)]), nn.Linear(128, 8))
+    model[1] = nn.ModuleList(model[1])
+    model.forward = lambda x: model[2](functools.reduce(lambda h, b: b(h), model[1], model[0](x)))
+    apply, params = fzero.functionalize(model)
+    psi = sum(p.numel() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+    del params
+
+    def train_step(state, batch):
+        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+        seen["peak"] = max(seen["peak"], _process_tensor_bytes() - before)
+        return state.apply_gradients(g), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage, precision=precision)
+    state = step.init(state)
+    _ReduceSink.finish = census_then_finish
+    try:
+        for _ in range(2):
+            state, _ = step(state, {"x": torch.randn(4, 8), "y": torch.randn(4, 8)})
+    finally:
+        _ReduceSink.finish = finish
+    return psi, seen["peak"]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_estimate_is_within_ten_percent_of_every_tensor_byte_the_process_holds(ranks, stage, precision):
+    """At the model-state peak (every gradient in its reduce buffer, or just returned:
+    parameters, gradients, optimizer state, masters and reduce buffers all alive), the bytes
+    of every tensor in each rank's process against what ``fzero estimate`` prints as the
+    total (``model_state_bytes`` + ``reduce_buffer_bytes`` at compile's default bucket)."""
+    for psi, held in ranks(2).run(_census, stage, precision):
+        est = model_state_bytes(psi, world_size=2, stage=stage, precision=precision, optimizer="adamw")["total"]
+        unit = (128 * 128 + 128) * (4 if precision == "fp32" else 2)  # stage 3's bucket: one block
+        est += reduce_buffer_bytes(psi, world_size=2, stage=stage, precision=precision,
+                                   **({"bucket_bytes": unit} if stage == 3 else {}))
+        assert abs(held - est) <= 0.10 * est, (stage, precision, psi, held, est, held / est)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from decimal import Decimal, InvalidOperation
 
-from fzero.memory import OPTIMIZER_STATES, PRECISIONS, coefficients, model_state_bytes
+from fzero.memory import OPTIMIZER_STATES, PRECISIONS, coefficients, model_state_bytes, reduce_buffer_bytes
 
 __all__ = ["add_parser", "parse_count", "format_bytes", "render", "run"]
 
@@ -70,7 +70,7 @@ def _formula(a: int, b: int) -> str:
 
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
-           optimizer: str = "adam", raw_bytes: bool = False) -> str:
+           optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int = 25 * 2**20) -> str:
     """The table ``fzero estimate`` prints."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
     n_states = OPTIMIZER_STATES[optimizer]
@@ -85,21 +85,26 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         f"({n_states} fp32 state{'s' if n_states != 1 else ''} per parameter)",
         "",
     ]
-    header = ["stage", "params", "grads", "optimizer", "total", "formula"]
+    header = ["stage", "params", "grads", "optimizer", "model states", "buffers", "total", "formula"]
     rows = []
     for stage in stages:
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
                               optimizer=optimizer)
+        buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
+                                  bucket_bytes=bucket_bytes)
         rows.append([str(stage), fmt(b["params"]), fmt(b["grads"]), fmt(b["optimizer"]), fmt(b["total"]),
+                     fmt(buf), fmt(b["total"] + buf),
                      _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer))])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         lines.append("  ".join(c.rjust(w) if i < len(r) - 1 else c for i, (c, w) in enumerate(zip(r, widths))))
     lines += [
         "",
-        "Not counted: activations, temporary buffers (gathered ZeRO-3 parameters, communication",
-        "buckets), the CUDA context and allocator fragmentation. Partitioned buffers are padded",
-        "to a multiple of N. 1 GiB = 2^30 bytes.",
+        "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",
+        "them at the step's peak: gradient reduce buffers in fp32 (stages 2-3: up to 4 buckets of",
+        f"{format_bytes(bucket_bytes)} of parameters, a bucket being a unit at stage 3) and at stage 3",
+        "two gathered units. Not counted: activations, the CUDA context and allocator",
+        "fragmentation. Partitioned buffers are padded to a multiple of N. 1 GiB = 2^30 bytes.",
     ]
     return "\n".join(lines)
 
@@ -141,6 +146,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam",
                    help="decides the fp32 states per parameter: adam/adamw/lamb 2, lion/sgd-momentum 1, "
                         "sgd 0 (default adam)")
+    p.add_argument("--bucket-bytes", type=_positive_int, default=25 * 2**20, metavar="BYTES",
+                   help="shard_state's bucket_bytes (default 25 MiB): sizes the reduce buffers of stages 2-3")
     p.add_argument("--bytes", action="store_true", dest="raw_bytes", help="print exact bytes instead of GiB")
     p.set_defaults(func=run)
     return p
@@ -149,5 +156,5 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
     print(render(args.params, world_size=args.world_size, stages=stages, precision=args.precision,
-                 optimizer=args.optimizer, raw_bytes=args.raw_bytes))
+                 optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes))
     return 0
