@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fzero  # noqa: E402
 from fzero import optim  # noqa: E402
+from fzero.distributed.flat import Shard  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.999), 1e-8, 0.1
@@ -120,7 +121,11 @@ def rss_mib() -> tuple[float, float]:
 
 
 def local(x):
-    """The local tensor of a DTensor (FSDP2's shards); anything else unchanged."""
+    """The local tensor of a DTensor (FSDP2's shards) or of an fzero Shard (a leaf inside
+    the train step, where a partitioned leaf stands for the whole tensor); anything else
+    unchanged."""
+    if isinstance(x, Shard):
+        return x.local
     to_local = getattr(x, "to_local", None)
     return to_local() if callable(to_local) and hasattr(x, "_local_tensor") else x
 

@@ -1,14 +1,18 @@
 """Transforms: functions from a train step to a train step with the same signature.
 
 Each one installs a handler of fzero's primitives (see :mod:`fzero.transforms._core`)
-around the inner step.
+around the inner step. What a transform of one's own needs is exported here: ``Handler``,
+``Step``, ``as_step``, ``installed``; the primitives ``psum``, ``emit_metric`` and
+``micro_batch`` (with ``MicroBatch``); and ``bind`` to run a primitive through the handlers.
 """
 
-from fzero.transforms._core import Handler, Step, as_step
+from fzero.transforms._core import (Handler, MicroBatch, Step, as_step, bind, emit_metric, installed, micro_batch,
+                                    psum)
 from fzero.transforms.accumulate import accumulate
 from fzero.transforms.mixed_precision import mixed_precision
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
 
 
-__all__ = ["Handler", "Step", "as_step", "accumulate", "mixed_precision", "pipeline", "shard_state"]
+__all__ = ["Handler", "MicroBatch", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
+           "accumulate", "mixed_precision", "pipeline", "shard_state"]
