@@ -9,7 +9,7 @@ import torch
 
 from fzero import tree
 from fzero._params import Params, merge_trainable, trainable
-from fzero.transforms._core import bind, register_primitive
+from fzero.transforms._core import NotApplied, bind, register_primitive
 
 __all__ = ["TrainState"]
 
@@ -98,7 +98,8 @@ class TrainState:
         Raises:
             fzero.tree.StructureError: ``grads`` does not have the structure of ``params``.
         """
-        return bind("apply_gradients", self, grads)
+        out = bind("apply_gradients", self, grads)
+        return out.state if isinstance(out, NotApplied) else out
 
 
 class _BoundApply:

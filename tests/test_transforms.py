@@ -373,3 +373,51 @@ def test_compile_precision_and_accumulate_options():
     state, _ = run(step, step.init(make(case, "adamw")), batches)
     _, m = step(state, batches[0])
     assert {"loss", "loss_scale", "skipped", "grad_norm"} <= set(m)
+
+
+# --------------------------------------------------------------------------- the NotApplied contract
+
+
+def test_an_update_not_applied_is_an_explicit_value_through_the_handlers():
+    """A handler inside accumulate (so seeing what accumulate answers) gets NotApplied("deferred")
+    for the micro-batches before the last, and inside mixed_precision NotApplied("skipped")
+    for a non-finite gradient; the user's step always gets a TrainState."""
+    from fzero.transforms import Handler, NotApplied, Step, as_step, installed
+
+    seen = []
+
+    class Watch(Handler):
+        def apply_gradients(self, state, grads, *, next):
+            out = next(state, grads)
+            seen.append(out.reason if isinstance(out, NotApplied) else "applied")
+            return out
+
+    def watched(step):
+        inner, h = as_step(step), Watch()
+
+        def call(state, batch):
+            with installed(h):
+                return inner(state, batch)
+
+        return Step(call, init=inner.init, inner=inner)
+
+    got = []
+
+    def train_step(state, batch):
+        loss, g = fzero.value_and_grad(lambda p: (state.apply_fn(p, batch) ** 2).mean())(state.params)
+        new = state.apply_gradients(g)
+        got.append(type(new).__name__)
+        return new, {"loss": loss}
+
+    apply, params = fzero.functionalize(torch.nn.Linear(3, 1))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    step = fzero.accumulate(watched(train_step), 3)
+    state = step.init(state)
+    state, _ = step(state, torch.ones(6, 3))
+    assert seen == ["deferred", "deferred", "applied"] and int(state.step) == 1
+    seen.clear()
+    step = fzero.mixed_precision(watched(train_step), "fp16")
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    state, m = step(state, torch.full((2, 3), float("inf")))
+    assert seen == ["skipped"] and bool(m["skipped"]) and int(state.step) == 0
+    assert set(got) == {"TrainState"}

@@ -6,13 +6,13 @@ around the inner step. What a transform of one's own needs is exported here: ``H
 ``micro_batch`` (with ``MicroBatch``); and ``bind`` to run a primitive through the handlers.
 """
 
-from fzero.transforms._core import (Handler, MicroBatch, Step, as_step, bind, emit_metric, installed, micro_batch,
-                                    psum)
+from fzero.transforms._core import (Handler, MicroBatch, NotApplied, Step, as_step, bind, emit_metric, installed,
+                                    micro_batch, psum)
 from fzero.transforms.accumulate import accumulate
 from fzero.transforms.mixed_precision import mixed_precision
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
 
 
-__all__ = ["Handler", "MicroBatch", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
+__all__ = ["Handler", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
            "accumulate", "mixed_precision", "pipeline", "shard_state"]

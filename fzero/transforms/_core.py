@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from fzero.tree import _USER_VIEW, user_view
 
-__all__ = ["Handler", "MicroBatch", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
+__all__ = ["Handler", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
            "register_primitive"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
@@ -49,6 +49,7 @@ class Handler:
         return next(fn, params, args, kwargs, **options)
 
     def apply_gradients(self, state, grads, *, next: Callable):
+        # returns the new state, or a NotApplied carrying the state to go on with
         return next(state, grads)
 
     def emit(self, name: str, value: Any, *, next: Callable):
@@ -59,6 +60,22 @@ class Handler:
 
     def micro_batch(self, *, next: Callable):
         return next()
+
+
+class NotApplied(NamedTuple):
+    """What ``apply_gradients`` returns through the handlers when it applied no update.
+
+    ``reason`` is ``"deferred"`` (an ``accumulate`` before its last micro-batch: the
+    gradients were summed, the update comes later) or ``"skipped"`` (a non-finite gradient
+    under ``mixed_precision``: the update was dropped). ``state`` is the state to carry on
+    with. A handler that acts on applied updates only tests ``isinstance(new, NotApplied)``
+    and passes it on (with its own changes to ``state``); the public
+    :meth:`fzero.TrainState.apply_gradients` unwraps it, so the user's step always gets a
+    state.
+    """
+
+    state: Any
+    reason: str
 
 
 def register_primitive(name: str):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero.transforms._core import Handler, MicroBatch, Step, as_step, installed
+from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed
 from fzero.transforms._deferred import is_deferred
 
 __all__ = ["accumulate", "split_batch"]
@@ -58,7 +58,7 @@ class _AccumulateHandler(Handler):
         # has their structure: the accumulator is as partitioned as they are.
         self.total = scaled if self.total is None else tree.map(_sum, self.total, scaled)
         if self.seen < self.k:
-            return state
+            return NotApplied(state, "deferred")
         total, self.total = self.total, None
         return next(state, total)
 

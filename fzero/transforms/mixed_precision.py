@@ -11,7 +11,7 @@ import torch
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
-from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, emit_metric, installed, psum
+from fzero.transforms._core import Handler, NotApplied, Step, as_step, collecting_metrics, emit_metric, installed, psum
 from fzero.transforms._deferred import is_deferred
 
 __all__ = ["LossScaler", "mixed_precision"]
@@ -136,8 +136,8 @@ class _PrecisionHandler(Handler):
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
         # accumulated gradient.
         new = next(state, unscaled)
-        if new is state:  # deferred by an accumulation outside: remember, decide later
-            self.pending_overflow |= overflow
+        if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside:
+            self.pending_overflow |= overflow  # remember, decide at the update's last micro-batch
             return new
         overflow |= self.pending_overflow
         self.pending_overflow = False
@@ -150,7 +150,10 @@ class _PrecisionHandler(Handler):
         if overflow:
             # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
             # count) and the step counter stay as they were.
-            return state.replace(extra={**state.extra, **extra}) if extra else state
+            return NotApplied(state.replace(extra={**state.extra, **extra}) if extra else state, "skipped")
+        if isinstance(new, NotApplied):  # skipped further in
+            return NotApplied(new.state.replace(extra={**new.state.extra, **extra}) if extra else new.state,
+                              new.reason)
         return new.replace(extra={**new.extra, **extra}) if extra else new
 
 

@@ -36,7 +36,7 @@ from fzero.distributed import comm
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._arguments import Arguments
-from fzero.transforms._core import Handler, MicroBatch, Step, as_step, installed, micro_batch
+from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed, micro_batch
 from fzero.transforms._deferred import Deferred
 
 __all__ = ["shard_state"]
@@ -469,8 +469,8 @@ class _ShardHandler(Handler):
         train = {k: v for k, v in state.params.items() if k not in self.frozen}
         pieces = with_values(state.params, self.layout.piece_views(train, self.group))
         new = next(state.replace(params=pieces), grads)
-        if new is None or new.params is pieces:  # an inner transform deferred or skipped
-            return new if new is None else new.replace(params=state.params)
+        if isinstance(new, NotApplied):  # deferred or skipped further in: the whole parameters stay
+            return NotApplied(new.state.replace(params=state.params), new.reason)
         return new.replace(params=with_values(new.params, self._all_gather_params(new.params)))
 
     def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
