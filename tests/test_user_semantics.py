@@ -22,8 +22,32 @@ from fzero import optim, tree
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 
-def _model():
+class _Real(nn.Module):
+    """What real models bring: a frozen input layer, a float buffer and an integer buffer
+    used (and updated) in forward, and two blocks of a ModuleList sharing one weight (a tie
+    across ZeRO-3 units)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7).requires_grad_(False)
+        self.blocks = nn.ModuleList([nn.Linear(7, 7), nn.Linear(7, 7)])
+        self.blocks[1].weight = self.blocks[0].weight
+        self.out = nn.Linear(7, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 7))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.inp(x)) * self.scale
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.out(h)
+
+
+def _model(kind="mlp"):
     torch.manual_seed(0)
+    if kind == "real":
+        return _Real()
     # Odd sizes: the leaves' pieces are uneven, and a rank's piece of a small leaf is empty.
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
@@ -41,7 +65,8 @@ def _statistics_step(state, batch):
         return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
 
     loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-    leaves = tree.leaves(grads)
+    leaves = tree.leaves(grads)  # frozen parameters have None: not leaves
+    trained = sorted(k for k, g in grads.items() if g is not None)
     gnorm = torch.sqrt(sum(g.pow(2).sum() for g in leaves))
     stats = {
         "loss": loss,
@@ -50,12 +75,12 @@ def _statistics_step(state, batch):
         "grad_inf_norm": torch.stack([g.norm(float("inf")) for g in leaves]).max(),
         "grad_max": torch.stack([torch.max(g) for g in leaves]).max(),
         "grad_min": torch.stack([g.amin() for g in leaves]).min(),
-        "weight_grad_mean": grads["0.weight"].mean(),
-        "bias_grad_sum": torch.sum(grads["2.bias"]),
+        "first_grad_mean": grads[trained[0]].mean(),
+        "last_grad_sum": torch.sum(grads[trained[-1]]),
         "finite": torch.stack([torch.isfinite(g).all() for g in leaves]).all(),
         "positive": sum(torch.count_nonzero(g > 0) for g in leaves),
         "param_sq": sum((p * p).sum() for p in tree.leaves(state.params)),
-        "decayed_dot": sum((g * p).sum() for g, p in zip(leaves, tree.leaves(state.params))),
+        "decayed_dot": sum((grads[k] * state.params[k]).sum() for k in trained),
         "numel": torch.tensor(float(sum(g.numel() for g in leaves))),
         "ndims": torch.tensor([float(g.ndim) for g in leaves]),
     }
@@ -65,44 +90,50 @@ def _statistics_step(state, batch):
     return state.apply_gradients(grads), stats
 
 
-def _create(tx=None):
-    apply, params = fzero.functionalize(_model())
+def _create(tx=None, kind="mlp"):
+    apply, params = fzero.functionalize(_model(kind))
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=tx or optim.adamw(1e-2, weight_decay=0.1))
 
 
-def _run_sharded(stage, precision):
+def _run_sharded(stage, precision, kind="mlp"):
     n, r = dist.get_world_size(), dist.get_rank()
     step = fzero.compile(_statistics_step, fzero.Mesh(dp=-1), zero=stage, precision=precision)
-    state = step.init(_create())
+    state = step.init(_create(kind=kind))
     stats = []
     for b in _batches(n):
         state, m = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
         stats.append({k: v.detach().clone() for k, v in m.items()})
-    return stats, fzero.gather(state.params)
+    return stats, fzero.gather(state.params), {k: v.clone() for k, v in state.buffers.items()}
 
 
+@pytest.mark.parametrize("kind", ["mlp", "real"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_statistics_and_manual_clipping_in_the_step_match_one_process(ranks, stage):
-    ref_state, ref_stats = _create(), []
+def test_statistics_and_manual_clipping_in_the_step_match_one_process(ranks, stage, kind):
+    ref_state, ref_stats = _create(kind=kind), []
     for b in _batches(2):  # one process, the whole batch, plain tensors
         ref_state, m = _statistics_step(ref_state, b)
         ref_stats.append(m)
-    for stats, params in ranks(2).run(_run_sharded, stage, "fp32"):
+    for stats, params, buffers in ranks(2).run(_run_sharded, stage, "fp32", kind):
         for got, want in zip(stats, ref_stats):
             assert got.keys() == want.keys()
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
         ft.assert_trees_close(params, ref_state.params, rtol=1e-5, atol=1e-6)
+        assert buffers.keys() == ref_state.buffers.keys()
+        for k in buffers:
+            assert torch.equal(buffers[k], ref_state.buffers[k]), k
 
 
-def test_statistics_under_bf16_are_the_global_ones(ranks):
+@pytest.mark.parametrize("kind", ["mlp", "real"])
+def test_statistics_under_bf16_are_the_global_ones(ranks, kind):
     """Under mixed precision the step sees the fp32 gradients, whole or partitioned: the
     statistics agree on every rank and with each other."""
-    for stats, _ in ranks(2).run(_run_sharded, 2, "bf16"):
+    trainable = sum(p.numel() for p in _model(kind).parameters() if p.requires_grad)  # a tie counts once
+    for stats, _, _ in ranks(2).run(_run_sharded, 2, "bf16", kind):
         for s in stats:
-            assert bool(s["finite"]) and s["numel"].item() == 5 * 7 + 7 + 7 * 3 + 3
+            assert bool(s["finite"]) and s["numel"].item() == trainable
             torch.testing.assert_close(s["grad_norm"], s["grad_norm_stacked"])
-    a, b = ranks(2).run(_run_sharded, 2, "bf16")
+    a, b = ranks(2).run(_run_sharded, 2, "bf16", kind)
     for sa, sb in zip(a[0], b[0]):
         for k in sa:
             assert torch.equal(sa[k], sb[k]), k

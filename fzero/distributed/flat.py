@@ -286,7 +286,7 @@ def _reduce(shard: Shard, name: str, rest: tuple, kwargs: dict) -> torch.Tensor:
             shard._refuse("mean of an integer tensor", why="is not defined")
         out = _all_reduce(part, SUM, info=shard.info)
         out = out / shard.info.numel if name == "mean" else out
-        return out.to(dtype or (x.dtype if name != "sum" or low else out.dtype))
+        return out.to(dtype or (x.dtype if x.dtype.is_floating_point else out.dtype))
     if name in ("norm", "linalg_vector_norm"):
         a = work.abs()
         if p == math.inf:
