@@ -9,6 +9,7 @@ from fzero._params import Params
 from fzero import checkpoint, optim
 from fzero._compile import compile
 from fzero.config import Config
+from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
@@ -17,6 +18,7 @@ from fzero.transforms import Step, accumulate, mixed_precision, pipeline, shard_
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompileOptions",
     "Config",
     "Mesh",
     "Params",

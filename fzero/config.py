@@ -26,7 +26,7 @@ Example:
     >>> cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage
     (8, 1)
     >>> opts = cfg.compile_options()
-    >>> opts["precision"], opts["loss_scale"], opts["accumulate"]
+    >>> opts.dtype, opts.loss_scale, opts.accumulate
     ('fp16', 'dynamic', 1)
     >>> cfg.make_optimizer().fused.kind      # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
     'adamw'
@@ -348,7 +348,7 @@ _ZERO: dict[str, _Rule] = {
     "reduce_scatter": _zero_perf(True),
     "use_multi_rank_bucket_allreduce": _zero_perf(True),
     "allgather_partitions": _zero_perf(True),
-    "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_size` bytes, "
+    "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_bytes` bytes, "
                                    "set by reduce_bucket_size", _differs(5e8)),
     "compute_grad_norm": _zero_perf(True),
     "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never),
@@ -449,7 +449,7 @@ _NEEDS_BASE_LR = ("WarmupLR", "WarmupCosineLR")  # they read the optimizer's lea
 # follows the release its DeepSpeed semantics are checked against (0.19.8).
 GRADIENT_CLIPPING_DEFAULT = 1.0
 
-# communication_data_type -> (compile's reduce_dtype, bytes per reduced element)
+# communication_data_type -> (compile's reduce_in, bytes per reduced element)
 _COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}
 
 
@@ -628,7 +628,7 @@ class FP16Config:
     """The ``fp16`` section: fp16 compute with fp32 master weights and a loss scaler."""
 
     enabled: bool = False
-    """Compute in fp16 (``fzero.compile(precision="fp16")``)."""
+    """Compute in fp16 (``fzero.compile(dtype="fp16")``)."""
 
     loss_scale: float = 0.0
     """A fixed loss scale, or 0 for DeepSpeed's dynamic loss scaler."""
@@ -667,7 +667,7 @@ class BF16Config:
     """The ``bf16`` section (DeepSpeed's older name ``bfloat16`` is read too)."""
 
     enabled: bool = False
-    """Compute in bf16 (``fzero.compile(precision="bf16")``), fp32 master weights, no scaler."""
+    """Compute in bf16 (``fzero.compile(dtype="bf16")``), fp32 master weights, no scaler."""
 
     check_grad_overflow: bool = True
     """Skip an update whose gradients are not finite (``fzero.compile(check_grad_overflow=)``);
@@ -688,7 +688,7 @@ class ZeroConfig:
     """ZeRO stage 0-3 over the mesh's ``dp`` axis (``fzero.compile(zero=...)``)."""
 
     reduce_bucket_size: int | None = None
-    """Gradient elements reduced per bucket, DeepSpeed's unit (fzero's ``bucket_size`` is in
+    """Gradient elements reduced per bucket, DeepSpeed's unit (fzero's ``bucket_bytes`` is in
     bytes: elements times 4, or 2 with a 16-bit ``communication_data_type``). ``None``, when
     not written, keeps fzero's default bucket of 25 MiB rather than DeepSpeed's 5e8 elements."""
 
@@ -773,7 +773,7 @@ class Config:
         >>> cfg.train_batch_size, cfg.local_batch_size
         (16, 8)
         >>> opts = cfg.compile_options()
-        >>> opts["zero"], opts["precision"], opts["accumulate"], opts["clip_norm"], opts["bucket_size"]
+        >>> opts.stage, opts.dtype, opts.accumulate, opts.clip_norm, opts.bucket_bytes
         (2, 'bf16', 2, 1.0, 200000000)
         >>> lr = cfg.make_schedule()
         >>> [round(lr(k), 5) for k in (0, 1, 6, 11, 100)]
@@ -916,47 +916,51 @@ class Config:
         """Samples each data-parallel rank passes to one step call: micro-batch * steps."""
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
 
-    def compile_options(self) -> dict[str, Any]:
-        """The keyword options of ``fzero.compile`` this config asks for.
+    def decided_options(self) -> dict[str, Any]:
+        """The :class:`fzero.CompileOptions` fields this config decides, by field name.
 
-        Returns:
-            A dict with ``zero`` (stage), ``precision``, ``loss_scale`` (``"dynamic"`` or a
-            float; it matters under fp16 only), ``loss_scale_options`` (the fp16 dynamic
-            scaler's ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
-            ``consecutive_hysteresis``, ``min_loss_scale``, as ``fzero.mixed_precision``
-            takes them), ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
-            true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
-            (gradient_accumulation_steps), ``clip_norm`` (gradient_clipping, ``None`` for 0)
-            and ``bucket_size`` (reduce_bucket_size in bytes, ``None`` when not written);
-            plus ``overlap_comm`` when the config writes it and ``reduce_dtype`` when
-            ``communication_data_type`` is a 16-bit type.
+        Always ``stage``, ``dtype``, ``loss_scale`` (``"dynamic"`` or a float; it matters
+        under fp16 only), the fp16 dynamic scaler's ``initial_scale_power``,
+        ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis`` and
+        ``min_loss_scale``, ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
+        true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
+        (gradient_accumulation_steps) and ``clip_norm`` (gradient_clipping, ``None`` for 0);
+        ``bucket_bytes`` (reduce_bucket_size in bytes) and ``overlap_comm`` when the config
+        writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type. A
+        keyword of ``fzero.compile`` may set the others, never contradict these.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
         fp16 = self.fp16
         opts: dict[str, Any] = {
-            "zero": zero.stage,
-            "precision": self.precision,
+            "stage": zero.stage,
+            "dtype": self.precision,
             "loss_scale": float(fp16.loss_scale) if fp16.enabled and fp16.loss_scale > 0 else "dynamic",
-            "loss_scale_options": {
-                "initial_scale_power": int(fp16.initial_scale_power),
-                "loss_scale_window": int(fp16.loss_scale_window),
-                "hysteresis": int(fp16.hysteresis),
-                "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
-                "min_loss_scale": float(fp16.min_loss_scale),
-            },
+            "initial_scale_power": int(fp16.initial_scale_power),
+            "loss_scale_window": int(fp16.loss_scale_window),
+            "hysteresis": int(fp16.hysteresis),
+            "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
+            "min_loss_scale": float(fp16.min_loss_scale),
             # DeepSpeed reads bf16.check_grad_overflow only under bf16 and always checks
             # under fp16 (DeepSpeedEngine._configure_zero_optimizer).
             "check_grad_overflow": self.bf16.check_grad_overflow if self.bf16.enabled else True,
             "accumulate": self.gradient_accumulation_steps,
             "clip_norm": self.gradient_clipping or None,
-            "bucket_size": None if zero.reduce_bucket_size is None else zero.reduce_bucket_size * itemsize,
         }
+        if zero.reduce_bucket_size is not None:
+            opts["bucket_bytes"] = zero.reduce_bucket_size * itemsize
         if zero.overlap_comm is not None:
             opts["overlap_comm"] = zero.overlap_comm
         if comm_dtype is not None:
-            opts["reduce_dtype"] = comm_dtype
+            opts["reduce_in"] = comm_dtype
         return opts
+
+    def compile_options(self) -> "CompileOptions":
+        """The options of ``fzero.compile`` this config asks for: :meth:`decided_options`
+        over the defaults of :class:`fzero.CompileOptions`."""
+        from fzero.options import CompileOptions
+
+        return CompileOptions(**self.decided_options())
 
     def make_schedule(self, *, base_lr: float | None = None) -> schedules.Schedule:
         """The ``scheduler`` section as a schedule ``fn(count) -> lr`` (count 0-based).

@@ -31,6 +31,18 @@ from fzero.transforms._core import bind, register_primitive
 # were called with until its backward has finished (see ``Apply.__call__``).
 _BINDINGS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
     "fzero_bindings", default=None)
+_LOSS_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("fzero_loss_scale", default=1.0)
+
+
+def loss_scale() -> float:
+    """Inside a function ``value_and_grad`` is differentiating: the factor its loss will be
+    multiplied by once it returns (``mixed_precision``'s fp16 scale; 1.0 without one).
+
+    Autograd carries the scale down to every gradient by itself; only a function that seeds
+    a backward of its own (the pipeline schedule, which runs each micro-batch's backward
+    inside the step) needs it, to seed with the same scale.
+    """
+    return _LOSS_SCALE.get()
 
 __all__ = ["functionalize", "value_and_grad", "grad", "remat", "load_into"]
 
@@ -169,7 +181,7 @@ def _trainable_flags(params: Any, n: int) -> list[bool]:
 
 
 @register_primitive("value_and_grad")
-def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None):
+def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None, loss_scale: float = 1.0):
     """The plain implementation: differentiate ``fn`` at ``params`` on the autograd engine.
 
     Frozen entries of a :class:`fzero.Params` are passed through undifferentiated and get
@@ -177,14 +189,16 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     while backward runs) receives each trainable leaf's gradient the moment it is complete
     -- ``grad_sink.on_grad(i, g)``, with ``i`` the leaf's index in flatten order -- and the
     gradient is then dropped, so only what the sink keeps stays resident;
-    ``grad_sink.finish()`` returns the gradient leaves.
+    ``grad_sink.finish()`` returns the gradient leaves. ``loss_scale`` (the factor a
+    handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
+    runs.
     """
     leaves, spec = tree.flatten(params)
     train = _trainable_flags(params, len(leaves))
     inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
     wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
     bindings = contextlib.ExitStack()
-    token = _BINDINGS.set(bindings)
+    token, scale_token = _BINDINGS.set(bindings), _LOSS_SCALE.set(loss_scale)
     try:
         with bindings:  # modules keep their parameters until backward is done
             with torch.enable_grad():
@@ -201,6 +215,7 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
                 out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
     finally:
         _BINDINGS.reset(token)
+        _LOSS_SCALE.reset(scale_token)
     out_leaves = [g if t else None for g, t in zip(out_leaves, train)]
     value = value.detach()
     if has_aux:

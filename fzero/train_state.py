@@ -28,8 +28,9 @@ class TrainState:
         extra: per-transform state that must be saved with the rest, keyed by name; empty
             for a plain step. ``mixed_precision`` keeps ``"master"`` (the fp32 master
             weights of the trainable parameters, a pytree like ``params.trainable()``; the
-            optimizer state is built over them, and ``shard_state`` partitions them like
-            optimizer state) and, for fp16, ``"loss_scale"``.
+            optimizer state is built over them, the update runs on them, and
+            ``shard_state`` partitions them like optimizer state) and, for fp16,
+            ``"loss_scale"``.
         buffers: the model's buffers by ``named_buffers()`` name (``{}`` when it has
             none). ``state.apply_fn`` runs the forward with them, so a forward that
             updates a buffer in place (BatchNorm's running statistics) updates the
@@ -135,17 +136,15 @@ def trainable_grads(params: Any, grads: Any, where: str) -> Any:
 @register_primitive("apply_gradients")
 def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
     grads = trainable_grads(state.params, grads, "fzero.TrainState.apply_gradients")
-    master = state.extra.get("master")
-    if master is None:
-        new, opt_state = _update(state.tx, grads, state.opt_state, trainable(state.params))
-        return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
-    # Mixed precision: the optimizer updates the fp32 masters; the parameters the model
-    # uses are their low-precision copies.
-    grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
-    master, opt_state = _update(state.tx, grads, state.opt_state, master)
-    low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
-    return state.replace(step=state.step + 1, params=merge_trainable(state.params, low), opt_state=opt_state,
-                         extra={**state.extra, "master": master})
+    # Every handler of apply_gradients has prepared the state (ZeRO's pieces, ...): the
+    # optimizer's step is a primitive of its own, so a handler can rewrite exactly it.
+    return bind("update", state, grads)
+
+
+@register_primitive("update")
+def _update_base(state: TrainState, grads: Any) -> TrainState:
+    new, opt_state = _update(state.tx, grads, state.opt_state, trainable(state.params))
+    return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
 
 
 def _update(tx, grads, opt_state, params):

@@ -143,3 +143,39 @@ def test_emit_outside_a_step_is_dropped_inside_collected():
     with _core.collecting_metrics() as m:
         _core.emit_metric("x", 2)
     assert m == {"x": 2}
+
+
+def test_options_are_one_typed_dataclass_with_the_contracts_spellings():
+    step = fzero.compile(train_step, zero=1, precision="bf16", bucket_bytes=2**20)
+    assert step.options == fzero.CompileOptions(stage=1, dtype="bf16", bucket_bytes=2**20)
+    assert fzero.compile(train_step, stage=1, dtype="bf16").options == fzero.CompileOptions(stage=1, dtype="bf16")
+    with pytest.raises(TypeError, match="'stage' and 'zero' are one option"):
+        fzero.compile(train_step, zero=1, stage=1)
+
+
+def test_every_unknown_or_renamed_option_is_named_at_once():
+    with pytest.raises(TypeError) as e:
+        fzero.compile(train_step, bucket_size=1024, reduce_dtype="bf16", zeroo=2)
+    msg = str(e.value)
+    assert "'bucket_size' is now bucket_bytes" in msg and "'reduce_dtype' is now reduce_in" in msg
+    assert "unknown option 'zeroo'; did you mean 'zero'?" in msg
+
+
+def test_a_keyword_may_add_to_a_config_but_not_contradict_it():
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 1}}
+    step = fzero.compile(train_step, config=config, buffer_sync="mean")  # the config says nothing of it
+    assert step.options.stage == 1 and step.options.buffer_sync == "mean"
+    with pytest.raises(ValueError, match=r"zero=2 contradicts the config's stage=1"):
+        fzero.compile(train_step, config=config, zero=2)
+
+
+def test_the_transforms_check_their_keywords_as_compile_does():
+    with pytest.raises(ValueError, match=r"fzero.CompileOptions: buffer_sync='all' must be 'broadcast', 'mean' or 'local'"):
+        fzero.CompileOptions(buffer_sync="all")
+    with pytest.raises(ValueError, match=r"fzero.compile: accumulate=0 must be a positive int"):
+        fzero.compile(train_step, accumulate=0)
+    with pytest.raises(ValueError, match=r"fzero.accumulate: micro_batches=0 must be a positive int"):
+        fzero.accumulate(train_step, 0)
+    with pytest.raises(ValueError, match=r"fzero.mixed_precision: loss_scale_window=0 must be a positive int"):
+        fzero.mixed_precision(train_step, "fp16", loss_scale_window=0)

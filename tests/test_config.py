@@ -96,18 +96,17 @@ def test_readme_sample_works_unchanged():
     cfg = load(README_SAMPLE, world_size=1)
     assert triple(cfg) == (8, 8, 1)
     assert cfg.ignored == ()
-    assert cfg.compile_options() == {
-        "zero": 1,  # "zero_optimization": true is DeepSpeed's legacy form of stage 1
-        "precision": "fp16",
+    assert cfg.decided_options() == {
+        "stage": 1,  # "zero_optimization": true is DeepSpeed's legacy form of stage 1
+        "dtype": "fp16",
         "loss_scale": "dynamic",  # fp16.loss_scale 0 (the default) is the dynamic scaler
-        "loss_scale_options": {"initial_scale_power": 16, "loss_scale_window": 1000,
-                               "hysteresis": 2, "consecutive_hysteresis": False,
-                               "min_loss_scale": 1.0},
+        "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+        "consecutive_hysteresis": False, "min_loss_scale": 1.0,
         "check_grad_overflow": True,  # DeepSpeed always checks under fp16
         "accumulate": 1,
         "clip_norm": 1.0,  # DeepSpeed 0.19's default gradient_clipping
-        "bucket_size": None,
-    }
+    }  # reduce_bucket_size not written: fzero's own default bucket
+    assert cfg.compile_options() == fzero.CompileOptions(**cfg.decided_options())
     # DeepSpeed's "Adam" is FusedAdam in AdamW mode (adam_w_mode defaults to true), weight
     # decay 0 (FusedAdam's default, not torch.optim.AdamW's 0.01).
     assert cfg.make_optimizer().fused == optim.adamw(0.00015, 0.9, 0.999, 1e-8, 0.0).fused
@@ -573,13 +572,13 @@ def test_fp16_settings_reach_the_compile_options():
                           "loss_scale_window": 500, "hysteresis": 1, "consecutive_hysteresis": True,
                           "min_loss_scale": 0.5}))
     opts = cfg.compile_options()
-    assert opts["precision"] == "fp16" and opts["loss_scale"] == 128.0
-    assert opts["loss_scale_options"] == {"initial_scale_power": 12, "loss_scale_window": 500,
-                                          "hysteresis": 1, "consecutive_hysteresis": True,
-                                          "min_loss_scale": 0.5}
+    assert opts.dtype == "fp16" and opts.loss_scale == 128.0
+    assert opts.scaler() == {"initial_scale_power": 12, "loss_scale_window": 500,
+                             "hysteresis": 1, "consecutive_hysteresis": True,
+                             "min_loss_scale": 0.5}
     # the names are fzero.mixed_precision's keyword arguments
     import inspect
-    assert set(opts["loss_scale_options"]) <= set(inspect.signature(fzero.mixed_precision).parameters)
+    assert set(opts.scaler()) <= set(inspect.signature(fzero.mixed_precision).parameters)
 
 
 @pytest.mark.parametrize("d, check", [
@@ -591,7 +590,7 @@ def test_fp16_settings_reach_the_compile_options():
     (base(fp16={"enabled": True}, bf16={"enabled": False, "check_grad_overflow": False}), True),
 ])
 def test_bf16_check_grad_overflow_reaches_the_compile_options(d, check):
-    assert load(d).compile_options()["check_grad_overflow"] is check
+    assert load(d).compile_options().check_grad_overflow is check
 
 
 def test_bf16_check_grad_overflow_must_be_a_bool():
@@ -606,7 +605,7 @@ def test_bf16_check_grad_overflow_must_be_a_bool():
     (base(bfloat16={"enabled": True}), "bf16"),  # DeepSpeed's older name
 ])
 def test_precision(d, precision):
-    assert load(d).compile_options()["precision"] == precision
+    assert load(d).compile_options().dtype == precision
 
 
 @pytest.mark.parametrize("d, match", [
@@ -629,35 +628,35 @@ def test_bad_values_name_the_key(d, match):
 
 @pytest.mark.parametrize("zero, stage", [(True, 1), (False, 0), ({"stage": 3}, 3), ({}, 0)])
 def test_zero_stage(zero, stage):
-    assert load(base(zero_optimization=zero)).compile_options()["zero"] == stage
+    assert load(base(zero_optimization=zero)).compile_options().stage == stage
 
 
-@pytest.mark.parametrize("extra, bucket, reduce_dtype", [
+@pytest.mark.parametrize("extra, bucket, reduce_in", [
     ({}, 5 * 10**8 * 4, None),                                  # fp32 gradients: 4 bytes each
     ({"communication_data_type": "fp32"}, 5 * 10**8 * 4, None),
     ({"communication_data_type": "fp16"}, 5 * 10**8 * 2, "fp16"),
     ({"communication_data_type": "bfp16"}, 5 * 10**8 * 2, "bf16"),  # DeepSpeed's spelling
 ])
-def test_reduce_bucket_size_is_converted_from_elements_to_bytes(extra, bucket, reduce_dtype):
-    opts = load(base(zero_optimization={"stage": 2, "reduce_bucket_size": 5e8}, **extra)).compile_options()
-    assert opts["bucket_size"] == bucket
-    assert opts.get("reduce_dtype") == reduce_dtype
+def test_reduce_bucket_size_is_converted_from_elements_to_bytes(extra, bucket, reduce_in):
+    opts = load(base(zero_optimization={"stage": 2, "reduce_bucket_size": 5e8}, **extra)).decided_options()
+    assert opts["bucket_bytes"] == bucket
+    assert opts.get("reduce_in") == reduce_in
     assert "overlap_comm" not in opts  # only when the config writes it
 
 
 def test_overlap_comm_is_passed_only_when_written():
-    assert load(base(zero_optimization={"stage": 2, "overlap_comm": False})).compile_options()["overlap_comm"] is False
+    assert load(base(zero_optimization={"stage": 2, "overlap_comm": False})).decided_options()["overlap_comm"] is False
 
 
 @pytest.mark.parametrize("clip, clip_norm", [(None, 1.0), (0, None), (0.0, None), (0.5, 0.5)])
 def test_gradient_clipping(clip, clip_norm):
     d = base() if clip is None else base(gradient_clipping=clip)
-    assert load(d).compile_options()["clip_norm"] == clip_norm
+    assert load(d).compile_options().clip_norm == clip_norm
 
 
 def test_accumulate_is_gradient_accumulation_steps_and_splits_the_local_batch():
     cfg = load({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, world_size=2)
-    assert cfg.compile_options()["accumulate"] == 8 and cfg.local_batch_size == 32
+    assert cfg.compile_options().accumulate == 8 and cfg.local_batch_size == 32
 
 
 # --------------------------------------------------------------------------- files
@@ -767,7 +766,7 @@ def test_deepspeed_readme_sample_runs_through_compile():
         return state.apply_gradients(g), {"loss": loss}
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), config=sample)
-    assert step.options["zero"] == 1 and step.options["precision"] == "fp16"
+    assert step.options.stage == 1 and step.options.dtype == "fp16"
     state = step.init(state)
     assert state.params["weight"].dtype == torch.float16
     state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})

@@ -5,6 +5,10 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
 * ``value_and_grad`` -- where parameters are used and gradients are born
   (:func:`fzero.value_and_grad`);
 * ``apply_gradients`` -- where the update happens (:meth:`fzero.TrainState.apply_gradients`);
+* ``update`` -- the optimizer's step itself, bound by ``apply_gradients``' plain
+  implementation once every handler of ``apply_gradients`` has had its say, so a handler of
+  ``update`` sees exactly the tensors the optimizer will update (this rank's pieces under
+  ZeRO, whatever the nesting): ``mixed_precision`` swaps its fp32 masters in there;
 * ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip);
 * ``micro_batch`` -- which micro-batch of its update the step is running
   (:func:`micro_batch`), so a transform can act once per update rather than once per call.
@@ -18,6 +22,23 @@ precision handler inside it, so precision casts before sharding gathers and redu
 
 A handler must call ``next``, never the public primitive, to pass a call on (the public
 primitive would start again at the innermost handler).
+
+Options travel with a call: ``value_and_grad`` carries ``has_aux``, ``grad_sink`` (a
+transform that reduces gradients while backward runs) and ``loss_scale`` (the factor a
+handler has multiplied the loss by, so that a function seeding its own backward -- the
+pipeline schedule -- seeds it with the same scale). A handler adds to them and passes the
+rest on untouched.
+
+``init`` runs once, before the first step, as one traversal of the nesting -- an onion.
+:class:`Step` runs a transform's ``before`` on the way in (outermost first), its inner
+step's ``init``, then its ``after`` on the way out (innermost first). A transform that
+chooses or casts what the inner steps compute with acts *before* (``pipeline`` keeps its
+stage's parameters, ``mixed_precision`` makes fp32 masters and low-precision copies); one
+that lays out or extends what the inner transforms built acts *after* (``shard_state``
+partitions parameters, masters and optimizer state; ``compile``'s clip puts itself in front
+of the optimizer). So ``shard_state(mixed_precision(step))`` and
+``mixed_precision(shard_state(step))`` reach the same state: the masters exist before
+anything is partitioned, whichever is outside.
 """
 
 from __future__ import annotations
@@ -50,6 +71,10 @@ class Handler:
 
     def apply_gradients(self, state, grads, *, next: Callable):
         # returns the new state, or a NotApplied carrying the state to go on with
+        return next(state, grads)
+
+    def update(self, state, grads, *, next: Callable):
+        # the optimizer's step on the state apply_gradients' handlers prepared; returns the new state
         return next(state, grads)
 
     def emit(self, name: str, value: Any, *, next: Callable):
@@ -210,14 +235,17 @@ class Step:
     tensor's semantics, not this rank's piece; every primitive it calls goes back to fzero's
     view. A transform wraps its inner step with ``inner=`` set.
 
-    ``step.init(state)`` places / partitions / extends a freshly created state for this step;
-    ``step(state, batch) -> (state, metrics)`` runs it. Every transform returns a ``Step``; a
-    plain function is a ``Step`` whose ``init`` returns the state unchanged.
+    ``step.init(state)`` prepares a freshly created state for this step, in the one order
+    written at the top of this module: ``after(inner.init(before(state)))``, each of the
+    three skipped when absent. ``step(state, batch) -> (state, metrics)`` runs it. Every
+    transform returns a ``Step``; a plain function is a ``Step`` whose ``init`` returns the
+    state unchanged.
     """
 
-    def __init__(self, fn: Callable, *, init: Callable | None = None, name: str | None = None, inner=None):
+    def __init__(self, fn: Callable, *, before: Callable | None = None, after: Callable | None = None,
+                 name: str | None = None, inner=None):
         self._fn = fn
-        self._init = init or (lambda state: state)
+        self._before, self._after = before, after
         self.inner = inner
         self.__name__ = name or getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -230,7 +258,13 @@ class Step:
         return self._fn(state, batch)
 
     def init(self, state):
-        return self._init(state)
+        if self._before is not None:
+            state = self._before(state)
+        if self.inner is not None:
+            state = self.inner.init(state)
+        if self._after is not None:
+            state = self._after(state)
+        return state
 
     def __repr__(self) -> str:
         return f"<fzero step {self.__name__}>"

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fzero import tree
+from fzero.options import check_option
 from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed
 from fzero.transforms._deferred import is_deferred
 
@@ -134,8 +135,7 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
         >>> int(state.step)
         1
     """
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"{WHERE}: micro_batches={micro_batches!r} must be a positive int")
+    check_option(WHERE, "micro_batches", micro_batches, "accumulate")
     inner = as_step(step)
     k = micro_batches
 
@@ -153,4 +153,4 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
                                "it must apply them once per micro-batch")
         return state, _mean_metrics(metrics)
 
-    return Step(call, init=inner.init, name=f"accumulate({inner.__name__}, {k})", inner=inner)
+    return Step(call, name=f"accumulate({inner.__name__}, {k})", inner=inner)

@@ -11,6 +11,7 @@ import torch
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
+from fzero.options import check_option
 from fzero.transforms._core import Handler, NotApplied, Step, as_step, collecting_metrics, emit_metric, installed, psum
 from fzero.transforms._deferred import is_deferred
 
@@ -108,6 +109,9 @@ class _PrecisionHandler(Handler):
                 return out[0].float() * scale, out[1]
             return out.float() * scale
 
+        # The scale travels with the call: a function that seeds its own backward (the
+        # pipeline schedule) seeds it with the same scale.
+        options["loss_scale"] = options.get("loss_scale", 1.0) * scale
         value, grads = next(low_precision, params, args, kwargs, **options)
         if scale != 1.0:
             value = (value[0] / scale, value[1]) if has_aux else value / scale
@@ -155,6 +159,17 @@ class _PrecisionHandler(Handler):
             return NotApplied(new.state.replace(extra={**new.state.extra, **extra}) if extra else new.state,
                               new.reason)
         return new.replace(extra={**new.extra, **extra}) if extra else new
+
+    def update(self, state, grads, *, next):
+        # The optimizer steps the fp32 masters, whatever partitioned them (under ZeRO these
+        # are this rank's pieces, as are the parameters); the model computes with their
+        # low-precision copies.
+        master = state.extra["master"]
+        grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
+        new = next(state.replace(params=merge_trainable(state.params, master)), grads)
+        master = trainable(new.params)
+        low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
+        return new.replace(params=merge_trainable(state.params, low), extra={**new.extra, "master": master})
 
 
 def next_device(params) -> str:
@@ -244,15 +259,13 @@ def mixed_precision(
     """
     if dtype not in DTYPES:
         raise ValueError(f"{WHERE}: dtype={dtype!r} must be 'bf16' or 'fp16'")
+    for name, value in [("loss_scale", loss_scale), ("initial_scale_power", initial_scale_power),
+                        ("loss_scale_window", loss_scale_window), ("hysteresis", hysteresis),
+                        ("consecutive_hysteresis", consecutive_hysteresis), ("min_loss_scale", min_loss_scale),
+                        ("check_grad_overflow", check_grad_overflow)]:
+        check_option(WHERE, name, value)
     if dtype == "bf16":
         loss_scale = None
-    elif not (loss_scale in ("dynamic", None) or isinstance(loss_scale, (int, float)) and loss_scale > 0):
-        raise ValueError(f"{WHERE}: loss_scale={loss_scale!r} must be 'dynamic', a positive number or None")
-    if loss_scale_window < 1 or hysteresis < 1 or min_loss_scale <= 0:
-        raise ValueError(f"{WHERE}: loss_scale_window, hysteresis and min_loss_scale must be positive, got "
-                         f"{loss_scale_window!r}, {hysteresis!r} and {min_loss_scale!r}")
-    if not isinstance(check_grad_overflow, bool):
-        raise ValueError(f"{WHERE}: check_grad_overflow must be True or False, got {check_grad_overflow!r}")
     if loss_scale is not None and not check_grad_overflow:
         raise ValueError(f"{WHERE}: check_grad_overflow=False with loss_scale={loss_scale!r}: a loss scaler "
                          "must see every overflow (DeepSpeed always checks under fp16); pass loss_scale=None "
@@ -262,9 +275,9 @@ def mixed_precision(
                 min_scale=float(min_loss_scale))
     handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts, check_grad_overflow)
 
-    def init(state):
-        # Before the inner transforms' init (pre-order), so that a shard_state inside or
-        # outside this transform finds the masters and partitions them.
+    def before(state):
+        # Before the inner transforms' init, so that a shard_state inside or outside this
+        # transform finds the masters and partitions them (the order: transforms/_core.py).
         if "master" not in state.extra:
             low = DTYPES[dtype]
             # Masters for the trainable parameters only; frozen ones keep their own dtype
@@ -277,7 +290,7 @@ def mixed_precision(
         if loss_scale == "dynamic" and "loss_scale" not in state.extra:
             state = state.replace(extra={**state.extra,
                                          "loss_scale": LossScaler.create(initial_scale_power, hysteresis)})
-        return inner.init(state)
+        return state
 
     def call(state, batch):
         if loss_scale == "dynamic":
@@ -294,4 +307,4 @@ def mixed_precision(
             emit_metric(k, v)  # and pass them outwards for enclosing collectors
         return state, {**metrics, **emitted}
 
-    return Step(call, init=init, name=f"mixed_precision({inner.__name__}, {dtype})", inner=inner)
+    return Step(call, before=before, name=f"mixed_precision({inner.__name__}, {dtype})", inner=inner)

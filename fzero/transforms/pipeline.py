@@ -40,7 +40,7 @@ from fzero import tree
 from fzero._params import Params, frozen_names, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
-from fzero.transforms._core import Handler, Step, as_step, bind, handlers, installed
+from fzero.transforms._core import Handler, Step, as_step, bind, installed
 from fzero.transforms.accumulate import split_batch
 
 __all__ = ["Pipeline", "Stage", "StageError", "pipeline", "schedule", "split"]
@@ -218,13 +218,9 @@ def _loss_scale() -> float:
     The schedule seeds every micro-batch's backward with it, so fp16 gradients are born
     scaled, exactly as in the plain step (where autograd carries the scale down from the
     scaled loss)."""
-    from fzero.transforms.mixed_precision import _PrecisionHandler
+    from fzero.functional import loss_scale
 
-    scale = 1.0
-    for h in handlers():
-        if isinstance(h, _PrecisionHandler):
-            scale *= float(h.scale)
-    return scale
+    return float(loss_scale())
 
 
 class _Deliver(torch.autograd.Function):
@@ -404,14 +400,11 @@ class Pipeline:
         inner = as_step(step)
         handler = _PipelineHandler(self)
 
-        def init(state):
-            return inner.init(self.init(state))
-
         def call(state, batch):
             with installed(handler):
                 return inner(state, batch)
 
-        return Step(call, init=init, name=f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches})",
+        return Step(call, before=self.init, name=f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches})",
                     inner=inner)
 
     def gather(self, params: dict) -> dict:

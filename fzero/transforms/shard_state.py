@@ -714,8 +714,8 @@ def shard_state(
     inner = as_step(step)
     handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype, prefetch, buffer_sync)
 
-    def init(state):
-        return handler.init(mesh.place(inner.init(state)))
+    def after(state):  # partitions what every transform inside has built (masters included)
+        return handler.init(mesh.place(state))
 
     def call(state, batch):
         if handler.layout is None:
@@ -727,7 +727,7 @@ def shard_state(
             handler.sync_buffers(getattr(out[0], "buffers", None))
         return out
 
-    out = Step(call, init=init, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
+    out = Step(call, after=after, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
     out.handler = handler
     return out
 

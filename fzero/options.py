@@ -1,0 +1,207 @@
+"""``CompileOptions``: every option of ``fzero.compile``, typed, one name per concept.
+
+A field's name is the keyword of the transform that acts on it (``shard_state(stage=,
+bucket_bytes=, reduce_in=, buffer_sync=)``, ``mixed_precision(dtype=, loss_scale=,
+initial_scale_power=, ...)``, ``accumulate(k)``), and :meth:`fzero.Config.compile_options`
+answers in the same names. The checks live here once (:func:`check_option`): the dataclass
+runs them in ``__post_init__`` and the transforms run them on their own keywords, so a bad
+value gets the same message wherever it is given.
+
+``fzero.compile`` also takes the two spellings the public contract gives it, ``zero=`` for
+``stage`` and ``precision=`` for ``dtype`` (:data:`SPELLINGS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+__all__ = ["CompileOptions", "DEFAULT_BUCKET_BYTES", "SPELLINGS", "check_option"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (25 MB buckets)
+
+# compile()'s spellings in the public contract -> the field they set.
+SPELLINGS = {"zero": "stage", "precision": "dtype"}
+# Names of earlier versions -> the field that replaced them (a clear error, never a silent no-op).
+_RENAMED = {"bucket_size": "bucket_bytes", "reduce_dtype": "reduce_in",
+            "loss_scale_options": "initial_scale_power=, loss_scale_window=, hysteresis=, "
+                                  "consecutive_hysteresis= and min_loss_scale="}
+
+
+def _choice(*allowed) -> Callable[[Any], str | None]:
+    text = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+
+    def check(v):
+        return None if any(v == a and type(v) is type(a) for a in allowed) else f"must be {text}"
+
+    return check
+
+
+def _positive_int(v) -> str | None:
+    ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+    return None if ok else "must be a positive int"
+
+
+def _positive_number(v) -> str | None:
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0
+    return None if ok else "must be a positive number"
+
+
+def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    def optional(v):
+        why = None if v is None else check(v)
+        return None if why is None else f"{why} or None"
+
+    return optional
+
+
+def _bool(v) -> str | None:
+    return None if isinstance(v, bool) else "must be True or False"
+
+
+def _loss_scale(v) -> str | None:
+    return None if v in ("dynamic", None) or _positive_number(v) is None else \
+        "must be 'dynamic', a positive number or None"
+
+
+_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "stage": _choice(0, 1, 2, 3),
+    "dtype": _choice("fp32", "bf16", "fp16"),
+    "accumulate": _positive_int,
+    "clip_norm": _optional(_positive_number),
+    "loss_scale": _loss_scale,
+    "initial_scale_power": lambda v: None if isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    else "must be an int",
+    "loss_scale_window": _positive_int,
+    "hysteresis": _positive_int,
+    "consecutive_hysteresis": _bool,
+    "min_loss_scale": _positive_number,
+    "check_grad_overflow": _bool,
+    "reduce_in": _optional(_choice("fp32", "bf16", "fp16")),
+    "bucket_bytes": _positive_int,
+    "overlap_comm": _bool,
+    "buffer_sync": _choice("broadcast", "mean", "local"),
+}
+
+
+def check_option(where: str, name: str, value: Any, field: str | None = None) -> None:
+    """Raise ``ValueError("<where>: <name>=<value> must be ...")`` if ``value`` is not valid
+    for the option ``field`` (default: ``name``), as spelled ``name`` by the caller."""
+    why = _CHECKS[field or name](value)
+    if why is not None:
+        raise ValueError(f"{where}: {name}={value!r} {why}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """The options of ``fzero.compile``; every field keyword-only, checked on creation.
+
+    Example:
+        >>> from fzero import CompileOptions
+        >>> opts = CompileOptions(stage=2, dtype="bf16", accumulate=4)
+        >>> opts.stage, opts.bucket_bytes == 25 * 2**20
+        (2, True)
+        >>> CompileOptions(stage=5)
+        Traceback (most recent call last):
+            ...
+        ValueError: fzero.CompileOptions: stage=5 must be 0, 1, 2 or 3
+    """
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage over the mesh's ``dp`` axis (:func:`fzero.shard_state`): 0 replicates (DDP
+    on more than one rank), 1 partitions optimizer state, 2 also gradients, 3 also
+    parameters. ``compile`` also takes it as ``zero=``."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype; ``"bf16"`` / ``"fp16"`` keep fp32 master weights
+    (:func:`fzero.mixed_precision`). ``compile`` also takes it as ``precision=``."""
+
+    accumulate: int = 1
+    """Micro-batches per update (:func:`fzero.accumulate`)."""
+
+    clip_norm: float | None = None
+    """Clip gradients to this global L2 norm; ``metrics["grad_norm"]`` is the norm before."""
+
+    loss_scale: Literal["dynamic"] | float | None = "dynamic"
+    """fp16 only: ``"dynamic"`` (DeepSpeed's scaler), a fixed float, or ``None``."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic scaler: the first scale is ``2**initial_scale_power`` (DeepSpeed's name)."""
+
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaler: clean updates between two doublings of the scale."""
+
+    hysteresis: int = 2
+    """fp16 dynamic scaler: overflows tolerated before the scale halves."""
+
+    consecutive_hysteresis: bool = False
+    """fp16 dynamic scaler: refill the hysteresis on every clean update."""
+
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaler: the scale never drops below this; an overflow there is an error."""
+
+    check_grad_overflow: bool = True
+    """Without a loss scaler (bf16; fp16 with ``loss_scale=None``): skip an update whose
+    gradients are not finite (DeepSpeed's ``bf16.check_grad_overflow``)."""
+
+    reduce_in: Literal["fp32", "bf16", "fp16"] | None = None
+    """The dtype gradients are summed in across ranks (``None``: fp32 for 16-bit gradients,
+    else their own); ``"bf16"`` halves the bytes moved."""
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Bytes of gradients reduced together (one bucket, one collective)."""
+
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (the only mode so far: ``compile`` refuses
+    ``False``, which a DeepSpeed config may write)."""
+
+    buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast"
+    """How ``state.buffers`` agree across ``dp`` ranks after a step: dp-rank 0's (DDP's),
+    the mean of floating-point ones, or each rank's own."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            check_option("fzero.CompileOptions", f.name, getattr(self, f.name))
+
+    @classmethod
+    def from_keywords(cls, where: str, keywords: Mapping[str, Any], base: "CompileOptions | None" = None
+                      ) -> "CompileOptions":
+        """``base`` (default: the defaults) with ``keywords`` applied, the way ``compile``
+        takes them: the public spellings (:data:`SPELLINGS`) accepted, every unknown or
+        renamed keyword named at once, a bad value named as the caller spelled it.
+
+        Raises:
+            TypeError: unknown or renamed keywords, or one option given under both names.
+            ValueError: a value out of range.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        bad, fields = [], {}
+        for key, value in keywords.items():
+            field = SPELLINGS.get(key, key)
+            if key in _RENAMED:
+                bad.append(f"{key!r} is now {_RENAMED[key]}")
+            elif field not in names:
+                close = difflib.get_close_matches(key, names + list(SPELLINGS), n=1)
+                bad.append(f"unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            elif field in fields:
+                bad.append(f"{key!r} and {fields[field][0]!r} are one option; give it once")
+            else:
+                fields[field] = (key, value)
+        if bad:
+            raise TypeError(f"{where}: " + "; ".join(bad) + f" (valid options: {', '.join(names)})")
+        for field, (key, value) in fields.items():
+            check_option(where, key, value, field)
+        return dataclasses.replace(base or cls(), **{f: v for f, (_, v) in fields.items()})
+
+    def replace(self, **changes) -> "CompileOptions":
+        """A copy with ``changes`` (field names), checked."""
+        return dataclasses.replace(self, **changes)
+
+    def scaler(self) -> dict[str, Any]:
+        """The fp16 dynamic scaler's settings, as :func:`fzero.mixed_precision` takes them."""
+        return {"initial_scale_power": self.initial_scale_power, "loss_scale_window": self.loss_scale_window,
+                "hysteresis": self.hysteresis, "consecutive_hysteresis": self.consecutive_hysteresis,
+                "min_loss_scale": self.min_loss_scale}
