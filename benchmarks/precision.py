@@ -176,7 +176,7 @@ def build_fzero(precision, stage):
             return state.apply_gradients(grads), {"loss": loss}
 
         compiled = fzero.compile(train_step, mesh, zero=stage, precision=precision,
-                                 bucket_size=int(args.bucket_mb * MIB))
+                                 bucket_bytes=int(args.bucket_mb * MIB))
         box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}
         del params
 

@@ -219,7 +219,7 @@ def build_fzero(stage):
                                                    list(module.parameters()), list(module.buffers()))
             return state.apply_gradients(grads), {"loss": loss}
 
-        compiled = fzero.compile(train_step, mesh, zero=stage, bucket_size=int(args.bucket_mb * MIB))
+        compiled = fzero.compile(train_step, mesh, zero=stage, bucket_bytes=int(args.bucket_mb * MIB))
         box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}
         del params
 
