@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import fzero  # noqa: E402
 import fzero.checkpoint as ckpt  # noqa: E402
 from fzero import optim  # noqa: E402
+from _common import run_under_torchrun  # noqa: E402
 
 MiB = 2**20
 
@@ -212,10 +213,7 @@ def report(res, argv):
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    if "RANK" not in os.environ:  # plain `python benchmarks/checkpoint.py`: re-execute under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), *argv]
-        os.execv(sys.executable, cmd)
+    run_under_torchrun(__file__, argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     dist.init_process_group("gloo")

@@ -34,8 +34,9 @@ import fzero
 from fzero import optim
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from _common import cpu_model  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from zero import cpu_model  # noqa: E402  (benchmarks/zero.py: one helper for every table)
+from train_gpt import train_step  # noqa: E402  (the example's step is the one measured)
 
 LR, WARMUP, TOTAL, END_LR = 3e-4, 10, 1000, 3e-5
 BETAS, EPS, WEIGHT_DECAY, CLIP = (0.9, 0.999), 1e-8, 0.1, 1.0
@@ -79,14 +80,6 @@ def make_fzero(model: torch.nn.Module):
         b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
         mask={n: not n.endswith(NO_DECAY) for n in params},
     )
-
-    def train_step(state, batch):
-        def loss_fn(p):
-            logits = state.apply_fn(p, batch["x"])
-            return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
-
-        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads), {"loss": loss}
 
     compiled = fzero.compile(train_step, fzero.Mesh(dp=-1), clip_norm=CLIP)
     box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import fzero
 from fzero import optim
 from fzero.transforms.pipeline import pipeline, split
+from _common import run_under_torchrun
 
 
 def parse(argv):
@@ -141,10 +142,7 @@ def timed(step) -> tuple[float, dict | None]:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    if "RANK" not in os.environ:  # plain `python benchmarks/pipeline.py`: re-execute under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), *argv]
-        os.execv(sys.executable, cmd)
+    run_under_torchrun(__file__, argv)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     if dist.get_world_size() != 2:

@@ -52,7 +52,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -63,20 +62,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
 
 import fzero  # noqa: E402
-from fzero import optim  # noqa: E402
+from _common import MIB, add_gpt_options, contestants, cpu_model, fzero_contestant, interleaved, loadavg, loss_of, \
+    make_torch_optimizer, mean_over_ranks, rank_batches, run_under_torchrun, time_stats, timed, \
+    torch_state_bytes  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-
-# The shared benchmark helpers (CPU model, distinct-storage bytes, loss, load average, the
-# AdamW both sides use): benchmarks/_common.py where it exists, else benchmarks/zero.py.
-try:
-    from _common import BETAS, EPS, LR, MIB, WEIGHT_DECAY, cpu_model, loadavg, loss_of, make_torch_optimizer, \
-        storage_bytes  # noqa: E402
-except ImportError:
-    from zero import BETAS, EPS, LR, MIB, WEIGHT_DECAY, cpu_model, loadavg, loss_of, make_torch_optimizer, \
-        storage_bytes  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -140,8 +131,7 @@ def build_ddp(precision):
                 loss = loss_of(ddp(batch["x"]), batch["y"])
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if probe.get("on"):
-                probe["bytes"] = storage_bytes(params, [p.grad for p in params if p.grad is not None],
-                                               [dict(s) for s in opt.state.values()])
+                probe["bytes"] = torch_state_bytes(params, opt)
                 probe["adam_state"] = len(opt.state) > 0
             skipped = False
             if scaler is not None:
@@ -162,29 +152,14 @@ def build_ddp(precision):
 
 def build_fzero(precision, stage):
     def build(base, args, mesh):
-        apply, params = fzero.functionalize(copy.deepcopy(base))
-        tx = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-        probe_box = {}
+        def held(state, grads):
+            return state.params, state.opt_state, state.extra.get("master"), grads
 
-        def train_step(state, batch):
-            def loss_fn(p):
-                return loss_of(state.apply_fn(p, batch["x"]), batch["y"])
-
-            loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-            if probe_box.get("on"):
-                probe_box["bytes"] = storage_bytes(state.params, state.opt_state, state.extra.get("master"), grads)
-            return state.apply_gradients(grads), {"loss": loss}
-
-        compiled = fzero.compile(train_step, mesh, zero=stage, precision=precision,
-                                 bucket_bytes=int(args.bucket_mb * MIB))
-        box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}
-        del params
+        fzero_step = fzero_contestant(copy.deepcopy(base), mesh, held, zero=stage, precision=precision,
+                                      bucket_bytes=int(args.bucket_mb * MIB))
 
         def step(batch, probe):
-            probe_box.clear()
-            probe_box.update(probe)
-            box["state"], metrics = compiled(box["state"], batch)
-            probe.update(probe_box)
+            metrics = fzero_step(batch, probe)
             skipped = bool(metrics["skipped"]) if "skipped" in metrics else False
             return metrics["loss"].detach().float(), skipped  # loss: already the mean over ranks
 
@@ -208,10 +183,7 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--block", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=256)
+    add_gpt_options(p, n_layer=2, n_head=4, n_embd=128)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size of DDP and fzero (MiB)")
     p.add_argument("--ddp-fp16-scaler", choices=("on", "off"), default="on",
                    help="torch.amp.GradScaler('cpu') for DDP + autocast fp16")
@@ -229,10 +201,7 @@ def run(args, argv) -> dict | None:
     torch.set_num_threads(args.threads)
     mesh = fzero.Mesh(dp=-1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    names = CONTESTANTS if args.only is None else tuple(args.only.split(","))
-    for n in names:
-        if n not in BUILDERS:
-            raise SystemExit(f"benchmarks/precision.py: unknown contestant {n!r}; choose from {', '.join(CONTESTANTS)}")
+    names = contestants(args.only, CONTESTANTS, "benchmarks/precision.py")
     t_start = time.perf_counter()
 
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block, n_layer=args.n_layer,
@@ -245,42 +214,33 @@ def run(args, argv) -> dict | None:
     gc.collect()
 
     warmup = max(args.warmup, 2)
-    rounds = warmup + args.steps
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(rounds):
-        x = torch.randint(cfg.vocab_size, (args.batch * world, cfg.block_size + 1), generator=g)
-        x = x[rank * args.batch:(rank + 1) * args.batch]
-        batches.append({"x": x[:, :-1].contiguous(), "y": x[:, 1:].contiguous()})
+    batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch, warmup + args.steps)
 
     times = {n: [] for n in names}
     losses = {n: [] for n in names}
     skipped = {n: 0 for n in names}
     mem = {n: 0 for n in names}
     adam_state = {n: False for n in names}
-    for i, batch in enumerate(batches):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for n in order:
-            probe = {"on": True} if 1 <= i < warmup else {}
-            dist.barrier()
-            t = time.perf_counter()
+    for i, n, batch in interleaved(names, batches):
+        probe = {"on": True} if 1 <= i < warmup else {}
+
+        def one_step():
             loss, skip = steps[n](batch, probe)
-            loss = loss.item()
-            dt = time.perf_counter() - t
-            losses[n].append(loss)
-            skipped[n] += int(skip)
-            if i >= warmup:
-                times[n].append(dt)
-            if probe:
-                mem[n] = max(mem[n], probe["bytes"])
-                adam_state[n] = adam_state[n] or probe.get("adam_state", True)
+            return loss.item(), skip  # .item() waits for the step: inside the timing
+
+        dt, (loss, skip) = timed(one_step)
+        losses[n].append(loss)
+        skipped[n] += int(skip)
+        if i >= warmup:
+            times[n].append(dt)
+        if probe:
+            mem[n] = max(mem[n], probe["bytes"])
+            adam_state[n] = adam_state[n] or probe.get("adam_state", True)
 
     # The slowest rank's time per step; model state of the larger rank; global mean losses.
     gathered = [None] * world
     dist.all_gather_object(gathered, {"times": times, "mem": mem})
-    loss_t = torch.tensor([losses[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(loss_t)
-    loss_t /= world  # fzero's losses are already global means: unchanged
+    loss_t = mean_over_ranks(losses, names)
     del steps
     gc.collect()
     dist.barrier()
@@ -296,10 +256,7 @@ def run(args, argv) -> dict | None:
             "label": label(n),
             "precision": precision_of(n),
             "stage": stage_of(n),
-            "median_s": statistics.median(t) if t else float("nan"),
-            "min_s": min(t) if t else float("nan"),
-            "max_s": max(t) if t else float("nan"),
-            "times_s": t,
+            **time_stats(t),
             "state_bytes": b,
             "formula": f_text,
             "formula_bytes": f(world) * psi,
@@ -388,10 +345,7 @@ def report(result: dict) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    if "RANK" not in os.environ:  # plain `python benchmarks/precision.py`: re-execute under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), *argv]
-        os.execv(sys.executable, cmd)
+    run_under_torchrun(__file__, argv)
     start_load = loadavg()
     result = run(args, argv)
     if result is not None:

@@ -38,68 +38,53 @@ import os
 import platform
 import sys
 
+def _fp16(*, initial_scale_power: int, loss_scale_window: int, hysteresis: int,
+          consecutive_hysteresis: bool = False, min_loss_scale: float = 1) -> dict:
+    """A DeepSpeed ``fp16`` section (beside ``"enabled": true``), its keys in the order recorded."""
+    return dict(initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
+                hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+
+
+# The overflow_at lists that several window-5 cases share (70 and 60 updates long).
+OVERFLOW_AT_70 = [12, 19, 20, 32, 33, 34, 42, 44, 46, 48, 50, 52]
+OVERFLOW_AT_60 = [0, 1, 6, 7, 8, 14, 20, 21, 22, 23, 24, 40, 42]
+
 CASES_FP16 = [
     # name, fp16 section (beside "enabled": true), updates, overflow_at, gradient_accumulation_steps
-    ("window5_hysteresis2",
-     dict(initial_scale_power=16, loss_scale_window=5, hysteresis=2, consecutive_hysteresis=False,
-          min_loss_scale=1),
-     70, [12, 19, 20, 32, 33, 34, 42, 44, 46, 48, 50, 52], 1),
-    ("window5_hysteresis1",
-     dict(initial_scale_power=16, loss_scale_window=5, hysteresis=1, consecutive_hysteresis=False,
-          min_loss_scale=1),
-     70, [12, 19, 20, 32, 33, 34, 42, 44, 46, 48, 50, 52], 1),
+    ("window5_hysteresis2", _fp16(initial_scale_power=16, loss_scale_window=5, hysteresis=2), 70, OVERFLOW_AT_70, 1),
+    ("window5_hysteresis1", _fp16(initial_scale_power=16, loss_scale_window=5, hysteresis=1), 70, OVERFLOW_AT_70, 1),
     ("window5_hysteresis2_consecutive",
-     dict(initial_scale_power=16, loss_scale_window=5, hysteresis=2, consecutive_hysteresis=True,
-          min_loss_scale=1),
-     70, [12, 19, 20, 32, 33, 34, 42, 44, 46, 48, 50, 52], 1),
-    ("window5_hysteresis3",
-     dict(initial_scale_power=16, loss_scale_window=5, hysteresis=3, consecutive_hysteresis=False,
-          min_loss_scale=1),
-     60, [0, 1, 6, 7, 8, 14, 20, 21, 22, 23, 24, 40, 42], 1),
+     _fp16(initial_scale_power=16, loss_scale_window=5, hysteresis=2, consecutive_hysteresis=True), 70, OVERFLOW_AT_70, 1),
+    ("window5_hysteresis3", _fp16(initial_scale_power=16, loss_scale_window=5, hysteresis=3), 60, OVERFLOW_AT_60, 1),
     ("window5_hysteresis3_consecutive",
-     dict(initial_scale_power=16, loss_scale_window=5, hysteresis=3, consecutive_hysteresis=True,
-          min_loss_scale=1),
-     60, [0, 1, 6, 7, 8, 14, 20, 21, 22, 23, 24, 40, 42], 1),
+     _fp16(initial_scale_power=16, loss_scale_window=5, hysteresis=3, consecutive_hysteresis=True), 60, OVERFLOW_AT_60, 1),
     # DeepSpeed's defaults over more than two windows: the scale rises at updates 1000
     # and 2202 (1001 clean updates after the overflow at 1201), not one update earlier.
-    ("window1000_defaults_long",
-     dict(initial_scale_power=16, loss_scale_window=1000, hysteresis=2, consecutive_hysteresis=False,
-          min_loss_scale=1),
+    ("window1000_defaults_long", _fp16(initial_scale_power=16, loss_scale_window=1000, hysteresis=2),
      2600, [1201, 2300, 2301, 2450], 1),
-    ("window1000_hysteresis1_long",
-     dict(initial_scale_power=16, loss_scale_window=1000, hysteresis=1, consecutive_hysteresis=False,
-          min_loss_scale=1),
+    ("window1000_hysteresis1_long", _fp16(initial_scale_power=16, loss_scale_window=1000, hysteresis=1),
      2100, [0, 999, 1000, 1500], 1),
     ("window1000_hysteresis2_consecutive_long",
-     dict(initial_scale_power=16, loss_scale_window=1000, hysteresis=2, consecutive_hysteresis=True,
-          min_loss_scale=1),
+     _fp16(initial_scale_power=16, loss_scale_window=1000, hysteresis=2, consecutive_hysteresis=True),
      2100, [3, 5, 1004, 1005, 1006], 1),
     # down to the minimum scale, up again, down again, then an overflow there: DeepSpeed raises.
-    ("min_scale_reached_then_raises",
-     dict(initial_scale_power=3, loss_scale_window=5, hysteresis=1, consecutive_hysteresis=False,
-          min_loss_scale=1),
+    ("min_scale_reached_then_raises", _fp16(initial_scale_power=3, loss_scale_window=5, hysteresis=1),
      24, [0, 1, 2, 15, 16, 17, 18], 1),
     # a minimum that is not a power of two: 16 -> 8 -> 4 -> 3, up to 6, down to 3, the error.
     ("min_scale_not_a_power_of_two",
-     dict(initial_scale_power=4, loss_scale_window=5, hysteresis=1, consecutive_hysteresis=False,
-          min_loss_scale=3),
+     _fp16(initial_scale_power=4, loss_scale_window=5, hysteresis=1, min_loss_scale=3),
      16, [2, 3, 4, 12, 13, 14], 1),
     # consecutive hysteresis at the minimum: each clean update refills it, so alternating
     # overflows there only spend it and never raise.
     ("min_scale_consecutive_hysteresis_alternating",
-     dict(initial_scale_power=2, loss_scale_window=5, hysteresis=2, consecutive_hysteresis=True,
-          min_loss_scale=1),
+     _fp16(initial_scale_power=2, loss_scale_window=5, hysteresis=2, consecutive_hysteresis=True),
      30, [0, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18], 1),
     # DeepSpeed's defaults, overflowing every update: one overflow spends the hysteresis,
     # sixteen halve 2^16 down to 1, the next raises.
-    ("defaults_overflow_burst_until_error",
-     dict(initial_scale_power=16, loss_scale_window=1000, hysteresis=2, consecutive_hysteresis=False,
-          min_loss_scale=1),
+    ("defaults_overflow_burst_until_error", _fp16(initial_scale_power=16, loss_scale_window=1000, hysteresis=2),
      25, list(range(3, 25)), 1),
     # two micro-batches per update, the inf in the second: the verdict is for the update.
-    ("accumulation_2_window5",
-     dict(initial_scale_power=16, loss_scale_window=5, hysteresis=2, consecutive_hysteresis=False,
-          min_loss_scale=1),
+    ("accumulation_2_window5", _fp16(initial_scale_power=16, loss_scale_window=5, hysteresis=2),
      30, [4, 11, 12, 20], 2),
 ]
 

@@ -57,7 +57,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 # Imported up front in every process (not inside the builders) so that every contestant's
 # peak RSS includes the same code and the baseline is the same for all of them: building a
 # DDP or FSDP2 module imports torch._dynamo (with _inductor and triton), ~100 MiB of RSS.
@@ -71,11 +70,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fzero  # noqa: E402
-from fzero import optim  # noqa: E402
-from fzero.distributed.flat import Shard  # noqa: E402
+from _common import MIB, add_gpt_options, contestants, cpu_model, fzero_contestant, interleaved, loadavg, loss_of, \
+    make_torch_optimizer, mean_over_ranks, rank_batches, run_under_torchrun, time_stats, timed, \
+    torch_state_bytes, torchrun_command  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.999), 1e-8, 0.1
 CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", "zero0": "fzero stage 0",
           "zero1": "fzero stage 1", "zero2": "fzero stage 2", "zero3": "fzero stage 3"}
@@ -88,23 +87,11 @@ FORMULA = {
 FORMULA_TEXT = {"ddp": "16Ψ", "zero0": "16Ψ", "zero1": "8Ψ+8Ψ/N", "zero2": "4Ψ+12Ψ/N",
                 "zero3": "16Ψ/N", "fsdp2": "16Ψ/N"}
 TARGET = {"zero0": 1.02, "zero1": 1.02, "zero2": 1.02, "zero3": 1.10}
-MIB = 2**20
 # torch 2.13 deprecates the *_tensor collectives fzero calls; say it once, not per rank per step.
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def rss_mib() -> tuple[float, float]:
@@ -120,35 +107,6 @@ def rss_mib() -> tuple[float, float]:
     return cur, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def local(x):
-    """The local tensor of a DTensor (FSDP2's shards) or of an fzero Shard (a leaf inside
-    the train step, where a partitioned leaf stands for the whole tensor); anything else
-    unchanged."""
-    if isinstance(x, Shard):
-        return x.local
-    to_local = getattr(x, "to_local", None)
-    return to_local() if callable(to_local) and hasattr(x, "_local_tensor") else x
-
-
-def storage_bytes(*tensors_or_trees) -> int:
-    """Bytes of the distinct storages reachable from the arguments (views count once)."""
-    seen, total = set(), 0
-    for t in tensors_or_trees:
-        for x in fzero.tree.leaves(t):
-            x = local(x)
-            if not isinstance(x, torch.Tensor) or x.is_meta:
-                continue
-            s = x.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-    return total
-
-
-def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
 # --------------------------------------------------------------------------- contestants
 #
 # Each builder returns ``step(batch, probe) -> loss``: one full training step (forward,
@@ -156,27 +114,26 @@ def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # set, the step stores the model-state bytes after backward in probe["bytes"].
 
 
-def make_torch_optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=True)
+def torch_step(model, forward, opt):
+    """The step of a torch contestant: ``forward`` is ``model`` wrapped (DDP, or FSDP2's root)."""
+    params = list(model.parameters())
+
+    def step(batch, probe):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(forward(batch["x"]), batch["y"])
+        loss.backward()
+        if probe.get("on"):
+            probe["bytes"] = torch_state_bytes(params, opt)
+        opt.step()
+        return loss.detach()
+
+    return step
 
 
 def build_ddp(base, args, mesh):
     model = copy.deepcopy(base)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-    opt = make_torch_optimizer(model.parameters())
-    params = list(model.parameters())
-
-    def step(batch, probe):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(ddp(batch["x"]), batch["y"])
-        loss.backward()
-        if probe.get("on"):
-            probe["bytes"] = storage_bytes(params, [p.grad for p in params if p.grad is not None],
-                                           [dict(s) for s in opt.state.values()])
-        opt.step()
-        return loss.detach()
-
-    return step
+    return torch_step(model, ddp, make_torch_optimizer(model.parameters()))
 
 
 def build_fsdp2(base, args, mesh):
@@ -185,52 +142,18 @@ def build_fsdp2(base, args, mesh):
     for block in model.blocks:
         fully_shard(block, mesh=dmesh)
     fully_shard(model, mesh=dmesh)
-    opt = make_torch_optimizer(model.parameters())
-    params = list(model.parameters())
-
-    def step(batch, probe):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(batch["x"]), batch["y"])
-        loss.backward()
-        if probe.get("on"):
-            probe["bytes"] = storage_bytes(params, [p.grad for p in params if p.grad is not None],
-                                           [dict(s) for s in opt.state.values()])
-        opt.step()
-        return loss.detach()
-
-    return step
+    return torch_step(model, model, make_torch_optimizer(model.parameters()))
 
 
 def build_fzero(stage):
     def build(base, args, mesh):
         module = copy.deepcopy(base)
-        apply, params = fzero.functionalize(module)
-        tx = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-        probe_box = {}
 
-        def train_step(state, batch):
-            def loss_fn(p):
-                return loss_of(state.apply_fn(p, batch["x"]), batch["y"])
+        def held(state, grads):  # the module too: every byte the process holds for the model
+            return state.params, state.opt_state, grads, list(module.parameters()), list(module.buffers())
 
-            loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-            if probe_box.get("on"):
-                # the module too: every byte the process holds for the model
-                probe_box["bytes"] = storage_bytes(state.params, state.opt_state, grads,
-                                                   list(module.parameters()), list(module.buffers()))
-            return state.apply_gradients(grads), {"loss": loss}
-
-        compiled = fzero.compile(train_step, mesh, zero=stage, bucket_bytes=int(args.bucket_mb * MIB))
-        box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}
-        del params
-
-        def step(batch, probe):
-            probe_box.clear()
-            probe_box.update(probe)
-            box["state"], metrics = compiled(box["state"], batch)
-            probe.update(probe_box)
-            return metrics["loss"]  # already the mean over ranks
-
-        return step
+        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=int(args.bucket_mb * MIB))
+        return lambda batch, probe: step(batch, probe)["loss"]  # already the mean over ranks
 
     return build
 
@@ -249,10 +172,7 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences), split over the ranks")
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--n-embd", type=int, default=384)
-    p.add_argument("--vocab-size", type=int, default=256)
+    add_gpt_options(p, n_layer=6, n_head=6, n_embd=384)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size of DDP and fzero (MiB)")
     p.add_argument("--only", default=None,
                    help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS) + ")")
@@ -271,10 +191,7 @@ def run(args, argv) -> dict | None:
     torch.set_num_threads(args.threads)
     mesh = fzero.Mesh(dp=-1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    names = CONTESTANTS if args.only is None else tuple(args.only.split(","))
-    for n in names:
-        if n not in BUILDERS:
-            raise SystemExit(f"benchmarks/zero.py: unknown contestant {n!r}; choose from {', '.join(CONTESTANTS)}")
+    names = contestants(args.only, CONTESTANTS, "benchmarks/zero.py")
     if args.batch_size % world:
         raise SystemExit(f"benchmarks/zero.py: --batch-size {args.batch_size} does not split over {world} ranks")
     baseline_rss = rss_mib()[0]
@@ -292,40 +209,26 @@ def run(args, argv) -> dict | None:
     gc.collect()
 
     warmup = max(args.warmup, 2)
-    rounds = warmup + args.steps
-    g = torch.Generator().manual_seed(1)
-    per_rank = args.batch_size // world
-    batches = []
-    for _ in range(rounds):
-        x = torch.randint(cfg.vocab_size, (args.batch_size, cfg.block_size + 1), generator=g)
-        x = x[rank * per_rank:(rank + 1) * per_rank]
-        batches.append({"x": x[:, :-1].contiguous(), "y": x[:, 1:].contiguous()})
+    batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch_size // world, warmup + args.steps)
 
     times = {n: [] for n in names}
     losses = {n: [] for n in names}
     mem = {}
-    for i, batch in enumerate(batches):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for n in order:
-            probe = {"on": True} if i == 1 else {}
-            dist.barrier()
-            t = time.perf_counter()
-            loss = steps[n](batch, probe).item()
-            dt = time.perf_counter() - t
-            losses[n].append(loss)
-            if i >= warmup:
-                times[n].append(dt)
-            if i == 1:
-                mem[n] = probe["bytes"]
+    for i, n, batch in interleaved(names, batches):
+        probe = {"on": True} if i == 1 else {}
+        dt, loss = timed(lambda: steps[n](batch, probe).item())
+        losses[n].append(loss)
+        if i >= warmup:
+            times[n].append(dt)
+        if i == 1:
+            mem[n] = probe["bytes"]
 
     # The slowest rank's time per step; model state of the larger rank; global mean losses.
     all_times = [None] * world
     dist.all_gather_object(all_times, times)
     all_mem = [None] * world
     dist.all_gather_object(all_mem, mem)
-    loss_t = torch.tensor([losses[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(loss_t)
-    loss_t /= world  # fzero's losses are already global means: unchanged
+    loss_t = mean_over_ranks(losses, names)
     peak_rss = torch.tensor([rss_mib()[1]], dtype=torch.float64)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
     del steps
@@ -342,10 +245,7 @@ def run(args, argv) -> dict | None:
         paired = [a / b for a, b in zip(t, slowest["ddp"])] if "ddp" in slowest and t else []
         b = max(m[n] for m in all_mem)
         res[n] = {
-            "median_s": statistics.median(t) if t else float("nan"),
-            "min_s": min(t) if t else float("nan"),
-            "max_s": max(t) if t else float("nan"),
-            "times_s": t,
+            **time_stats(t),
             "x_ddp_paired": statistics.median(paired) if paired else None,
             "state_bytes": b,
             "formula_bytes": FORMULA[n](world) * psi,
@@ -378,12 +278,12 @@ def isolated_rss(args, names) -> dict[str, float]:
     for n in names:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "r.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   os.path.abspath(__file__), "--only", n, "--rss", "off", "--steps", str(max(args.rss_steps - 2, 0)),
-                   "--warmup", "2", "--threads", str(args.threads), "--batch-size", str(args.batch_size),
-                   "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-head",
-                   str(args.n_head), "--n-embd", str(args.n_embd), "--vocab-size", str(args.vocab_size),
-                   "--bucket-mb", str(args.bucket_mb), "--json", path, "--quiet"]
+            cmd = torchrun_command(__file__, [
+                "--only", n, "--rss", "off", "--steps", str(max(args.rss_steps - 2, 0)), "--warmup", "2",
+                "--threads", str(args.threads), "--batch-size", str(args.batch_size),
+                "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
+                "--n-embd", str(args.n_embd), "--vocab-size", str(args.vocab_size), "--bucket-mb", str(args.bucket_mb),
+                "--json", path, "--quiet"])
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"isolated RSS run of {n} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}", file=sys.stderr)
@@ -430,23 +330,12 @@ def report(result: dict, rss: dict) -> None:
     print(f"wall: timed run {result['timing_wall_s']:.0f} s, isolated RSS runs {result['rss_wall_s']:.0f} s")
 
 
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     quiet = "--quiet" in argv
     argv = [a for a in argv if a != "--quiet"]
     args = parse(argv)
-    if "RANK" not in os.environ:  # plain `python benchmarks/zero.py`: re-execute under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), *argv]
-        os.execv(sys.executable, cmd)
+    run_under_torchrun(__file__, argv)
     start_load = loadavg()
     result = run(args, argv)
     if result is None:

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `gpt` beside t
 import fzero  # noqa: E402
 from fzero import optim  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from train_gpt import train_step  # noqa: E402  (full training's step as it is: frozen weights need nothing)
 
 
 class LoRALinear(nn.Module):
@@ -96,14 +97,6 @@ def main(argv=None) -> dict:
     apply, params = fzero.functionalize(model)
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(args.lr, weight_decay=0.0))
     frozen_before = {k: params[k].clone() for k in params.frozen}
-
-    def train_step(state, batch):
-        def loss_fn(p):
-            logits = state.apply_fn(p, batch["x"])
-            return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
-
-        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads), {"loss": loss}
 
     mesh = fzero.Mesh(dp=-1)
     step = fzero.compile(train_step, mesh, zero=args.zero)

@@ -78,6 +78,17 @@ def decay_mask(params: dict[str, torch.Tensor]) -> dict[str, bool]:
     return {name: not name.endswith(no_decay) for name in params}
 
 
+def train_step(state: fzero.TrainState, batch: dict) -> tuple[fzero.TrainState, dict]:
+    """One update: the next-byte loss, its gradients, the optimizer's step. Pure and
+    single-device; ``fzero.compile`` adds the ranks, ZeRO and the precision around it."""
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["x"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=150, help="optimizer updates")
@@ -127,15 +138,6 @@ def main(argv=None) -> dict:
         ),
     )
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
-
-    def train_step(state, batch):
-        def loss_fn(p):
-            logits = state.apply_fn(p, batch["x"])
-            return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
-
-        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads), {"loss": loss}
-
     step = fzero.compile(train_step, mesh, zero=args.zero, precision=args.precision)
     state = step.init(state)
 

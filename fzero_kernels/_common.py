@@ -134,6 +134,15 @@ def choose(fn: str, device: torch.device) -> Literal["triton", "reference"]:
     return chosen  # type: ignore[return-value]
 
 
+def runs_reference(fn: str, reference: bool, device: torch.device) -> bool:
+    """Whether a call of ``fn`` runs the torch reference: always for a ``*_reference``
+    function (``reference``; counted here), else when :func:`choose` picks it."""
+    if reference:
+        CALLS[(fn, "reference")] += 1
+        return True
+    return choose(fn, device) == "reference"
+
+
 def backend_for(tensor: torch.Tensor) -> Literal["triton", "reference"]:
     """Which backend a kernel called on ``tensor`` would run, without running it.
 
@@ -205,6 +214,16 @@ def check_contiguous(fn: str, name: str, t: Any, *, dtypes: Sequence[torch.dtype
         raise ValueError(f"{fn}: {name} must be contiguous, got shape {tuple(t.shape)} "
                          f"and stride {t.stride()}")
     return t.view(-1)
+
+
+def check_update(fn: str, param: Any, grad: Any, **states: Any) -> None:
+    """Check an optimizer update's tensors: ``param`` and each of ``states`` (keyword names
+    are the caller's argument names) flat contiguous fp32, ``grad`` fp32, bf16 or fp16, all
+    on ``param``'s device and of its length."""
+    check_flat(fn, "param", param, dtypes=(torch.float32,))
+    check_flat(fn, "grad", grad, dtypes=FLOAT_GRAD_DTYPES, like=param)
+    for name, t in states.items():
+        check_flat(fn, name, t, dtypes=(torch.float32,), like=param)
 
 
 def check_lowp(fn: str, lowp: Any, param: torch.Tensor) -> torch.Tensor | None:
@@ -544,6 +563,24 @@ def write_mask(mask, found_inf_ptr, sumsq_ptr, HAS_FOUND_INF: tl.constexpr, CLIP
 
 
 @jit
+def update_block(param_ptr, grad_ptr, flag_ptr, scale_ptr, grad_scale, sumsq_ptr, max_norm, found_inf_ptr, n,
+                 SCALE_FROM_PTR: tl.constexpr, CLIP: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The opening of every elementwise update kernel, for this program's block: the offsets,
+    the write mask (cleared when the step is skipped: a skipped step reads and writes no
+    state), the unscaled, clipped fp32 gradient (whose non-finite lanes set the flag), and
+    param loaded under the write mask."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    coef = grad_coef(flag_ptr, sumsq_ptr, max_norm, CLIP)
+    g = unscaled(grad_ptr, offs, mask, scale_ptr, grad_scale, coef, SCALE_FROM_PTR, CLIP)
+    store_flag(flag_ptr, nonfinite_lanes(g))
+    wmask = write_mask(mask, found_inf_ptr, sumsq_ptr, HAS_FOUND_INF, CLIP)
+    p = tl.load(param_ptr + offs, mask=wmask, other=0.0)
+    return offs, wmask, g, p
+
+
+@jit
 def bf16_bits(x):
     """fp32 -> bf16 round-to-nearest-even as int16 bits, by integer ops on the fp32 pattern.
 
@@ -635,3 +672,23 @@ def reference_grad(grad: torch.Tensor, g: GradArgs) -> tuple[torch.Tensor, torch
     flag = torch.maximum(nonfinite_flag(x), bad.to(torch.float32))
     found = bad.to(torch.float32) if found is None else torch.maximum(found, bad.to(torch.float32))
     return x, flag, found
+
+
+# --------------------------------------------------------------------------- launchers
+def launch_update(kernel, tensors: Sequence[torch.Tensor], lowp: torch.Tensor | None, ga: GradArgs,
+                  scalars: Sequence[float], **constexprs: Any) -> torch.Tensor:
+    """Launch an elementwise update kernel over ``tensors[0]`` (param); return its flag.
+
+    Every such kernel opens with :func:`update_block` and takes ``(*tensors, lowp_ptr,
+    flag_ptr, <grad_args>, n, *scalars)``, the constexprs of :func:`grad_args`, ``LOWP``,
+    ``BLOCK`` and its own ``constexprs``; block and warps come from :func:`elementwise_config`.
+    """
+    param = tensors[0]
+    flag = new_flag(param.device)
+    n = param.numel()
+    block, warps = elementwise_config(n)
+    lowp_ptr, lowp_code = lowp_arg(lowp, param)
+    gargs, gconst = grad_args(ga, param)
+    launch(kernel, -(-n // block), *tensors, lowp_ptr, flag, *gargs, n, *scalars,
+           num_warps=warps, LOWP=lowp_code, BLOCK=block, **constexprs, **gconst)
+    return flag

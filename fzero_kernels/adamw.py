@@ -32,15 +32,10 @@ def _adam_kernel(
     DECOUPLED: tl.constexpr, LERP_LOW: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, CLIP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, LOWP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    coef = _common.grad_coef(flag_ptr, sumsq_ptr, max_norm, CLIP)
-    g = _common.unscaled(grad_ptr, offs, mask, scale_ptr, grad_scale, coef, SCALE_FROM_PTR, CLIP)
-    _common.store_flag(flag_ptr, _common.nonfinite_lanes(g))
     # found_inf (or a non-finite clip norm) masks every state load and store: a skipped
     # step moves no state.
-    wmask = _common.write_mask(mask, found_inf_ptr, sumsq_ptr, HAS_FOUND_INF, CLIP)
-    p = tl.load(param_ptr + offs, mask=wmask, other=0.0)
+    offs, wmask, g, p = _common.update_block(param_ptr, grad_ptr, flag_ptr, scale_ptr, grad_scale, sumsq_ptr,
+                                             max_norm, found_inf_ptr, n, SCALE_FROM_PTR, CLIP, HAS_FOUND_INF, BLOCK)
     m = tl.load(exp_avg_ptr + offs, mask=wmask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=wmask, other=0.0)
     if DECOUPLED:
@@ -63,23 +58,15 @@ def _adam_kernel(
 
 def _launch(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
             ga: _common.GradArgs, lowp, decoupled: bool) -> torch.Tensor:
-    flag = _common.new_flag(param.device)
-    n = param.numel()
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     lerp_weight = 1 - beta1
-    lowp_ptr, lowp_code = _common.lowp_arg(lowp, param)
-    gargs, gconst = _common.grad_args(ga, param)
-    block, warps = _common.elementwise_config(n)
-    _common.launch(
-        _adam_kernel, -(-n // block),
-        param, grad, exp_avg, exp_avg_sq, lowp_ptr, flag, *gargs,
-        n, 1 - lr * weight_decay, weight_decay, lerp_weight, beta2, 1 - beta2,
-        -(lr / bias_correction1), bias_correction2 ** 0.5, eps,
-        num_warps=warps, DECOUPLED=decoupled, LERP_LOW=abs(lerp_weight) < 0.5, LOWP=lowp_code, BLOCK=block,
-        **gconst,
+    return _common.launch_update(
+        _adam_kernel, (param, grad, exp_avg, exp_avg_sq), lowp, ga,
+        (1 - lr * weight_decay, weight_decay, lerp_weight, beta2, 1 - beta2,
+         -(lr / bias_correction1), bias_correction2 ** 0.5, eps),
+        DECOUPLED=decoupled, LERP_LOW=abs(lerp_weight) < 0.5,
     )
-    return flag
 
 
 def _reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
@@ -104,31 +91,32 @@ def _reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weigh
     return flag
 
 
-def _dispatch(name: str, decoupled: bool, reference: bool, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2,
-              eps, weight_decay, step, grad_scale, lowp_param, found_inf, grad_sumsq, max_norm) -> torch.Tensor:
+def _adam(name: str, *, decoupled: bool, reference: bool, doc: str):
+    """One of this module's four public functions -- AdamW (``decoupled``) or Adam, the kernel
+    or its pure-torch reference (``reference``) -- each with the one signature written here."""
     fn = f"fzero_kernels.{name}"
-    _common.check_flat(fn, "param", param, dtypes=(torch.float32,))
-    _common.check_flat(fn, "grad", grad, dtypes=_common.FLOAT_GRAD_DTYPES, like=param)
-    _common.check_flat(fn, "exp_avg", exp_avg, dtypes=(torch.float32,), like=param)
-    _common.check_flat(fn, "exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), like=param)
-    _common.check_hyper(fn, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              step=_common.check_step(fn, step),
-              ga=_common.check_grad_args(fn, param.device, grad_scale, grad_sumsq, max_norm, found_inf),
-              lowp=_common.check_lowp(fn, lowp_param, param), decoupled=decoupled)
-    if not reference and _common.choose(fn, param.device) == "triton":
-        return _launch(param, grad, exp_avg, exp_avg_sq, **kw)
-    if reference:
-        _common.CALLS[(fn, "reference")] += 1
-    return _reference(param, grad, exp_avg, exp_avg_sq, **kw)
+
+    def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+             lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+             grad_scale: float | torch.Tensor = 1.0, lowp_param: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None, grad_sumsq: torch.Tensor | None = None,
+             max_norm: float | None = None) -> torch.Tensor:
+        _common.check_update(fn, param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        _common.check_hyper(fn, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                  step=_common.check_step(fn, step),
+                  ga=_common.check_grad_args(fn, param.device, grad_scale, grad_sumsq, max_norm, found_inf),
+                  lowp=_common.check_lowp(fn, lowp_param, param), decoupled=decoupled)
+        run = _reference if _common.runs_reference(fn, reference, param.device) else _launch
+        return run(param, grad, exp_avg, exp_avg_sq, **kw)
+
+    adam.__name__ = adam.__qualname__ = name
+    adam.__doc__ = doc
+    return adam
 
 
-def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-           grad_scale: float | torch.Tensor = 1.0, lowp_param: torch.Tensor | None = None,
-           found_inf: torch.Tensor | None = None, grad_sumsq: torch.Tensor | None = None,
-           max_norm: float | None = None) -> torch.Tensor:
-    """One AdamW step (``torch.optim.AdamW``'s math) in place on a flat fp32 shard.
+adamw_ = _adam("adamw_", decoupled=True, reference=False, doc="""
+    One AdamW step (``torch.optim.AdamW``'s math) in place on a flat fp32 shard.
 
     Args:
         param, exp_avg, exp_avg_sq: equal-length 1-D contiguous fp32 tensors on one device,
@@ -171,42 +159,13 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     ...                             beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     >>> p, bool(flag)
     (tensor([0.9000, 0.9000, 0.9000, 0.9000]), False)
-    """
-    return _dispatch("adamw_", True, False, param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale, lowp_param=lowp_param,
-                     found_inf=found_inf, grad_sumsq=grad_sumsq, max_norm=max_norm)
+    """)
 
+adamw_reference = _adam("adamw_reference", decoupled=True, reference=True,
+                        doc="Pure-torch :func:`adamw_` (same signature, same result up to fp32 rounding).")
 
-def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                    grad_scale: float | torch.Tensor = 1.0, lowp_param: torch.Tensor | None = None,
-                    found_inf: torch.Tensor | None = None, grad_sumsq: torch.Tensor | None = None,
-                    max_norm: float | None = None) -> torch.Tensor:
-    """Pure-torch :func:`adamw_` (same signature, same result up to fp32 rounding)."""
-    return _dispatch("adamw_reference", True, True, param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale, lowp_param=lowp_param,
-                     found_inf=found_inf, grad_sumsq=grad_sumsq, max_norm=max_norm)
+adam_ = _adam("adam_", decoupled=False, reference=False,
+              doc="""One Adam step (``torch.optim.Adam``: weight decay is L2, ``g += weight_decay * param``
+    before the moments). Same kernel, arguments and flag as :func:`adamw_`.""")
 
-
-def adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-          grad_scale: float | torch.Tensor = 1.0, lowp_param: torch.Tensor | None = None,
-          found_inf: torch.Tensor | None = None, grad_sumsq: torch.Tensor | None = None,
-          max_norm: float | None = None) -> torch.Tensor:
-    """One Adam step (``torch.optim.Adam``: weight decay is L2, ``g += weight_decay * param``
-    before the moments). Same kernel, arguments and flag as :func:`adamw_`."""
-    return _dispatch("adam_", False, False, param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale, lowp_param=lowp_param,
-                     found_inf=found_inf, grad_sumsq=grad_sumsq, max_norm=max_norm)
-
-
-def adam_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                   grad_scale: float | torch.Tensor = 1.0, lowp_param: torch.Tensor | None = None,
-                   found_inf: torch.Tensor | None = None, grad_sumsq: torch.Tensor | None = None,
-                   max_norm: float | None = None) -> torch.Tensor:
-    """Pure-torch :func:`adam_`."""
-    return _dispatch("adam_reference", False, True, param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale, lowp_param=lowp_param,
-                     found_inf=found_inf, grad_sumsq=grad_sumsq, max_norm=max_norm)
-
+adam_reference = _adam("adam_reference", decoupled=False, reference=True, doc="Pure-torch :func:`adam_`.")

@@ -40,14 +40,19 @@ class LambNorms(NamedTuple):
 
 
 @_common.jit
-def _lamb_moments(g, p, m, v, one_minus_beta1, beta1, one_minus_beta2, beta2,
-                  bias_correction1, bias_correction2, eps, eps_root, weight_decay):
+def _lamb_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offs, mask, g, one_minus_beta1, beta1, one_minus_beta2,
+                 beta2, bias_correction1, bias_correction2, eps, eps_root, weight_decay):
+    """Load param and both moments under ``mask``; return param, the new moments and the
+    Adam-plus-decay update ``u``."""
+    p = tl.load(param_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
     m = one_minus_beta1 * g + beta1 * m
     v = one_minus_beta2 * (g * g) + beta2 * v
     m_hat = tl.div_rn(m, bias_correction1)
     v_hat = tl.div_rn(v, bias_correction2)
     u = tl.div_rn(m_hat, tl.sqrt_rn(v_hat + eps_root) + eps) + weight_decay * p
-    return m, v, u
+    return p, m, v, u
 
 
 @_common.jit
@@ -70,11 +75,9 @@ def _lamb_norms_kernel(
         mask = offs < end
         g = _common.unscaled(grad_ptr, offs, mask, scale_ptr, grad_scale, coef, SCALE_FROM_PTR, CLIP)
         bad = bad | _common.nonfinite_lanes(g)
-        p = tl.load(param_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-        m, v, u = _lamb_moments(g, p, m, v, one_minus_beta1, beta1, one_minus_beta2, beta2,
-                                bias_correction1, bias_correction2, eps, eps_root, weight_decay)
+        p, m, v, u = _lamb_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offs, mask, g, one_minus_beta1, beta1,
+                                  one_minus_beta2, beta2, bias_correction1, bias_correction2, eps, eps_root,
+                                  weight_decay)
         u = tl.where(mask, u, 0.0)  # padding lanes: 0 / (0 + eps) is nan when eps = 0
         psq += p * p
         usq += u * u
@@ -106,11 +109,9 @@ def _lamb_apply_kernel(
         g = _common.unscaled(grad_ptr, offs, mask, scale_ptr, grad_scale, coef, SCALE_FROM_PTR, CLIP)
         bad = bad | _common.nonfinite_lanes(g)
         wmask = _common.write_mask(mask, found_inf_ptr, sumsq_ptr, HAS_FOUND_INF, CLIP)
-        p = tl.load(param_ptr + offs, mask=wmask, other=0.0)
-        m = tl.load(exp_avg_ptr + offs, mask=wmask, other=0.0)
-        v = tl.load(exp_avg_sq_ptr + offs, mask=wmask, other=0.0)
-        m, v, u = _lamb_moments(g, p, m, v, one_minus_beta1, beta1, one_minus_beta2, beta2,
-                                bias_correction1, bias_correction2, eps, eps_root, weight_decay)
+        p, m, v, u = _lamb_update(param_ptr, exp_avg_ptr, exp_avg_sq_ptr, offs, wmask, g, one_minus_beta1, beta1,
+                                  one_minus_beta2, beta2, bias_correction1, bias_correction2, eps, eps_root,
+                                  weight_decay)
         p = p + (u * ratio) * neg_lr
         tl.store(param_ptr + offs, p, mask=wmask)
         tl.store(exp_avg_ptr + offs, m, mask=wmask)
@@ -130,10 +131,7 @@ class _Checked(NamedTuple):
 
 def _check(fn, param, grad, exp_avg, exp_avg_sq, segments, tensor_ids, num_tensors, beta1, beta2, eps,
            eps_root, weight_decay, step, grad_scale, grad_sumsq, max_norm, found_inf=None, lr=0.0) -> _Checked:
-    _common.check_flat(fn, "param", param, dtypes=(torch.float32,))
-    _common.check_flat(fn, "grad", grad, dtypes=_common.FLOAT_GRAD_DTYPES, like=param)
-    _common.check_flat(fn, "exp_avg", exp_avg, dtypes=(torch.float32,), like=param)
-    _common.check_flat(fn, "exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), like=param)
+    _common.check_update(fn, param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     _common.check_hyper(fn, lr=lr, beta1=beta1, beta2=beta2, eps=eps, eps_root=eps_root,
                         weight_decay=weight_decay)
     step = _common.check_step(fn, step)
@@ -164,9 +162,7 @@ def _norms(fn, reference, param, grad, exp_avg, exp_avg_sq, *, segments, beta1, 
     c = _check(fn, param, grad, exp_avg, exp_avg_sq, segments, tensor_ids, num_tensors, beta1, beta2, eps,
                eps_root, weight_decay, step, grad_scale, grad_sumsq, max_norm)
     dev = param.device
-    if reference or _common.choose(fn, dev) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, dev):
         _, flag, _, _, _, u = _update_torch(param, grad, exp_avg, exp_avg_sq, c.ga, beta1, beta2, eps, eps_root,
                                             weight_decay, c.step)
         return LambNorms(segment_sumsq_torch(param, c.offsets, c.ids, c.slots),
@@ -240,9 +236,7 @@ def _apply(fn, reference, param, grad, exp_avg, exp_avg_sq, *, segments, param_s
             raise ValueError(f"{fn}: {name} is on {t.device}, param is on {dev}")
         sums.append(t.to(torch.float64).contiguous())
     lowp = _common.check_lowp(fn, lowp_param, param)
-    if reference or _common.choose(fn, dev) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, dev):
         g, flag, found, m, v, u = _update_torch(param, grad, exp_avg, exp_avg_sq, c.ga, beta1, beta2, eps,
                                                 eps_root, weight_decay, c.step)
         mode = _common.skip_mode(found)

@@ -28,13 +28,8 @@ def _lion_kernel(
     SCALE_FROM_PTR: tl.constexpr, CLIP: tl.constexpr, HAS_FOUND_INF: tl.constexpr, LOWP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    coef = _common.grad_coef(flag_ptr, sumsq_ptr, max_norm, CLIP)
-    g = _common.unscaled(grad_ptr, offs, mask, scale_ptr, grad_scale, coef, SCALE_FROM_PTR, CLIP)
-    _common.store_flag(flag_ptr, _common.nonfinite_lanes(g))
-    wmask = _common.write_mask(mask, found_inf_ptr, sumsq_ptr, HAS_FOUND_INF, CLIP)
-    p = tl.load(param_ptr + offs, mask=wmask, other=0.0)
+    offs, wmask, g, p = _common.update_block(param_ptr, grad_ptr, flag_ptr, scale_ptr, grad_scale, sumsq_ptr,
+                                             max_norm, found_inf_ptr, n, SCALE_FROM_PTR, CLIP, HAS_FOUND_INF, BLOCK)
     m = tl.load(exp_avg_ptr + offs, mask=wmask, other=0.0)
     c = one_minus_beta1 * g + beta1 * m
     u = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0)) + weight_decay * p
@@ -47,15 +42,11 @@ def _lion_kernel(
 
 def _run(fn: str, reference: bool, param, grad, exp_avg, lr, beta1, beta2, weight_decay, grad_scale,
          lowp_param, found_inf, grad_sumsq, max_norm) -> torch.Tensor:
-    _common.check_flat(fn, "param", param, dtypes=(torch.float32,))
-    _common.check_flat(fn, "grad", grad, dtypes=_common.FLOAT_GRAD_DTYPES, like=param)
-    _common.check_flat(fn, "exp_avg", exp_avg, dtypes=(torch.float32,), like=param)
+    _common.check_update(fn, param, grad, exp_avg=exp_avg)
     _common.check_hyper(fn, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     ga = _common.check_grad_args(fn, param.device, grad_scale, grad_sumsq, max_norm, found_inf)
     lowp = _common.check_lowp(fn, lowp_param, param)
-    if reference or _common.choose(fn, param.device) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, param.device):
         g, flag, found = _common.reference_grad(grad, ga)
         mode = _common.skip_mode(found)
         if mode == "skip":
@@ -66,15 +57,8 @@ def _run(fn: str, reference: bool, param, grad, exp_avg, lr, beta1, beta2, weigh
         p.add_(u.mul_(-lr))
         _common.finish_reference(mode, found, (param, exp_avg), (p, m), lowp)
         return flag
-    flag = _common.new_flag(param.device)
-    n = param.numel()
-    block, warps = _common.elementwise_config(n)
-    lowp_ptr, lowp_code = _common.lowp_arg(lowp, param)
-    gargs, gconst = _common.grad_args(ga, param)
-    _common.launch(_lion_kernel, -(-n // block), param, grad, exp_avg, lowp_ptr, flag, *gargs,
-                   n, -lr, 1 - beta1, beta1, 1 - beta2, beta2, weight_decay,
-                   num_warps=warps, LOWP=lowp_code, BLOCK=block, **gconst)
-    return flag
+    return _common.launch_update(_lion_kernel, (param, grad, exp_avg), lowp, ga,
+                                 (-lr, 1 - beta1, beta1, 1 - beta2, beta2, weight_decay))
 
 
 def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,

@@ -115,9 +115,7 @@ def _sum_of_squares(fn: str, tensors, grad_scale, reference: bool) -> torch.Tens
     xs = _as_list(fn, tensors)
     dev = xs[0].device
     scale = _common.check_scale(fn, grad_scale, dev)
-    if reference or _common.choose(fn, dev) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, dev):
         return torch.stack([_squares_torch(x, scale).sum(dtype=torch.float64) for x in xs]).sum()
     out = torch.zeros(1, dtype=torch.float64, device=dev)
     for x in xs:  # one launch per tensor; a flat buffer is one launch
@@ -174,9 +172,7 @@ def _segment(fn: str, flat, segments, grad_scale, tensor_ids, num_tensors, refer
     offsets = _common.segment_offsets(fn, segments, x.numel())
     ids, slots = _common.segment_ids(fn, tensor_ids, num_tensors, len(offsets) - 1)
     scale = _common.check_scale(fn, grad_scale, x.device)
-    if reference or _common.choose(fn, x.device) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, x.device):
         return segment_sumsq_torch(x, offsets, ids, slots, scale)
     out = torch.zeros(slots, dtype=torch.float64, device=x.device)
     _sumsq_launch(x, out, offsets, ids, scale)
@@ -221,9 +217,7 @@ def segment_sum_of_squares_reference(flat: torch.Tensor, *, segments: Sequence[i
 def _unscale(fn: str, grad, grad_scale, write: bool, reference: bool) -> torch.Tensor:
     x = _common.check_contiguous(fn, "grad", grad, dtypes=_common.FLOAT_GRAD_DTYPES)
     scale = _common.check_scale(fn, grad_scale, x.device)
-    if reference or _common.choose(fn, x.device) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, x.device):
         if write:
             x.div_(scale)  # computed in fp32, rounded to nearest even into grad's dtype
             return _common.nonfinite_flag(x)

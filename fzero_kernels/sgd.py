@@ -27,13 +27,8 @@ def _sgd_kernel(
     SCALE_FROM_PTR: tl.constexpr, CLIP: tl.constexpr, HAS_FOUND_INF: tl.constexpr, LOWP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    coef = _common.grad_coef(flag_ptr, sumsq_ptr, max_norm, CLIP)
-    g = _common.unscaled(grad_ptr, offs, mask, scale_ptr, grad_scale, coef, SCALE_FROM_PTR, CLIP)
-    _common.store_flag(flag_ptr, _common.nonfinite_lanes(g))
-    wmask = _common.write_mask(mask, found_inf_ptr, sumsq_ptr, HAS_FOUND_INF, CLIP)
-    p = tl.load(param_ptr + offs, mask=wmask, other=0.0)
+    offs, wmask, g, p = _common.update_block(param_ptr, grad_ptr, flag_ptr, scale_ptr, grad_scale, sumsq_ptr,
+                                             max_norm, found_inf_ptr, n, SCALE_FROM_PTR, CLIP, HAS_FOUND_INF, BLOCK)
     if HAS_WD:
         g = g + weight_decay * p
     if MOMENTUM:
@@ -54,8 +49,7 @@ def _sgd_kernel(
 
 def _run(fn: str, reference: bool, param, grad, momentum_buffer, lr, momentum, dampening, nesterov,
          weight_decay, step, grad_scale, lowp_param, found_inf, grad_sumsq, max_norm) -> torch.Tensor:
-    _common.check_flat(fn, "param", param, dtypes=(torch.float32,))
-    _common.check_flat(fn, "grad", grad, dtypes=_common.FLOAT_GRAD_DTYPES, like=param)
+    _common.check_update(fn, param, grad)
     _common.check_hyper(fn, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{fn}: nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD), "
@@ -71,9 +65,7 @@ def _run(fn: str, reference: bool, param, grad, momentum_buffer, lr, momentum, d
     ga = _common.check_grad_args(fn, param.device, grad_scale, grad_sumsq, max_norm, found_inf)
     lowp = _common.check_lowp(fn, lowp_param, param)
     first = momentum != 0 and step == 1
-    if reference or _common.choose(fn, param.device) == "reference":
-        if reference:
-            _common.CALLS[(fn, "reference")] += 1
+    if _common.runs_reference(fn, reference, param.device):
         g, flag, found = _common.reference_grad(grad, ga)
         mode = _common.skip_mode(found)
         if mode == "skip":
@@ -95,16 +87,9 @@ def _run(fn: str, reference: bool, param, grad, momentum_buffer, lr, momentum, d
         results = (p, buf) if buf is not None else (p,)
         _common.finish_reference(mode, found, originals, results, lowp)
         return flag
-    flag = _common.new_flag(param.device)
-    n = param.numel()
-    block, warps = _common.elementwise_config(n)
-    lowp_ptr, lowp_code = _common.lowp_arg(lowp, param)
-    gargs, gconst = _common.grad_args(ga, param)
-    _common.launch(_sgd_kernel, -(-n // block), param, grad, momentum_buffer if momentum != 0 else param,
-                   lowp_ptr, flag, *gargs, n, -lr, momentum, 1 - dampening, weight_decay,
-                   num_warps=warps, HAS_WD=weight_decay != 0, MOMENTUM=momentum != 0, FIRST=first,
-                   NESTEROV=bool(nesterov), LOWP=lowp_code, BLOCK=block, **gconst)
-    return flag
+    return _common.launch_update(_sgd_kernel, (param, grad, momentum_buffer if momentum != 0 else param), lowp, ga,
+                                 (-lr, momentum, 1 - dampening, weight_decay), HAS_WD=weight_decay != 0,
+                                 MOMENTUM=momentum != 0, FIRST=first, NESTEROV=bool(nesterov))
 
 
 def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None = None, *, lr: float,
