@@ -53,9 +53,9 @@ from fzero.optim.base import (
     ScalarOrSchedule,
     _flatten_like,
     _increment,
-    _leaf_norms,
     _new_count,
 )
+from fzero.optim.clipping import _leaf_norms
 from fzero.transforms._core import psum
 
 __all__ = [
