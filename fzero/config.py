@@ -46,17 +46,9 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from fzero import optim, tree
-from fzero.optim import schedules
-from fzero.optim.base import (
-    GradientTransformation,
-    ScalarOrSchedule,
-    _flatten_like,
-    _increment,
-    _new_count,
-)
-from fzero.optim.clipping import _leaf_norms
-from fzero.transforms._core import psum
+from fzero import optim
+from fzero.optim import GradientTransformation, schedules
+from fzero.optim.base import ScalarOrSchedule
 
 __all__ = [
     "BF16Config",
@@ -464,8 +456,8 @@ class OptimizerConfig:
     ``Adam``/``AdamW`` with ``adam_w_mode`` (default true) are :func:`fzero.optim.adamw`
     (decoupled decay, as FusedAdam's AdamW mode); ``Adam`` with ``adam_w_mode: false`` is
     :func:`fzero.optim.adam` (L2 decay); ``Lion`` is :func:`fzero.optim.lion`; ``SGD`` is
-    :func:`fzero.optim.sgd`; ``Lamb`` is DeepSpeed's FusedLamb itself (see
-    :meth:`build`). Defaults are DeepSpeed's optimizers' own (weight decay 0, Lion's
+    :func:`fzero.optim.sgd`; ``Lamb`` is DeepSpeed's FusedLamb itself,
+    :func:`fzero.optim.deepspeed_lamb` (see :meth:`build`). Defaults are DeepSpeed's optimizers' own (weight decay 0, Lion's
     ``betas`` (0.9, 0.999), Lamb's ``eps`` 1e-8), not fzero's.
     """
 
@@ -542,7 +534,8 @@ class OptimizerConfig:
         *without* bias correction, its trust ratio ``||p|| / ||u||`` is clamped to
         ``[min_coeff, max_coeff]`` (1 where a norm is 0), and the bias corrections multiply
         the step: ``p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u``. fzero builds
-        exactly that (per-tensor norms, exact under ZeRO), without a fused-kernel record.
+        exactly that, :func:`fzero.optim.deepspeed_lamb` (per-tensor norms, exact under
+        ZeRO), without a fused-kernel record.
 
         Raises:
             TypeError, ValueError: a hyperparameter out of range (from :mod:`fzero.optim`),
@@ -560,9 +553,10 @@ class OptimizerConfig:
                 return optim.lion(learning_rate, b1, b2, h["weight_decay"])
             if kind == "sgd":
                 return optim.sgd(learning_rate, h["momentum"] or None, h["nesterov"], h["weight_decay"])
-            return _deepspeed_lamb(learning_rate, b1, b2, h["eps"], h["weight_decay"],
-                                   h["bias_correction"], h["eps_inside_sqrt"], h["max_coeff"],
-                                   h["min_coeff"])
+            return optim.deepspeed_lamb(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                        bias_correction=h["bias_correction"],
+                                        eps_inside_sqrt=h["eps_inside_sqrt"],
+                                        max_coeff=h["max_coeff"], min_coeff=h["min_coeff"])
         except (TypeError, ValueError) as e:
             raise type(e)(f"{WHERE}: optimizer {self.type!r}: {e}") from e
 
@@ -1108,86 +1102,3 @@ def _build(d: Mapping[str, Any], world_size: int, source: str | None) -> Config:
                              f"{', '.join(map(repr, _COMM_DTYPES))}, got {comm!r}")
         kw["communication_data_type"] = comm.lower()
     return Config(world_size=world_size, ignored=tuple(noted), source=source, **kw)
-
-
-# --------------------------------------------------------------------------- DeepSpeed's LAMB
-
-
-class ScaleByDeepSpeedLambState(NamedTuple):
-    """FusedLamb's state: the update count and the moments ``mu``, ``nu`` (no bias correction)."""
-
-    count: torch.Tensor
-    mu: Any
-    nu: Any
-
-
-def _scale_by_deepspeed_lamb(b1: float, b2: float, eps: float, weight_decay: float,
-                             bias_correction: bool, eps_inside_sqrt: bool, max_coeff: float,
-                             min_coeff: float) -> GradientTransformation:
-    """DeepSpeed's ``FusedLamb`` step direction, ``csrc/lamb/fused_lamb_cuda_kernel.cu``::
-
-        mu = b1 * mu + (1 - b1) * g ;  nu = b2 * nu + (1 - b2) * g^2
-        u = mu / (sqrt(nu) + eps) + weight_decay * p        (sqrt(nu + eps) if eps_inside_sqrt)
-        ratio = clamp(||p|| / ||u||, min_coeff, max_coeff)  per tensor; 1 if a norm is 0
-        out = sqrt(1 - b2^t) / (1 - b1^t) * ratio * u        (the factor is 1 without bias correction)
-
-    The per-tensor norms sum local squares through ``psum``, so they are exact on ZeRO shards.
-    """
-    where = f"{WHERE} (DeepSpeed Lamb)"
-
-    def init_fn(params):
-        return ScaleByDeepSpeedLambState(count=_new_count(), mu=tree.map(torch.zeros_like, params),
-                                         nu=tree.map(torch.zeros_like, params))
-
-    @torch.no_grad()
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(f"{where}: needs the parameters; call update(updates, state, params)")
-        mu, spec = tree.flatten(state.mu)
-        g = _flatten_like(where, spec, state.mu, updates, ("the optimizer state's mu", "updates"))
-        p = _flatten_like(where, spec, state.mu, params, ("the optimizer state's mu", "params"))
-        count = _increment(state.count)
-        if not g:
-            return updates, state._replace(count=count)
-        nu = tree.leaves(state.nu)
-        g = [x.to(m.dtype) for x, m in zip(g, mu)]
-        mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-        nu = torch._foreach_mul(nu, b2)
-        torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
-        if eps_inside_sqrt:
-            denom = torch._foreach_add(nu, eps)
-            torch._foreach_sqrt_(denom)
-        else:
-            denom = torch._foreach_sqrt(nu)
-            torch._foreach_add_(denom, eps)
-        u = torch._foreach_div(mu, denom)
-        if weight_decay:
-            torch._foreach_add_(u, [x.to(y.dtype) for x, y in zip(p, u)], alpha=weight_decay)
-        n, device = len(u), u[0].device
-        sq = psum(torch.cat([_leaf_norms(p, device).square(), _leaf_norms(u, device).square()]))
-        norms = sq.sqrt()
-        w_norm, u_norm = norms[:n], norms[n:]
-        ratio = torch.where((w_norm != 0) & (u_norm != 0),
-                            (w_norm / u_norm).clamp(min_coeff, max_coeff), torch.ones_like(w_norm))
-        t = int(count)
-        if bias_correction:  # DeepSpeed folds both corrections into the step size
-            ratio = ratio * (math.sqrt(1.0 - b2**t) / (1.0 - b1**t))
-        out = torch._foreach_mul(u, [r.to(x.device) for r, x in zip(ratio.unbind(0), u)])
-        return tree.unflatten(spec, out), ScaleByDeepSpeedLambState(
-            count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu))
-
-    return GradientTransformation(init_fn, update_fn)
-
-
-def _deepspeed_lamb(learning_rate: ScalarOrSchedule, b1: float, b2: float, eps: float,
-                    weight_decay: float, bias_correction: bool, eps_inside_sqrt: bool,
-                    max_coeff: float, min_coeff: float) -> GradientTransformation:
-    """DeepSpeed's FusedLamb: ``p -= lr * (the direction above)``."""
-    for name, b in (("betas[0]", b1), ("betas[1]", b2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {b!r}")
-    return optim.chain(
-        _scale_by_deepspeed_lamb(b1, b2, eps, weight_decay, bias_correction, eps_inside_sqrt,
-                                 max_coeff, min_coeff),
-        optim.scale_by_learning_rate(learning_rate),
-    )

@@ -18,7 +18,7 @@ Example:
     tensor([0.9989, 0.9989, 0.9989])
 """
 
-from fzero.optim import alias, clipping, schedules, transform
+from fzero.optim import alias, clipping, deepspeed, schedules, transform
 from fzero.optim.alias import adam, adamw, lamb, lion, sgd
 from fzero.optim.base import (
     EmptyState,
@@ -30,6 +30,7 @@ from fzero.optim.base import (
     identity,
 )
 from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
+from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb, scale_by_deepspeed_lamb
 from fzero.optim.fused import use_fused
 from fzero.optim.transform import (
     MaskedState,
@@ -61,5 +62,6 @@ __all__ = [
     "use_fused",
     *alias.__all__,
     *clipping.__all__,
+    *deepspeed.__all__,
     *transform.__all__,
 ]
