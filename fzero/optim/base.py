@@ -75,8 +75,8 @@ class FusedSpec:
         weight_decay: the weight-decay coefficient (0.0 when off).
         mask: the weight-decay mask (pytree of bools or callable) or ``None`` for all leaves.
         momentum, nesterov: SGD's momentum (``None`` when off) and Nesterov flag.
-        clip_norm: set only by :func:`fused_spec_of` when the alias is chained after
-            ``clip_by_global_norm(clip_norm)``.
+        clip_norm: set only on a chain's spec (:func:`chain`'s ``fusable``), when the alias
+            is chained after ``clip_by_global_norm(clip_norm)``.
     """
 
     kind: FusedKind
