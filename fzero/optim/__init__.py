@@ -30,7 +30,7 @@ from fzero.optim.base import (
     identity,
 )
 from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
-from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb, scale_by_deepspeed_lamb
+from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb
 from fzero.optim.fused import use_fused
 from fzero.optim.transform import (
     MaskedState,

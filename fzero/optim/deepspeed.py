@@ -24,7 +24,7 @@ from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain
 from fzero.optim.clipping import leaf_norms
 from fzero.optim.transform import scale_by_learning_rate
 
-__all__ = ["ScaleByDeepSpeedLambState", "deepspeed_lamb", "scale_by_deepspeed_lamb"]
+__all__ = ["ScaleByDeepSpeedLambState", "deepspeed_lamb"]
 
 
 class ScaleByDeepSpeedLambState(NamedTuple):
@@ -35,7 +35,8 @@ class ScaleByDeepSpeedLambState(NamedTuple):
     nu: Any
 
 
-def scale_by_deepspeed_lamb(
+def deepspeed_lamb(
+    learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -45,35 +46,47 @@ def scale_by_deepspeed_lamb(
     eps_inside_sqrt: bool = False,
     max_coeff: float = 10.0,
     min_coeff: float = 0.01,
-    where: str = "fzero.optim.scale_by_deepspeed_lamb",
 ) -> GradientTransformation:
-    """FusedLamb's step direction, before the learning rate::
+    """DeepSpeed's FusedLamb, with its defaults. Per tensor, with ``t`` the 1-based update index::
 
         mu = b1 * mu + (1 - b1) * g ;  nu = b2 * nu + (1 - b2) * g^2
         u = mu / (sqrt(nu) + eps) + weight_decay * p        (sqrt(nu + eps) if eps_inside_sqrt)
-        ratio = clamp(||p|| / ||u||, min_coeff, max_coeff)  per tensor; 1 if a norm is 0
-        out = sqrt(1 - b2^t) / (1 - b1^t) * ratio * u        (the factor is 1 without bias correction)
+        ratio = clamp(||p|| / ||u||, min_coeff, max_coeff)  1 if a norm is 0
+        p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u    (the factor is 1 without bias correction)
 
-    The per-tensor norms are :func:`~fzero.optim.leaf_norms`, exact on ZeRO shards.
+    The per-tensor norms are :func:`~fzero.optim.leaf_norms`, exact on ZeRO shards. It has no
+    fused-kernel record (``tx.fused is None``): ``fzero_kernels``' LAMB is optax's.
 
     Args:
+        learning_rate: a float or a schedule ``fn(count) -> float``.
         b1, b2: the moment decay rates (DeepSpeed's ``betas``), in [0, 1).
         eps: the denominator's stabiliser, >= 0.
         weight_decay: the coefficient of ``p`` added to the direction, >= 0.
         bias_correction: multiply the step by ``sqrt(1 - b2^t) / (1 - b1^t)``.
         eps_inside_sqrt: ``sqrt(nu + eps)`` instead of ``sqrt(nu) + eps``.
         max_coeff, min_coeff: the bounds of the trust ratio, ``0 <= min_coeff <= max_coeff``.
-        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
-        A :class:`~fzero.optim.GradientTransformation` with state
-        :class:`ScaleByDeepSpeedLambState`; ``update`` needs ``params``.
+        ``chain(the direction above, scale_by_learning_rate(learning_rate))``, with state
+        ``(ScaleByDeepSpeedLambState(count, mu, nu), the learning rate's state)``; ``update``
+        needs ``params``.
 
     Raises:
-        TypeError: an argument is not a number.
+        TypeError: an argument is not a number, or a learning rate neither a number nor callable.
         ValueError: a rate outside [0, 1), a negative value, ``min_coeff > max_coeff``; at
             update time, no ``params``, or updates or params whose structure is not the state's.
+
+    Example:
+        >>> import torch
+        >>> from fzero import optim
+        >>> tx = optim.deepspeed_lamb(0.1)
+        >>> params = {"w": torch.tensor([3.0, 4.0])}
+        >>> updates, _ = tx.update({"w": torch.tensor([1.0, 0.0])}, tx.init(params), params)
+        >>> updates["w"]
+        tensor([-0.1581, -0.0000])
     """
+    where = "fzero.optim.deepspeed_lamb"
+    lr = check_lr(where, learning_rate)
     b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
     eps, weight_decay = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
     max_coeff, min_coeff = check_nonneg(where, "max_coeff", max_coeff), check_nonneg(where, "min_coeff", min_coeff)
@@ -120,52 +133,4 @@ def scale_by_deepspeed_lamb(
         return tree.unflatten(spec, out), ScaleByDeepSpeedLambState(
             count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu))
 
-    return GradientTransformation(init_fn, update_fn, output="new")
-
-
-def deepspeed_lamb(
-    learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    *,
-    bias_correction: bool = True,
-    eps_inside_sqrt: bool = False,
-    max_coeff: float = 10.0,
-    min_coeff: float = 0.01,
-) -> GradientTransformation:
-    """DeepSpeed's FusedLamb, with its defaults: ``p -= lr * out`` for the ``out`` of
-    :func:`scale_by_deepspeed_lamb`.
-
-    It has no fused-kernel record (``tx.fused is None``): ``fzero_kernels``' LAMB is optax's.
-
-    Args:
-        learning_rate: a float or a schedule ``fn(count) -> float``.
-        b1, b2, eps, weight_decay, bias_correction, eps_inside_sqrt, max_coeff, min_coeff:
-            as :func:`scale_by_deepspeed_lamb`.
-
-    Returns:
-        ``chain(scale_by_deepspeed_lamb(...), scale_by_learning_rate(learning_rate))``.
-
-    Raises:
-        TypeError, ValueError: as :func:`scale_by_deepspeed_lamb`, and a learning rate that
-            is negative or neither a number nor callable.
-
-    Example:
-        >>> import torch
-        >>> from fzero import optim
-        >>> tx = optim.deepspeed_lamb(0.1)
-        >>> params = {"w": torch.tensor([3.0, 4.0])}
-        >>> updates, _ = tx.update({"w": torch.tensor([1.0, 0.0])}, tx.init(params), params)
-        >>> updates["w"]
-        tensor([-0.1581, -0.0000])
-    """
-    where = "fzero.optim.deepspeed_lamb"
-    lr = check_lr(where, learning_rate)
-    return chain(
-        scale_by_deepspeed_lamb(b1, b2, eps, weight_decay, bias_correction=bias_correction,
-                                eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff,
-                                where=where),
-        scale_by_learning_rate(lr, where=where),
-    )
+    return chain(GradientTransformation(init_fn, update_fn, output="new"), scale_by_learning_rate(lr, where=where))
