@@ -58,6 +58,11 @@ from fzero.config import (
     OptimizerConfig,
     SchedulerConfig,
     ZeroConfig,
+    _config,
+    _keys,
+    _load,
+    _sections,
+    _values,
 )
 from fzero.optim import schedules
 from fzero.transforms._core import Handler, installed
@@ -427,7 +432,7 @@ def test_scheduler_parameter_names_are_the_schedules_own():
     # fzero.config's table of DeepSpeed's names must agree with fzero.optim.schedules.
     required = {"WarmupDecayLR": {"total_num_steps": 10}, "WarmupCosineLR": {"total_num_steps": 10},
                 "OneCycle": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}}
-    for kind, names in fconfig._SCHEDULERS.items():
+    for kind, names in _keys._SCHEDULERS.items():
         fn = getattr(schedules, kind)
         for name in names:
             args = (1.0,) if kind == "WarmupCosineLR" else ()
@@ -729,8 +734,12 @@ def test_sections_are_keyword_only_frozen_and_checked_on_construction():
 
 
 def test_doctests():
-    failures, tried = doctest.testmod(fconfig, optionflags=doctest.ELLIPSIS)
-    assert tried > 0 and failures == 0
+    tried = 0
+    for module in (fconfig, _config, _keys, _load, _sections, _values):
+        failures, n = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert failures == 0, module.__name__
+        tried += n
+    assert tried > 0
 
 
 

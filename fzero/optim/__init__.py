@@ -18,7 +18,7 @@ Example:
     tensor([0.9989, 0.9989, 0.9989])
 """
 
-from fzero.optim import schedules
+from fzero.optim import alias, clipping, deepspeed, schedules, transform
 from fzero.optim.alias import adam, adamw, lamb, lion, sgd
 from fzero.optim.base import (
     EmptyState,
@@ -29,7 +29,8 @@ from fzero.optim.base import (
     fused_spec_of,
     identity,
 )
-from fzero.optim.clipping import clip_by_global_norm, global_norm
+from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
+from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb
 from fzero.optim.fused import use_fused
 from fzero.optim.transform import (
     MaskedState,
@@ -48,35 +49,19 @@ from fzero.optim.transform import (
     trace,
 )
 
+# Each submodule's __all__ is its public list; test_public_names checks every name is here.
 __all__ = [
-    "use_fused",
     "EmptyState",
     "FusedSpec",
     "GradientTransformation",
-    "MaskedState",
-    "ScaleByAdamState",
-    "ScaleByLionState",
-    "ScaleByScheduleState",
-    "TraceState",
-    "adam",
-    "adamw",
-    "add_decayed_weights",
     "apply_updates",
     "chain",
-    "clip_by_global_norm",
     "fused_spec_of",
-    "global_norm",
     "identity",
-    "lamb",
-    "lion",
-    "masked",
-    "scale",
-    "scale_by_adam",
-    "scale_by_learning_rate",
-    "scale_by_lion",
-    "scale_by_schedule",
-    "scale_by_trust_ratio",
     "schedules",
-    "sgd",
-    "trace",
+    "use_fused",
+    *alias.__all__,
+    *clipping.__all__,
+    *deepspeed.__all__,
+    *transform.__all__,
 ]

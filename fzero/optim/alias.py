@@ -13,32 +13,39 @@ from __future__ import annotations
 
 from typing import Any
 
-from fzero.optim.base import (
-    FusedSpec,
-    GradientTransformation,
-    ScalarOrSchedule,
-    _check_lr,
-    _check_nonneg,
-    _check_unit,
-    chain,
-    identity,
-)
+from fzero.optim._checks import check_lr, check_nonneg, check_unit
+from fzero.optim.base import FusedSpec, GradientTransformation, ScalarOrSchedule, chain, identity
 from fzero.optim.transform import (
-    _adam_checks,
-    _add_decayed_weights,
-    _check_mask,
-    _scale_by_adam,
-    _scale_by_learning_rate,
-    _scale_by_lion,
-    _scale_by_trust_ratio,
-    _trace,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_trust_ratio,
+    trace,
 )
 
 __all__ = ["adam", "adamw", "lamb", "lion", "sgd"]
 
 
-def _fused(tx: GradientTransformation, spec: FusedSpec) -> GradientTransformation:
-    return tx._replace(fused=spec)
+def _where(spec: FusedSpec) -> str:
+    """The alias's public name, which its errors (raised by its members too) start with."""
+    return f"fzero.optim.{spec.kind}"
+
+
+def _optimizer(spec: FusedSpec, *transforms: GradientTransformation) -> GradientTransformation:
+    """``chain(*transforms, scale_by_learning_rate(lr))``, recording ``spec`` as ``fused``."""
+    lr = scale_by_learning_rate(spec.learning_rate, where=_where(spec))
+    return chain(*transforms, lr)._replace(fused=spec)
+
+
+def _adam_spec(kind: str, learning_rate: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, weight_decay: Any,
+               mask: Any = None) -> FusedSpec:
+    """The Adam family's hyperparameters, checked in the order of the signature."""
+    where = f"fzero.optim.{kind}"
+    return FusedSpec(kind, check_lr(where, learning_rate), b1=check_unit(where, "b1", b1),
+                     b2=check_unit(where, "b2", b2), eps=check_nonneg(where, "eps", eps),
+                     eps_root=check_nonneg(where, "eps_root", eps_root),
+                     weight_decay=check_nonneg(where, "weight_decay", weight_decay), mask=mask)
 
 
 def sgd(
@@ -81,17 +88,16 @@ def sgd(
         tensor([0.7100, 0.7100])
     """
     where = "fzero.optim.sgd"
-    lr = _check_lr(where, learning_rate)
-    wd = _check_nonneg(where, "weight_decay", weight_decay)
-    mom = None if momentum is None else _check_unit(where, "momentum", momentum, closed=True)
+    lr = check_lr(where, learning_rate)
+    wd = check_nonneg(where, "weight_decay", weight_decay)
+    mom = None if momentum is None else check_unit(where, "momentum", momentum, closed=True)
     if nesterov and not mom:
         raise ValueError(f"{where}: nesterov=True needs a momentum > 0 (as torch.optim.SGD), got momentum={momentum!r}")
-    tx = chain(
-        _add_decayed_weights(wd, None, where),
-        _trace(mom, bool(nesterov), where) if mom else identity(),
-        _scale_by_learning_rate(lr, True, where),
+    return _optimizer(
+        FusedSpec("sgd", lr, weight_decay=wd, momentum=mom, nesterov=bool(nesterov)),
+        add_decayed_weights(wd, where=where),
+        trace(mom, nesterov, where=where) if mom else identity(),
     )
-    return _fused(tx, FusedSpec("sgd", lr, weight_decay=wd, momentum=mom, nesterov=bool(nesterov)))
 
 
 def adam(
@@ -130,16 +136,13 @@ def adam(
         >>> optim.apply_updates(params, updates)["w"]
         tensor([-0.1000,  0.1000])
     """
-    where = "fzero.optim.adam"
-    lr = _check_lr(where, learning_rate)
-    b1, b2, eps, _ = _adam_checks(where, b1, b2, eps)
-    wd = _check_nonneg(where, "weight_decay", weight_decay)
-    tx = chain(
-        _add_decayed_weights(wd, None, where),
-        _scale_by_adam(b1, b2, eps, 0.0, where),
-        _scale_by_learning_rate(lr, True, where),
+    spec = _adam_spec("adam", learning_rate, b1, b2, eps, 0.0, weight_decay)
+    where = _where(spec)
+    return _optimizer(
+        spec,
+        add_decayed_weights(spec.weight_decay, where=where),
+        scale_by_adam(spec.b1, spec.b2, spec.eps, where=where),
     )
-    return _fused(tx, FusedSpec("adam", lr, b1=b1, b2=b2, eps=eps, eps_root=0.0, weight_decay=wd))
 
 
 def adamw(
@@ -186,17 +189,13 @@ def adamw(
         >>> optim.apply_updates(params, updates)
         {'w': tensor([0.9500]), 'b': tensor([1.])}
     """
-    where = "fzero.optim.adamw"
-    lr = _check_lr(where, learning_rate)
-    b1, b2, eps, _ = _adam_checks(where, b1, b2, eps)
-    wd = _check_nonneg(where, "weight_decay", weight_decay)
-    mask = _check_mask(where, mask)
-    tx = chain(
-        _scale_by_adam(b1, b2, eps, 0.0, where),
-        _add_decayed_weights(wd, mask, where),
-        _scale_by_learning_rate(lr, True, where),
+    spec = _adam_spec("adamw", learning_rate, b1, b2, eps, 0.0, weight_decay, mask)
+    where = _where(spec)
+    return _optimizer(
+        spec,
+        scale_by_adam(spec.b1, spec.b2, spec.eps, where=where),
+        add_decayed_weights(spec.weight_decay, mask, where=where),
     )
-    return _fused(tx, FusedSpec("adamw", lr, b1=b1, b2=b2, eps=eps, eps_root=0.0, weight_decay=wd, mask=mask))
 
 
 def lamb(
@@ -240,18 +239,14 @@ def lamb(
         >>> updates["w"]
         tensor([-0.5000, -0.0000])
     """
-    where = "fzero.optim.lamb"
-    lr = _check_lr(where, learning_rate)
-    b1, b2, eps, eps_root = _adam_checks(where, b1, b2, eps, eps_root)
-    wd = _check_nonneg(where, "weight_decay", weight_decay)
-    mask = _check_mask(where, mask)
-    tx = chain(
-        _scale_by_adam(b1, b2, eps, eps_root, where),
-        _add_decayed_weights(wd, mask, where),
-        _scale_by_trust_ratio(0.0, 1.0, 0.0, where),
-        _scale_by_learning_rate(lr, True, where),
+    spec = _adam_spec("lamb", learning_rate, b1, b2, eps, eps_root, weight_decay, mask)
+    where = _where(spec)
+    return _optimizer(
+        spec,
+        scale_by_adam(spec.b1, spec.b2, spec.eps, spec.eps_root, where=where),
+        add_decayed_weights(spec.weight_decay, mask, where=where),
+        scale_by_trust_ratio(where=where),
     )
-    return _fused(tx, FusedSpec("lamb", lr, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=wd, mask=mask))
 
 
 def lion(
@@ -290,14 +285,11 @@ def lion(
         tensor([-0.1000,  0.1000])
     """
     where = "fzero.optim.lion"
-    lr = _check_lr(where, learning_rate)
-    b1 = _check_unit(where, "b1", b1, closed=True)
-    b2 = _check_unit(where, "b2", b2, closed=True)
-    wd = _check_nonneg(where, "weight_decay", weight_decay)
-    mask = _check_mask(where, mask)
-    tx = chain(
-        _scale_by_lion(b1, b2, where),
-        _add_decayed_weights(wd, mask, where),
-        _scale_by_learning_rate(lr, True, where),
+    spec = FusedSpec("lion", check_lr(where, learning_rate), b1=check_unit(where, "b1", b1, closed=True),
+                     b2=check_unit(where, "b2", b2, closed=True),
+                     weight_decay=check_nonneg(where, "weight_decay", weight_decay), mask=mask)
+    return _optimizer(
+        spec,
+        scale_by_lion(spec.b1, spec.b2, where=where),
+        add_decayed_weights(spec.weight_decay, mask, where=where),
     )
-    return _fused(tx, FusedSpec("lion", lr, b1=b1, b2=b2, weight_decay=wd, mask=mask))

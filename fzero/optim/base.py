@@ -25,13 +25,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import torch
 
 from fzero import tree
+from fzero.optim._checks import type_name
 
 __all__ = [
     "EmptyState",
@@ -46,6 +46,7 @@ __all__ = [
     "chain",
     "fused_spec_of",
     "identity",
+    "init_empty_state",
 ]
 
 PyTree = Any
@@ -74,8 +75,8 @@ class FusedSpec:
         weight_decay: the weight-decay coefficient (0.0 when off).
         mask: the weight-decay mask (pytree of bools or callable) or ``None`` for all leaves.
         momentum, nesterov: SGD's momentum (``None`` when off) and Nesterov flag.
-        clip_norm: set only by :func:`fused_spec_of` when the alias is chained after
-            ``clip_by_global_norm(clip_norm)``.
+        clip_norm: set only on a chain's spec (:func:`chain`'s ``fusable``), when the alias
+            is chained after ``clip_by_global_norm(clip_norm)``.
     """
 
     kind: FusedKind
@@ -103,64 +104,58 @@ class FusedSpec:
         return hash(tuple(key(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
+Output = Literal["new", "passthrough", "shared"]
+
+
 class GradientTransformation(NamedTuple):
     """An optimizer as a value: ``init(params) -> state`` and
     ``update(updates, state, params=None) -> (updates, state)``, both pure.
 
-    ``fused`` is a :class:`FusedSpec` on the optimizer aliases and ``None`` elsewhere.
+    The fields after ``update`` declare what a faster path may rely on. Their defaults
+    claim nothing, so ``GradientTransformation(init, update)`` is a complete transformation;
+    :func:`chain` derives its own from its members'.
+
+    Attributes:
+        init: ``params -> state``.
+        update: ``(updates, state, params=None) -> (updates, state)``; never writes into its
+            arguments, unless called with ``inplace=True`` (see ``inplace``).
+        fused: which optimizer this is, with its hyperparameters, for a fused-kernel back end
+            (:class:`FusedSpec`): set by the aliases ``adam``, ``adamw``, ``sgd``, ``lamb``,
+            ``lion``; ``None`` elsewhere, a chain included.
+        inplace: ``update`` also takes ``inplace=True``, and may then overwrite the incoming
+            update tensors. :func:`chain` passes it only for tensors its previous member just
+            made: on a CPU, allocating and page-faulting a fresh parameter-sized tensor costs
+            more than the arithmetic.
+        output: the update tensors ``update`` returns: ``"new"``, made by this call and held by
+            nothing else; ``"passthrough"``, the incoming ones wherever it made none (so new
+            exactly when those were); ``"shared"``, possibly held elsewhere (by the state, say),
+            never to be overwritten.
+        clip_norm: set by :func:`~fzero.optim.clip_by_global_norm`: its bound, which a fused
+            kernel folds in.
+        fusable: set by :func:`chain`: the :class:`FusedSpec` of the whole chain when a fused
+            kernel can run it (see :func:`fused_spec_of`), else ``None``.
     """
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
     fused: FusedSpec | None = None
+    inplace: bool = False
+    output: Output = "shared"
+    clip_norm: float | None = None
+    fusable: FusedSpec | None = None
 
 
 class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
-# --------------------------------------------------------------------------- validation
+def init_empty_state(params: Params) -> EmptyState:
+    """The ``init`` of a stateless transformation."""
+    del params
+    return EmptyState()
 
 
-def _type_name(x: Any) -> str:
-    return type(x).__name__
-
-
-def _check_number(where: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}: {name} must be a number, got {_type_name(value)} {value!r}")
-    return float(value)
-
-
-def _check_nonneg(where: str, name: str, value: Any) -> float:
-    v = _check_number(where, name, value)
-    if not v >= 0.0:
-        raise ValueError(f"{where}: {name} must be >= 0, got {value!r}")
-    return v
-
-
-def _check_unit(where: str, name: str, value: Any, *, closed: bool = False) -> float:
-    """A decay rate: 0 <= value < 1 (or <= 1 with ``closed``)."""
-    v = _check_number(where, name, value)
-    ok = 0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0
-    if not ok:
-        interval = "[0, 1]" if closed else "[0, 1)"
-        raise ValueError(f"{where}: {name} must lie in {interval}, got {value!r}")
-    return v
-
-
-def _check_lr(where: str, learning_rate: Any) -> ScalarOrSchedule:
-    """A learning rate is a non-negative number or a schedule ``fn(count) -> float``."""
-    if callable(learning_rate):
-        return learning_rate
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
-        raise TypeError(
-            f"{where}: learning_rate must be a float or a schedule fn(count: int) -> float, "
-            f"got {_type_name(learning_rate)} {learning_rate!r}"
-        )
-    if not float(learning_rate) >= 0.0:
-        raise ValueError(f"{where}: learning_rate must be >= 0, got {learning_rate!r}")
-    return float(learning_rate)
+# --------------------------------------------------------------------------- helpers
 
 
 def _check_tx(where: str, i: int, tx: Any) -> GradientTransformation:
@@ -170,67 +165,17 @@ def _check_tx(where: str, i: int, tx: Any) -> GradientTransformation:
         return GradientTransformation(tx.init, tx.update)
     raise TypeError(
         f"{where}: argument {i} must be a GradientTransformation (an (init, update) pair such as "
-        f"fzero.optim.adamw(1e-3)), got {_type_name(tx)}"
+        f"fzero.optim.adamw(1e-3)), got {type_name(tx)}"
     )
 
 
-def _check_same(where: str, expected: PyTree, got: PyTree, names: tuple[str, str]) -> None:
-    """Raise :class:`fzero.tree.StructureError` naming key paths when the structures differ."""
-    tree.assert_same_structure(expected, got, what=where, names=names)
-
-
 def _flatten_like(where: str, expected_spec, expected: PyTree, got: PyTree, names: tuple[str, str]) -> list:
-    """Leaves of ``got``, which must have the structure ``expected_spec`` of ``expected``."""
+    """Leaves of ``got``, which must have the structure ``expected_spec`` of ``expected``;
+    else :class:`fzero.tree.StructureError` naming the key paths."""
     leaves, spec = tree.flatten(got)
     if spec != expected_spec:
-        _check_same(where, expected, got, names)
+        tree.assert_same_structure(expected, got, what=where, names=names)
     return leaves
-
-
-def _leaf_norms(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The L2 norm of each tensor, stacked into one vector on ``device``.
-
-    Accumulated in fp32 at least (bf16/fp16 leaves are not rounded back), fp64 when a leaf
-    is fp64; one multi-tensor kernel when the leaves share a precision.
-    """
-    acc = torch.float32
-    for x in xs:
-        acc = torch.promote_types(acc, x.dtype)
-    if acc == torch.float32:
-        norms = torch._foreach_norm(xs, 2, dtype=torch.float32)
-    elif all(x.dtype == acc for x in xs):
-        norms = torch._foreach_norm(xs, 2)
-    else:  # mixed fp64 and lower precisions: rare, one norm per leaf
-        norms = [torch.linalg.vector_norm(x, dtype=acc) for x in xs]
-    return torch.stack([n.to(device=device, dtype=acc) for n in norms])
-
-
-# In-place protocol between chain members. The public update(updates, state, params) is
-# pure; a transformation built here also accepts ``_inplace=True``, which chain passes only
-# when the incoming updates are tensors the previous member just made (referenced by nothing
-# else), letting it overwrite them instead of allocating: on CPU, allocating and
-# page-faulting a fresh parameter-sized tensor costs more than the arithmetic.
-#   update_fn._fzero_inplace: the function accepts _inplace=True;
-#   update_fn._fzero_fresh(fresh_in) -> bool: whether its output leaves are such fresh
-#   tensors, given whether its input leaves were.
-
-
-def _mark(update_fn: Callable, *, inplace: bool, fresh: Callable[[bool], bool]) -> Callable:
-    update_fn._fzero_inplace = inplace  # type: ignore[attr-defined]
-    update_fn._fzero_fresh = fresh  # type: ignore[attr-defined]
-    return update_fn
-
-
-def _fresh_after(update_fn: Callable, fresh_in: bool) -> bool:
-    f = getattr(update_fn, "_fzero_fresh", None)
-    return bool(f(fresh_in)) if f is not None else False
-
-
-def _call(update_fn: Callable, updates, state, params, fresh: bool):
-    """``update_fn(updates, state, params)``, in place when allowed and supported."""
-    if fresh and getattr(update_fn, "_fzero_inplace", False):
-        return update_fn(updates, state, params, _inplace=True)
-    return update_fn(updates, state, params)
 
 
 def _new_count() -> torch.Tensor:
@@ -240,6 +185,32 @@ def _new_count() -> torch.Tensor:
 
 def _increment(count: torch.Tensor) -> torch.Tensor:
     return count + 1
+
+
+def _update(tx: GradientTransformation, updates, state, params, new: bool):
+    """``tx.update(updates, state, params)``, in place when ``updates`` are ``new`` and
+    ``tx`` declares it can."""
+    if new and tx.inplace:
+        return tx.update(updates, state, params, inplace=True)
+    return tx.update(updates, state, params)
+
+
+def _multiply(updates: Updates, factor: Any, inplace: bool) -> Updates:
+    """``updates`` times ``factor`` (a number, a 0-dim tensor or one per leaf); written into
+    ``updates`` when ``inplace`` (see :attr:`GradientTransformation.inplace`)."""
+    leaves, spec = tree.flatten(updates)
+    if not leaves:
+        return updates
+    with torch.no_grad():
+        if inplace:
+            torch._foreach_mul_(leaves, factor)
+            return updates
+        return tree.unflatten(spec, torch._foreach_mul(leaves, factor))
+
+
+def _still_new(output: Output, new: bool) -> bool:
+    """Whether a member's returned updates are new, given whether its incoming ones were."""
+    return output == "new" or (output == "passthrough" and new)
 
 
 # --------------------------------------------------------------------------- combinators
@@ -259,15 +230,31 @@ def identity() -> GradientTransformation:
         {'w': tensor([1.])}
     """
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False):
         del params
         return updates, state
 
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=lambda f: f))
+    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="passthrough")
+
+
+def _chain_output(txs: tuple[GradientTransformation, ...]) -> Output:
+    out: Output = "passthrough"
+    for t in txs:
+        out = out if t.output == "passthrough" else t.output
+    return out
+
+
+def _chain_fusable(txs: tuple[GradientTransformation, ...]) -> FusedSpec | None:
+    """An alias, after at most one ``clip_by_global_norm`` (folded into ``clip_norm``)."""
+    if not txs:
+        return None
+    *before, last = txs
+    spec = fused_spec_of(last)
+    if spec is None or not before:
+        return spec
+    if len(before) == 1 and before[0].clip_norm is not None and spec.clip_norm is None:
+        return dataclasses.replace(spec, clip_norm=before[0].clip_norm)
+    return None
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -278,8 +265,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     Returns:
         A :class:`GradientTransformation` whose state is a tuple with one entry per transform
-        (key paths read ``[1].mu['w']``), and whose ``fused`` is ``None`` (see
-        :func:`fused_spec_of`).
+        (key paths read ``[1].mu['w']``), whose ``fused`` is ``None`` and whose ``fusable``
+        is the spec a fused kernel can run instead (see :func:`fused_spec_of`).
 
     Raises:
         TypeError: an argument is not a :class:`GradientTransformation`.
@@ -298,37 +285,32 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init_fn(params):
         return tuple(t.init(params) for t in txs)
 
-    def update_fn(updates, state, params=None, *, _inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False):
         if not isinstance(state, tuple) or len(state) != len(txs):
             raise ValueError(
                 f"fzero.optim.chain: the state must be the tuple of {len(txs)} states that init "
-                f"returned, got {_type_name(state)}"
+                f"returned, got {type_name(state)}"
                 + (f" of length {len(state)}" if isinstance(state, tuple) else "")
             )
         new_states = []
-        fresh = _inplace
+        new = inplace
         for t, s in zip(txs, state):
-            updates, s = _call(t.update, updates, s, params, fresh)
-            fresh = _fresh_after(t.update, fresh)
+            updates, s = _update(t, updates, s, params, new)
+            new = _still_new(t.output, new)
             new_states.append(s)
         return updates, tuple(new_states)
 
-    def fresh_fn(fresh: bool) -> bool:
-        for t in txs:
-            fresh = _fresh_after(t.update, fresh)
-        return fresh
-
-    # Remembered so fused_spec_of can recognise clip-then-alias chains.
-    update_fn._fzero_chain = txs  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=fresh_fn))
+    return GradientTransformation(init_fn, update_fn, inplace=True, output=_chain_output(txs),
+                                  fusable=_chain_fusable(txs))
 
 
 def fused_spec_of(tx: GradientTransformation) -> FusedSpec | None:
     """The :class:`FusedSpec` of ``tx`` when a fused kernel can compute it, else ``None``.
 
-    That is the case for an alias (``adam``, ``adamw``, ``sgd``, ``lamb``, ``lion``) and for
-    ``chain(clip_by_global_norm(c), alias)``, whose spec gets ``clip_norm=c``. Anything else
-    (other chains, masks around an alias, ...) returns ``None`` and runs unfused.
+    That is the case for an alias (``adam``, ``adamw``, ``sgd``, ``lamb``, ``lion``: its
+    ``fused``) and for a chain of one, or of ``clip_by_global_norm(c)`` then one (its
+    ``fusable``, with ``clip_norm=c``). Anything else (other chains, masks around an alias,
+    ...) returns ``None`` and runs unfused.
 
     The state of such a chain is ``(EmptyState(), alias_state)``.
 
@@ -341,23 +323,8 @@ def fused_spec_of(tx: GradientTransformation) -> FusedSpec | None:
         True
     """
     if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"fzero.optim.fused_spec_of: expected a GradientTransformation, got {_type_name(tx)}")
-    if tx.fused is not None:
-        return tx.fused
-    members = getattr(tx.update, "_fzero_chain", None)
-    if not members:
-        return None
-    *before, last = members
-    spec = fused_spec_of(last)
-    if spec is None:
-        return None
-    clip = None
-    for m in before:
-        c = getattr(m.update, "_fzero_clip_norm", None)
-        if c is None or clip is not None or spec.clip_norm is not None:
-            return None
-        clip = c
-    return spec if clip is None else dataclasses.replace(spec, clip_norm=clip)
+        raise TypeError(f"fzero.optim.fused_spec_of: expected a GradientTransformation, got {type_name(tx)}")
+    return tx.fused if tx.fused is not None else tx.fusable
 
 
 # --------------------------------------------------------------------------- apply

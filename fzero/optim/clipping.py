@@ -1,18 +1,62 @@
-"""Gradient clipping."""
+"""Norms of updates, exact on shards, and clipping by the global norm."""
 
 from __future__ import annotations
 
 import torch
 
 from fzero import tree
-from fzero.optim.base import EmptyState, GradientTransformation, _check_number, _leaf_norms, _mark
+from fzero.optim._checks import check_number
+from fzero.optim.base import GradientTransformation, _multiply, init_empty_state
 from fzero.transforms._core import emit_metric, psum
 
-__all__ = ["clip_by_global_norm", "global_norm"]
+__all__ = ["clip_by_global_norm", "global_norm", "leaf_norms"]
 
 # torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); we keep it so clipping matches
 # torch's (and never divides by zero on an all-zero gradient).
 _CLIP_EPS = 1e-6
+
+
+def _leaf_norms(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The local L2 norm of each tensor, stacked into one vector on ``device``.
+
+    Accumulated in fp32 at least (bf16/fp16 leaves are not rounded back), fp64 when a leaf
+    is fp64; one multi-tensor kernel when the leaves share a precision.
+    """
+    acc = torch.float32
+    for x in xs:
+        acc = torch.promote_types(acc, x.dtype)
+    if acc == torch.float32:
+        norms = torch._foreach_norm(xs, 2, dtype=torch.float32)
+    elif all(x.dtype == acc for x in xs):
+        norms = torch._foreach_norm(xs, 2)
+    else:  # mixed fp64 and lower precisions: rare, one norm per leaf
+        norms = [torch.linalg.vector_norm(x, dtype=acc) for x in xs]
+    return torch.stack([n.to(device=device, dtype=acc) for n in norms])
+
+
+def leaf_norms(*trees, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """The L2 norm of each leaf of each tree: one vector per tree, in leaf order.
+
+    The local sums of squares of all trees go through one :func:`fzero.transforms.psum`
+    before the square root, so the norm of a leaf that is a shard (under ZeRO) is the whole
+    tensor's. Norms are fp32, or fp64 where a leaf is fp64. Per-leaf trust ratios (LARS,
+    LAMB) are built on it.
+
+    Args:
+        *trees: pytrees of tensors, each with at least one leaf.
+        device: where the vectors are; default: the first leaf's device.
+
+    Example:
+        >>> import torch
+        >>> from fzero import optim
+        >>> optim.leaf_norms({"a": torch.tensor([3.0, 4.0]), "b": torch.ones(4)}, [torch.zeros(1)])
+        (tensor([5., 2.]), tensor([0.]))
+    """
+    groups = [tree.leaves(t) for t in trees]
+    if device is None:
+        device = groups[0][0].device
+    sq = psum(torch.cat([_leaf_norms(xs, device).square() for xs in groups]))
+    return sq.sqrt().split([len(xs) for xs in groups])
 
 
 def global_norm(updates) -> torch.Tensor:
@@ -70,33 +114,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         [tensor([0.6000, 0.8000])]
     """
     where = "fzero.optim.clip_by_global_norm"
-    max_norm = _check_number(where, "max_norm", max_norm)
+    max_norm = check_number(where, "max_norm", max_norm)
     if not max_norm > 0.0:
         raise ValueError(f"{where}: max_norm must be > 0, got {max_norm!r}")
 
-    def init_fn(params):
+    def update_fn(updates, state, params=None, *, inplace=False):
         del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
-        del params
-        leaves, spec = tree.flatten(updates)
         norm = global_norm(updates)
         emit_metric("grad_norm", norm)
+        leaves = tree.leaves(updates)
         if not leaves:
             return updates, state
         with torch.no_grad():
             coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
-            device = leaves[0].device
-            if not all(x.device == device for x in leaves):
-                out = [x * coef.to(x.device) for x in leaves]
-            elif _inplace:
-                torch._foreach_mul_(leaves, coef)
-                return updates, state
-            else:
-                out = torch._foreach_mul(leaves, coef)
-        return tree.unflatten(spec, out), state
+        if not all(x.device == leaves[0].device for x in leaves):
+            coef = [coef.to(x.device) for x in leaves]  # a model placed on several devices by hand
+        return _multiply(updates, coef, inplace), state
 
-    # Recognised by fused_spec_of: a stateless clip in front of an alias.
-    update_fn._fzero_clip_norm = max_norm  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=lambda f: True))
+    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="new", clip_norm=max_norm)

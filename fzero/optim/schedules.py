@@ -172,6 +172,22 @@ def _warmup_gamma(j: int, w: int, inv_log_w: float, kind: str) -> float:
     return j / w
 
 
+def _warmup_raw(warmup: tuple[int, float, str], first: float, warm: Callable[[float], float],
+                after: Callable[[int], float]) -> Callable[[int], float]:
+    """DeepSpeed's warmup schedules by the count ``k``: ``first`` at ``k = 0`` (what the
+    constructor writes), then with ``j = k - 1``: ``warm(fraction)`` while ``j < W``, with the
+    warmup fraction of :func:`_warmup_gamma`, and ``after(j)`` from there on."""
+    w, inv_log_w, kind = warmup
+
+    def raw(k: int) -> float:
+        if k == 0:
+            return first
+        j = k - 1
+        return warm(_warmup_gamma(j, w, inv_log_w, kind)) if j < w else after(j)
+
+    return raw
+
+
 def _total(name: str, p: Mapping[str, Any], w: int) -> int:
     total = _steps(name, "total_num_steps", p["total_num_steps"], minimum=0)
     if total < w:
@@ -452,16 +468,10 @@ def WarmupLR(base_lr: float | None = None, /, **params: Any) -> Schedule:  # noq
         hi = _number(name, "base_lr", base_lr, nonneg=True)
     else:
         hi = 0.001
-    w, inv_log_w, kind = _warmup(name, p)
+    warmup = _warmup(name, p)
+    w, _, kind = warmup
     delta = hi - lo
-
-    def raw(k: int) -> float:
-        if k == 0:
-            return lo
-        j = k - 1
-        gamma = _warmup_gamma(j, w, inv_log_w, kind) if j < w else 1.0
-        return lo + delta * gamma
-
+    raw = _warmup_raw(warmup, lo, lambda gamma: lo + delta * gamma, lambda j: lo + delta * 1.0)
     return _wrap(f"WarmupLR(warmup_min_lr={lo!r}, warmup_max_lr={hi!r}, warmup_num_steps={w}, "
                  f"warmup_type={kind!r})", name, raw)
 
@@ -501,20 +511,15 @@ def WarmupDecayLR(**params: Any) -> Schedule:  # noqa: N802
                                "warmup_type": "log", "last_batch_iteration": -1})
     lo = _number(name, "warmup_min_lr", p["warmup_min_lr"], nonneg=True)
     hi = _number(name, "warmup_max_lr", p["warmup_max_lr"], nonneg=True)
-    w, inv_log_w, kind = _warmup(name, p)
+    warmup = _warmup(name, p)
+    w, _, kind = warmup
     total = _total(name, p, w)
     delta = hi - lo
 
-    def raw(k: int) -> float:
-        if k == 0:
-            return lo
-        j = k - 1
-        if j < w:
-            gamma = _warmup_gamma(j, w, inv_log_w, kind)
-        else:
-            gamma = max(0.0, float(total - j) / float(max(1.0, total - w)))
-        return lo + delta * gamma
+    def decay(j: int) -> float:
+        return lo + delta * max(0.0, float(total - j) / float(max(1.0, total - w)))
 
+    raw = _warmup_raw(warmup, lo, lambda gamma: lo + delta * gamma, decay)
     return _wrap(f"WarmupDecayLR(total_num_steps={total}, warmup_min_lr={lo!r}, "
                  f"warmup_max_lr={hi!r}, warmup_num_steps={w}, warmup_type={kind!r})", name, raw)
 
@@ -538,12 +543,7 @@ def WarmupCosineLR(base_lr: float, **params: Any) -> Schedule:  # noqa: N802
             ``warmup_num_steps=1000``, ``cos_min_ratio=0.0001``, ``warmup_type="log"``,
             ``last_batch_iteration=-1`` (only -1 is accepted).
 
-    Returns:
-        A schedule.
-
-    Raises:
-        TypeError: an unknown or missing parameter, or a value of the wrong type.
-        ValueError: as :func:`WarmupLR`, and ``total_num_steps < W`` (DeepSpeed only warns).
+    Returns and raises as :func:`WarmupDecayLR`.
 
     Example:
         >>> f = WarmupCosineLR(2.0, total_num_steps=10, warmup_num_steps=4,
@@ -558,21 +558,16 @@ def WarmupCosineLR(base_lr: float, **params: Any) -> Schedule:  # noqa: N802
                                "warmup_type": "log", "last_batch_iteration": -1})
     wmin = _number(name, "warmup_min_ratio", p["warmup_min_ratio"], nonneg=True)
     cmin = _number(name, "cos_min_ratio", p["cos_min_ratio"], nonneg=True)
-    w, inv_log_w, kind = _warmup(name, p)
+    warmup = _warmup(name, p)
+    w, _, kind = warmup
     total = _total(name, p, w)
 
-    def raw(k: int) -> float:
-        if k == 0:
-            return 0.0
-        j = k - 1
-        if j < w:
-            ratio = wmin + _warmup_gamma(j, w, inv_log_w, kind) * (1.0 - wmin)
-        else:
-            progress = min(1.0, (j - w + 1) / max(1, total - w))
-            ratio = (1 + math.cos(math.pi * progress)) / 2
-            ratio = max(0.0, cmin + (1.0 - cmin) * ratio)
-        return lr0 * ratio
+    def cosine(j: int) -> float:
+        progress = min(1.0, (j - w + 1) / max(1, total - w))
+        ratio = (1 + math.cos(math.pi * progress)) / 2
+        return lr0 * max(0.0, cmin + (1.0 - cmin) * ratio)
 
+    raw = _warmup_raw(warmup, 0.0, lambda gamma: lr0 * (wmin + gamma * (1.0 - wmin)), cosine)
     return _wrap(f"WarmupCosineLR(base_lr={lr0!r}, total_num_steps={total}, "
                  f"warmup_min_ratio={wmin!r}, warmup_num_steps={w}, cos_min_ratio={cmin!r}, "
                  f"warmup_type={kind!r})", name, raw)

@@ -9,6 +9,9 @@ The math runs under ``torch.no_grad()``; differentiating through an update is no
 
 Counters (``count``) are 0-dim int64 CPU tensors so a schedule reads ``int(count)`` without
 a device sync; moments have their parameters' dtype and device.
+
+The factories an optimizer is built from take a keyword-only ``where``: the public name their
+errors start with, so that ``adamw``'s errors, raised by its members, name ``adamw``.
 """
 
 from __future__ import annotations
@@ -20,27 +23,20 @@ import optree
 import torch
 
 from fzero import tree
+from fzero.optim._checks import check_lr, check_nonneg, check_number, check_unit, type_name
 from fzero.optim.base import (
-    EmptyState,
     GradientTransformation,
     Params,
     ScalarOrSchedule,
     Updates,
-    _check_lr,
-    _check_nonneg,
-    _check_number,
-    _check_same,
-    _check_unit,
-    _call,
     _flatten_like,
-    _fresh_after,
     _increment,
-    _leaf_norms,
-    _mark,
+    _multiply,
     _new_count,
-    _type_name,
+    _update,
+    init_empty_state,
 )
-from fzero.transforms._core import psum
+from fzero.optim.clipping import leaf_norms
 
 __all__ = [
     "MaskedState",
@@ -75,10 +71,16 @@ def _cast_to(xs: list[torch.Tensor], refs: list[torch.Tensor]) -> list[torch.Ten
 
 
 def _state_leaves(where: str, state_tree: Params, updates: Updates, what: str) -> tuple[list, list, Any]:
-    """``(update leaves, state leaves, spec)``; the structures must match."""
+    """``(update leaves in the state's dtypes, state leaves, spec)``; the structures must match."""
     s_leaves, spec = tree.flatten(state_tree)
     u_leaves = _flatten_like(where, spec, state_tree, updates, (f"the optimizer state's {what}", "updates"))
-    return u_leaves, s_leaves, spec
+    return _cast_to(u_leaves, s_leaves), s_leaves, spec
+
+
+def _moment_leaves(where: str, state: Any, updates: Updates) -> tuple[list, list, Any, torch.Tensor]:
+    """``(update leaves, leaves of state.mu, spec, the next count)`` for Adam and Lion."""
+    g, mu, spec = _state_leaves(where, state.mu, updates, "mu")
+    return g, mu, spec, _increment(state.count)
 
 
 def _need_params(where: str, params: Params | None) -> None:
@@ -86,31 +88,17 @@ def _need_params(where: str, params: Params | None) -> None:
         raise ValueError(f"{where}: needs the parameters; call update(updates, state, params)")
 
 
-def _sq_norms(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Local sums of squares of each tensor, as one vector on ``device``."""
-    return _leaf_norms(xs, device).square()
+def _schedule_value(where: str, fn: Callable[[int], Any], count: int) -> float:
+    value = fn(count)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{where}: the schedule must return a float, got {type_name(value)} {value!r} at count {count}"
+        ) from None
 
 
 # --------------------------------------------------------------------------- scale
-
-
-def _scale(step_size: float) -> GradientTransformation:
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
-        del params
-        leaves, spec = tree.flatten(updates)
-        if not leaves:
-            return updates, state
-        with torch.no_grad():
-            if _inplace:
-                torch._foreach_mul_(leaves, step_size)
-                return updates, state
-            return tree.unflatten(spec, torch._foreach_mul(leaves, step_size)), state
-
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=lambda f: True))
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -132,40 +120,19 @@ def scale(step_size: float) -> GradientTransformation:
         >>> tx.update([torch.ones(2)], tx.init([torch.ones(2)]))[0]
         [tensor([-2., -2.])]
     """
-    return _scale(_check_number("fzero.optim.scale", "step_size", step_size))
+    step_size = check_number("fzero.optim.scale", "step_size", step_size)
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        return _multiply(updates, step_size, inplace), state
+
+    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="new")
 
 
 class ScaleByScheduleState(NamedTuple):
     """The number of updates made so far (0-dim int64 CPU tensor)."""
 
     count: torch.Tensor
-
-
-def _scale_by_schedule(fn: Callable[[int], Any], sign: float, where: str) -> GradientTransformation:
-    def init_fn(params):
-        del params
-        return ScaleByScheduleState(count=_new_count())
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
-        del params
-        count = int(state.count)
-        value = fn(count)
-        try:
-            step_size = sign * float(value)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{where}: the schedule must return a float, got {_type_name(value)} {value!r} at count {count}"
-            ) from None
-        leaves, spec = tree.flatten(updates)
-        if leaves:
-            with torch.no_grad():
-                if _inplace:
-                    torch._foreach_mul_(leaves, step_size)
-                else:
-                    updates = tree.unflatten(spec, torch._foreach_mul(leaves, step_size))
-        return updates, ScaleByScheduleState(count=_increment(state.count))
-
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=lambda f: True))
 
 
 def scale_by_schedule(step_size_fn: Callable[[int], float]) -> GradientTransformation:
@@ -190,22 +157,27 @@ def scale_by_schedule(step_size_fn: Callable[[int], float]) -> GradientTransform
         >>> u, int(s.count)
         ([tensor([0.1000])], 2)
     """
+    where = "fzero.optim.scale_by_schedule"
     if not callable(step_size_fn):
         raise TypeError(
-            f"fzero.optim.scale_by_schedule: step_size_fn must be callable as fn(count: int) -> float, "
-            f"got {_type_name(step_size_fn)}"
+            f"{where}: step_size_fn must be callable as fn(count: int) -> float, got {type_name(step_size_fn)}"
         )
-    return _scale_by_schedule(step_size_fn, 1.0, "fzero.optim.scale_by_schedule")
+
+    def init_fn(params):
+        del params
+        return ScaleByScheduleState(count=_new_count())
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        step_size = _schedule_value(where, step_size_fn, int(state.count))
+        return _multiply(updates, step_size, inplace), ScaleByScheduleState(count=_increment(state.count))
+
+    return GradientTransformation(init_fn, update_fn, inplace=True, output="new")
 
 
-def _scale_by_learning_rate(learning_rate: ScalarOrSchedule, flip_sign: bool, where: str) -> GradientTransformation:
-    sign = -1.0 if flip_sign else 1.0
-    if callable(learning_rate):
-        return _scale_by_schedule(learning_rate, sign, where)
-    return _scale(sign * learning_rate)
-
-
-def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True, where: str = "fzero.optim.scale_by_learning_rate"
+) -> GradientTransformation:
     """Multiply the updates by ``-learning_rate`` (gradient descent), or by ``+`` with
     ``flip_sign=False``.
 
@@ -213,6 +185,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         learning_rate: a float, or a schedule ``fn(count: int) -> float`` where ``count`` is
             the 0-based index of the update.
         flip_sign: negate the learning rate (the default: updates are added to parameters).
+        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
         A stateless :class:`GradientTransformation` for a float; one with state
@@ -229,8 +202,11 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         >>> tx.update([torch.ones(1)], tx.init([torch.ones(1)]))[0]
         [tensor([-0.5000])]
     """
-    where = "fzero.optim.scale_by_learning_rate"
-    return _scale_by_learning_rate(_check_lr(where, learning_rate), flip_sign, where)
+    lr = check_lr(where, learning_rate)
+    sign = -1.0 if flip_sign else 1.0
+    if callable(lr):
+        return scale_by_schedule(lambda count: sign * _schedule_value(where, lr, count))
+    return scale(sign * lr)
 
 
 # --------------------------------------------------------------------------- adam
@@ -244,18 +220,58 @@ class ScaleByAdamState(NamedTuple):
     nu: Updates
 
 
-def _scale_by_adam(b1: float, b2: float, eps: float, eps_root: float, where: str) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    where: str = "fzero.optim.scale_by_adam",
+) -> GradientTransformation:
+    """Rescale updates by Adam's bias-corrected moments.
+
+    With ``t`` the 1-based update index and ``g`` the incoming update::
+
+        mu = b1 * mu + (1 - b1) * g
+        nu = b2 * nu + (1 - b2) * g^2
+        out = (mu / (1 - b1^t)) / (sqrt(nu) / sqrt(1 - b2^t) + eps)
+
+    (with ``eps_root > 0``, optax's ``sqrt(nu / (1 - b2^t) + eps_root)`` in the denominator).
+
+    Args:
+        b1: decay rate of the first moment, in [0, 1).
+        b2: decay rate of the second moment, in [0, 1).
+        eps: added to the denominator outside the square root, >= 0.
+        eps_root: added inside the square root, >= 0.
+        where: the name errors start with (an optimizer built on this passes its own).
+
+    Returns:
+        A :class:`GradientTransformation` with state :class:`ScaleByAdamState`.
+
+    Raises:
+        ValueError: a rate outside [0, 1) or a negative ``eps``/``eps_root``.
+        TypeError: an argument is not a number.
+
+    Example:
+        >>> import torch
+        >>> from fzero import optim
+        >>> tx = optim.scale_by_adam()
+        >>> u, s = tx.update([torch.tensor([2.0, -3.0])], tx.init([torch.zeros(2)]))
+        >>> u[0].round(decimals=4), int(s.count)
+        (tensor([ 1., -1.]), 1)
+    """
+    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
+    eps, eps_root = check_nonneg(where, "eps", eps), check_nonneg(where, "eps_root", eps_root)
+
     def init_fn(params):
         return ScaleByAdamState(count=_new_count(), mu=_zeros_like(params), nu=_zeros_like(params))
 
     def update_fn(updates, state, params=None):
         del params
-        g, mu, spec = _state_leaves(where, state.mu, updates, "mu")
-        count = _increment(state.count)
+        g, mu, spec, count = _moment_leaves(where, state, updates)
         if not g:
             return updates, state._replace(count=count)
         nu = tree.leaves(state.nu)
-        g = _cast_to(g, mu)
         step = int(count)
         # torch.optim.Adam's math: moments, bias corrections as Python floats, then
         # mu / (1 - b1^t) / (sqrt(nu) / sqrt(1 - b2^t) + eps). The 1 / (1 - b1^t) is folded
@@ -284,51 +300,7 @@ def _scale_by_adam(b1: float, b2: float, eps: float, eps_root: float, where: str
             count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu)
         )
 
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=False, fresh=lambda f: True))
-
-
-def _adam_checks(where: str, b1: Any, b2: Any, eps: Any, eps_root: Any = 0.0) -> tuple[float, float, float, float]:
-    return (
-        _check_unit(where, "b1", b1),
-        _check_unit(where, "b2", b2),
-        _check_nonneg(where, "eps", eps),
-        _check_nonneg(where, "eps_root", eps_root),
-    )
-
-
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0) -> GradientTransformation:
-    """Rescale updates by Adam's bias-corrected moments.
-
-    With ``t`` the 1-based update index and ``g`` the incoming update::
-
-        mu = b1 * mu + (1 - b1) * g
-        nu = b2 * nu + (1 - b2) * g^2
-        out = (mu / (1 - b1^t)) / (sqrt(nu) / sqrt(1 - b2^t) + eps)
-
-    (with ``eps_root > 0``, optax's ``sqrt(nu / (1 - b2^t) + eps_root)`` in the denominator).
-
-    Args:
-        b1: decay rate of the first moment, in [0, 1).
-        b2: decay rate of the second moment, in [0, 1).
-        eps: added to the denominator outside the square root, >= 0.
-        eps_root: added inside the square root, >= 0.
-
-    Returns:
-        A :class:`GradientTransformation` with state :class:`ScaleByAdamState`.
-
-    Raises:
-        ValueError: a rate outside [0, 1) or a negative ``eps``/``eps_root``.
-        TypeError: an argument is not a number.
-
-    Example:
-        >>> import torch
-        >>> from fzero import optim
-        >>> tx = optim.scale_by_adam()
-        >>> u, s = tx.update([torch.tensor([2.0, -3.0])], tx.init([torch.zeros(2)]))
-        >>> u[0].round(decimals=4), int(s.count)
-        (tensor([ 1., -1.]), 1)
-    """
-    return _scale_by_adam(*_adam_checks("fzero.optim.scale_by_adam", b1, b2, eps, eps_root), "fzero.optim.scale_by_adam")
+    return GradientTransformation(init_fn, update_fn, output="new")
 
 
 # --------------------------------------------------------------------------- lion
@@ -341,27 +313,7 @@ class ScaleByLionState(NamedTuple):
     mu: Updates
 
 
-def _scale_by_lion(b1: float, b2: float, where: str) -> GradientTransformation:
-    def init_fn(params):
-        return ScaleByLionState(count=_new_count(), mu=_zeros_like(params))
-
-    def update_fn(updates, state, params=None):
-        del params
-        g, mu, spec = _state_leaves(where, state.mu, updates, "mu")
-        count = _increment(state.count)
-        if not g:
-            return updates, state._replace(count=count)
-        g = _cast_to(g, mu)
-        with torch.no_grad():
-            out = torch._foreach_lerp(mu, g, 1.0 - b1)  # b1 * mu + (1 - b1) * g
-            torch._foreach_sign_(out)
-            new_mu = torch._foreach_lerp(mu, g, 1.0 - b2)
-        return tree.unflatten(spec, out), ScaleByLionState(count=count, mu=tree.unflatten(spec, new_mu))
-
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=False, fresh=lambda f: True))
-
-
-def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, where: str = "fzero.optim.scale_by_lion") -> GradientTransformation:
     """Rescale updates by Lion's sign of interpolated momentum (Chen et al., 2023)::
 
         out = sign(b1 * mu + (1 - b1) * g)
@@ -370,6 +322,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     Args:
         b1: interpolation rate of the momentum and the current update, in [0, 1].
         b2: decay rate of the momentum, in [0, 1].
+        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
         A :class:`GradientTransformation` with state :class:`ScaleByLionState`.
@@ -385,64 +338,48 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         >>> tx.update([torch.tensor([0.3, -2.0, 0.0])], tx.init([torch.zeros(3)]))[0]
         [tensor([ 1., -1.,  0.])]
     """
-    where = "fzero.optim.scale_by_lion"
-    return _scale_by_lion(_check_unit(where, "b1", b1, closed=True), _check_unit(where, "b2", b2, closed=True), where)
+    b1, b2 = check_unit(where, "b1", b1, closed=True), check_unit(where, "b2", b2, closed=True)
+
+    def init_fn(params):
+        return ScaleByLionState(count=_new_count(), mu=_zeros_like(params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        g, mu, spec, count = _moment_leaves(where, state, updates)
+        if not g:
+            return updates, state._replace(count=count)
+        with torch.no_grad():
+            out = torch._foreach_lerp(mu, g, 1.0 - b1)  # b1 * mu + (1 - b1) * g
+            torch._foreach_sign_(out)
+            new_mu = torch._foreach_lerp(mu, g, 1.0 - b2)
+        return tree.unflatten(spec, out), ScaleByLionState(count=count, mu=tree.unflatten(spec, new_mu))
+
+    return GradientTransformation(init_fn, update_fn, output="new")
 
 
 # --------------------------------------------------------------------------- trust ratio
 
 
-def _scale_by_trust_ratio(min_norm: float, trust_coefficient: float, eps: float, where: str) -> GradientTransformation:
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def _apply_trust_ratio(p, u, spec, inplace):
-        n = len(u)
-        device = u[0].device
-        # Local partial sums of squares of every leaf, summed over shards by one psum on a
-        # stacked vector, then the square root: exact when a leaf is split across ranks.
-        sq = psum(torch.cat([_sq_norms(p, device), _sq_norms(u, device)]))
-        norms = sq.sqrt()
-        p_norm, u_norm = norms[:n], norms[n:]
-        # optax's safe_norm(x, min_norm) is max(norm, min_norm); the ratio falls back to 1
-        # where either norm is zero, so zero params or updates are never rescaled.
-        p_norm = p_norm.clamp_min(min_norm)
-        u_norm = u_norm.clamp_min(min_norm)
-        ratio = trust_coefficient * p_norm / (u_norm + eps)
-        ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
-        ratios = [r.to(x.device) for r, x in zip(ratio.unbind(0), u)]
-        if inplace:
-            torch._foreach_mul_(u, ratios)
-            return tree.unflatten(spec, u)
-        return tree.unflatten(spec, torch._foreach_mul(u, ratios))
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
-        _need_params(where, params)
-        p, spec = tree.flatten(params)
-        u = _flatten_like(where, spec, params, updates, ("params", "updates"))
-        if not u:
-            return updates, state
-        with torch.no_grad():
-            return _apply_trust_ratio(p, u, spec, _inplace), state
-
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=lambda f: True))
-
-
-def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0) -> GradientTransformation:
+def scale_by_trust_ratio(
+    min_norm: float = 0.0,
+    trust_coefficient: float = 1.0,
+    eps: float = 0.0,
+    *,
+    where: str = "fzero.optim.scale_by_trust_ratio",
+) -> GradientTransformation:
     """Scale each leaf's update by its trust ratio ``||param|| / ||update||`` (LARS / LAMB)::
 
         ratio = trust_coefficient * max(||p||, min_norm) / (max(||u||, min_norm) + eps)
         out = u * (ratio if ||p|| != 0 and ||u|| != 0 else 1)
 
-    The norms are per leaf, computed as a local sum of squares passed through
-    :func:`fzero.transforms._core.psum` before the square root, so the ratio is exact when a
+    The norms are per leaf, by :func:`~fzero.optim.leaf_norms`, so the ratio is exact when a
     leaf is a shard of a larger tensor.
 
     Args:
         min_norm: lower bound of both norms, >= 0.
         trust_coefficient: a multiplier of the ratio.
         eps: added to the update norm in the denominator, >= 0.
+        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
         A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
@@ -458,13 +395,28 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0, 
         >>> tx.update([torch.tensor([0.0, 0.5])], tx.init(p), p)[0]
         [tensor([0., 5.])]
     """
-    where = "fzero.optim.scale_by_trust_ratio"
-    return _scale_by_trust_ratio(
-        _check_nonneg(where, "min_norm", min_norm),
-        _check_number(where, "trust_coefficient", trust_coefficient),
-        _check_nonneg(where, "eps", eps),
-        where,
-    )
+    min_norm = check_nonneg(where, "min_norm", min_norm)
+    trust_coefficient = check_number(where, "trust_coefficient", trust_coefficient)
+    eps = check_nonneg(where, "eps", eps)
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        _need_params(where, params)
+        p, spec = tree.flatten(params)
+        u = _flatten_like(where, spec, params, updates, ("params", "updates"))
+        if not u:
+            return updates, state
+        with torch.no_grad():
+            p_norm, u_norm = leaf_norms(p, u, device=u[0].device)
+            # optax's safe_norm(x, min_norm) is max(norm, min_norm); the ratio falls back to 1
+            # where either norm is zero, so zero params or updates are never rescaled.
+            p_norm = p_norm.clamp_min(min_norm)
+            u_norm = u_norm.clamp_min(min_norm)
+            ratio = trust_coefficient * p_norm / (u_norm + eps)
+            ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+            ratios = [r.to(x.device) for r, x in zip(ratio.unbind(0), u)]
+        return _multiply(updates, ratios, inplace), state
+
+    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="new")
 
 
 # --------------------------------------------------------------------------- masks
@@ -505,10 +457,10 @@ def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
         try:
             m = optree.tree_broadcast_prefix(m, params, namespace=tree.NAMESPACE)
         except ValueError:
-            _check_same(where, params, m, ("params", "mask"))
+            tree.assert_same_structure(params, m, what=where, names=("params", "mask"))
     m_paths, m_leaves, m_spec = tree.flatten_with_path(m)
     if m_spec != tree.structure(params):
-        _check_same(where, params, m, ("params", "mask"))
+        tree.assert_same_structure(params, m, what=where, names=("params", "mask"))
     flags = []
     for path, leaf in zip(m_paths, m_leaves):
         if not isinstance(leaf, bool):
@@ -519,7 +471,7 @@ def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
             else:
                 raise TypeError(
                     f"{where}: mask leaves must be bools (True: apply, False: pass through), "
-                    f"got {_type_name(leaf)} at {tree.keystr(path) or '<root>'}"
+                    f"got {type_name(leaf)} at {tree.keystr(path) or '<root>'}"
                 )
         flags.append(leaf)
     return flags
@@ -530,35 +482,7 @@ def _select(spec, leaves: list, flags: list[bool]) -> Any:
     return tree.unflatten(spec, [x if f else None for x, f in zip(leaves, flags)])
 
 
-def _masked(inner: GradientTransformation, mask: Any, where: str) -> GradientTransformation:
-    def init_fn(params):
-        flags = _resolve_mask(where, mask, params)
-        leaves, spec = tree.flatten(params)
-        return MaskedState(inner_state=inner.init(_select(spec, leaves, flags)))
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
-        flags = _resolve_mask(where, mask, params if params is not None else updates)
-        u_leaves, spec = tree.flatten(updates)
-        if len(u_leaves) != len(flags) or (params is not None and spec != tree.structure(params)):
-            _check_same(where, params if params is not None else mask, updates, ("params", "updates"))
-        sub_params = None if params is None else _select(spec, tree.leaves(params), flags)
-        sub = _select(spec, u_leaves, flags)
-        new_sub, inner_state = _call(inner.update, sub, state.inner_state, sub_params, _inplace)
-        it = iter(tree.leaves(new_sub))
-        out = [next(it) if f else u for u, f in zip(u_leaves, flags)]
-        return tree.unflatten(spec, out), MaskedState(inner_state=inner_state)
-
-    # Masked-out leaves pass through: the output is fresh only if the input was too.
-    fresh = lambda f: f and _fresh_after(inner.update, f)  # noqa: E731
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=fresh))
-
-
-def _check_mask(where: str, mask: Any) -> Any:
-    # The structure can only be checked against the params, at init/update time.
-    return mask
-
-
-def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
+def masked(inner: GradientTransformation, mask: Any, *, where: str = "fzero.optim.masked") -> GradientTransformation:
     """Apply ``inner`` to the masked-in leaves only; the others pass through unchanged.
 
     ``inner`` sees (and keeps state for) a tree in which masked-out leaves are ``None``.
@@ -566,7 +490,9 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     Args:
         inner: the transformation to apply.
         mask: a pytree of bools with the structure of the params (``True``: apply ``inner``),
-            or a callable ``params -> such a pytree``.
+            or a callable ``params -> such a pytree``. Its structure can only be checked against
+            the params, at init/update time.
+        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
         A :class:`GradientTransformation` with state :class:`MaskedState`.
@@ -584,44 +510,45 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         >>> tx.update(p, tx.init(p), p)[0]
         {'w': tensor([0.]), 'b': tensor([1.])}
     """
-    where = "fzero.optim.masked"
     if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"{where}: inner must be a GradientTransformation, got {_type_name(inner)}")
-    return _masked(inner, _check_mask(where, mask), where)
+        raise TypeError(f"{where}: inner must be a GradientTransformation, got {type_name(inner)}")
+
+    def init_fn(params):
+        flags = _resolve_mask(where, mask, params)
+        leaves, spec = tree.flatten(params)
+        return MaskedState(inner_state=inner.init(_select(spec, leaves, flags)))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        flags = _resolve_mask(where, mask, params if params is not None else updates)
+        u_leaves, spec = tree.flatten(updates)
+        if len(u_leaves) != len(flags) or (params is not None and spec != tree.structure(params)):
+            tree.assert_same_structure(params if params is not None else mask, updates, what=where,
+                                       names=("params", "updates"))
+        sub_params = None if params is None else _select(spec, tree.leaves(params), flags)
+        sub = _select(spec, u_leaves, flags)
+        new_sub, inner_state = _update(inner, sub, state.inner_state, sub_params, inplace)
+        it = iter(tree.leaves(new_sub))
+        out = [next(it) if f else u for u, f in zip(u_leaves, flags)]
+        return tree.unflatten(spec, out), MaskedState(inner_state=inner_state)
+
+    # Masked-out leaves pass through: the output is new only where the input was too.
+    output = "shared" if inner.output == "shared" else "passthrough"
+    return GradientTransformation(init_fn, update_fn, inplace=True, output=output)
 
 
 # --------------------------------------------------------------------------- weight decay
 
 
-def _add_decayed_weights(weight_decay: float, mask: Any, where: str) -> GradientTransformation:
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, _inplace=False):
-        _need_params(where, params)
-        p, spec = tree.flatten(params)
-        u = _flatten_like(where, spec, params, updates, ("params", "updates"))
-        if weight_decay == 0.0 or not u:
-            return updates, state
-        with torch.no_grad():
-            if _inplace:
-                torch._foreach_add_(u, p, alpha=weight_decay)
-                return updates, state
-            return tree.unflatten(spec, torch._foreach_add(u, p, alpha=weight_decay)), state
-
-    fresh = (lambda f: f) if weight_decay == 0.0 else (lambda f: True)
-    tx = GradientTransformation(init_fn, _mark(update_fn, inplace=True, fresh=fresh))
-    return tx if mask is None else _masked(tx, mask, where)
-
-
-def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> GradientTransformation:
+def add_decayed_weights(
+    weight_decay: float = 0.0, mask: Any = None, *, where: str = "fzero.optim.add_decayed_weights"
+) -> GradientTransformation:
     """Add ``weight_decay * param`` to each update.
 
     Args:
         weight_decay: the coefficient, >= 0.
         mask: ``None`` (all leaves), a pytree of bools with the params' structure, or a
             callable ``params -> such a pytree``; masked-out leaves pass through unchanged.
+        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
         A :class:`GradientTransformation` (state :class:`EmptyState`, or :class:`MaskedState`
@@ -640,8 +567,23 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> Gradient
         >>> tx.update({"w": torch.zeros(1), "b": torch.zeros(1)}, tx.init(p), p)[0]
         {'w': tensor([0.1000]), 'b': tensor([0.])}
     """
-    where = "fzero.optim.add_decayed_weights"
-    return _add_decayed_weights(_check_nonneg(where, "weight_decay", weight_decay), _check_mask(where, mask), where)
+    weight_decay = check_nonneg(where, "weight_decay", weight_decay)
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        _need_params(where, params)
+        p, spec = tree.flatten(params)
+        u = _flatten_like(where, spec, params, updates, ("params", "updates"))
+        if weight_decay == 0.0 or not u:
+            return updates, state
+        with torch.no_grad():
+            if inplace:
+                torch._foreach_add_(u, p, alpha=weight_decay)
+                return updates, state
+            return tree.unflatten(spec, torch._foreach_add(u, p, alpha=weight_decay)), state
+
+    tx = GradientTransformation(init_empty_state, update_fn, inplace=True,
+                                output="passthrough" if weight_decay == 0.0 else "new")
+    return tx if mask is None else masked(tx, mask, where=where)
 
 
 # --------------------------------------------------------------------------- momentum
@@ -653,35 +595,14 @@ class TraceState(NamedTuple):
     trace: Updates
 
 
-def _trace(decay: float, nesterov: bool, where: str) -> GradientTransformation:
-    def init_fn(params):
-        return TraceState(trace=_zeros_like(params))
-
-    def update_fn(updates, state, params=None):
-        del params
-        g, t, spec = _state_leaves(where, state.trace, updates, "trace")
-        if not g:
-            return updates, state
-        g = _cast_to(g, t)
-        with torch.no_grad():
-            # torch.optim.SGD (dampening 0): buf = momentum * buf + g, in torch's two
-            # roundings (mul, then add); the first buffer is g, as from a zero trace.
-            new_t = torch._foreach_mul(t, decay)
-            torch._foreach_add_(new_t, g)
-            out = torch._foreach_add(g, new_t, alpha=decay) if nesterov else new_t
-        return tree.unflatten(spec, out), TraceState(trace=tree.unflatten(spec, new_t))
-
-    # Without nesterov the update is the new trace itself: shared with the state, not fresh.
-    return GradientTransformation(init_fn, _mark(update_fn, inplace=False, fresh=lambda f: nesterov))
-
-
-def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+def trace(decay: float, nesterov: bool = False, *, where: str = "fzero.optim.trace") -> GradientTransformation:
     """Momentum: ``trace = decay * trace + g``; the update is ``trace``, or
     ``g + decay * trace`` with ``nesterov`` (``torch.optim.SGD`` with dampening 0).
 
     Args:
         decay: the momentum coefficient, in [0, 1].
         nesterov: use Nesterov momentum.
+        where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
         A :class:`GradientTransformation` with state :class:`TraceState`.
@@ -699,6 +620,24 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         >>> tx.update([torch.ones(1)], s)[0]
         [tensor([1.5000])]
     """
-    where = "fzero.optim.trace"
-    return _trace(_check_unit(where, "decay", decay, closed=True), bool(nesterov), where)
+    decay, nesterov = check_unit(where, "decay", decay, closed=True), bool(nesterov)
+
+    def init_fn(params):
+        return TraceState(trace=_zeros_like(params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        g, t, spec = _state_leaves(where, state.trace, updates, "trace")
+        if not g:
+            return updates, state
+        with torch.no_grad():
+            # torch.optim.SGD (dampening 0): buf = momentum * buf + g, in torch's two
+            # roundings (mul, then add); the first buffer is g, as from a zero trace.
+            new_t = torch._foreach_mul(t, decay)
+            torch._foreach_add_(new_t, g)
+            out = torch._foreach_add(g, new_t, alpha=decay) if nesterov else new_t
+        return tree.unflatten(spec, out), TraceState(trace=tree.unflatten(spec, new_t))
+
+    # Without nesterov the update is the new trace itself: shared with the state, not fresh.
+    return GradientTransformation(init_fn, update_fn, output="new" if nesterov else "shared")
 

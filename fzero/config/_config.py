@@ -1,0 +1,320 @@
+"""``Config``: a whole DeepSpeed config, resolved for one data-parallel world size.
+
+The data (the sections, the batch sizes), what ``fzero.compile`` takes from it
+(:meth:`Config.compile_options`) and what ``step.init`` installs (:meth:`Config.install`);
+reading JSON and classifying its keys is :mod:`fzero.config._load`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Literal
+
+import torch
+
+from fzero.config import _load
+from fzero.config._keys import _COMM_DTYPES, GRADIENT_CLIPPING_DEFAULT
+from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
+from fzero.config._values import WHERE, _int, _num
+from fzero.optim import GradientTransformation, schedules
+
+__all__ = ["Config"]
+
+
+def _default_world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def _resolve_batch(train: int | None, micro: int | None, gas: int | None, world: int) -> tuple[int, int, int]:
+    """DeepSpeed's ``_set_batch_related_parameters`` then ``_batch_assertion``.
+
+    Any two imply the third (floor division, as DeepSpeed); ``train_batch_size`` alone means
+    one accumulation step; ``train_micro_batch_size_per_gpu`` alone means one step and
+    ``train = micro * world``. The result must satisfy ``train = micro * gas * world`` with
+    every value >= 1.
+    """
+    given = {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+             "gradient_accumulation_steps": gas}
+    if train is None and micro is None:
+        raise ValueError(f"{WHERE}: train_batch_size or train_micro_batch_size_per_gpu is required "
+                         f"(as in DeepSpeed); got gradient_accumulation_steps={gas!r}, world size {world}")
+    if train is not None and micro is not None and gas is None:
+        gas = train // micro // world
+    elif train is not None and gas is not None and micro is None:
+        micro = train // world // gas
+    elif micro is not None and gas is not None and train is None:
+        train = micro * gas * world
+    elif train is not None and micro is None and gas is None:
+        gas, micro = 1, train // world
+    elif micro is not None and train is None and gas is None:
+        gas, train = 1, micro * world
+    if min(train, micro, gas) < 1 or train != micro * gas * world:
+        shown = {k: f"{v}" + ("" if given[k] is not None else " (derived)")
+                 for k, v in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                              ("gradient_accumulation_steps", gas))}
+        raise ValueError(
+            f"{WHERE}: inconsistent batch sizes: train_batch_size must equal "
+            f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, every one "
+            f">= 1; got train_batch_size={shown['train_batch_size']}, "
+            f"train_micro_batch_size_per_gpu={shown['train_micro_batch_size_per_gpu']}, "
+            f"gradient_accumulation_steps={shown['gradient_accumulation_steps']}, world size={world} "
+            f"({micro} * {gas} * {world} = {micro * gas * world})")
+    return train, micro, gas
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A DeepSpeed config, checked and resolved for one data-parallel world size.
+
+    Build it with :meth:`load` (a dict, a JSON file path, or JSON text); constructing it
+    directly from the section dataclasses runs the same checks. Frozen: change it with
+    ``dataclasses.replace``.
+
+    Example:
+        >>> cfg = Config.load({"train_micro_batch_size_per_gpu": 4,
+        ...                    "gradient_accumulation_steps": 2,
+        ...                    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        ...                    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+        ...                                                                "warmup_type": "linear"}},
+        ...                    "bf16": {"enabled": True},
+        ...                    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7},
+        ...                    "gradient_clipping": 1.0}, world_size=2)
+        >>> cfg.train_batch_size, cfg.local_batch_size
+        (16, 8)
+        >>> opts = cfg.compile_options()
+        >>> opts["zero"], opts["precision"], opts["accumulate"], opts["clip_norm"], opts["bucket_size"]
+        (2, 'bf16', 2, 1.0, 200000000)
+        >>> lr = cfg.make_schedule()
+        >>> [round(lr(k), 5) for k in (0, 1, 6, 11, 100)]
+        [0.0, 0.0, 0.00015, 0.0003, 0.0003]
+    """
+
+    train_batch_size: int | None = None
+    """Samples per update over all data-parallel ranks (resolved if not given)."""
+
+    train_micro_batch_size_per_gpu: int | None = None
+    """Samples per rank per micro-batch (resolved if not given)."""
+
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per update (``fzero.compile(accumulate=...)``); each rank's step gets a
+    local batch of ``micro * steps`` samples and splits it (resolved if not given)."""
+
+    world_size: int = 1
+    """The data-parallel world size the batch sizes are resolved for (the mesh's ``dp``)."""
+
+    optimizer: OptimizerConfig | None = None
+    """The ``optimizer`` section, or ``None`` (the state's own optimizer is kept)."""
+
+    scheduler: SchedulerConfig | None = None
+    """The ``scheduler`` section, or ``None`` (a constant learning rate)."""
+
+    fp16: FP16Config = dataclasses.field(default_factory=FP16Config)
+    """The ``fp16`` section."""
+
+    bf16: BF16Config = dataclasses.field(default_factory=BF16Config)
+    """The ``bf16`` section."""
+
+    zero_optimization: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
+    """The ``zero_optimization`` section."""
+
+    gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT
+    """Clip gradients to this global L2 norm; 0 means no clipping. Not written: 1.0, as
+    DeepSpeed 0.19 (older DeepSpeed did not clip by default; write 0 for that)."""
+
+    communication_data_type: Literal["fp32", "fp16", "bfp16", "bf16"] | None = None
+    """dtype gradients are reduced in (``None``/``"fp32"``: fp32, fzero's default)."""
+
+    ignored: tuple[str, ...] = ()
+    """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
+    (only those whose value differs from DeepSpeed's default)."""
+
+    source: str | None = dataclasses.field(default=None, compare=False)
+    """The file the config was read from, for error messages; ``None`` for a dict."""
+
+    _given: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        w = _int("world_size", self.world_size, minimum=1)
+        triple = [None if v is None else _int(name, v, minimum=1) for name, v in (
+            ("train_batch_size", self.train_batch_size),
+            ("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps))]
+        train, micro, gas = _resolve_batch(*triple, w)
+        for name, v in (("world_size", w), ("train_batch_size", train),
+                        ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)):
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "_given", tuple(triple))
+        for name, cls in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig),
+                          ("fp16", FP16Config), ("bf16", BF16Config), ("zero_optimization", ZeroConfig)):
+            v = getattr(self, name)
+            if not (isinstance(v, cls) or (v is None and name in ("optimizer", "scheduler"))):
+                raise TypeError(f"{WHERE}: {name} must be a {cls.__name__}, got {type(v).__name__}")
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError(f"{WHERE}: fp16 and bf16 are both enabled; enable one (DeepSpeed "
+                             "refuses both too)")
+        object.__setattr__(self, "gradient_clipping",
+                           _num("gradient_clipping", self.gradient_clipping, minimum=0.0))
+        if self.communication_data_type is not None and self.communication_data_type not in _COMM_DTYPES:
+            raise ValueError(f"{WHERE}: communication_data_type must be one of "
+                             f"{', '.join(map(repr, _COMM_DTYPES))}, got {self.communication_data_type!r}")
+        object.__setattr__(self, "ignored", tuple(self.ignored))
+
+    # ------------------------------------------------------------------ reading
+
+    @classmethod
+    def load(cls, src: Any, *, world_size: int | None = None) -> "Config":
+        """Read a DeepSpeed config.
+
+        Args:
+            src: a dict, a path (``str`` or ``os.PathLike``) to a JSON file, JSON text (a
+                ``str`` starting with ``{``), or a :class:`Config` (returned as is, or
+                re-resolved for another ``world_size``).
+            world_size: the data-parallel world size to resolve the batch sizes for
+                (``fzero.compile`` passes its mesh's ``dp`` size). Default: the
+                ``torch.distributed`` world size when it is initialised, else 1.
+
+        Returns:
+            A :class:`Config`. Keys accepted without effect are in ``.ignored`` and are
+            reported in one ``UserWarning``.
+
+        Raises:
+            ConfigKeyError: a key DeepSpeed does not know, named with its dotted path and
+                the nearest valid key.
+            NotImplementedError: a DeepSpeed feature fzero does not implement, named.
+            ValueError: inconsistent batch sizes (all three and the world size are shown),
+                invalid JSON (the file, line and column are shown), a value out of range.
+            TypeError: a value of the wrong type.
+            FileNotFoundError: ``src`` names no file.
+        """
+        if isinstance(src, Config):
+            if world_size is None or world_size == src.world_size:
+                return src
+            train, micro, gas = src._given
+            return dataclasses.replace(src, world_size=world_size, train_batch_size=train,
+                                       train_micro_batch_size_per_gpu=micro,
+                                       gradient_accumulation_steps=gas)
+        d, source = _load.read(src)
+        cfg = _load.from_dict(cls, d, world_size if world_size is not None else _default_world_size(), source)
+        if cfg.ignored:
+            warnings.warn(f"{WHERE}: these DeepSpeed keys have no effect in fzero: "
+                          + "; ".join(cfg.ignored), UserWarning, stacklevel=2)
+        return cfg
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def precision(self) -> Literal["fp32", "bf16", "fp16"]:
+        """``"fp16"``, ``"bf16"`` or ``"fp32"``, from the ``fp16`` and ``bf16`` sections."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples each data-parallel rank passes to one step call: micro-batch * steps."""
+        return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
+
+    def compile_options(self) -> dict[str, Any]:
+        """The keyword options of ``fzero.compile`` this config asks for.
+
+        Returns:
+            A dict with ``zero`` (stage), ``precision``, ``loss_scale`` (``"dynamic"`` or a
+            float; it matters under fp16 only), ``loss_scale_options`` (the fp16 dynamic
+            scaler's ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
+            ``consecutive_hysteresis``, ``min_loss_scale``, as ``fzero.mixed_precision``
+            takes them), ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
+            true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
+            (gradient_accumulation_steps), ``clip_norm`` (gradient_clipping, ``None`` for 0)
+            and ``bucket_size`` (reduce_bucket_size in bytes, ``None`` when not written);
+            plus ``overlap_comm`` when the config writes it and ``reduce_dtype`` when
+            ``communication_data_type`` is a 16-bit type.
+        """
+        comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
+        zero = self.zero_optimization
+        fp16 = self.fp16
+        opts: dict[str, Any] = {
+            "zero": zero.stage,
+            "precision": self.precision,
+            "loss_scale": float(fp16.loss_scale) if fp16.enabled and fp16.loss_scale > 0 else "dynamic",
+            "loss_scale_options": {
+                "initial_scale_power": int(fp16.initial_scale_power),
+                "loss_scale_window": int(fp16.loss_scale_window),
+                "hysteresis": int(fp16.hysteresis),
+                "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
+                "min_loss_scale": float(fp16.min_loss_scale),
+            },
+            # DeepSpeed reads bf16.check_grad_overflow only under bf16 and always checks
+            # under fp16 (DeepSpeedEngine._configure_zero_optimizer).
+            "check_grad_overflow": self.bf16.check_grad_overflow if self.bf16.enabled else True,
+            "accumulate": self.gradient_accumulation_steps,
+            "clip_norm": self.gradient_clipping or None,
+            "bucket_size": None if zero.reduce_bucket_size is None else zero.reduce_bucket_size * itemsize,
+        }
+        if zero.overlap_comm is not None:
+            opts["overlap_comm"] = zero.overlap_comm
+        if comm_dtype is not None:
+            opts["reduce_dtype"] = comm_dtype
+        return opts
+
+    def make_schedule(self, *, base_lr: float | None = None) -> schedules.Schedule:
+        """The ``scheduler`` section as a schedule ``fn(count) -> lr`` (count 0-based).
+
+        Args:
+            base_lr: the optimizer learning rate ``WarmupCosineLR`` scales and ``WarmupLR``
+                uses when ``warmup_max_lr`` is missing. Default: the ``optimizer``
+                section's ``lr`` (with its DeepSpeed default 1e-3).
+
+        Raises:
+            ValueError: the config has no ``scheduler`` section, or ``WarmupCosineLR``
+                without an optimizer section or ``base_lr``.
+        """
+        if self.scheduler is None:
+            raise ValueError(f"{WHERE}.make_schedule: the config has no scheduler section")
+        if base_lr is None and self.optimizer is not None:
+            base_lr = self.optimizer.hyperparameters()["lr"]
+        with warnings.catch_warnings():  # warned once already, when the section was read
+            warnings.simplefilter("ignore", UserWarning)
+            return self.scheduler.build(base_lr)
+
+    def make_optimizer(self) -> GradientTransformation:
+        """The ``optimizer`` section as an :mod:`fzero.optim` transformation, with the
+        ``scheduler`` section (if any) as its learning rate: use it as ``tx=`` of
+        ``fzero.TrainState.create``.
+
+        Gradient clipping is not part of it: ``fzero.compile`` adds ``clip_norm`` in front.
+
+        Raises:
+            ValueError: the config has no ``optimizer`` section.
+
+        Example:
+            >>> cfg = Config.load({"train_batch_size": 4,
+            ...                    "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
+            >>> spec = cfg.make_optimizer().fused
+            >>> spec.kind, spec.learning_rate, spec.b2, spec.weight_decay
+            ('lion', 0.0001, 0.999, 0.0)
+        """
+        if self.optimizer is None:
+            raise ValueError(f"{WHERE}.make_optimizer: the config has no optimizer section")
+        lr = self.make_schedule() if self.scheduler is not None else self.optimizer.hyperparameters()["lr"]
+        return self.optimizer.build(lr)
+
+    def install(self, state: Any) -> Any:
+        """``state`` with this config's optimizer as ``tx`` and a fresh ``opt_state``, as
+        ``deepspeed.initialize`` builds them; ``state`` unchanged without an optimizer
+        section. ``fzero.compile(config=...)`` calls this in ``step.init``.
+
+        Raises:
+            NotImplementedError: a ``scheduler`` section without an ``optimizer`` section
+                (DeepSpeed wraps the client's optimizer; fzero cannot reach into ``tx``:
+                build it with ``learning_rate=cfg.make_schedule()`` instead).
+        """
+        if self.optimizer is None:
+            if self.scheduler is not None:
+                raise NotImplementedError(
+                    f"{WHERE}: a scheduler section without an optimizer section: fzero cannot "
+                    "put a schedule into the state's own optimizer; build it with "
+                    "learning_rate=config.make_schedule(), or add an optimizer section")
+            return state
+        tx = self.make_optimizer()
+        return state.replace(tx=tx, opt_state=tx.init(state.params))

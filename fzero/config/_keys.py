@@ -1,0 +1,332 @@
+"""Every DeepSpeed key and what fzero does with it: the rules and their tables.
+
+A key is used (read into a section's field), a no-op (accepted; listed in
+``Config.ignored`` when its value asks for something), rejected (a DeepSpeed feature fzero
+does not implement) or invalid. A key in no table is a typo: :class:`ConfigKeyError`.
+The tables were read from DeepSpeed 0.19.8 (``runtime/config.py``, ``runtime/zero/config.py``,
+``runtime/precision_config.py``, ``runtime/lr_schedules.py``, ``ops/{adam,lamb,lion}``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple
+
+from fzero.config._values import WHERE
+
+
+class ConfigKeyError(KeyError, ValueError):
+    """A key that is not part of DeepSpeed's config format (a typo, most often).
+
+    The message names the key by its dotted path and the nearest valid key. It is both a
+    ``KeyError`` and a ``ValueError``, so either ``except`` catches it.
+    """
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+def _always(value: Any) -> bool:
+    return True
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+def _truthy(value: Any) -> bool:
+    return bool(value)
+
+
+def _enabled(value: Any) -> bool:
+    """A DeepSpeed feature block is on when it is ``true`` or has ``"enabled": true``."""
+    if isinstance(value, Mapping):
+        return bool(value.get("enabled", False))
+    return bool(value)
+
+
+def _present(value: Any) -> bool:
+    return value is not None and value != {} and value is not False
+
+
+def _differs(default: Any) -> Callable[[Any], bool]:
+    return lambda value: value != default
+
+
+class _Rule(NamedTuple):
+    """How fzero treats one DeepSpeed key.
+
+    ``use``: read into a field. ``noop``: accepted, no effect in fzero; listed in
+    ``Config.ignored`` when ``active(value)``. ``reject``: ``NotImplementedError`` when
+    ``active(value)`` (the inactive form, e.g. ``"enabled": false``, is accepted).
+    ``invalid``: a ``ValueError`` (DeepSpeed refuses it too).
+    """
+
+    kind: Literal["use", "noop", "reject", "invalid"]
+    why: str = ""
+    active: Callable[[Any], bool] = _always
+
+
+_USE = _Rule("use")
+
+
+def _noop(why: str, active: Callable[[Any], bool] = _truthy) -> _Rule:
+    return _Rule("noop", why, active)
+
+
+def _reject(why: str, active: Callable[[Any], bool] = _always) -> _Rule:
+    return _Rule("reject", why, active)
+
+
+def _check_keys(prefix: str, given: Mapping[str, Any], rules: Mapping[str, _Rule], noted: list[str]) -> None:
+    """Classify every key of ``given``: unknown, unimplemented, ignored or used."""
+    for key, value in given.items():
+        path = f"{prefix}{key}"
+        rule = rules.get(key) if isinstance(key, str) else None
+        if rule is None:
+            close = difflib.get_close_matches(str(key), list(rules), n=1, cutoff=0.6)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            where = prefix.rstrip(".") or "the top level"
+            valid = ", ".join(rules) if len(rules) <= 16 else "see docs/config.md"
+            raise ConfigKeyError(
+                f"{WHERE}: unknown key {path!r}{hint} (not a DeepSpeed config key; valid keys at "
+                f"{where}: {valid})")
+        if rule.kind == "invalid":
+            raise ValueError(f"{WHERE}: {path}: {rule.why}")
+        if rule.kind == "reject" and rule.active(value):
+            raise NotImplementedError(
+                f"{WHERE}: {path}={value!r}: a DeepSpeed option fzero does not implement: {rule.why}")
+        if rule.kind == "noop" and rule.active(value):
+            noted.append(f"{path} ({rule.why})")
+
+
+# Keys DeepSpeed knows at the top level. Speed, memory and logging knobs are ``noop``;
+# features that change what is trained, or that a user would count on, are ``reject``.
+_PERF = "only changes DeepSpeed's speed or memory use, not the result"
+_TOP: dict[str, _Rule] = {
+    "train_batch_size": _USE,
+    "train_micro_batch_size_per_gpu": _USE,
+    "gradient_accumulation_steps": _USE,
+    "optimizer": _USE,
+    "scheduler": _USE,
+    "fp16": _USE,
+    "bf16": _USE,
+    "bfloat16": _USE,  # DeepSpeed's older name of "bf16"
+    "zero_optimization": _USE,
+    "gradient_clipping": _USE,
+    "communication_data_type": _USE,
+    "steps_per_print": _noop("fzero prints nothing; log the metrics each step returns",
+                             lambda v: v is not None),
+    "wall_clock_breakdown": _noop("fzero has no step timers; time the step yourself"),
+    "memory_breakdown": _noop("fzero has no memory logging; see `fzero estimate`"),
+    "dump_state": _noop("fzero does not print its state"),
+    "log_level": _noop("DeepSpeed's logger level", _never),
+    "disable_python_gc": _noop(_PERF),
+    "tensorboard": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
+    "wandb": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
+    "csv_monitor": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
+    "comet": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
+    "flops_profiler": _noop("fzero has no FLOPs profiler", _enabled),
+    "comms_logger": _noop("fzero does not log collectives", _enabled),
+    "timers": _noop("DeepSpeed's throughput timers", _never),
+    "autotuning": _noop("autotuning is a DeepSpeed launcher feature", _enabled),
+    "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
+    "zero_allow_untested_optimizer": _noop("fzero's ZeRO runs any fzero.optim optimizer", _never),
+    "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),
+    "allgather_size": _noop("the all-gather bucket of the legacy `\"zero_optimization\": true`; "
+                            + _PERF, _differs(5e8)),
+    "fp32_allreduce": _noop("fzero always reduces fp32 gradients", _never),
+    "prescale_gradients": _noop("dividing by the world size before or after the all-reduce "
+                                "gives the same mean up to rounding"),
+    "gradient_predivide_factor": _noop("splitting the division by the world size around the "
+                                       "all-reduce gives the same mean up to rounding", _differs(1.0)),
+    "disable_allgather": _noop(_PERF),
+    "sparse_gradients": _noop("fzero's gradients are dense; the result is the same"),
+    "dataloader_drop_last": _noop("fzero builds no data loader"),
+    "checkpoint": _noop("fzero.checkpoint always verifies checksums and loads onto any world size",
+                        _present),
+    "datastates_ckpt": _noop("fzero.checkpoint has its own asynchronous save", _present),
+    "activation_checkpointing": _noop("configures deepspeed.checkpointing, which a model calls "
+                                      "itself; use fzero.remat", lambda v: isinstance(v, Mapping)
+                                      and any(x is True for x in v.values())),
+    "aio": _noop("asynchronous I/O for NVMe offload, which fzero does not do", _never),
+    "graph_harvesting": _noop(_PERF),
+    "compile": _noop("DeepSpeed's torch.compile of the module; fzero does not compile the model",
+                     _enabled),
+    "seq_parallel_communication_data_type": _noop("fzero has no sequence parallelism", _never),
+    "gradient_allreduce_op": _reject("only 'mean' (DeepSpeed's default) is supported",
+                                     lambda v: str(v).lower() != "mean"),
+    "managed_gradient_accumulation": _reject("fzero always applies one update per step call",
+                                             lambda v: v is not True),
+    "amp": _reject("NVIDIA Apex AMP; use \"fp16\" or \"bf16\"", _enabled),
+    "torch_autocast": _reject("use \"bf16\" or \"fp16\" (fzero computes under torch.autocast)",
+                              _enabled),
+    "elasticity": _reject("elastic batch sizes", _enabled),
+    "data_efficiency": _reject("curriculum learning and data sampling", _enabled),
+    "curriculum_learning": _reject("curriculum learning", _enabled),
+    "progressive_layer_drop": _reject("progressive layer drop", _enabled),
+    "eigenvalue": _reject("eigenvalue computation", _enabled),
+    "quantize_training": _reject("quantized training (MoQ)", _enabled),
+    "compression_training": _reject("the compression library", _present),
+    "sparse_attention": _reject("sparse attention kernels", _present),
+    "weight_quantization": _reject("weight quantization", _present),
+    "pipeline": _reject("DeepSpeed's pipeline engine; use fzero.pipeline", _present),
+    "hybrid_engine": _reject("the RLHF hybrid engine", _enabled),
+    "nebula": _reject("Nebula checkpointing; use fzero.checkpoint", _enabled),
+    "tensor_parallel": _reject("automatic tensor parallelism",
+                               lambda v: isinstance(v, Mapping) and (v.get("autotp_size") or 0) > 1),
+    "expert_parallel": _reject("expert parallelism", _present),
+    "use_data_before_expert_parallelism": _reject("expert parallelism"),
+    "data_types": _reject("only fp32 gradient accumulation (fzero's) is supported",
+                          lambda v: not isinstance(v, Mapping) or any(
+                              k != "grad_accum_dtype" or val not in (None, "fp32", "float32")
+                              for k, val in v.items())),
+}
+
+_FP16: dict[str, _Rule] = {
+    "enabled": _USE,
+    "loss_scale": _USE,
+    "initial_scale_power": _USE,
+    "loss_scale_window": _USE,
+    "hysteresis": _USE,
+    "consecutive_hysteresis": _USE,
+    "min_loss_scale": _USE,
+    "auto_cast": _noop("fzero computes under torch.autocast, which casts each op's inputs; "
+                       "the batch itself is not cast"),
+    "fp16_master_weights_and_grads": _reject("fzero keeps fp32 master weights and gradients",
+                                             _truthy),
+}
+
+_BF16: dict[str, _Rule] = {
+    "enabled": _USE,
+    "immediate_grad_update": _noop(_PERF, _never),
+    "check_grad_overflow": _USE,
+    "bf16_master_weights_and_grads": _reject("fzero keeps fp32 master weights and gradients",
+                                             _truthy),
+    "bf16_optimizer_states": _reject("fzero keeps fp32 optimizer state", _truthy),
+}
+
+
+def _offloaded(value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, Mapping):
+        return str(value.get("device", "none")).lower() != "none"
+    return True
+
+
+def _zero_perf(default: Any) -> _Rule:
+    return _noop(_PERF, _differs(default))
+
+
+_ZERO: dict[str, _Rule] = {
+    "stage": _USE,
+    "reduce_bucket_size": _USE,
+    "overlap_comm": _USE,
+    "contiguous_gradients": _zero_perf(True),
+    "reduce_scatter": _zero_perf(True),
+    "use_multi_rank_bucket_allreduce": _zero_perf(True),
+    "allgather_partitions": _zero_perf(True),
+    "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_size` bytes, "
+                                   "set by reduce_bucket_size", _differs(5e8)),
+    "compute_grad_norm": _zero_perf(True),
+    "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never),
+    "elastic_checkpoint": _noop("fzero.checkpoint always loads onto any world size", _never),
+    "sub_group_size": _zero_perf(1e9),
+    "ignore_unused_parameters": _noop("fzero's gradients are a full pytree; unused parameters "
+                                      "get zero gradients", _never),
+    "legacy_stage1": _zero_perf(False),
+    "round_robin_gradients": _zero_perf(False),
+    "parameter_alignment": _zero_perf(False),
+    "memory_efficient_linear": _zero_perf(True),
+    "pipeline_loading_checkpoint": _zero_perf(False),
+    "override_module_apply": _zero_perf(True),
+    "log_trace_cache_warnings": _zero_perf(False),
+    "enable_sanity_checks": _zero_perf(False),
+    "save_muon_momentum_buffer_in_memory": _zero_perf(False),
+    "leaf_module": _zero_perf({}),
+    "cpu_offload_use_pin_memory": _noop(_PERF, _never),
+    "offload_optimizer": _reject("fzero keeps optimizer state on the device", _offloaded),
+    "offload_param": _reject("fzero keeps parameters on the device", _offloaded),
+    "cpu_offload": _reject("fzero keeps optimizer state on the device", _truthy),
+    "cpu_offload_param": _reject("fzero keeps parameters on the device", _truthy),
+    "zenflow": _reject("ZenFlow offload", _present),
+    "zero_hpz_partition_size": _reject("ZeRO++ hierarchical partitioning",
+                                       lambda v: v not in (0, 1)),
+    "zero_quantized_weights": _reject("ZeRO++ quantized weights", _truthy),
+    "zero_quantized_nontrainable_weights": _reject("ZeRO++ quantized weights", _truthy),
+    "zero_quantized_gradients": _reject("ZeRO++ quantized gradients", _truthy),
+    "zeropp_loco_param": _reject("LoCo-ZeRO++", _present),
+    "mics_shard_size": _reject("MiCS sharding", lambda v: v not in (-1, 0, None)),
+    "mics_hierarchical_params_gather": _reject("MiCS sharding", _truthy),
+}
+# Stage-3 knobs, under both their field names and their "stage3_" aliases.
+for _name, _default in [("prefetch_bucket_size", 5e7), ("param_persistence_threshold", 1e5),
+                        ("model_persistence_threshold", 2**63 - 1), ("max_live_parameters", 1e9),
+                        ("max_reuse_distance", 1e9),
+                        ("module_granularity_threshold", 0), ("use_all_reduce_for_fetch_params", False),
+                        ("allgather_sequential", False)]:
+    _ZERO[_name] = _ZERO["stage3_" + _name] = _zero_perf(_default)
+for _name in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+              "stage3_gather_fp16_weights_on_model_save"):
+    _ZERO[_name] = _noop("configures DeepSpeed's save_16bit_model; use fzero.checkpoint.export")
+
+_MAX_GRAD_NORM = _Rule("invalid", "max_grad_norm is not an optimizer parameter (DeepSpeed refuses "
+                       "it too); use the top-level \"gradient_clipping\"")
+_NO_EFFECT = _noop("an implementation detail of the optimizer", _never)
+
+# DeepSpeed's parameter names of each optimizer it builds, with the optimizer's defaults
+# (FusedAdam / torch.optim.Adam(W), FusedLamb, FusedLion, torch.optim.SGD).
+_OPTIMIZERS: dict[str, tuple[dict[str, _Rule], dict[str, Any]]] = {
+    "adam": ({"lr": _USE, "betas": _USE, "eps": _USE, "weight_decay": _USE, "adam_w_mode": _USE,
+              "torch_adam": _USE,
+              "bias_correction": _reject("Adam without bias correction", lambda v: v is not True),
+              "amsgrad": _reject("AMSGrad", _truthy), "set_grad_none": _NO_EFFECT,
+              "max_grad_norm": _MAX_GRAD_NORM},
+             {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+              "adam_w_mode": True, "torch_adam": False}),
+    "lamb": ({"lr": _USE, "betas": _USE, "eps": _USE, "weight_decay": _USE, "bias_correction": _USE,
+              "eps_inside_sqrt": _USE, "max_coeff": _USE, "min_coeff": _USE,
+              "amsgrad": _reject("AMSGrad", _truthy), "max_grad_norm": _MAX_GRAD_NORM},
+             {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+              "bias_correction": True, "eps_inside_sqrt": False, "max_coeff": 10.0, "min_coeff": 0.01}),
+    "lion": ({"lr": _USE, "betas": _USE, "weight_decay": _USE, "set_grad_none": _NO_EFFECT,
+              "max_grad_norm": _MAX_GRAD_NORM},
+             {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}),
+    "sgd": ({"lr": _USE, "momentum": _USE, "weight_decay": _USE, "nesterov": _USE,
+             "dampening": _reject("SGD dampening", lambda v: v != 0),
+             "maximize": _reject("maximize", _truthy), "foreach": _NO_EFFECT,
+             "differentiable": _NO_EFFECT, "fused": _NO_EFFECT, "max_grad_norm": _MAX_GRAD_NORM},
+            {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}),
+}
+_OPTIMIZERS["adamw"] = _OPTIMIZERS["adam"]
+_CANONICAL = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD"}
+# Optimizers DeepSpeed builds by name that fzero does not have (any torch.optim name too).
+_DS_ONLY_OPTIMIZERS = ("adagrad", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw",
+                       "musgd", "muon")
+
+# DeepSpeed's scheduler parameter names (deepspeed/runtime/lr_schedules.py); values are
+# checked by fzero.optim.schedules, which takes the same names.
+_SCHEDULERS: dict[str, tuple[str, ...]] = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                 "last_batch_iteration"),
+    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                      "warmup_type", "last_batch_iteration"),
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                       "warmup_type", "last_batch_iteration"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                 "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
+                 "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
+                 "decay_mom_rate", "last_batch_iteration"),
+    "LRRangeTest": ("lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                    "lr_range_test_staircase", "last_batch_iteration"),
+}
+
+# DeepSpeed clips at 1.0 when "gradient_clipping" is not written (GRADIENT_CLIPPING_DEFAULT,
+# 1.0 since deepspeedai/DeepSpeed#8068 in the 0.19 series; 0, no clipping, before). fzero
+# follows the release its DeepSpeed semantics are checked against (0.19.8).
+GRADIENT_CLIPPING_DEFAULT = 1.0
+
+# communication_data_type -> (compile's reduce_dtype, bytes per reduced element)
+_COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}

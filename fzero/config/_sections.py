@@ -1,0 +1,284 @@
+"""The sections of a DeepSpeed config, one keyword-only dataclass each: ``optimizer``,
+``scheduler``, ``fp16``, ``bf16`` and ``zero_optimization``.
+
+Each checks its values in ``__post_init__`` (naming the dotted key) and keeps DeepSpeed's
+defaults; :class:`OptimizerConfig` and :class:`SchedulerConfig` build the fzero optimizer
+and schedule they stand for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+
+from fzero import optim
+from fzero.config._keys import (
+    _CANONICAL,
+    _DS_ONLY_OPTIMIZERS,
+    _OPTIMIZERS,
+    _SCHEDULERS,
+    _USE,
+    _check_keys,
+)
+from fzero.config._values import WHERE, _bool, _frozen, _int, _num, _section
+from fzero.optim import GradientTransformation, schedules
+from fzero.optim.base import ScalarOrSchedule
+
+__all__ = ["BF16Config", "FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The ``optimizer`` section: which optimizer, with DeepSpeed's parameter names.
+
+    How DeepSpeed's names map onto :mod:`fzero.optim` (``_configure_basic_optimizer``):
+    ``Adam``/``AdamW`` with ``adam_w_mode`` (default true) are :func:`fzero.optim.adamw`
+    (decoupled decay, as FusedAdam's AdamW mode); ``Adam`` with ``adam_w_mode: false`` is
+    :func:`fzero.optim.adam` (L2 decay); ``Lion`` is :func:`fzero.optim.lion`; ``SGD`` is
+    :func:`fzero.optim.sgd`; ``Lamb`` is DeepSpeed's FusedLamb itself,
+    :func:`fzero.optim.deepspeed_lamb` (see :meth:`build`). Defaults are DeepSpeed's optimizers' own (weight decay 0, Lion's
+    ``betas`` (0.9, 0.999), Lamb's ``eps`` 1e-8), not fzero's.
+    """
+
+    type: str
+    """DeepSpeed's optimizer name: ``Adam``, ``AdamW``, ``Lamb``, ``Lion`` (any case, as
+    DeepSpeed lower-cases its own names) or ``SGD`` (exact: DeepSpeed looks it up in
+    ``torch.optim``). Stored in the canonical spelling."""
+
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The ``params`` object as written, DeepSpeed's names (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ...); missing names take the DeepSpeed optimizer's defaults."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, str):
+            raise TypeError(f"{WHERE}: optimizer.type must be a string, got {self.type!r}")
+        kind = self.type.lower()
+        if kind == "sgd" and self.type != "SGD":
+            raise ValueError(f"{WHERE}: unknown optimizer.type {self.type!r}; did you mean 'SGD'? "
+                             "(DeepSpeed looks it up as torch.optim.SGD, case-sensitively)")
+        if kind not in _OPTIMIZERS:
+            if kind in _DS_ONLY_OPTIMIZERS or hasattr(torch.optim, self.type):
+                raise NotImplementedError(
+                    f"{WHERE}: optimizer.type={self.type!r}: a DeepSpeed optimizer fzero does not "
+                    f"implement; fzero implements {', '.join(_CANONICAL.values())}")
+            names = list(_CANONICAL.values()) + [n.capitalize() for n in _DS_ONLY_OPTIMIZERS]
+            close = difflib.get_close_matches(self.type, names, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{WHERE}: unknown optimizer.type {self.type!r}{hint} (fzero "
+                             f"implements {', '.join(_CANONICAL.values())})")
+        object.__setattr__(self, "type", _CANONICAL[kind])
+        params = _section("optimizer.params", self.params)
+        _check_keys("optimizer.params.", params, _OPTIMIZERS[kind][0], [])
+        object.__setattr__(self, "params", _frozen(params))
+        self.build(self.hyperparameters()["lr"])  # checks every value once, here
+
+    @property
+    def kind(self) -> str:
+        """The fzero optimizer built: ``"adamw"``, ``"adam"``, ``"lamb"``, ``"lion"`` or ``"sgd"``."""
+        if self.type in ("Adam", "AdamW"):
+            h = self.hyperparameters()
+            return "adamw" if self.type == "AdamW" or h["adam_w_mode"] else "adam"
+        return self.type.lower()
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Every parameter of this optimizer by DeepSpeed's name, defaults filled in."""
+        p = "optimizer.params."
+        kind = self.type.lower()
+        h = {**_OPTIMIZERS[kind][1], **self.params}
+        out: dict[str, Any] = {"lr": _num(p + "lr", h["lr"], minimum=0.0)}
+        if "betas" in h:
+            b = h["betas"]
+            if not (isinstance(b, (list, tuple)) and len(b) == 2):
+                raise TypeError(f"{WHERE}: {p}betas must be a list of two numbers [beta1, beta2], got {b!r}")
+            out["betas"] = (_num(p + "betas[0]", b[0]), _num(p + "betas[1]", b[1]))
+        for name in ("eps", "weight_decay", "momentum", "max_coeff", "min_coeff"):
+            if name in h:
+                out[name] = _num(p + name, h[name], minimum=0.0)
+        for name in ("adam_w_mode", "torch_adam", "nesterov", "bias_correction", "eps_inside_sqrt"):
+            if name in h:
+                out[name] = _bool(p + name, h[name])
+        if kind in ("adam", "adamw") and out["torch_adam"] and "weight_decay" not in self.params and (
+                kind == "adamw" or out["adam_w_mode"]):
+            out["weight_decay"] = 1e-2  # torch.optim.AdamW's default, which DeepSpeed then builds
+        if kind == "lamb" and out["min_coeff"] > out["max_coeff"]:
+            raise ValueError(f"{WHERE}: {p}min_coeff={out['min_coeff']} is greater than "
+                             f"max_coeff={out['max_coeff']}")
+        return out
+
+    def build(self, learning_rate: ScalarOrSchedule) -> GradientTransformation:
+        """The fzero optimizer, with ``learning_rate`` (a float or a schedule) as its rate.
+
+        ``Lamb`` is DeepSpeed's FusedLamb, which is not optax's LAMB (``fzero.optim.lamb``):
+        its direction ``u = m / (sqrt(v) + eps) + weight_decay * p`` uses the moments
+        *without* bias correction, its trust ratio ``||p|| / ||u||`` is clamped to
+        ``[min_coeff, max_coeff]`` (1 where a norm is 0), and the bias corrections multiply
+        the step: ``p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u``. fzero builds
+        exactly that, :func:`fzero.optim.deepspeed_lamb` (per-tensor norms, exact under
+        ZeRO), without a fused-kernel record.
+
+        Raises:
+            TypeError, ValueError: a hyperparameter out of range (from :mod:`fzero.optim`),
+                prefixed with the config path.
+        """
+        h = self.hyperparameters()
+        kind = self.kind
+        b1, b2 = h.get("betas", (0.9, 0.999))
+        try:
+            if kind == "adamw":
+                return optim.adamw(learning_rate, b1, b2, h["eps"], h["weight_decay"])
+            if kind == "adam":
+                return optim.adam(learning_rate, b1, b2, h["eps"], h["weight_decay"])
+            if kind == "lion":
+                return optim.lion(learning_rate, b1, b2, h["weight_decay"])
+            if kind == "sgd":
+                return optim.sgd(learning_rate, h["momentum"] or None, h["nesterov"], h["weight_decay"])
+            return optim.deepspeed_lamb(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                        bias_correction=h["bias_correction"],
+                                        eps_inside_sqrt=h["eps_inside_sqrt"],
+                                        max_coeff=h["max_coeff"], min_coeff=h["min_coeff"])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{WHERE}: optimizer {self.type!r}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """The ``scheduler`` section: one of DeepSpeed's five learning-rate schedules.
+
+    Built by :mod:`fzero.optim.schedules`, which takes DeepSpeed's parameter names and gives
+    the learning rate DeepSpeed applies at each update (``WarmupLR``'s missing
+    ``warmup_max_lr`` and ``WarmupCosineLR``'s base are the optimizer's ``lr``).
+    """
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+    """DeepSpeed's schedule name, exactly (DeepSpeed looks it up by attribute name)."""
+
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The ``params`` object as written, DeepSpeed's parameter names."""
+
+    def __post_init__(self) -> None:
+        if self.type not in _SCHEDULERS:
+            import torch.optim.lr_scheduler as torch_schedulers
+
+            if isinstance(self.type, str) and self.type[:1].isupper() and hasattr(torch_schedulers, self.type):
+                raise NotImplementedError(
+                    f"{WHERE}: scheduler.type={self.type!r}: DeepSpeed builds "
+                    f"torch.optim.lr_scheduler.{self.type}, which fzero does not implement; fzero "
+                    f"implements {', '.join(_SCHEDULERS)}")
+            close = difflib.get_close_matches(str(self.type), list(_SCHEDULERS), n=1, cutoff=0.6)
+            close = close or [n for n in _SCHEDULERS if n.lower() == str(self.type).lower()]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{WHERE}: unknown scheduler.type {self.type!r}{hint} (DeepSpeed's "
+                             f"schedules: {', '.join(_SCHEDULERS)})")
+        params = _section("scheduler.params", self.params)
+        _check_keys("scheduler.params.", params, dict.fromkeys(_SCHEDULERS[self.type], _USE), [])
+        object.__setattr__(self, "params", _frozen(params))
+        self.build(1.0)  # checks every value once, here (and warns, e.g. OneCycle's momentum)
+
+    def build(self, base_lr: float | None) -> schedules.Schedule:
+        """The schedule ``fn(count) -> lr``; ``base_lr`` is the optimizer's learning rate.
+
+        Raises:
+            ValueError: ``WarmupCosineLR`` without a ``base_lr``.
+            TypeError, ValueError: a parameter value out of range (from
+                :mod:`fzero.optim.schedules`), prefixed with the config path.
+        """
+        fn = getattr(schedules, self.type)
+        try:
+            if self.type == "WarmupCosineLR":
+                if base_lr is None:
+                    raise ValueError("WarmupCosineLR scales the optimizer's lr; the config has no "
+                                     "optimizer section, so pass base_lr=")
+                return fn(base_lr, **self.params)
+            if self.type == "WarmupLR":
+                return fn(base_lr, **self.params)
+            return fn(**self.params)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{WHERE}: scheduler {self.type!r}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """The ``fp16`` section: fp16 compute with fp32 master weights and a loss scaler."""
+
+    enabled: bool = False
+    """Compute in fp16 (``fzero.compile(precision="fp16")``)."""
+
+    loss_scale: float = 0.0
+    """A fixed loss scale, or 0 for DeepSpeed's dynamic loss scaler."""
+
+    initial_scale_power: int = 16
+    """The dynamic scaler starts at ``2**initial_scale_power``."""
+
+    loss_scale_window: int = 1000
+    """Updates without overflow before the dynamic scale doubles."""
+
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves (DeepSpeed's delayed shift)."""
+
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every update without overflow."""
+
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+
+    def __post_init__(self) -> None:
+        p = "fp16."
+        for name, value in (
+            ("enabled", _bool(p + "enabled", self.enabled)),
+            ("loss_scale", _num(p + "loss_scale", self.loss_scale, minimum=0.0)),
+            ("initial_scale_power", _int(p + "initial_scale_power", self.initial_scale_power, minimum=0)),
+            ("loss_scale_window", _int(p + "loss_scale_window", self.loss_scale_window, minimum=1)),
+            ("hysteresis", _int(p + "hysteresis", self.hysteresis, minimum=1)),
+            ("consecutive_hysteresis", _bool(p + "consecutive_hysteresis", self.consecutive_hysteresis)),
+            ("min_loss_scale", _num(p + "min_loss_scale", self.min_loss_scale, positive=True)),
+        ):
+            object.__setattr__(self, name, value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """The ``bf16`` section (DeepSpeed's older name ``bfloat16`` is read too)."""
+
+    enabled: bool = False
+    """Compute in bf16 (``fzero.compile(precision="bf16")``), fp32 master weights, no scaler."""
+
+    check_grad_overflow: bool = True
+    """Skip an update whose gradients are not finite (``fzero.compile(check_grad_overflow=)``);
+    DeepSpeed 0.19's ``DeepSpeedBF16Config`` default, true."""
+
+    def __post_init__(self) -> None:
+        _bool("bf16.enabled", self.enabled)
+        object.__setattr__(self, "check_grad_overflow",
+                           _bool("bf16.check_grad_overflow", self.check_grad_overflow))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """The ``zero_optimization`` section. ``true`` means stage 1 and ``false`` stage 0, as
+    DeepSpeed reads that legacy boolean form (``read_zero_config_deprecated``)."""
+
+    stage: int = 0
+    """ZeRO stage 0-3 over the mesh's ``dp`` axis (``fzero.compile(zero=...)``)."""
+
+    reduce_bucket_size: int | None = None
+    """Gradient elements reduced per bucket, DeepSpeed's unit (fzero's ``bucket_size`` is in
+    bytes: elements times 4, or 2 with a 16-bit ``communication_data_type``). ``None``, when
+    not written, keeps fzero's default bucket of 25 MiB rather than DeepSpeed's 5e8 elements."""
+
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with backward; ``None`` when not written (fzero overlaps)."""
+
+    def __post_init__(self) -> None:
+        p = "zero_optimization."
+        if _int(p + "stage", self.stage) not in (0, 1, 2, 3):
+            raise ValueError(f"{WHERE}: {p}stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        object.__setattr__(self, "stage", int(self.stage))
+        if self.reduce_bucket_size is not None:
+            object.__setattr__(self, "reduce_bucket_size",
+                               _int(p + "reduce_bucket_size", self.reduce_bucket_size, minimum=1))
+        if self.overlap_comm is not None:
+            _bool(p + "overlap_comm", self.overlap_comm)

@@ -1,0 +1,72 @@
+"""What a value of a DeepSpeed key may be: the checks every section and ``Config`` use.
+
+Each names the key by its dotted path, as DeepSpeed's JSON spells it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+WHERE = "fzero.Config"
+
+
+def _auto(path: str, value: Any) -> None:
+    if value == "auto":
+        raise ValueError(f"{WHERE}: {path}='auto' is a placeholder Hugging Face's Trainer fills in; "
+                         "DeepSpeed and fzero need a value")
+
+
+def _int(path: str, value: Any, *, minimum: int | None = None) -> int:
+    """An int, or a whole float (JSON writes ``5e8`` as a float); never a bool."""
+    _auto(path, value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
+        raise TypeError(f"{WHERE}: {path} must be an integer, got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{WHERE}: {path} must be >= {minimum}, got {value!r}")
+    return v
+
+
+def _num(path: str, value: Any, *, minimum: float | None = None, positive: bool = False) -> float:
+    _auto(path, value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{WHERE}: {path} must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not math.isfinite(v) or (minimum is not None and v < minimum) or (positive and v <= 0):
+        want = "> 0" if positive else f">= {minimum:g}" if minimum is not None else "finite"
+        raise ValueError(f"{WHERE}: {path} must be a finite number {want}, got {value!r}")
+    return v
+
+
+def _bool(path: str, value: Any) -> bool:
+    _auto(path, value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{WHERE}: {path} must be true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _section(path: str, value: Any) -> Mapping[str, Any]:
+    _auto(path, value)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{WHERE}: {path} must be a JSON object, got {value!r} ({type(value).__name__})")
+    return value
+
+
+class _FrozenDict(dict):
+    """A read-only dict: a section's ``params`` as written (picklable, unlike a mappingproxy)."""
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError(f"{WHERE}: a config section's params are read-only; use dataclasses.replace")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+    __ior__ = _readonly
+
+    def __reduce__(self):
+        return (_FrozenDict, (dict(self),))
+
+
+def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _FrozenDict(d)

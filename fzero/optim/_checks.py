@@ -1,0 +1,55 @@
+"""Argument checks shared by every factory in :mod:`fzero.optim`.
+
+Each takes ``where``, the public function's name the error starts with, and returns the
+value as a Python float, so a transformation and the optimizer built from it report the
+same value in the same words.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["check_lr", "check_nonneg", "check_number", "check_unit", "type_name"]
+
+
+def type_name(x: Any) -> str:
+    return type(x).__name__
+
+
+def check_number(where: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a number, got {type_name(value)} {value!r}")
+    return float(value)
+
+
+def check_nonneg(where: str, name: str, value: Any) -> float:
+    v = check_number(where, name, value)
+    if not v >= 0.0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value!r}")
+    return v
+
+
+def check_unit(where: str, name: str, value: Any, *, closed: bool = False) -> float:
+    """A decay rate: 0 <= value < 1 (or <= 1 with ``closed``)."""
+    v = check_number(where, name, value)
+    ok = 0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0
+    if not ok:
+        interval = "[0, 1]" if closed else "[0, 1)"
+        raise ValueError(f"{where}: {name} must lie in {interval}, got {value!r}")
+    return v
+
+
+def check_lr(where: str, learning_rate: Any) -> float | Callable[[int], float]:
+    """A learning rate is a non-negative number or a schedule ``fn(count) -> float``."""
+    if callable(learning_rate):
+        return learning_rate
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+        raise TypeError(
+            f"{where}: learning_rate must be a float or a schedule fn(count: int) -> float, "
+            f"got {type_name(learning_rate)} {learning_rate!r}"
+        )
+    if not float(learning_rate) >= 0.0:
+        raise ValueError(f"{where}: learning_rate must be >= 0, got {learning_rate!r}")
+    return float(learning_rate)

@@ -1,0 +1,136 @@
+"""DeepSpeed's LAMB (``FusedLamb``), which is not optax's :func:`~fzero.optim.lamb`.
+
+What ``deepspeed.initialize`` builds for ``{"optimizer": {"type": "Lamb"}}``, read from
+``deepspeed/ops/lamb/fused_lamb.py`` and ``csrc/lamb/fused_lamb_cuda_kernel.cu`` (DeepSpeed
+0.19.8); ``fzero.Config`` builds it for that section. It differs from the LAMB paper and
+optax in three places: the direction uses the moments *without* bias correction, the trust
+ratio is clamped to ``[min_coeff, max_coeff]``, and the bias corrections multiply the step.
+
+It is written on the public contract alone (:class:`~fzero.optim.GradientTransformation`,
+:func:`~fzero.optim.chain`, :func:`~fzero.optim.leaf_norms`), as a transformation of one's own
+would be.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from fzero import tree
+from fzero.optim._checks import check_lr, check_nonneg, check_unit
+from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain
+from fzero.optim.clipping import leaf_norms
+from fzero.optim.transform import scale_by_learning_rate
+
+__all__ = ["ScaleByDeepSpeedLambState", "deepspeed_lamb"]
+
+
+class ScaleByDeepSpeedLambState(NamedTuple):
+    """FusedLamb's state: the update count and the moments ``mu``, ``nu`` (no bias correction)."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+def deepspeed_lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+    eps_inside_sqrt: bool = False,
+    max_coeff: float = 10.0,
+    min_coeff: float = 0.01,
+) -> GradientTransformation:
+    """DeepSpeed's FusedLamb, with its defaults. Per tensor, with ``t`` the 1-based update index::
+
+        mu = b1 * mu + (1 - b1) * g ;  nu = b2 * nu + (1 - b2) * g^2
+        u = mu / (sqrt(nu) + eps) + weight_decay * p        (sqrt(nu + eps) if eps_inside_sqrt)
+        ratio = clamp(||p|| / ||u||, min_coeff, max_coeff)  1 if a norm is 0
+        p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u    (the factor is 1 without bias correction)
+
+    The per-tensor norms are :func:`~fzero.optim.leaf_norms`, exact on ZeRO shards. It has no
+    fused-kernel record (``tx.fused is None``): ``fzero_kernels``' LAMB is optax's.
+
+    Args:
+        learning_rate: a float or a schedule ``fn(count) -> float``.
+        b1, b2: the moment decay rates (DeepSpeed's ``betas``), in [0, 1).
+        eps: the denominator's stabiliser, >= 0.
+        weight_decay: the coefficient of ``p`` added to the direction, >= 0.
+        bias_correction: multiply the step by ``sqrt(1 - b2^t) / (1 - b1^t)``.
+        eps_inside_sqrt: ``sqrt(nu + eps)`` instead of ``sqrt(nu) + eps``.
+        max_coeff, min_coeff: the bounds of the trust ratio, ``0 <= min_coeff <= max_coeff``.
+
+    Returns:
+        ``chain(the direction above, scale_by_learning_rate(learning_rate))``, with state
+        ``(ScaleByDeepSpeedLambState(count, mu, nu), the learning rate's state)``; ``update``
+        needs ``params``.
+
+    Raises:
+        TypeError: an argument is not a number, or a learning rate neither a number nor callable.
+        ValueError: a rate outside [0, 1), a negative value, ``min_coeff > max_coeff``; at
+            update time, no ``params``, or updates or params whose structure is not the state's.
+
+    Example:
+        >>> import torch
+        >>> from fzero import optim
+        >>> tx = optim.deepspeed_lamb(0.1)
+        >>> params = {"w": torch.tensor([3.0, 4.0])}
+        >>> updates, _ = tx.update({"w": torch.tensor([1.0, 0.0])}, tx.init(params), params)
+        >>> updates["w"]
+        tensor([-0.1581, -0.0000])
+    """
+    where = "fzero.optim.deepspeed_lamb"
+    lr = check_lr(where, learning_rate)
+    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
+    eps, weight_decay = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
+    max_coeff, min_coeff = check_nonneg(where, "max_coeff", max_coeff), check_nonneg(where, "min_coeff", min_coeff)
+    if min_coeff > max_coeff:
+        raise ValueError(f"{where}: min_coeff={min_coeff} is greater than max_coeff={max_coeff}")
+
+    def init_fn(params):
+        return ScaleByDeepSpeedLambState(count=torch.zeros((), dtype=torch.int64),
+                                         mu=tree.map(torch.zeros_like, params),
+                                         nu=tree.map(torch.zeros_like, params))
+
+    @torch.no_grad()
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(f"{where}: needs the parameters; call update(updates, state, params)")
+        for x, name in ((updates, "updates"), (params, "params")):
+            tree.assert_same_structure(state.mu, x, what=where, names=("the optimizer state's mu", name))
+        mu, spec = tree.flatten(state.mu)
+        g, p = tree.leaves(updates), tree.leaves(params)
+        count = state.count + 1
+        if not g:
+            return updates, state._replace(count=count)
+        nu = tree.leaves(state.nu)
+        g = [x.to(m.dtype) for x, m in zip(g, mu)]
+        mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+        nu = torch._foreach_mul(nu, b2)
+        torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+        if eps_inside_sqrt:
+            denom = torch._foreach_add(nu, eps)
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(nu)
+            torch._foreach_add_(denom, eps)
+        u = torch._foreach_div(mu, denom)
+        if weight_decay:
+            torch._foreach_add_(u, [x.to(y.dtype) for x, y in zip(p, u)], alpha=weight_decay)
+        w_norm, u_norm = leaf_norms(p, u, device=u[0].device)
+        ratio = torch.where((w_norm != 0) & (u_norm != 0),
+                            (w_norm / u_norm).clamp(min_coeff, max_coeff), torch.ones_like(w_norm))
+        t = int(count)
+        if bias_correction:  # DeepSpeed folds both corrections into the step size
+            ratio = ratio * (math.sqrt(1.0 - b2**t) / (1.0 - b1**t))
+        out = torch._foreach_mul(u, [r.to(x.device) for r, x in zip(ratio.unbind(0), u)])
+        return tree.unflatten(spec, out), ScaleByDeepSpeedLambState(
+            count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu))
+
+    return chain(GradientTransformation(init_fn, update_fn, output="new"), scale_by_learning_rate(lr, where=where))
