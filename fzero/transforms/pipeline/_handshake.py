@@ -44,7 +44,6 @@ def _signature(x) -> tuple:
     return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in tree.leaves(x))
 
 
-
 def broadcast(t: torch.Tensor, src_stage: int, name: str, *, group, timeout_s: float) -> torch.Tensor:
     """``t`` from the rank running ``src_stage`` to every stage, in place; named and timed."""
     src = dist.get_global_rank(group, src_stage)
