@@ -14,8 +14,7 @@ from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
 from fzero.transforms import Step, accumulate, mixed_precision, pipeline, shard_state
-
-__version__ = "0.1.0"
+from fzero._version import __version__
 
 __all__ = [
     "CompileOptions",

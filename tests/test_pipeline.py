@@ -465,7 +465,11 @@ def test_schedules_run_every_micro_batch_without_deadlock(kind):
 def test_doctests():
     import doctest
     import importlib
+    import pkgutil
 
-    module = importlib.import_module("fzero.transforms.pipeline")  # the module, not the function
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0 and result.attempted >= 3, result
+    package = importlib.import_module("fzero.transforms.pipeline")  # the package, not the function
+    failed = attempted = 0
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        result = doctest.testmod(importlib.import_module(info.name), optionflags=doctest.NORMALIZE_WHITESPACE)
+        failed, attempted = failed + result.failed, attempted + result.attempted
+    assert failed == 0 and attempted >= 3, (failed, attempted)

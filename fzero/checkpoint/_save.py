@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fzero._version import __version__
 from fzero.checkpoint import _comm, _format, _rng
 from fzero.checkpoint._format import MANIFEST, MARKER, CheckpointError, Progress
 from fzero.checkpoint._plan import Plan, plan as make_plan
@@ -352,8 +353,6 @@ def _commit(path, tmp, plan, reports, world, step, metadata, keep, overwrite) ->
         if rec["kind"] == "tensor":
             rec["pieces"] = [{**p, **where[(p["rank"], p["name"])]} for p in rec["pieces"]]
         leaves.append(rec)
-    from fzero import __version__
-
     manifest = {
         "format": _format.FORMAT, "version": _format.VERSION,
         "fzero_version": __version__, "torch_version": torch.__version__,

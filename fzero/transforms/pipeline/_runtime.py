@@ -1,40 +1,17 @@
-"""``pipeline``: GPipe and 1F1B pipeline parallelism over the mesh's ``pp`` axis.
-
-The user gives *stages* -- pure functions ``stage(params, x) -> y``, each owning some keys of
-the params dict (or :func:`split` of an ``nn.Sequential``) -- and a loss on the last stage.
-``fzero.pipeline`` returns a :class:`Pipeline`, a ``value_and_grad``-shaped function::
-
-    loss, grads = pipe(params, x, y)
-
-Rank ``s`` on the ``pp`` axis runs stage ``s`` on each of ``m`` micro-batches in the order
-the schedule gives (GPipe: all forwards, then all backwards; 1F1B: at most ``p - s``
-micro-batches in flight), sends activations forward and their gradients backward with real
-point-to-point sends (shapes agreed once, then cached), and accumulates this stage's
-parameter gradients. The loss is computed on the last stage and broadcast to every stage.
-
-How it composes (see docs/pipeline.md): the whole schedule runs inside *one* call of the
-``value_and_grad`` primitive, whose differentiated function returns the loss through a
-small autograd function that hands the accumulated gradients to whatever asked for them.
-So every handler of the primitive sees one ordinary call per step: ``mixed_precision``
-casts and scales (the schedule seeds its backward with the loss scale), ``shard_state``
-gathers (stage 3) and reduces each stage's gradients over ``dp`` once per step -- not once
-per micro-batch -- and ``accumulate`` runs whole pipelined steps. ``pipe.transform(step)``
-keeps only this stage's parameters in the state (so each ``dp`` group shards one stage's
-parameters) and turns 0-dim ``psum`` reductions (a global norm, fp16's overflow flag) into
-all-reduces over ``pp`` as well.
-"""
+"""The pipeline at run time: :class:`Pipeline` runs this stage's side of the schedule
+inside one ``value_and_grad`` call -- receives, forwards, sends, backwards seeded with the
+loss scale, gradients accumulated -- and hands the gradients over through :class:`_Deliver`;
+:func:`pipeline` checks the options and builds it; ``_PipelineHandler`` carries 0-dim
+``psum`` reductions over ``pp``."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call
 
 from fzero import tree
 from fzero._params import Params, frozen_names, trainable
@@ -42,174 +19,11 @@ from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, bind, installed
 from fzero.transforms.accumulate import split_batch
-
-__all__ = ["Pipeline", "Stage", "StageError", "pipeline", "schedule", "split"]
-
-WHERE = "fzero.pipeline"
-SCHEDULES = ("gpipe", "1f1b")
-_MAX_DIMS = 8
-# Dtypes an activation may have, by code (sent in the shape handshake).
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-
-
-class StageError(ValueError):
-    """A stage cannot run on what it is given (raised on every rank of the pipeline)."""
-
-
-# --------------------------------------------------------------------------- stages
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """One pipeline stage: a pure function and the parameter names it owns.
-
-    Attributes:
-        fn: ``fn(params, x) -> y``; ``params`` holds exactly ``keys``.
-        keys: names in the params dict this stage uses. A name owned by several stages is a
-            *tied* weight (an embedding used again as the head): each of those stages holds
-            a copy, and their gradients are summed before the update, so the copies stay
-            equal.
-        in_shape: optional trailing dims the stage expects of its input (e.g. ``(64,)``);
-            checked before the first step, so a mismatch names both shapes.
-    """
-
-    fn: Callable
-    keys: tuple[str, ...]
-    in_shape: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if not callable(self.fn):
-            raise TypeError(f"{WHERE}.Stage: fn must be callable as fn(params, x), got {type(self.fn).__name__}")
-        if isinstance(self.keys, str) or not isinstance(self.keys, Iterable):
-            raise TypeError(f"{WHERE}.Stage: keys must be a sequence of parameter names, got {self.keys!r}")
-        object.__setattr__(self, "keys", tuple(dict.fromkeys(self.keys)))
-        if self.in_shape is not None:
-            object.__setattr__(self, "in_shape", tuple(int(d) for d in self.in_shape))
-
-
-class _ModuleStage:
-    """``params, x -> sub(x)`` for a slice of an ``nn.Sequential``, parameters by full name."""
-
-    def __init__(self, sub: torch.nn.Module, names: dict[str, str]):
-        self.sub, self.names = sub, names  # names: the slice's own name -> the full model's
-
-    def __call__(self, params: dict, x):
-        given = {local: params[full] for local, full in self.names.items()}
-        given.update(dict(self.sub.named_buffers()))
-        return functional_call(self.sub, given, (x,), strict=True, tie_weights=True)
-
-    def __repr__(self) -> str:
-        return f"<stage {type(self.sub).__name__} of {len(self.sub)} modules>"
-
-
-_ELEMENTWISE = (torch.nn.Tanh, torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid,
-                torch.nn.Dropout, torch.nn.Identity)
-
-
-def _expected_shape(sub: torch.nn.Module) -> tuple[int, ...] | None:
-    """Trailing input dims of a slice, read from its first layer where that layer says."""
-    for m in sub.modules():
-        if next(m.children(), None) is not None:
-            continue
-        if isinstance(m, torch.nn.Linear):
-            return (m.in_features,)
-        if isinstance(m, torch.nn.LayerNorm):
-            return tuple(m.normalized_shape)
-        if not isinstance(m, _ELEMENTWISE):
-            return None
-    return None
-
-
-def split(module: torch.nn.Sequential, boundaries: Sequence[int]) -> list[Stage]:
-    """Cut an ``nn.Sequential`` into stages at the given child indices.
-
-    Args:
-        module: the model, an ``nn.Sequential`` (the ``apply`` of ``fzero.functionalize``
-            of it gives the params dict these stages index).
-        boundaries: indices of the children that start stages 1, 2, ...: ``[2, 5]`` gives
-            ``module[0:2]``, ``module[2:5]``, ``module[5:]``.
-
-    Returns:
-        One :class:`Stage` per slice; its ``keys`` are the full model's parameter names
-        (a weight shared by two slices is a tied weight of both), its ``in_shape`` read
-        from the slice's first ``Linear`` or ``LayerNorm`` where there is one.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: boundaries not strictly increasing inside ``(0, len(module))``.
-
-    Example:
-        >>> import torch, fzero
-        >>> stages = fzero.transforms.pipeline.split(torch.nn.Sequential(
-        ...     torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)), [2])
-        >>> [s.keys for s in stages]
-        [('0.weight', '0.bias'), ('2.weight', '2.bias')]
-    """
-    if not isinstance(module, torch.nn.Sequential):
-        raise TypeError(f"{WHERE}.split: expected an nn.Sequential, got {type(module).__name__} "
-                        "(write the stages as fzero.pipeline.Stage(fn, keys) instead)")
-    n = len(module)
-    cuts = [0, *[int(b) for b in boundaries], n]
-    if any(b <= a for a, b in zip(cuts, cuts[1:])):
-        raise ValueError(f"{WHERE}.split: boundaries {list(boundaries)} must increase strictly inside (0, {n})")
-    full: dict[int, str] = {}
-    for name, p in module.named_parameters():
-        full.setdefault(id(p), name)
-    stages = []
-    for a, b in zip(cuts, cuts[1:]):
-        sub = module[a:b]
-        names = {local: full[id(p)] for local, p in sub.named_parameters(remove_duplicate=False)}
-        stages.append(Stage(_ModuleStage(sub, names), tuple(names.values()), _expected_shape(sub)))
-    return stages
-
-
-# --------------------------------------------------------------------------- schedules
-
-
-def schedule(kind: Literal["gpipe", "1f1b"], stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs forwards ``("F", j)`` and backwards ``("B", j)``.
-
-    GPipe (Huang et al. 2019) runs every forward, then every backward: a stage holds ``m``
-    micro-batches' activations. 1F1B (PipeDream-Flush, Narayanan et al. 2021) runs
-    ``p - s - 1`` warm-up forwards, then alternates one forward and one backward: stage
-    ``s`` never holds more than ``p - s`` micro-batches, whatever ``m``. Both leave the
-    bubble ``(p - 1) / (m + p - 1)`` of the step with balanced stages and free
-    communication (whatever a backward costs relative to a forward).
-
-    Example:
-        >>> schedule("1f1b", 2, 3, 0)
-        [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
-    """
-    m, p = micro_batches, stages
-    if kind == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    if kind != "1f1b":
-        raise ValueError(f"{WHERE}: schedule={kind!r} must be one of {', '.join(map(repr, SCHEDULES))}")
-    warm = min(p - stage - 1, m)
-    ops = [("F", j) for j in range(warm)]
-    for k in range(m - warm):
-        ops += [("F", warm + k), ("B", k)]
-    return ops + [("B", j) for j in range(m - warm, m)]
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {str(x.dtype).replace('torch.', '')} tensor of shape {tuple(x.shape)}"
-    leaves = [v for v in tree.leaves(x) if isinstance(v, torch.Tensor)]
-    return f"a {type(x).__name__} of {len(leaves)} tensors (first of shape " \
-           f"{tuple(leaves[0].shape) if leaves else '-'})"
-
-
-def _fmt(shape, dtype) -> str:
-    return f"{tuple(shape)} ({str(dtype).replace('torch.', '')})"
-
-
-def _signature(x) -> tuple:
-    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in tree.leaves(x))
+from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
+from fzero.transforms.pipeline._memory import _SavedBytes
+from fzero.transforms.pipeline._schedule import SCHEDULES, schedule
+from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, stage_params
+from fzero.transforms.pipeline._tied import sum_tied_grads, tied_weights
 
 
 def _loss_scale() -> float:
@@ -264,51 +78,6 @@ def _targets(ptensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class _Box:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
-class _SavedBytes:
-    """Counts bytes of distinct storages autograd saved for backward, live now and at the
-    peak: what a schedule keeps of its micro-batches' activations (``exclude``: storages
-    held anyway, the parameters and the batch)."""
-
-    def __init__(self, exclude: Sequence[torch.Tensor]):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.live: dict[int, list[int]] = {}
-        self.now = self.peak = 0
-
-    def pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr == 0 or ptr in self.exclude:
-            return t
-        entry = self.live.get(ptr)
-        if entry is None:
-            nbytes = t.untyped_storage().nbytes()
-            self.live[ptr] = [1, nbytes]
-            self.now += nbytes
-            self.peak = max(self.peak, self.now)
-        else:
-            entry[0] += 1
-        box = _Box(t)
-        weakref.finalize(box, self._release, ptr)
-        return box
-
-    def _release(self, ptr):
-        entry = self.live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.now -= entry[1]
-            del self.live[ptr]
-
-    @staticmethod
-    def unpack(x):
-        return x.t if isinstance(x, _Box) else x
-
-
 # --------------------------------------------------------------------------- the pipeline
 
 
@@ -334,13 +103,9 @@ class Pipeline:
         self.stage = mesh.coords["pp"]
         self.group = mesh.group("pp")
         self.device = mesh.device
-        holders: dict[str, list[int]] = {}
-        for i, s in enumerate(stages):
-            for k in s.keys:
-                holders.setdefault(k, []).append(i)
-        self.tied = {k: tuple(h) for k, h in holders.items() if len(h) > 1}
+        self.tied = tied_weights(stages)
         self._channel = None
-        self._agreed: dict[tuple, tuple] = {}
+        self._shapes = Handshake(stages, loss_fn, self.stage, self.p, self.device, self.group, timeout_s)
         self.stats: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -360,16 +125,7 @@ class Pipeline:
         Raises:
             KeyError: some of the stage's names are missing (names them).
         """
-        if not isinstance(params, dict):
-            raise TypeError(f"{WHERE}: params must be a dict of parameters by name, got {type(params).__name__}")
-        missing = [k for k in self.keys if k not in params]
-        if missing:
-            raise KeyError(f"{WHERE}: stage {self.stage}'s parameters are missing from params: {missing[:8]}"
-                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        out = {k: params[k] for k in self.keys}
-        if isinstance(params, Params):  # keep which of them are frozen
-            return Params(out, frozen=params.frozen & out.keys())
-        return out
+        return stage_params(self.stages, self.stage, params)
 
     def init(self, state):
         """The state keeping only this stage's parameters, with its optimizer state rebuilt
@@ -477,85 +233,7 @@ class Pipeline:
         return self._channel
 
     def _broadcast(self, t: torch.Tensor, src_stage: int, name: str) -> torch.Tensor:
-        src = dist.get_global_rank(self.group, src_stage)
-        comm.run(name, lambda: dist.broadcast(t, src=src, group=self.group, async_op=True),
-                 timeout_s=self.timeout_s, where=WHERE)
-        return t
-
-    # ---------------------------------------------------------------- shapes, agreed once
-
-    def _agree(self, params, x0, y0) -> tuple:
-        """Run each stage once on micro-batch 0's shapes, in stage order, and tell every rank
-        what each stage gives (or why it failed): every rank then knows the shapes it
-        receives, or raises the same error. Cached by the input's signature."""
-        key = (_signature(x0), _signature(y0), torch.is_autocast_enabled(self.device.type),
-               torch.get_autocast_dtype(self.device.type))
-        if key in self._agreed:
-            return self._agreed[key]
-        s, p = self.stage, self.p
-        in_meta = out_meta = None
-        for k in range(p):
-            msg = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-            text = ""
-            if k == s:
-                text, out = self._try_stage(params, x0, y0, in_meta)
-                if text:
-                    msg[0] = 1
-                elif out is not None:
-                    msg[1:] = torch.tensor(_encode(*out))
-            if p > 1:
-                self._broadcast(msg, k, f"broadcast(output shape of stage {k})")
-            if int(msg[0]):
-                if p > 1:
-                    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=self.device)
-                    n = self._broadcast(torch.tensor([data.numel()], device=self.device), k, "broadcast(error length)")
-                    buf = data if k == s else torch.empty(int(n), dtype=torch.uint8, device=self.device)
-                    text = bytes(self._broadcast(buf, k, "broadcast(error)").tolist()).decode()
-                raise StageError(text)
-            if k == s - 1:
-                in_meta = _decode(msg[1:])
-            if k == s and k < p - 1:
-                out_meta = _decode(msg[1:])
-        self._agreed[key] = (in_meta, out_meta)
-        return in_meta, out_meta
-
-    def _try_stage(self, params, x0, y0, in_meta) -> tuple[str, tuple | None]:
-        """Run this stage (and, on the last, the loss) on zeros of the input's shape; return
-        ``(error text, (shape, dtype) of the output)``. No gradients; the RNG is restored."""
-        s, st = self.stage, self.stages[self.stage]
-        last = s == self.p - 1
-        if s == 0:
-            inp, given = x0, f"on {_describe(x0)} (a micro-batch of x)"
-        else:
-            shape, dtype = in_meta
-            given = f"on stage {s - 1}'s output {_fmt(shape, dtype)} per micro-batch"
-            if st.in_shape is not None and tuple(shape[len(shape) - len(st.in_shape):]) != st.in_shape:
-                return (f"{WHERE}: stage {s - 1}'s output and stage {s}'s input disagree: stage {s - 1} gives "
-                        f"shape {tuple(shape)}, stage {s} expects (..., {', '.join(map(str, st.in_shape))})"), None
-            inp = torch.zeros(shape, dtype=dtype, device=self.device)
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                out = st.fn(params, inp)
-        except Exception as e:  # noqa: BLE001  (reported on every rank, with the original text)
-            expects = f" (it expects (..., {', '.join(map(str, st.in_shape))}))" if st.in_shape else ""
-            return f"{WHERE}: stage {s}{expects} failed {given}: {type(e).__name__}: {e}", None
-        if not isinstance(out, torch.Tensor):
-            return f"{WHERE}: stage {s} must return one tensor, got {type(out).__name__}", None
-        if not last:
-            if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
-                return f"{WHERE}: stage {s}'s output {_fmt(out.shape, out.dtype)} cannot be sent", None
-            return "", (tuple(out.shape), out.dtype)
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                loss = self.loss_fn(out, y0)
-        except Exception as e:  # noqa: BLE001
-            return (f"{WHERE}: loss_fn failed on the last stage's output {_fmt(out.shape, out.dtype)}: "
-                    f"{type(e).__name__}: {e}"), None
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-            got = _fmt(loss.shape, loss.dtype) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            return f"{WHERE}: loss_fn must return a floating-point scalar tensor, got {got}", None
-        return "", None
+        return broadcast(t, src_stage, name, group=self.group, timeout_s=self.timeout_s)
 
     # ---------------------------------------------------------------- the schedule
 
@@ -563,7 +241,7 @@ class Pipeline:
         """The function ``value_and_grad`` differentiates: runs the whole schedule, returns
         the loss through :class:`_Deliver` carrying the accumulated gradients."""
         t_start = time.perf_counter()
-        in_meta, out_meta = self._agree(params, xs[0], ys[0])
+        in_meta, out_meta = self._shapes.agree(params, xs[0], ys[0])
         s, p, m = self.stage, self.p, self.micro_batches
         first, last = s == 0, s == p - 1
         st = self.stages[s]
@@ -646,7 +324,9 @@ class Pipeline:
         for a in acc:
             if a is not None:
                 a.div_(m)  # the mean over micro-batches: a mean loss gives the full batch's gradient
-        self._sync_tied(dict(zip(names, ptensors)), targets, acc)
+        if self.tied and p > 1:  # (``self.channel`` is made on first use; a lone stage never makes it)
+            sum_tied_grads(dict(zip(names, ptensors)), targets, acc, tied=self.tied, stage=s, channel=self.channel,
+                           device=self.device)
         loss = self._loss(losses)
         step_s = time.perf_counter() - t_start
         self.stats = {"schedule": self.schedule, "micro_batches": m, "max_in_flight": max_in_flight,
@@ -678,65 +358,6 @@ class Pipeline:
             total = total.reshape(())
         return total
 
-    def _sync_tied(self, params: dict, targets: list, acc: list) -> None:
-        """Sum the gradients of each tied weight over the stages holding it.
-
-        Every holder sends its gradients of the weights it shares with another holder and
-        receives theirs (point to point, tag 1), then adds them in stage order, so every
-        holder gets the same bits and its copy stays equal to the others after the update.
-        """
-        if not self.tied or self.p == 1:
-            return
-        s = self.stage
-        shared = {h: [n for n, hs in sorted(self.tied.items()) if s in hs and h in hs and n in params]
-                  for h in range(self.p) if h != s}
-        shared = {h: ns for h, ns in shared.items() if ns}
-        if not shared:
-            return
-        mine = {}
-        for ns in shared.values():
-            for n in ns:
-                mine[n] = self._grad_of(params[n], targets, acc)
-        for h, ns in shared.items():
-            self.channel.isend(torch.cat([mine[n].float().reshape(-1) for n in ns]), h,
-                               f"the gradients of tied weights {ns}", tag=1)
-        received: dict[int, dict[str, torch.Tensor]] = {}
-        for h, ns in shared.items():
-            buf = torch.empty(sum(mine[n].numel() for n in ns), dtype=torch.float32, device=self.device)
-            self.channel.recv(buf, h, f"the gradients of tied weights {ns} (stage {h} -> {s})", tag=1)
-            parts = buf.split([mine[n].numel() for n in ns])
-            received[h] = {n: t.view(mine[n].shape) for n, t in zip(ns, parts)}
-        self.channel.flush()
-        for n, g in mine.items():
-            parts = [g.float() if h == s else received[h][n] for h in self.tied[n]]
-            total = parts[0].clone()
-            for t in parts[1:]:
-                total += t
-            g.copy_(total)
-
-    def _grad_of(self, p: torch.Tensor, targets: list, acc: list) -> torch.Tensor:
-        """The accumulated gradient of parameter ``p``, as a view into ``acc`` (made zeros
-        where nothing reached it), whether ``p`` is a target itself or a view of one."""
-        for i, t in enumerate(targets):
-            if t is p or p._base is t:
-                if acc[i] is None:
-                    acc[i] = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                if t is p:
-                    return acc[i]
-                return acc[i].as_strided(p.shape, p.stride(), p.storage_offset() - t.storage_offset())
-        raise AssertionError("unreachable: every parameter is a target or a view of one")
-
-
-def _encode(shape, dtype) -> list[int]:
-    shape = tuple(shape)
-    return [_DTYPES.index(dtype), len(shape), *shape, *([0] * (_MAX_DIMS - len(shape)))]
-
-
-def _decode(v: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    vals = [int(x) for x in v.tolist()]
-    return tuple(vals[2: 2 + vals[1]]), _DTYPES[vals[0]]
-
-
 class _PipelineHandler(Handler):
     def __init__(self, pipe: Pipeline):
         self.pipe = pipe
@@ -753,16 +374,6 @@ class _PipelineHandler(Handler):
 
 
 # --------------------------------------------------------------------------- the transform
-
-
-def _as_stage(s, i: int) -> Stage:
-    if isinstance(s, Stage):
-        return s
-    if isinstance(s, tuple) and len(s) in (2, 3):
-        return Stage(*s)
-    raise TypeError(f"{WHERE}: stage {i} must be a fzero.pipeline.Stage(fn, keys) or a pair (fn, keys), "
-                    f"got {type(s).__name__}" + (" (a bare function does not say which parameters it owns)"
-                                                 if callable(s) else ""))
 
 
 def pipeline(
@@ -827,11 +438,3 @@ def pipeline(
                          f"({mesh}); give one stage per pp rank")
     timeout_s = mesh.timeout_s if timeout_s is None else float(timeout_s)
     return Pipeline(stages, loss_fn, mesh, micro_batches, schedule, timeout_s, measure_memory)
-
-
-# ``fzero.pipeline.split(...)``, ``fzero.pipeline.Stage(...)``: the helpers ride on the function.
-pipeline.Stage = Stage
-pipeline.StageError = StageError
-pipeline.Pipeline = Pipeline
-pipeline.split = split
-pipeline.schedule = globals()["schedule"]
