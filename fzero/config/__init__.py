@@ -26,7 +26,7 @@ Example:
     >>> cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage
     (8, 1)
     >>> opts = cfg.compile_options()
-    >>> opts["precision"], opts["loss_scale"], opts["accumulate"]
+    >>> opts.dtype, opts.loss_scale, opts.accumulate
     ('fp16', 'dynamic', 1)
     >>> cfg.make_optimizer().fused.kind      # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
     'adamw'

@@ -85,7 +85,7 @@ class Config:
         >>> cfg.train_batch_size, cfg.local_batch_size
         (16, 8)
         >>> opts = cfg.compile_options()
-        >>> opts["zero"], opts["precision"], opts["accumulate"], opts["clip_norm"], opts["bucket_size"]
+        >>> opts.stage, opts.dtype, opts.accumulate, opts.clip_norm, opts.bucket_bytes
         (2, 'bf16', 2, 1.0, 200000000)
         >>> lr = cfg.make_schedule()
         >>> [round(lr(k), 5) for k in (0, 1, 6, 11, 100)]
@@ -215,47 +215,51 @@ class Config:
         """Samples each data-parallel rank passes to one step call: micro-batch * steps."""
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
 
-    def compile_options(self) -> dict[str, Any]:
-        """The keyword options of ``fzero.compile`` this config asks for.
+    def decided_options(self) -> dict[str, Any]:
+        """The :class:`fzero.CompileOptions` fields this config decides, by field name.
 
-        Returns:
-            A dict with ``zero`` (stage), ``precision``, ``loss_scale`` (``"dynamic"`` or a
-            float; it matters under fp16 only), ``loss_scale_options`` (the fp16 dynamic
-            scaler's ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
-            ``consecutive_hysteresis``, ``min_loss_scale``, as ``fzero.mixed_precision``
-            takes them), ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
-            true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
-            (gradient_accumulation_steps), ``clip_norm`` (gradient_clipping, ``None`` for 0)
-            and ``bucket_size`` (reduce_bucket_size in bytes, ``None`` when not written);
-            plus ``overlap_comm`` when the config writes it and ``reduce_dtype`` when
-            ``communication_data_type`` is a 16-bit type.
+        Always ``stage``, ``dtype``, ``loss_scale`` (``"dynamic"`` or a float; it matters
+        under fp16 only), the fp16 dynamic scaler's ``initial_scale_power``,
+        ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis`` and
+        ``min_loss_scale``, ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
+        true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
+        (gradient_accumulation_steps) and ``clip_norm`` (gradient_clipping, ``None`` for 0);
+        ``bucket_bytes`` (reduce_bucket_size in bytes) and ``overlap_comm`` when the config
+        writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type. A
+        keyword of ``fzero.compile`` may set the others, never contradict these.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
         fp16 = self.fp16
         opts: dict[str, Any] = {
-            "zero": zero.stage,
-            "precision": self.precision,
+            "stage": zero.stage,
+            "dtype": self.precision,
             "loss_scale": float(fp16.loss_scale) if fp16.enabled and fp16.loss_scale > 0 else "dynamic",
-            "loss_scale_options": {
-                "initial_scale_power": int(fp16.initial_scale_power),
-                "loss_scale_window": int(fp16.loss_scale_window),
-                "hysteresis": int(fp16.hysteresis),
-                "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
-                "min_loss_scale": float(fp16.min_loss_scale),
-            },
+            "initial_scale_power": int(fp16.initial_scale_power),
+            "loss_scale_window": int(fp16.loss_scale_window),
+            "hysteresis": int(fp16.hysteresis),
+            "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
+            "min_loss_scale": float(fp16.min_loss_scale),
             # DeepSpeed reads bf16.check_grad_overflow only under bf16 and always checks
             # under fp16 (DeepSpeedEngine._configure_zero_optimizer).
             "check_grad_overflow": self.bf16.check_grad_overflow if self.bf16.enabled else True,
             "accumulate": self.gradient_accumulation_steps,
             "clip_norm": self.gradient_clipping or None,
-            "bucket_size": None if zero.reduce_bucket_size is None else zero.reduce_bucket_size * itemsize,
         }
+        if zero.reduce_bucket_size is not None:
+            opts["bucket_bytes"] = zero.reduce_bucket_size * itemsize
         if zero.overlap_comm is not None:
             opts["overlap_comm"] = zero.overlap_comm
         if comm_dtype is not None:
-            opts["reduce_dtype"] = comm_dtype
+            opts["reduce_in"] = comm_dtype
         return opts
+
+    def compile_options(self) -> "CompileOptions":
+        """The options of ``fzero.compile`` this config asks for: :meth:`decided_options`
+        over the defaults of :class:`fzero.CompileOptions`."""
+        from fzero.options import CompileOptions
+
+        return CompileOptions(**self.decided_options())
 
     def make_schedule(self, *, base_lr: float | None = None) -> schedules.Schedule:
         """The ``scheduler`` section as a schedule ``fn(count) -> lr`` (count 0-based).

@@ -228,7 +228,7 @@ _ZERO: dict[str, _Rule] = {
     "reduce_scatter": _zero_perf(True),
     "use_multi_rank_bucket_allreduce": _zero_perf(True),
     "allgather_partitions": _zero_perf(True),
-    "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_size` bytes, "
+    "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_bytes` bytes, "
                                    "set by reduce_bucket_size", _differs(5e8)),
     "compute_grad_norm": _zero_perf(True),
     "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never),
@@ -328,5 +328,5 @@ _SCHEDULERS: dict[str, tuple[str, ...]] = {
 # follows the release its DeepSpeed semantics are checked against (0.19.8).
 GRADIENT_CLIPPING_DEFAULT = 1.0
 
-# communication_data_type -> (compile's reduce_dtype, bytes per reduced element)
+# communication_data_type -> (compile's reduce_in, bytes per reduced element)
 _COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}

@@ -205,7 +205,7 @@ class FP16Config:
     """The ``fp16`` section: fp16 compute with fp32 master weights and a loss scaler."""
 
     enabled: bool = False
-    """Compute in fp16 (``fzero.compile(precision="fp16")``)."""
+    """Compute in fp16 (``fzero.compile(dtype="fp16")``)."""
 
     loss_scale: float = 0.0
     """A fixed loss scale, or 0 for DeepSpeed's dynamic loss scaler."""
@@ -244,7 +244,7 @@ class BF16Config:
     """The ``bf16`` section (DeepSpeed's older name ``bfloat16`` is read too)."""
 
     enabled: bool = False
-    """Compute in bf16 (``fzero.compile(precision="bf16")``), fp32 master weights, no scaler."""
+    """Compute in bf16 (``fzero.compile(dtype="bf16")``), fp32 master weights, no scaler."""
 
     check_grad_overflow: bool = True
     """Skip an update whose gradients are not finite (``fzero.compile(check_grad_overflow=)``);
@@ -265,7 +265,7 @@ class ZeroConfig:
     """ZeRO stage 0-3 over the mesh's ``dp`` axis (``fzero.compile(zero=...)``)."""
 
     reduce_bucket_size: int | None = None
-    """Gradient elements reduced per bucket, DeepSpeed's unit (fzero's ``bucket_size`` is in
+    """Gradient elements reduced per bucket, DeepSpeed's unit (fzero's ``bucket_bytes`` is in
     bytes: elements times 4, or 2 with a 16-bit ``communication_data_type``). ``None``, when
     not written, keeps fzero's default bucket of 25 MiB rather than DeepSpeed's 5e8 elements."""
 
