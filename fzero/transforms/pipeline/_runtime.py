@@ -17,6 +17,7 @@ from fzero import tree
 from fzero._params import Params, frozen_names, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
+from fzero.functional import loss_scale
 from fzero.transforms._core import Handler, Step, as_step, bind, installed
 from fzero.transforms.accumulate import split_batch
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
@@ -24,17 +25,6 @@ from fzero.transforms.pipeline._memory import _SavedBytes
 from fzero.transforms.pipeline._schedule import SCHEDULES, schedule
 from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, stage_params
 from fzero.transforms.pipeline._tied import sum_tied_grads, tied_weights
-
-
-def _loss_scale() -> float:
-    """The scale a ``mixed_precision`` handler will multiply the loss by (1.0 if none).
-
-    The schedule seeds every micro-batch's backward with it, so fp16 gradients are born
-    scaled, exactly as in the plain step (where autograd carries the scale down from the
-    scaled loss)."""
-    from fzero.functional import loss_scale
-
-    return float(loss_scale())
 
 
 class _Deliver(torch.autograd.Function):
@@ -248,7 +238,9 @@ class Pipeline:
         names = [k for k in self.keys if isinstance(params[k], torch.Tensor) and params[k].requires_grad]
         ptensors = [params[k] for k in names]
         targets = _targets(ptensors)
-        scale = _loss_scale()
+        # Seed each micro-batch's backward with the scale mixed_precision multiplies the
+        # loss by, so fp16 gradients are born scaled as in the plain step.
+        scale = float(loss_scale())
         grads_in = in_meta is not None and (in_meta[1].is_floating_point or in_meta[1].is_complex)
         grads_out = out_meta is not None and (out_meta[1].is_floating_point or out_meta[1].is_complex)
         # Parameters and the caller's batch (micro-batches of stage 0 are views of it) are
