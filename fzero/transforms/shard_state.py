@@ -247,7 +247,7 @@ class _ShardHandler(Handler):
             extra["master"] = with_values(extra["master"], self.layout.shard_params(
                 {k: v for k, v in extra["master"].items() if v is not None}, self.group))
         if self.stage in (1, 2):
-            full = self._regroup(train)
+            full = self.layout.regroup(train)
             target = extra.get("master", None) or with_values(
                 trainable_view(params), self.layout.piece_views(full, self.group))
             return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), extra=extra)
@@ -316,15 +316,6 @@ class _ShardHandler(Handler):
         self._unit_modules = unit_modules
         self.units = [(m, -1) for m in unit_modules]
         return units
-
-    def _regroup(self, params: dict) -> dict:
-        """Full parameters as views into one flat buffer per group (all-gathers write there)."""
-        out = {}
-        for g in self.layout.groups:
-            flat = self.layout.flatten_full(params, g)
-            for name, view in zip(g.names, g.views(flat)):
-                out[name] = view
-        return {k: out[k] for k in self.names}
 
     @staticmethod
     def _empty_full(g) -> torch.Tensor:
@@ -476,13 +467,7 @@ class _ShardHandler(Handler):
     def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
         out = {}
         for g in self.layout.groups:
-            own = torch.zeros(g.chunk, dtype=g.dtype, device=g.device)
-            base = g.rank * g.chunk
-            for i, name in enumerate(g.names):
-                a, b = g.info(i).piece()
-                lo = g.offsets[i] + a - base
-                own[lo: lo + (b - a)] = pieces[name].local.reshape(-1)
-            full = self._gather_group(g, own, torch.empty(g.padded, dtype=g.dtype, device=g.device))
+            full = self._gather_group(g, g.pack_own(pieces), torch.empty(g.padded, dtype=g.dtype, device=g.device))
             for name, view in zip(g.names, g.views(full)):
                 out[name] = view
         return {k: out[k] for k in self.names}
@@ -506,14 +491,7 @@ class _ShardHandler(Handler):
         unit_groups = {gi for _, gi in self.units}
 
         def own_slice(gi):
-            g = groups[gi]
-            own = torch.zeros(g.chunk, dtype=g.dtype, device=g.device)
-            base = g.rank * g.chunk
-            for i, name in enumerate(g.names):
-                a, b = g.info(i).piece()
-                lo = g.offsets[i] + a - base
-                own[lo: lo + (b - a)] = params[name].local.reshape(-1)
-            return own
+            return groups[gi].pack_own(params)
 
         # Prefetch (``prefetch=True``): once a unit is gathered, the all-gather of the next
         # unit in the direction of travel (forward order in forward, reverse in backward)
