@@ -35,6 +35,7 @@ from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
+from fzero.distributed.reduce import BufferPool, ReduceSink
 from fzero.transforms._arguments import Arguments
 from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed, micro_batch
 from fzero.transforms._deferred import Deferred
@@ -43,146 +44,6 @@ __all__ = ["shard_state"]
 
 WHERE = "fzero.shard_state"
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-MAX_IN_FLIGHT = 2  # reduce-scatters outstanding at once (stages 2-3)
-
-
-class _BufferPool:
-    """A few reduce buffers kept between steps (stages 2-3), reused largest-fit.
-
-    Fresh multi-megabyte buffers cost page faults on every step (measured: 26-48 ms a step on
-    the 10.8M GPT); at most ``limit`` buffers are kept, about ``MAX_IN_FLIGHT + 1`` buckets.
-    """
-
-    def __init__(self, limit: int = MAX_IN_FLIGHT + 2):
-        self.limit = limit
-        self.free: list[torch.Tensor] = []
-
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        fits = [i for i, t in enumerate(self.free) if t.numel() >= n and t.dtype == dtype and t.device == device]
-        if fits:
-            t = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-            view = t[:n]
-            view.zero_()
-            return view
-        return torch.zeros(n, dtype=dtype, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        base = t._base if t._base is not None else t
-        self.free.append(base)
-        if len(self.free) > self.limit:
-            self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
-
-
-# --------------------------------------------------------------------------- gradient sinks
-
-
-class _ReduceSink:
-    """Receives gradients during backward and reduces them group by group.
-
-    Groups are launched strictly in index order (the order is the same on every rank, so
-    the collectives match), each as soon as it and every group before it is complete.
-
-    Under accumulation at stages 0-1 a sink may hold instead of reduce (``reduce=False``):
-    it only adds the gradients into its buffers, which the next micro-batch's sink starts
-    from (``held``); the update's last sink reduces the sum.
-    """
-
-    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int] | None], leaf_names: list[str], *,
-                 held: dict[int, torch.Tensor] | None = None, reduce: bool = True, summed: bool = False):
-        self.h = h
-        self.leaf_names = leaf_names  # the leaves in flatten order
-        self.leaf_groups = leaf_groups  # leaf index -> (group, position in the group); None: frozen
-        self.missing = [set(range(len(g.names))) for g in h.layout.groups]
-        self.buffers: dict[int, torch.Tensor] = dict(held or {})
-        self.carried = set(self.buffers)  # groups whose buffer holds earlier micro-batches' sum
-        self.reduce = reduce
-        self.summed = summed  # the result is a sum over micro-batches
-        self.pending: dict[int, comm.Pending] = {}
-        self.results: dict[int, torch.Tensor] = {}
-        self.next = 0
-        self.after_grad: Callable[[int], None] | None = None
-        self.sending: dict[int, torch.Tensor] = {}  # stage 2-3: send buffers of collectives in flight
-        self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
-
-    def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed reduce buffer for ``group``: at stages 2-3 from the handler's small pool
-        (reusing resident memory instead of faulting in fresh pages every step)."""
-        if self.h.stage >= 2:
-            return self.h.pool.take(group.padded, dtype, group.device)
-        return torch.zeros(group.padded, dtype=dtype, device=group.device)
-
-    def on_grad(self, i: int, g: torch.Tensor) -> None:
-        if self.leaf_groups[i] is None:  # a differentiated argument beside the parameters: this
-            self.local[self.leaf_names[i]] = g / self.h.world  # rank's share of the global gradient
-            return
-        gi, pos = self.leaf_groups[i]
-        group = self.h.layout.groups[gi]
-        buf = self.buffers.get(gi)
-        if buf is None:
-            buf = self.buffers[gi] = self._buffer(group, self.h.reduce_dtype(g.dtype))
-        o = group.offsets[pos]
-        if gi in self.carried:
-            buf[o: o + g.numel()].add_(g.reshape(-1))
-        else:
-            buf[o: o + g.numel()].copy_(g.reshape(-1))
-        self.missing[gi].discard(pos)
-        if self.after_grad is not None and not self.missing[gi]:
-            self.after_grad(gi)
-        if self.reduce:
-            self._launch_ready()
-
-    def _launch_ready(self, force: bool = False) -> None:
-        groups = self.h.layout.groups
-        while self.next < len(groups) and (force or not self.missing[self.next]):
-            self._launch(self.next)
-            self.next += 1
-
-    def _launch(self, gi: int) -> None:
-        h, group = self.h, self.h.layout.groups[gi]
-        buf = self.buffers.pop(gi, None)
-        if buf is None:  # no parameter of this group reached the loss
-            buf = self._buffer(group, h.reduce_dtype(group.dtype))
-        if h.world == 1:
-            self.results[gi] = buf if h.stage < 2 else buf[: group.chunk].clone()
-            if h.stage >= 2:
-                h.pool.give(buf)
-            return
-        if h.stage < 2:
-            self.pending[gi] = comm.start(
-                f"all_reduce(gradient group {gi}, {group.padded} elements)",
-                lambda: comm.all_reduce(buf, group=h.group, async_op=True, what="gradients"),
-                lambda: buf, where=WHERE)
-        else:
-            out = torch.empty(group.chunk, dtype=buf.dtype, device=buf.device)
-            self.pending[gi] = comm.start(
-                f"reduce_scatter(gradient group {gi}, {group.padded} elements)",
-                lambda: comm.reduce_scatter_flat(out, buf, group=h.group, async_op=True, what="gradients"),
-                lambda: out, where=WHERE)
-            self.sending[gi] = buf
-            # Bound what is in flight: beyond MAX_IN_FLIGHT buckets, wait for the oldest, so
-            # a rank holds its gradient partition plus a few buckets, never the full gradient.
-            while len(self.sending) > MAX_IN_FLIGHT:
-                self._complete(min(self.sending))
-
-    def _complete(self, gi: int) -> None:
-        self.results[gi] = self.pending.pop(gi).wait(self.h.timeout_s)
-        self.h.pool.give(self.sending.pop(gi))
-
-    def finish(self) -> list[torch.Tensor]:
-        h = self.h
-        if not self.reduce:
-            held = h.held_back()
-            return [self.local[n] if n in self.local else held.get(n) for n in self.leaf_names]  # frozen: None
-        self._launch_ready(force=True)
-        for gi in sorted(self.pending):
-            if gi in self.sending:
-                self._complete(gi)
-            else:
-                self.results[gi] = self.pending.pop(gi).wait(h.timeout_s)
-        for r in self.results.values():
-            r.div_(h.world)
-        grads = h.grads_from_results(self.results, keep_fp32=self.summed)
-        return [self.local[n] if n in self.local else grads.get(n) for n in self.leaf_names]  # frozen: None
 
 
 # --------------------------------------------------------------------------- the handler
@@ -207,7 +68,7 @@ class _ShardHandler(Handler):
         self.module: torch.nn.Module | None = None
         self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
         self.peak_gathered_bytes = 0  # stage 3: most parameter bytes gathered at once
-        self.pool = _BufferPool()
+        self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
 
     # ---------------------------------------------------------------- init
@@ -360,13 +221,6 @@ class _ShardHandler(Handler):
 
     # ---------------------------------------------------------------- primitives
 
-    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype gradients are summed in: the one asked for, else fp32 for low-precision
-        gradients (bf16 sums lose bits fast) and the gradients' own otherwise."""
-        if self.reduce_in is not None:
-            return self.reduce_in
-        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
             value = value.clone()
@@ -400,12 +254,15 @@ class _ShardHandler(Handler):
             # that its gradient memory stays at the partition.
             mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
             held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
-            sink = _ReduceSink(self, [self.layout.where.get(n) for n in leaf_names], leaf_names,
-                               held=held, reduce=mb.last, summed=mb.count > 1)
+            sink = self._sink(leaf_names, held=held, hold=None if mb.last else self.held_back(), summed=mb.count > 1)
             out = next(fn, params, args, kwargs, grad_sink=sink, **options)
             if not mb.last:
                 self.held = sink.buffers
         return self._mean_value(out, options.get("has_aux", False))
+
+    def _sink(self, leaf_names: list[str], **options) -> ReduceSink:
+        return ReduceSink(self.layout, leaf_names, group=self.group, world=self.world, stage=self.stage,
+                          reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s, **options)
 
     def _mean_value(self, out, has_aux):
         (value, grads) = out
@@ -417,31 +274,9 @@ class _ShardHandler(Handler):
             loss = loss / self.world
         return ((loss, value[1]) if has_aux else loss), grads
 
-    def grads_from_results(self, results: dict[int, torch.Tensor], *, keep_fp32: bool = False):
-        """Per-parameter gradients from the reduced group buffers: full tensors at stage 0,
-        this rank's pieces (``Shard``) at stages 1-3. ``keep_fp32``: a sum over micro-batches
-        stays in fp32 at least (``accumulate`` sums in fp32 anyway; k times one micro-batch's
-        gradient could overflow fp16)."""
-        out = {}
-        for g in self.layout.groups:
-            r = results[g.index]
-            dtype = torch.promote_types(g.dtype, torch.float32) if keep_fp32 else g.dtype
-            if r.dtype != dtype:  # reduced in fp32, kept in the parameters' dtype
-                r = r.to(dtype)
-            if self.stage == 0:
-                for name, v in zip(g.names, g.views(r)):
-                    out[name] = v
-                continue
-            if self.stage == 1:
-                lo, hi = g.owned
-                r = r[lo:hi].clone()  # keep the owned slice, let the full gradient go
-            for name, piece in zip(g.names, g.pieces(r, self.group)):
-                out[name] = piece
-        return {k: out[k] for k in self.names}
-
     def held_back(self) -> dict:
         """Placeholders for the gradients a micro-batch adds into the held sums, in the
-        structure :meth:`grads_from_results` gives the reduced ones."""
+        structure :func:`fzero.distributed.reduce.gradients` gives the reduced ones."""
         out = {}
         for g in self.layout.groups:
             for i, name in enumerate(g.names):
@@ -589,8 +424,7 @@ class _ShardHandler(Handler):
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     return fn(p, *a, **kw)
 
-            sink = _ReduceSink(self, [layout.where.get(n) for n in leaf_names], leaf_names)
-            sink.after_grad = lambda gi: free(gi) if gi in unit_groups else None
+            sink = self._sink(leaf_names, on_complete=lambda gi: free(gi) if gi in unit_groups else None)
             return next(wrapped, views, args, kwargs, grad_sink=sink, **options)
         finally:
             for h in hooks:
