@@ -27,12 +27,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
+from fzero.distributed.collectives import all_gather_params, start_all_gather, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
 from fzero.distributed.reduce import BufferPool, ReduceSink
@@ -184,41 +184,6 @@ class _ShardHandler(Handler):
         t.untyped_storage().resize_(0)
         return t
 
-    # ---------------------------------------------------------------- buffers
-
-    def sync_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Make the model's buffers identical on every ``dp`` rank, in place.
-
-        ``"broadcast"`` (default) gives every rank dp-rank 0's buffers, as DDP's
-        ``broadcast_buffers`` does before each forward; here it happens after the step, so
-        the state is identical everywhere when the step returns (and checkpoints agree).
-        ``"mean"`` averages floating-point buffers over the ranks (running statistics of
-        the global batch, as SyncBatchNorm's would be) and broadcasts the others. One
-        collective per dtype: the buffers are packed into one flat tensor each.
-        """
-        if self.world == 1 or not buffers or self.buffer_sync == "local":
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in buffers.values():
-            by_dtype.setdefault(b.dtype, []).append(b)
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for dtype, bs in by_dtype.items():
-            flat = torch.cat([b.reshape(-1) for b in bs])
-            if self.buffer_sync == "mean" and dtype.is_floating_point:
-                comm.run(f"all_reduce(buffers, {dtype}, {flat.numel()} elements)",
-                         lambda: comm.all_reduce(flat, group=self.group, async_op=True, what="buffers"),
-                         timeout_s=self.timeout_s, where=WHERE)
-                flat.div_(self.world)
-            else:
-                comm.run(f"broadcast(buffers, {dtype}, {flat.numel()} elements)",
-                         lambda: comm.broadcast(flat, src=src, group=self.group, async_op=True,
-                                                    what="buffers"),
-                         timeout_s=self.timeout_s, where=WHERE)
-            o = 0
-            for b in bs:
-                b.copy_(flat[o: o + b.numel()].view_as(b))
-                o += b.numel()
-
     # ---------------------------------------------------------------- primitives
 
     def psum(self, value, *, next):
@@ -297,24 +262,8 @@ class _ShardHandler(Handler):
         new = next(state.replace(params=pieces), grads)
         if isinstance(new, NotApplied):  # deferred or skipped further in: the whole parameters stay
             return NotApplied(new.state.replace(params=state.params), new.reason)
-        return new.replace(params=with_values(new.params, self._all_gather_params(new.params)))
-
-    def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
-        out = {}
-        for g in self.layout.groups:
-            full = self._gather_group(g, g.pack_own(pieces), torch.empty(g.padded, dtype=g.dtype, device=g.device))
-            for name, view in zip(g.names, g.views(full)):
-                out[name] = view
-        return {k: out[k] for k in self.names}
-
-    def _gather_group(self, g, own: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            full.copy_(own)
-            return full
-        comm.run(f"all_gather(parameter group {g.index}, {g.padded} elements)",
-                 lambda: comm.all_gather_flat(full, own, group=self.group, async_op=True, what="parameters"),
-                 timeout_s=self.timeout_s, where=WHERE)
-        return full
+        full = all_gather_params(self.layout, new.params, group=self.group, world=self.world, timeout_s=self.timeout_s)
+        return new.replace(params=with_values(new.params, full))
 
     # ---------------------------------------------------------------- stage 3
 
@@ -349,10 +298,7 @@ class _ShardHandler(Handler):
             g = groups[gi]
             allocate(gi)
             own = own_slice(gi)  # kept alive with the work until it completes
-            work = comm.start(f"all_gather(parameter group {gi}, {g.padded} elements, prefetch)",
-                              lambda: comm.all_gather_flat(full[gi], own, group=self.group, async_op=True,
-                                                           what="parameters"),
-                              where=WHERE)
+            work = start_all_gather(g, own, full[gi], group=self.group, world=self.world, prefetch=True)
             inflight[gi] = (work, own)
             note_peak()
 
@@ -363,7 +309,8 @@ class _ShardHandler(Handler):
                     work.wait(self.timeout_s)
                 else:
                     allocate(gi)
-                    self._gather_group(groups[gi], own_slice(gi), full[gi])
+                    start_all_gather(groups[gi], own_slice(gi), full[gi], group=self.group,
+                                     world=self.world).wait(self.timeout_s)
                 gathered.add(gi)
                 note_peak()
             if self.prefetch and gi in at and 0 <= at[gi] + direction < len(order):
@@ -536,7 +483,8 @@ def shard_state(
         with installed(handler):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
-            handler.sync_buffers(getattr(out[0], "buffers", None))
+            sync_buffers(getattr(out[0], "buffers", None), mode=buffer_sync, group=handler.group,
+                         world=handler.world, timeout_s=handler.timeout_s)
         return out
 
     out = Step(call, init=init, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
