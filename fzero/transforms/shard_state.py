@@ -19,6 +19,11 @@ across slices through ``psum``, which becomes an all-reduce), then all-gathers t
 parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
 first needs them.
+
+This module is the handler, the partitioning at ``init`` and the transform; the parts are
+in ``fzero/distributed/``: ``flat.py`` (the layout and ``Shard``), ``reduce.py`` (the
+gradient sink), ``collectives.py`` (parameter all-gathers, buffer sync) and ``units.py``
+(ZeRO-3's units and their lifecycle).
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from fzero import tree
 from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
-from fzero.distributed.collectives import all_gather_params, start_all_gather, sync_buffers
+from fzero.distributed.collectives import all_gather_params, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
 from fzero.distributed.reduce import BufferPool, ReduceSink
+from fzero.distributed.units import Units, find_units
 from fzero.transforms._arguments import Arguments
 from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed, micro_batch
 from fzero.transforms._deferred import Deferred
@@ -46,10 +52,15 @@ WHERE = "fzero.shard_state"
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-# --------------------------------------------------------------------------- the handler
-
-
 class _ShardHandler(Handler):
+    """The handler ``shard_state`` installs: ``init`` partitions the state; the primitives
+    (``value_and_grad``, ``apply_gradients``, ``psum``) run on the partitioned state.
+
+    ``layout`` is the flat groups of the trainable parameters (``fzero/distributed/flat.py``);
+    ``units`` (stage 3) the gathered units (``fzero/distributed/units.py``); ``pool`` the
+    stage 2-3 reduce buffers kept between steps (``fzero/distributed/reduce.py``).
+    """
+
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
                  reduce_in: torch.dtype | None = None, prefetch: bool = True,
                  buffer_sync: str = "broadcast"):
@@ -65,11 +76,14 @@ class _ShardHandler(Handler):
         self.layout: Layout | None = None
         self.names: list[str] = []
         self.all_names: frozenset[str] = frozenset()
-        self.module: torch.nn.Module | None = None
-        self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
-        self.peak_gathered_bytes = 0  # stage 3: most parameter bytes gathered at once
+        self.units: Units | None = None  # stage 3
         self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Stage 3: the most parameter bytes gathered at once so far (0 at stages 0-2)."""
+        return self.units.peak_gathered_bytes if self.units is not None else 0
 
     # ---------------------------------------------------------------- init
 
@@ -89,11 +103,10 @@ class _ShardHandler(Handler):
         self.names = list(train)
         self.all_names = frozenset(params)
         module = getattr(state.apply_fn, "module", None)
-        unit_names = None
+        found = []  # stage 3: (module, parameter names) of each unit
         if self.stage == 3 and isinstance(module, torch.nn.Module):
-            self.module = module
-            unit_names = self._unit_names(module, train)
-        self.layout = build_layout(train, world=self.world, rank=self.rank, units=unit_names,
+            found = find_units(module, train, self.units_spec)
+        self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket_bytes)
         if isinstance(module, torch.nn.Module):
             # The module is only code from here on: its parameters come from the state
@@ -114,11 +127,8 @@ class _ShardHandler(Handler):
             return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), extra=extra)
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
-        if self.module is not None:
-            by_module = {id(m): m for m, _ in self.units}
-            self.units = [(by_module[id(m)], self.layout.where[names[0]][0])
-                          for m, names in zip(self._unit_modules, unit_names)]
-        self._full = [self._empty_full(g) for g in self.layout.groups]
+        self.units = Units(self.layout, [(m, self.layout.where[names[0]][0]) for m, names in found],
+                           group=self.group, world=self.world, timeout_s=self.timeout_s, prefetch=self.prefetch)
         target = extra.get("master", None) or with_values(trainable_view(params), shards)
         return state.replace(params=with_values(params, shards), opt_state=state.tx.init(target), extra=extra)
 
@@ -141,48 +151,6 @@ class _ShardHandler(Handler):
             what = "shape" if col % 2 == 0 else "values"
             raise ValueError(f"{WHERE}: parameter {name!r} differs in {what} between rank 0 and rank {bad_rank}: "
                              "every rank must start from the same parameters (seed the model identically)")
-
-    def _unit_names(self, module: torch.nn.Module, params: dict) -> list[list[str]]:
-        """ZeRO-3 units: each element of a ModuleList (a transformer's blocks), unless the
-        user named unit modules; parameters outside every unit stay gathered for the step.
-
-        A parameter that is also reachable from outside a unit (tied to an embedding
-        outside it, or shared between two units) stays outside every unit: it is used
-        where its unit is not gathered.
-        """
-        aliases: dict[int, list[str]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        prefixes: dict[int, list[str]] = {}
-        for name, m in module.named_modules(remove_duplicate=False):
-            prefixes.setdefault(id(m), []).append(name + "." if name else "")
-        by_tensor = {id_: names[0] for id_, names in aliases.items()}
-        mods = []
-        if self.units_spec is None:
-            for m in module.modules():
-                if isinstance(m, torch.nn.ModuleList):
-                    mods.extend(m)
-        else:
-            mods = [m for m in module.modules() if self.units_spec(m)]
-        units, seen, unit_modules = [], set(), []
-        for m in mods:
-            inside = tuple(prefixes.get(id(m), ()))
-            names = [by_tensor[id(p)] for p in m.parameters() if by_tensor.get(id(p)) in params
-                     and by_tensor[id(p)] not in seen
-                     and all(a.startswith(inside) for a in aliases[id(p)])]
-            if names:
-                seen.update(names)
-                units.append(names)
-                unit_modules.append(m)
-        self._unit_modules = unit_modules
-        self.units = [(m, -1) for m in unit_modules]
-        return units
-
-    @staticmethod
-    def _empty_full(g) -> torch.Tensor:
-        t = torch.empty(g.padded, dtype=g.dtype, device=g.device)
-        t.untyped_storage().resize_(0)
-        return t
 
     # ---------------------------------------------------------------- primitives
 
@@ -209,9 +177,17 @@ class _ShardHandler(Handler):
 
     def _value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if self.stage == 3:
-            out = self._value_and_grad_3(fn, params, args, kwargs, next=next, **options)
+            units = self.units
+            with units.step(params) as views:  # every group is freed on the way out
+
+                def regathering(p, *a, **kw):  # saved views of a unit are gathered again in backward
+                    with torch.autograd.graph.saved_tensors_hooks(units.pack, units.unpack):
+                        return fn(p, *a, **kw)
+
+                views = with_values(params, views)
+                sink = self._sink(views, on_complete=units.post_backward)
+                out = next(regathering, views, args, kwargs, grad_sink=sink, **options)
         else:
-            leaf_names = [path[0].entry for path in tree.paths(params)]
             # Under accumulation every rank holds whole gradients at stages 0-1 anyway, so
             # the micro-batches before the last only add into the reduce buffers and the sum
             # is all-reduced once, at the last: one k-th of the traffic (DDP's no_sync;
@@ -219,13 +195,14 @@ class _ShardHandler(Handler):
             # that its gradient memory stays at the partition.
             mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
             held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
-            sink = self._sink(leaf_names, held=held, hold=None if mb.last else self.held_back(), summed=mb.count > 1)
+            sink = self._sink(params, held=held, hold=None if mb.last else self.held_back(), summed=mb.count > 1)
             out = next(fn, params, args, kwargs, grad_sink=sink, **options)
             if not mb.last:
                 self.held = sink.buffers
         return self._mean_value(out, options.get("has_aux", False))
 
-    def _sink(self, leaf_names: list[str], **options) -> ReduceSink:
+    def _sink(self, params, **options) -> ReduceSink:
+        leaf_names = [path[0].entry for path in tree.paths(params)]
         return ReduceSink(self.layout, leaf_names, group=self.group, world=self.world, stage=self.stage,
                           reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s, **options)
 
@@ -253,9 +230,7 @@ class _ShardHandler(Handler):
         return out
 
     def apply_gradients(self, state, grads, *, next):
-        if self.stage == 0:
-            return next(state, grads)
-        if self.stage == 3:
+        if self.stage in (0, 3):  # stage 3: the optimizer runs on the pieces the state holds
             return next(state, grads)
         train = {k: v for k, v in state.params.items() if k not in self.frozen}
         pieces = with_values(state.params, self.layout.piece_views(train, self.group))
@@ -265,127 +240,6 @@ class _ShardHandler(Handler):
         full = all_gather_params(self.layout, new.params, group=self.group, world=self.world, timeout_s=self.timeout_s)
         return new.replace(params=with_values(new.params, full))
 
-    # ---------------------------------------------------------------- stage 3
-
-    def _value_and_grad_3(self, fn, params, args, kwargs, *, next, **options):
-        layout = self.layout
-        groups = layout.groups
-        full = self._full
-        gathered: set[int] = set()
-        unit_groups = {gi for _, gi in self.units}
-
-        def own_slice(gi):
-            return groups[gi].pack_own(params)
-
-        # Prefetch (``prefetch=True``): once a unit is gathered, the all-gather of the next
-        # unit in the direction of travel (forward order in forward, reverse in backward)
-        # starts asynchronously, so it overlaps this unit's compute. Every rank runs the
-        # same hooks in the same order, so the collectives match.
-        order = [gi for _, gi in self.units]
-        at = {gi: i for i, gi in enumerate(order)}
-        inflight: dict[int, tuple[comm.Pending, torch.Tensor]] = {}
-
-        def allocate(gi):
-            full[gi].untyped_storage().resize_(groups[gi].padded * full[gi].element_size())
-
-        def note_peak():
-            now = sum(groups[i].padded * full[i].element_size() for i in gathered | set(inflight))
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
-
-        def start_prefetch(gi):
-            if gi in gathered or gi in inflight or self.world == 1:
-                return
-            g = groups[gi]
-            allocate(gi)
-            own = own_slice(gi)  # kept alive with the work until it completes
-            work = start_all_gather(g, own, full[gi], group=self.group, world=self.world, prefetch=True)
-            inflight[gi] = (work, own)
-            note_peak()
-
-        def gather(gi, direction=1):
-            if gi not in gathered:
-                if gi in inflight:
-                    work, _ = inflight.pop(gi)
-                    work.wait(self.timeout_s)
-                else:
-                    allocate(gi)
-                    start_all_gather(groups[gi], own_slice(gi), full[gi], group=self.group,
-                                     world=self.world).wait(self.timeout_s)
-                gathered.add(gi)
-                note_peak()
-            if self.prefetch and gi in at and 0 <= at[gi] + direction < len(order):
-                start_prefetch(order[at[gi] + direction])
-
-        def free(gi):
-            if gi in gathered:
-                full[gi].untyped_storage().resize_(0)
-                gathered.discard(gi)
-
-        def free_after_forward(gi):
-            # A forward run again inside backward (remat, torch.utils.checkpoint) is saving
-            # the unit's parameters for the backward about to run: the unit stays gathered
-            # until its gradients are complete (the sink frees it then).
-            if torch._C._current_graph_task_id() == -1:
-                free(gi)
-
-        def pack(t):
-            if full and isinstance(t, torch.Tensor) and t.device == full[0].device:
-                ptr = t.untyped_storage().data_ptr()
-                for gi in list(gathered):
-                    if gi in unit_groups and ptr == full[gi].untyped_storage().data_ptr() and ptr != 0:
-                        return (_Handle, gi, tuple(t.shape), t.stride(), t.storage_offset())
-            return t
-
-        def unpack(x):
-            if isinstance(x, tuple) and len(x) == 5 and x[0] is _Handle:
-                _, gi, shape, stride, offset = x
-                gather(gi, -1)
-                return full[gi].as_strided(shape, stride, offset)
-            return x
-
-        hooks = []
-        for m, gi in self.units:
-            hooks.append(m.register_forward_pre_hook(lambda mod, inp, gi=gi: gather(gi)))
-            hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: free_after_forward(gi)))
-
-        try:
-            for gi in range(len(groups)):
-                if gi not in unit_groups:
-                    gather(gi)  # parameters outside every unit stay gathered for the step
-            # The autograd leaves are the parameters as views of their unit's buffer (made
-            # while the buffer has its size: views are checked against it, no page is touched),
-            # so each gradient arrives on its own and is copied into its group's reduce buffer.
-            views = {}
-            for g, flat in zip(groups, full):
-                freed = g.index not in gathered
-                if freed:
-                    flat.untyped_storage().resize_(g.padded * flat.element_size())
-                for name, v in zip(g.names, g.views(flat)):
-                    views[name] = v
-                if freed:
-                    flat.untyped_storage().resize_(0)
-            views = with_values(params, views)
-            leaf_names = [path[0].entry for path in tree.paths(views)]
-
-            def wrapped(p, *a, **kw):
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    return fn(p, *a, **kw)
-
-            sink = self._sink(leaf_names, on_complete=lambda gi: free(gi) if gi in unit_groups else None)
-            return next(wrapped, views, args, kwargs, grad_sink=sink, **options)
-        finally:
-            for h in hooks:
-                h.remove()
-            for gi, (work, _) in list(inflight.items()):  # prefetched, never used
-                work.wait(self.timeout_s)
-                gathered.add(gi)
-            inflight.clear()
-            for gi in list(gathered):
-                free(gi)
-
-
-class _Handle:
-    """Marks a saved tensor that is a view of a ZeRO-3 unit, to be gathered again."""
 
 
 def release_parameters(module: torch.nn.Module) -> None:
