@@ -37,7 +37,15 @@ def start_all_gather(g: Group, own: torch.Tensor, full: torch.Tensor, *, group, 
 def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world: int,
                       timeout_s: float) -> dict[str, torch.Tensor]:
     """Full parameters, by name, from every rank's pieces: one all-gather per group, each
-    into a fresh flat buffer the parameters view (stages 1-2, after the update)."""
+    into a fresh flat buffer the parameters view (stages 1-2, after the update).
+
+    Example (a world of one):
+        >>> from fzero.distributed.flat import build_layout
+        >>> params = {"w": torch.arange(4.)}
+        >>> layout = build_layout(params, world=1, rank=0)
+        >>> all_gather_params(layout, layout.shard_params(params), group=None, world=1, timeout_s=1.0)["w"].tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
     out = {}
     for g in layout.groups:
         own = g.pack_own(pieces)

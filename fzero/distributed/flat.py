@@ -386,7 +386,14 @@ class Group:
 
     def pack_own(self, pieces: Mapping[str, Shard]) -> torch.Tensor:
         """This rank's owned slice, packed from its pieces by name (padding zero): what the
-        rank sends to an all-gather of the group. A new tensor, not a view of ``pieces``."""
+        rank sends to an all-gather of the group. A new tensor, not a view of ``pieces``.
+
+        Example (rank 1 of 2 owns elements 3-5 of the group ``b, a``: ``a[1:]`` and padding):
+            >>> params = {"a": torch.arange(3.), "b": torch.arange(3., 5.)}
+            >>> layout = build_layout(params, world=2, rank=1)
+            >>> layout.groups[0].pack_own(layout.shard_params(params)).tolist()
+            [1.0, 2.0, 0.0]
+        """
         own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
         for i, name in enumerate(self.names):
             own[self._in_owned(self.info(i))] = pieces[name].local.reshape(-1)

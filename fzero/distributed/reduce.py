@@ -27,7 +27,12 @@ MAX_IN_FLIGHT = 2  # reduce-scatters outstanding at once (stages 2-3)
 
 def reduce_dtype(dtype: torch.dtype, asked: torch.dtype | None = None) -> torch.dtype:
     """The dtype gradients of ``dtype`` are summed in: ``asked`` if given, else fp32 for
-    low-precision gradients (bf16 sums lose bits fast) and the gradients' own otherwise."""
+    low-precision gradients (bf16 sums lose bits fast) and the gradients' own otherwise.
+
+    Example:
+        >>> reduce_dtype(torch.bfloat16), reduce_dtype(torch.bfloat16, torch.bfloat16)
+        (torch.float32, torch.bfloat16)
+    """
     if asked is not None:
         return asked
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
