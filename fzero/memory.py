@@ -46,7 +46,7 @@ OPTIMIZER_STATES = {
 # Bytes of the parameters (and gradients) a step computes with.
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2) reduce-scatters
-# outstanding, one bucket filling, one more in its pool (fzero/transforms/shard_state.py).
+# outstanding, one bucket filling, one more in its pool (fzero/distributed/reduce.py).
 REDUCE_BUFFERS = 4
 
 

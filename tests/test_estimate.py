@@ -174,11 +174,11 @@ def _census(stage, precision):
     import fzero
     from fzero import optim
 
-    from fzero.transforms.shard_state import _ReduceSink
+    from fzero.distributed.reduce import ReduceSink
 
     before = _process_tensor_bytes()
     seen = {"peak": 0}
-    finish = _ReduceSink.finish
+    finish = ReduceSink.finish
 
     def census_then_finish(sink):  # every gradient is in a reduce buffer: the stages' peak
         seen["peak"] = max(seen["peak"], _process_tensor_bytes() - before)
@@ -202,12 +202,12 @@ def _census(stage, precision):
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage, precision=precision)
     state = step.init(state)
-    _ReduceSink.finish = census_then_finish
+    ReduceSink.finish = census_then_finish
     try:
         for _ in range(2):
             state, _ = step(state, {"x": torch.randn(4, 8), "y": torch.randn(4, 8)})
     finally:
-        _ReduceSink.finish = finish
+        ReduceSink.finish = finish
     return psi, seen["peak"]
 
 

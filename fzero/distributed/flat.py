@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
@@ -381,14 +381,29 @@ class Group:
 
     def pieces(self, local: torch.Tensor, group=None) -> list[Shard]:
         """Each parameter's piece as a view into the rank's owned slice ``local``."""
-        base = self.rank * self.chunk
-        out = []
-        for i in range(len(self.names)):
-            info = self.info(i, group)
-            a, b = info.piece()
-            lo = self.offsets[i] + a - base
-            out.append(Shard(local[lo: lo + (b - a)], info))
-        return out
+        infos = [self.info(i, group) for i in range(len(self.names))]
+        return [Shard(local[self._in_owned(info)], info) for info in infos]
+
+    def pack_own(self, pieces: Mapping[str, Shard]) -> torch.Tensor:
+        """This rank's owned slice, packed from its pieces by name (padding zero): what the
+        rank sends to an all-gather of the group. A new tensor, not a view of ``pieces``.
+
+        Example (rank 1 of 2 owns elements 3-5 of the group ``b, a``: ``a[1:]`` and padding):
+            >>> params = {"a": torch.arange(3.), "b": torch.arange(3., 5.)}
+            >>> layout = build_layout(params, world=2, rank=1)
+            >>> layout.groups[0].pack_own(layout.shard_params(params)).tolist()
+            [1.0, 2.0, 0.0]
+        """
+        own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
+        for i, name in enumerate(self.names):
+            own[self._in_owned(self.info(i))] = pieces[name].local.reshape(-1)
+        return own
+
+    def _in_owned(self, info: ShardInfo) -> slice:
+        """Where a parameter's piece sits in the rank's owned slice."""
+        a, b = info.piece()
+        lo = info.offset + a - self.rank * self.chunk
+        return slice(lo, lo + (b - a))
 
 
 @dataclasses.dataclass
@@ -404,6 +419,11 @@ class Layout:
         for name, o, s in zip(g.names, g.offsets, g.shapes):
             flat[o: o + math.prod(s)] = params[name].detach().reshape(-1)
         return flat
+
+    def regroup(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full parameters (copies) as views into one flat buffer per group, the buffers an
+        all-gather of the groups writes into."""
+        return {name: view for g in self.groups for name, view in zip(g.names, g.views(self.flatten_full(params, g)))}
 
     def shard_params(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
         """Cut full parameters into this rank's pieces (copies: the full tensors can go)."""

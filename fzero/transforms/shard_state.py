@@ -19,6 +19,11 @@ across slices through ``psum``, which becomes an all-reduce), then all-gathers t
 parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
 first needs them.
+
+This module is the handler, the partitioning at ``init`` and the transform; the parts are
+in ``fzero/distributed/``: ``flat.py`` (the layout and ``Shard``), ``reduce.py`` (the
+gradient sink), ``collectives.py`` (parameter all-gathers, buffer sync) and ``units.py``
+(ZeRO-3's units and their lifecycle).
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
+from fzero.distributed.collectives import all_gather_params, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
+from fzero.distributed.reduce import BufferPool, ReduceSink
+from fzero.distributed.units import Units, find_units
 from fzero.transforms._arguments import Arguments
 from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed, micro_batch
 from fzero.transforms._deferred import Deferred
@@ -43,152 +50,17 @@ __all__ = ["shard_state"]
 
 WHERE = "fzero.shard_state"
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-MAX_IN_FLIGHT = 2  # reduce-scatters outstanding at once (stages 2-3)
-
-
-class _BufferPool:
-    """A few reduce buffers kept between steps (stages 2-3), reused largest-fit.
-
-    Fresh multi-megabyte buffers cost page faults on every step (measured: 26-48 ms a step on
-    the 10.8M GPT); at most ``limit`` buffers are kept, about ``MAX_IN_FLIGHT + 1`` buckets.
-    """
-
-    def __init__(self, limit: int = MAX_IN_FLIGHT + 2):
-        self.limit = limit
-        self.free: list[torch.Tensor] = []
-
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        fits = [i for i, t in enumerate(self.free) if t.numel() >= n and t.dtype == dtype and t.device == device]
-        if fits:
-            t = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-            view = t[:n]
-            view.zero_()
-            return view
-        return torch.zeros(n, dtype=dtype, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        base = t._base if t._base is not None else t
-        self.free.append(base)
-        if len(self.free) > self.limit:
-            self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
-
-
-# --------------------------------------------------------------------------- gradient sinks
-
-
-class _ReduceSink:
-    """Receives gradients during backward and reduces them group by group.
-
-    Groups are launched strictly in index order (the order is the same on every rank, so
-    the collectives match), each as soon as it and every group before it is complete.
-
-    Under accumulation at stages 0-1 a sink may hold instead of reduce (``reduce=False``):
-    it only adds the gradients into its buffers, which the next micro-batch's sink starts
-    from (``held``); the update's last sink reduces the sum.
-    """
-
-    def __init__(self, h: "_ShardHandler", leaf_groups: list[tuple[int, int] | None], leaf_names: list[str], *,
-                 held: dict[int, torch.Tensor] | None = None, reduce: bool = True, summed: bool = False):
-        self.h = h
-        self.leaf_names = leaf_names  # the leaves in flatten order
-        self.leaf_groups = leaf_groups  # leaf index -> (group, position in the group); None: frozen
-        self.missing = [set(range(len(g.names))) for g in h.layout.groups]
-        self.buffers: dict[int, torch.Tensor] = dict(held or {})
-        self.carried = set(self.buffers)  # groups whose buffer holds earlier micro-batches' sum
-        self.reduce = reduce
-        self.summed = summed  # the result is a sum over micro-batches
-        self.pending: dict[int, comm.Pending] = {}
-        self.results: dict[int, torch.Tensor] = {}
-        self.next = 0
-        self.after_grad: Callable[[int], None] | None = None
-        self.sending: dict[int, torch.Tensor] = {}  # stage 2-3: send buffers of collectives in flight
-        self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
-
-    def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed reduce buffer for ``group``: at stages 2-3 from the handler's small pool
-        (reusing resident memory instead of faulting in fresh pages every step)."""
-        if self.h.stage >= 2:
-            return self.h.pool.take(group.padded, dtype, group.device)
-        return torch.zeros(group.padded, dtype=dtype, device=group.device)
-
-    def on_grad(self, i: int, g: torch.Tensor) -> None:
-        if self.leaf_groups[i] is None:  # a differentiated argument beside the parameters: this
-            self.local[self.leaf_names[i]] = g / self.h.world  # rank's share of the global gradient
-            return
-        gi, pos = self.leaf_groups[i]
-        group = self.h.layout.groups[gi]
-        buf = self.buffers.get(gi)
-        if buf is None:
-            buf = self.buffers[gi] = self._buffer(group, self.h.reduce_dtype(g.dtype))
-        o = group.offsets[pos]
-        if gi in self.carried:
-            buf[o: o + g.numel()].add_(g.reshape(-1))
-        else:
-            buf[o: o + g.numel()].copy_(g.reshape(-1))
-        self.missing[gi].discard(pos)
-        if self.after_grad is not None and not self.missing[gi]:
-            self.after_grad(gi)
-        if self.reduce:
-            self._launch_ready()
-
-    def _launch_ready(self, force: bool = False) -> None:
-        groups = self.h.layout.groups
-        while self.next < len(groups) and (force or not self.missing[self.next]):
-            self._launch(self.next)
-            self.next += 1
-
-    def _launch(self, gi: int) -> None:
-        h, group = self.h, self.h.layout.groups[gi]
-        buf = self.buffers.pop(gi, None)
-        if buf is None:  # no parameter of this group reached the loss
-            buf = self._buffer(group, h.reduce_dtype(group.dtype))
-        if h.world == 1:
-            self.results[gi] = buf if h.stage < 2 else buf[: group.chunk].clone()
-            if h.stage >= 2:
-                h.pool.give(buf)
-            return
-        if h.stage < 2:
-            self.pending[gi] = comm.start(
-                f"all_reduce(gradient group {gi}, {group.padded} elements)",
-                lambda: comm.all_reduce(buf, group=h.group, async_op=True, what="gradients"),
-                lambda: buf, where=WHERE)
-        else:
-            out = torch.empty(group.chunk, dtype=buf.dtype, device=buf.device)
-            self.pending[gi] = comm.start(
-                f"reduce_scatter(gradient group {gi}, {group.padded} elements)",
-                lambda: comm.reduce_scatter_flat(out, buf, group=h.group, async_op=True, what="gradients"),
-                lambda: out, where=WHERE)
-            self.sending[gi] = buf
-            # Bound what is in flight: beyond MAX_IN_FLIGHT buckets, wait for the oldest, so
-            # a rank holds its gradient partition plus a few buckets, never the full gradient.
-            while len(self.sending) > MAX_IN_FLIGHT:
-                self._complete(min(self.sending))
-
-    def _complete(self, gi: int) -> None:
-        self.results[gi] = self.pending.pop(gi).wait(self.h.timeout_s)
-        self.h.pool.give(self.sending.pop(gi))
-
-    def finish(self) -> list[torch.Tensor]:
-        h = self.h
-        if not self.reduce:
-            held = h.held_back()
-            return [self.local[n] if n in self.local else held.get(n) for n in self.leaf_names]  # frozen: None
-        self._launch_ready(force=True)
-        for gi in sorted(self.pending):
-            if gi in self.sending:
-                self._complete(gi)
-            else:
-                self.results[gi] = self.pending.pop(gi).wait(h.timeout_s)
-        for r in self.results.values():
-            r.div_(h.world)
-        grads = h.grads_from_results(self.results, keep_fp32=self.summed)
-        return [self.local[n] if n in self.local else grads.get(n) for n in self.leaf_names]  # frozen: None
-
-
-# --------------------------------------------------------------------------- the handler
 
 
 class _ShardHandler(Handler):
+    """The handler ``shard_state`` installs: ``init`` partitions the state; the primitives
+    (``value_and_grad``, ``apply_gradients``, ``psum``) run on the partitioned state.
+
+    ``layout`` is the flat groups of the trainable parameters (``fzero/distributed/flat.py``);
+    ``units`` (stage 3) the gathered units (``fzero/distributed/units.py``); ``pool`` the
+    stage 2-3 reduce buffers kept between steps (``fzero/distributed/reduce.py``).
+    """
+
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
                  reduce_in: torch.dtype | None = None, prefetch: bool = True,
                  buffer_sync: str = "broadcast"):
@@ -204,11 +76,14 @@ class _ShardHandler(Handler):
         self.layout: Layout | None = None
         self.names: list[str] = []
         self.all_names: frozenset[str] = frozenset()
-        self.module: torch.nn.Module | None = None
-        self.units: list[tuple[torch.nn.Module, int]] = []  # stage 3: (module, group index)
-        self.peak_gathered_bytes = 0  # stage 3: most parameter bytes gathered at once
-        self.pool = _BufferPool()
+        self.units: Units | None = None  # stage 3
+        self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Stage 3: the most parameter bytes gathered at once so far (0 at stages 0-2)."""
+        return self.units.peak_gathered_bytes if self.units is not None else 0
 
     # ---------------------------------------------------------------- init
 
@@ -228,11 +103,10 @@ class _ShardHandler(Handler):
         self.names = list(train)
         self.all_names = frozenset(params)
         module = getattr(state.apply_fn, "module", None)
-        unit_names = None
+        found = []  # stage 3: (module, parameter names) of each unit
         if self.stage == 3 and isinstance(module, torch.nn.Module):
-            self.module = module
-            unit_names = self._unit_names(module, train)
-        self.layout = build_layout(train, world=self.world, rank=self.rank, units=unit_names,
+            found = find_units(module, train, self.units_spec)
+        self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket_bytes)
         if isinstance(module, torch.nn.Module):
             # The module is only code from here on: its parameters come from the state
@@ -247,17 +121,14 @@ class _ShardHandler(Handler):
             extra["master"] = with_values(extra["master"], self.layout.shard_params(
                 {k: v for k, v in extra["master"].items() if v is not None}, self.group))
         if self.stage in (1, 2):
-            full = self._regroup(train)
+            full = self.layout.regroup(train)
             target = extra.get("master", None) or with_values(
                 trainable_view(params), self.layout.piece_views(full, self.group))
             return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), extra=extra)
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
-        if self.module is not None:
-            by_module = {id(m): m for m, _ in self.units}
-            self.units = [(by_module[id(m)], self.layout.where[names[0]][0])
-                          for m, names in zip(self._unit_modules, unit_names)]
-        self._full = [self._empty_full(g) for g in self.layout.groups]
+        self.units = Units(self.layout, [(m, self.layout.where[names[0]][0]) for m, names in found],
+                           group=self.group, world=self.world, timeout_s=self.timeout_s, prefetch=self.prefetch)
         target = extra.get("master", None) or with_values(trainable_view(params), shards)
         return state.replace(params=with_values(params, shards), opt_state=state.tx.init(target), extra=extra)
 
@@ -281,100 +152,7 @@ class _ShardHandler(Handler):
             raise ValueError(f"{WHERE}: parameter {name!r} differs in {what} between rank 0 and rank {bad_rank}: "
                              "every rank must start from the same parameters (seed the model identically)")
 
-    def _unit_names(self, module: torch.nn.Module, params: dict) -> list[list[str]]:
-        """ZeRO-3 units: each element of a ModuleList (a transformer's blocks), unless the
-        user named unit modules; parameters outside every unit stay gathered for the step.
-
-        A parameter that is also reachable from outside a unit (tied to an embedding
-        outside it, or shared between two units) stays outside every unit: it is used
-        where its unit is not gathered.
-        """
-        aliases: dict[int, list[str]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        prefixes: dict[int, list[str]] = {}
-        for name, m in module.named_modules(remove_duplicate=False):
-            prefixes.setdefault(id(m), []).append(name + "." if name else "")
-        by_tensor = {id_: names[0] for id_, names in aliases.items()}
-        mods = []
-        if self.units_spec is None:
-            for m in module.modules():
-                if isinstance(m, torch.nn.ModuleList):
-                    mods.extend(m)
-        else:
-            mods = [m for m in module.modules() if self.units_spec(m)]
-        units, seen, unit_modules = [], set(), []
-        for m in mods:
-            inside = tuple(prefixes.get(id(m), ()))
-            names = [by_tensor[id(p)] for p in m.parameters() if by_tensor.get(id(p)) in params
-                     and by_tensor[id(p)] not in seen
-                     and all(a.startswith(inside) for a in aliases[id(p)])]
-            if names:
-                seen.update(names)
-                units.append(names)
-                unit_modules.append(m)
-        self._unit_modules = unit_modules
-        self.units = [(m, -1) for m in unit_modules]
-        return units
-
-    def _regroup(self, params: dict) -> dict:
-        """Full parameters as views into one flat buffer per group (all-gathers write there)."""
-        out = {}
-        for g in self.layout.groups:
-            flat = self.layout.flatten_full(params, g)
-            for name, view in zip(g.names, g.views(flat)):
-                out[name] = view
-        return {k: out[k] for k in self.names}
-
-    @staticmethod
-    def _empty_full(g) -> torch.Tensor:
-        t = torch.empty(g.padded, dtype=g.dtype, device=g.device)
-        t.untyped_storage().resize_(0)
-        return t
-
-    # ---------------------------------------------------------------- buffers
-
-    def sync_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Make the model's buffers identical on every ``dp`` rank, in place.
-
-        ``"broadcast"`` (default) gives every rank dp-rank 0's buffers, as DDP's
-        ``broadcast_buffers`` does before each forward; here it happens after the step, so
-        the state is identical everywhere when the step returns (and checkpoints agree).
-        ``"mean"`` averages floating-point buffers over the ranks (running statistics of
-        the global batch, as SyncBatchNorm's would be) and broadcasts the others. One
-        collective per dtype: the buffers are packed into one flat tensor each.
-        """
-        if self.world == 1 or not buffers or self.buffer_sync == "local":
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in buffers.values():
-            by_dtype.setdefault(b.dtype, []).append(b)
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for dtype, bs in by_dtype.items():
-            flat = torch.cat([b.reshape(-1) for b in bs])
-            if self.buffer_sync == "mean" and dtype.is_floating_point:
-                comm.run(f"all_reduce(buffers, {dtype}, {flat.numel()} elements)",
-                         lambda: comm.all_reduce(flat, group=self.group, async_op=True, what="buffers"),
-                         timeout_s=self.timeout_s, where=WHERE)
-                flat.div_(self.world)
-            else:
-                comm.run(f"broadcast(buffers, {dtype}, {flat.numel()} elements)",
-                         lambda: comm.broadcast(flat, src=src, group=self.group, async_op=True,
-                                                    what="buffers"),
-                         timeout_s=self.timeout_s, where=WHERE)
-            o = 0
-            for b in bs:
-                b.copy_(flat[o: o + b.numel()].view_as(b))
-                o += b.numel()
-
     # ---------------------------------------------------------------- primitives
-
-    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype gradients are summed in: the one asked for, else fp32 for low-precision
-        gradients (bf16 sums lose bits fast) and the gradients' own otherwise."""
-        if self.reduce_in is not None:
-            return self.reduce_in
-        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
@@ -399,9 +177,17 @@ class _ShardHandler(Handler):
 
     def _value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if self.stage == 3:
-            out = self._value_and_grad_3(fn, params, args, kwargs, next=next, **options)
+            units = self.units
+            with units.step(params) as views:  # every group is freed on the way out
+
+                def regathering(p, *a, **kw):  # saved views of a unit are gathered again in backward
+                    with torch.autograd.graph.saved_tensors_hooks(units.pack, units.unpack):
+                        return fn(p, *a, **kw)
+
+                views = with_values(params, views)
+                sink = self._sink(views, on_complete=units.post_backward)
+                out = next(regathering, views, args, kwargs, grad_sink=sink, **options)
         else:
-            leaf_names = [path[0].entry for path in tree.paths(params)]
             # Under accumulation every rank holds whole gradients at stages 0-1 anyway, so
             # the micro-batches before the last only add into the reduce buffers and the sum
             # is all-reduced once, at the last: one k-th of the traffic (DDP's no_sync;
@@ -409,12 +195,16 @@ class _ShardHandler(Handler):
             # that its gradient memory stays at the partition.
             mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
             held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
-            sink = _ReduceSink(self, [self.layout.where.get(n) for n in leaf_names], leaf_names,
-                               held=held, reduce=mb.last, summed=mb.count > 1)
+            sink = self._sink(params, held=held, hold=None if mb.last else self.held_back(), summed=mb.count > 1)
             out = next(fn, params, args, kwargs, grad_sink=sink, **options)
             if not mb.last:
                 self.held = sink.buffers
         return self._mean_value(out, options.get("has_aux", False))
+
+    def _sink(self, params, **options) -> ReduceSink:
+        leaf_names = [path[0].entry for path in tree.paths(params)]
+        return ReduceSink(self.layout, leaf_names, group=self.group, world=self.world, stage=self.stage,
+                          reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s, **options)
 
     def _mean_value(self, out, has_aux):
         (value, grads) = out
@@ -426,31 +216,9 @@ class _ShardHandler(Handler):
             loss = loss / self.world
         return ((loss, value[1]) if has_aux else loss), grads
 
-    def grads_from_results(self, results: dict[int, torch.Tensor], *, keep_fp32: bool = False):
-        """Per-parameter gradients from the reduced group buffers: full tensors at stage 0,
-        this rank's pieces (``Shard``) at stages 1-3. ``keep_fp32``: a sum over micro-batches
-        stays in fp32 at least (``accumulate`` sums in fp32 anyway; k times one micro-batch's
-        gradient could overflow fp16)."""
-        out = {}
-        for g in self.layout.groups:
-            r = results[g.index]
-            dtype = torch.promote_types(g.dtype, torch.float32) if keep_fp32 else g.dtype
-            if r.dtype != dtype:  # reduced in fp32, kept in the parameters' dtype
-                r = r.to(dtype)
-            if self.stage == 0:
-                for name, v in zip(g.names, g.views(r)):
-                    out[name] = v
-                continue
-            if self.stage == 1:
-                lo, hi = g.owned
-                r = r[lo:hi].clone()  # keep the owned slice, let the full gradient go
-            for name, piece in zip(g.names, g.pieces(r, self.group)):
-                out[name] = piece
-        return {k: out[k] for k in self.names}
-
     def held_back(self) -> dict:
         """Placeholders for the gradients a micro-batch adds into the held sums, in the
-        structure :meth:`grads_from_results` gives the reduced ones."""
+        structure :func:`fzero.distributed.reduce.gradients` gives the reduced ones."""
         out = {}
         for g in self.layout.groups:
             for i, name in enumerate(g.names):
@@ -462,171 +230,16 @@ class _ShardHandler(Handler):
         return out
 
     def apply_gradients(self, state, grads, *, next):
-        if self.stage == 0:
-            return next(state, grads)
-        if self.stage == 3:
+        if self.stage in (0, 3):  # stage 3: the optimizer runs on the pieces the state holds
             return next(state, grads)
         train = {k: v for k, v in state.params.items() if k not in self.frozen}
         pieces = with_values(state.params, self.layout.piece_views(train, self.group))
         new = next(state.replace(params=pieces), grads)
         if isinstance(new, NotApplied):  # deferred or skipped further in: the whole parameters stay
             return NotApplied(new.state.replace(params=state.params), new.reason)
-        return new.replace(params=with_values(new.params, self._all_gather_params(new.params)))
+        full = all_gather_params(self.layout, new.params, group=self.group, world=self.world, timeout_s=self.timeout_s)
+        return new.replace(params=with_values(new.params, full))
 
-    def _all_gather_params(self, pieces: dict[str, Shard]) -> dict:
-        out = {}
-        for g in self.layout.groups:
-            own = torch.zeros(g.chunk, dtype=g.dtype, device=g.device)
-            base = g.rank * g.chunk
-            for i, name in enumerate(g.names):
-                a, b = g.info(i).piece()
-                lo = g.offsets[i] + a - base
-                own[lo: lo + (b - a)] = pieces[name].local.reshape(-1)
-            full = self._gather_group(g, own, torch.empty(g.padded, dtype=g.dtype, device=g.device))
-            for name, view in zip(g.names, g.views(full)):
-                out[name] = view
-        return {k: out[k] for k in self.names}
-
-    def _gather_group(self, g, own: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            full.copy_(own)
-            return full
-        comm.run(f"all_gather(parameter group {g.index}, {g.padded} elements)",
-                 lambda: comm.all_gather_flat(full, own, group=self.group, async_op=True, what="parameters"),
-                 timeout_s=self.timeout_s, where=WHERE)
-        return full
-
-    # ---------------------------------------------------------------- stage 3
-
-    def _value_and_grad_3(self, fn, params, args, kwargs, *, next, **options):
-        layout = self.layout
-        groups = layout.groups
-        full = self._full
-        gathered: set[int] = set()
-        unit_groups = {gi for _, gi in self.units}
-
-        def own_slice(gi):
-            g = groups[gi]
-            own = torch.zeros(g.chunk, dtype=g.dtype, device=g.device)
-            base = g.rank * g.chunk
-            for i, name in enumerate(g.names):
-                a, b = g.info(i).piece()
-                lo = g.offsets[i] + a - base
-                own[lo: lo + (b - a)] = params[name].local.reshape(-1)
-            return own
-
-        # Prefetch (``prefetch=True``): once a unit is gathered, the all-gather of the next
-        # unit in the direction of travel (forward order in forward, reverse in backward)
-        # starts asynchronously, so it overlaps this unit's compute. Every rank runs the
-        # same hooks in the same order, so the collectives match.
-        order = [gi for _, gi in self.units]
-        at = {gi: i for i, gi in enumerate(order)}
-        inflight: dict[int, tuple[comm.Pending, torch.Tensor]] = {}
-
-        def allocate(gi):
-            full[gi].untyped_storage().resize_(groups[gi].padded * full[gi].element_size())
-
-        def note_peak():
-            now = sum(groups[i].padded * full[i].element_size() for i in gathered | set(inflight))
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
-
-        def start_prefetch(gi):
-            if gi in gathered or gi in inflight or self.world == 1:
-                return
-            g = groups[gi]
-            allocate(gi)
-            own = own_slice(gi)  # kept alive with the work until it completes
-            work = comm.start(f"all_gather(parameter group {gi}, {g.padded} elements, prefetch)",
-                              lambda: comm.all_gather_flat(full[gi], own, group=self.group, async_op=True,
-                                                           what="parameters"),
-                              where=WHERE)
-            inflight[gi] = (work, own)
-            note_peak()
-
-        def gather(gi, direction=1):
-            if gi not in gathered:
-                if gi in inflight:
-                    work, _ = inflight.pop(gi)
-                    work.wait(self.timeout_s)
-                else:
-                    allocate(gi)
-                    self._gather_group(groups[gi], own_slice(gi), full[gi])
-                gathered.add(gi)
-                note_peak()
-            if self.prefetch and gi in at and 0 <= at[gi] + direction < len(order):
-                start_prefetch(order[at[gi] + direction])
-
-        def free(gi):
-            if gi in gathered:
-                full[gi].untyped_storage().resize_(0)
-                gathered.discard(gi)
-
-        def free_after_forward(gi):
-            # A forward run again inside backward (remat, torch.utils.checkpoint) is saving
-            # the unit's parameters for the backward about to run: the unit stays gathered
-            # until its gradients are complete (the sink frees it then).
-            if torch._C._current_graph_task_id() == -1:
-                free(gi)
-
-        def pack(t):
-            if full and isinstance(t, torch.Tensor) and t.device == full[0].device:
-                ptr = t.untyped_storage().data_ptr()
-                for gi in list(gathered):
-                    if gi in unit_groups and ptr == full[gi].untyped_storage().data_ptr() and ptr != 0:
-                        return (_Handle, gi, tuple(t.shape), t.stride(), t.storage_offset())
-            return t
-
-        def unpack(x):
-            if isinstance(x, tuple) and len(x) == 5 and x[0] is _Handle:
-                _, gi, shape, stride, offset = x
-                gather(gi, -1)
-                return full[gi].as_strided(shape, stride, offset)
-            return x
-
-        hooks = []
-        for m, gi in self.units:
-            hooks.append(m.register_forward_pre_hook(lambda mod, inp, gi=gi: gather(gi)))
-            hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: free_after_forward(gi)))
-
-        try:
-            for gi in range(len(groups)):
-                if gi not in unit_groups:
-                    gather(gi)  # parameters outside every unit stay gathered for the step
-            # The autograd leaves are the parameters as views of their unit's buffer (made
-            # while the buffer has its size: views are checked against it, no page is touched),
-            # so each gradient arrives on its own and is copied into its group's reduce buffer.
-            views = {}
-            for g, flat in zip(groups, full):
-                freed = g.index not in gathered
-                if freed:
-                    flat.untyped_storage().resize_(g.padded * flat.element_size())
-                for name, v in zip(g.names, g.views(flat)):
-                    views[name] = v
-                if freed:
-                    flat.untyped_storage().resize_(0)
-            views = with_values(params, views)
-            leaf_names = [path[0].entry for path in tree.paths(views)]
-
-            def wrapped(p, *a, **kw):
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    return fn(p, *a, **kw)
-
-            sink = _ReduceSink(self, [layout.where.get(n) for n in leaf_names], leaf_names)
-            sink.after_grad = lambda gi: free(gi) if gi in unit_groups else None
-            return next(wrapped, views, args, kwargs, grad_sink=sink, **options)
-        finally:
-            for h in hooks:
-                h.remove()
-            for gi, (work, _) in list(inflight.items()):  # prefetched, never used
-                work.wait(self.timeout_s)
-                gathered.add(gi)
-            inflight.clear()
-            for gi in list(gathered):
-                free(gi)
-
-
-class _Handle:
-    """Marks a saved tensor that is a view of a ZeRO-3 unit, to be gathered again."""
 
 
 def release_parameters(module: torch.nn.Module) -> None:
@@ -724,7 +337,8 @@ def shard_state(
         with installed(handler):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
-            handler.sync_buffers(getattr(out[0], "buffers", None))
+            sync_buffers(getattr(out[0], "buffers", None), mode=buffer_sync, group=handler.group,
+                         world=handler.world, timeout_s=handler.timeout_s)
         return out
 
     out = Step(call, after=after, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)

@@ -1,0 +1,89 @@
+"""ZeRO's collectives on parameters and buffers, as plain functions of explicit arguments.
+
+As FSDP2's ``_fsdp_collectives.py``: the lifecycle code (``fzero.distributed.units``, the
+handler of ``fzero.transforms.shard_state``) decides *when*; these say *what* moves, over
+which group, with which name (every collective's name is in its error) and timeout.
+Gradient reductions are in :mod:`fzero.distributed.reduce`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from fzero.distributed import comm
+from fzero.distributed.flat import Group, Layout, Shard
+
+__all__ = ["all_gather_params", "start_all_gather", "sync_buffers"]
+
+WHERE = "fzero.shard_state"
+
+
+def start_all_gather(g: Group, own: torch.Tensor, full: torch.Tensor, *, group, world: int,
+                     prefetch: bool = False) -> comm.Pending:
+    """Start gathering group ``g``'s flat buffer into ``full`` from every rank's ``own`` slice
+    (:meth:`Group.pack_own`). In a world of one, ``own`` is copied in at once. ``own`` must
+    stay alive until the returned :class:`comm.Pending` is waited on."""
+    name = f"all_gather(parameter group {g.index}, {g.padded} elements{', prefetch' if prefetch else ''})"
+    if world == 1:
+        full.copy_(own)
+        return comm.Pending(name, None, None, WHERE)
+    return comm.start(name, lambda: comm.all_gather_flat(full, own, group=group, async_op=True, what="parameters"),
+                      where=WHERE)
+
+
+def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world: int,
+                      timeout_s: float) -> dict[str, torch.Tensor]:
+    """Full parameters, by name, from every rank's pieces: one all-gather per group, each
+    into a fresh flat buffer the parameters view (stages 1-2, after the update).
+
+    Example (a world of one):
+        >>> from fzero.distributed.flat import build_layout
+        >>> params = {"w": torch.arange(4.)}
+        >>> layout = build_layout(params, world=1, rank=0)
+        >>> all_gather_params(layout, layout.shard_params(params), group=None, world=1, timeout_s=1.0)["w"].tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    out = {}
+    for g in layout.groups:
+        own = g.pack_own(pieces)
+        full = torch.empty(g.padded, dtype=g.dtype, device=g.device)
+        start_all_gather(g, own, full, group=group, world=world).wait(timeout_s)
+        out.update(zip(g.names, g.views(full)))
+    return out
+
+
+def sync_buffers(buffers: dict[str, torch.Tensor], *, mode: Literal["broadcast", "mean", "local"], group,
+                 world: int, timeout_s: float) -> None:
+    """Make the model's buffers identical on every ``dp`` rank, in place.
+
+    ``"broadcast"`` gives every rank dp-rank 0's buffers, as DDP's ``broadcast_buffers``
+    does before each forward; here it happens after the step, so the state is identical
+    everywhere when the step returns (and checkpoints agree). ``"mean"`` averages
+    floating-point buffers over the ranks (running statistics of the global batch, as
+    SyncBatchNorm's would be) and broadcasts the others. ``"local"`` does nothing. One
+    collective per dtype: the buffers are packed into one flat tensor each.
+    """
+    if world == 1 or not buffers or mode == "local":
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers.values():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for dtype, bs in by_dtype.items():
+        flat = torch.cat([b.reshape(-1) for b in bs])
+        if mode == "mean" and dtype.is_floating_point:
+            comm.run(f"all_reduce(buffers, {dtype}, {flat.numel()} elements)",
+                     lambda: comm.all_reduce(flat, group=group, async_op=True, what="buffers"),
+                     timeout_s=timeout_s, where=WHERE)
+            flat.div_(world)
+        else:
+            comm.run(f"broadcast(buffers, {dtype}, {flat.numel()} elements)",
+                     lambda: comm.broadcast(flat, src=src, group=group, async_op=True, what="buffers"),
+                     timeout_s=timeout_s, where=WHERE)
+        o = 0
+        for b in bs:
+            b.copy_(flat[o: o + b.numel()].view_as(b))
+            o += b.numel()
