@@ -101,7 +101,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         from fzero.transforms.shard_state import shard_state
 
         inner = shard_state(inner, mesh, opts.stage, bucket_bytes=opts.bucket_bytes,
-                            reduce_dtype=opts.reduce_in, buffer_sync=opts.buffer_sync)
+                            reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync)
 
     def before(state):
         if not isinstance(state, TrainState):

@@ -342,7 +342,7 @@ def _bf16_reduction(stage):
     ref = _state(make_model, "sgd")
     for b in batches:
         ref, _ = _train_step(ref, b)
-    step = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), stage, reduce_dtype="bf16")
+    step = fzero.shard_state(_train_step, fzero.Mesh(dp=-1), stage, reduce_in="bf16")
     state = step.init(_state(make_model, "sgd"))
     for b in batches:
         state, _ = step(state, _local(b, n, r))

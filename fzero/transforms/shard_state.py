@@ -42,6 +42,7 @@ from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
 from fzero.distributed.reduce import BufferPool, ReduceSink
 from fzero.distributed.units import Units, find_units
+from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
 from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed, micro_batch
 from fzero.transforms._deferred import Deferred
@@ -49,7 +50,6 @@ from fzero.transforms._deferred import Deferred
 __all__ = ["shard_state"]
 
 WHERE = "fzero.shard_state"
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class _ShardHandler(Handler):
@@ -273,7 +273,7 @@ def shard_state(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     units: Callable[[torch.nn.Module], bool] | None = None,
     timeout_s: float | None = None,
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
+    reduce_in: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
     prefetch: bool = True,
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast",
 ) -> Step:
@@ -293,7 +293,7 @@ def shard_state(
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
-        reduce_dtype: the dtype gradients are summed in across ranks (halving the bytes
+        reduce_in: the dtype gradients are summed in across ranks (halving the bytes
             moved with ``"bf16"``); default fp32 for low-precision gradients, else their own.
             The reduced gradient is kept in the parameters' dtype either way.
         prefetch: stage 3: start gathering the next unit while the current one computes
@@ -312,20 +312,15 @@ def shard_state(
         ValueError: ``stage`` not in 0-3; at ``init``, parameters that differ between ranks
             (named, with the rank).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"{WHERE}: stage={stage!r} must be 0, 1, 2 or 3")
-    if buffer_sync not in ("broadcast", "mean", "local"):
-        raise ValueError(f"{WHERE}: buffer_sync={buffer_sync!r} must be 'broadcast', 'mean' or 'local'")
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"{WHERE}: bucket_bytes={bucket_bytes!r} must be a positive int")
+    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("bucket_bytes", bucket_bytes)]:
+        check_option(WHERE, name, value)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
-        if reduce_dtype not in dtypes:
-            raise ValueError(f"{WHERE}: reduce_dtype={reduce_dtype!r} must be 'fp32', 'bf16', 'fp16' or a torch dtype")
-        reduce_dtype = dtypes[reduce_dtype]
+    if not isinstance(reduce_in, torch.dtype):
+        check_option(WHERE, "reduce_in", reduce_in)
+        reduce_in = dtypes.get(reduce_in)
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
-    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_dtype, prefetch, buffer_sync)
+    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_in, prefetch, buffer_sync)
 
     def after(state):  # partitions what every transform inside has built (masters included)
         return handler.init(mesh.place(state))
