@@ -421,3 +421,56 @@ def test_an_update_not_applied_is_an_explicit_value_through_the_handlers():
     state, m = step(state, torch.full((2, 3), float("inf")))
     assert seen == ["skipped"] and bool(m["skipped"]) and int(state.step) == 0
     assert set(got) == {"TrainState"}
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_the_optimizer_steps_the_fp32_masters_whatever_the_nesting(outside):
+    """mixed_precision swaps its masters in around the ``update`` primitive: a handler of
+    ``update`` outside it sees fp32 parameters and gradients (one inside, the bf16 ones
+    before the swap), the result equals torch's SGD on the fp32 weights with the bf16
+    forward's gradient, and the model's parameters are the masters' bf16 copies."""
+    from fzero.transforms import Handler, Step, as_step, installed
+
+    seen = []
+
+    class Watch(Handler):
+        def update(self, state, grads, *, next):
+            seen.append({p.dtype for p in fzero.tree.leaves(state.params)} | {g.dtype for g in fzero.tree.leaves(grads)})
+            return next(state, grads)
+
+    def watched(step):
+        inner, h = as_step(step), Watch()
+
+        def call(state, batch):
+            with installed(h):
+                return inner(state, batch)
+
+        return Step(call, inner=inner)
+
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(torch.nn.Linear(3, 2))
+    start = {k: v.detach().clone() for k, v in params.items()}
+    step = watched(fzero.mixed_precision(train_step, "bf16")) if outside else \
+        fzero.mixed_precision(watched(train_step), "bf16")
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.5)))
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
+    state, _ = step(state, batch)
+    assert seen == [{torch.float32 if outside else torch.bfloat16}]
+    assert {p.dtype for p in state.params.values()} == {torch.bfloat16}
+    # the reference: torch's SGD on fp32 weights, with the gradient the bf16 forward gives
+    ref = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for k, p in ref.named_parameters():
+            p.copy_(start[k])
+    lowp = {k: v.to(torch.bfloat16) for k, v in start.items()}
+    loss_fn = lambda p: F.mse_loss(torch.func.functional_call(ref, p, (batch["x"].to(torch.bfloat16),)).float(),
+                                   batch["y"])
+    lowp = {k: v.requires_grad_(True) for k, v in lowp.items()}
+    grads = torch.autograd.grad(loss_fn(lowp), list(lowp.values()))
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for p, g in zip(ref.parameters(), grads):
+        p.grad = g.float()
+    sgd.step()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(state.extra["master"][k], p.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(state.params[k], p.detach().to(torch.bfloat16), rtol=0, atol=0)
