@@ -574,7 +574,7 @@ def test_resume_continues_the_same_loss_curve(ranks, tmp_path, stage, tx_name):
     assert first + second[0] == straight  # bitwise
     for m, t in ((3, (stage + 1) % 4), (1, stage)):  # another world size (and stage)
         other = _on(ranks, m, _resume_run, case, t, tx_name, "resume", str(tmp_path))[0]
-        ft.assert_trees_close(torch.tensor(other), torch.tensor(straight[3:]), rtol=1e-5, atol=1e-7,
+        ft.assert_trees_close(torch.tensor(other), torch.tensor(straight[3:]), tol="fp32 small values",
                               what=f"losses after resuming on {m} ranks")
 
 

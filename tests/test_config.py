@@ -23,14 +23,10 @@ with a stub ``mpu`` giving the data-parallel world size:
 FusedLamb and FusedLion are CUDA-only in DeepSpeed; LAMB is checked here against a reference
 written from the CUDA kernel, Lion through its FusedSpec (the kernel's math is optax's).
 
-Tolerances:
-
-| comparison                                   | dtype | rtol  | atol  | why                                  |
-| -------------------------------------------- | ----- | ----- | ----- | ------------------------------------ |
-| config optimizer vs fzero.optim built directly | fp32 | 0     | 0     | the same chain: must be bit-identical |
-| DeepSpeed Lamb vs kernel reference, 4 updates | fp64  | 1e-12 | 1e-14 | same formula, op order differs       |
-| DeepSpeed Lamb on two shards vs unsharded     | fp32  | 1e-6  | 1e-7  | partial sums added in another order  |
-| schedules                                    | float | exact | exact | the same functions                   |
+Tolerances: a config optimizer against fzero.optim built directly, and the schedules, are
+exact (the same chain, the same functions); DeepSpeed's Lamb against the kernel's formula and
+on two shards against unsharded: the rows "lamb fp64 vs kernel formula" and "norm" of
+``fzero.testing.TOLERANCES``.
 """
 
 from __future__ import annotations
@@ -48,6 +44,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fzero
+import fzero.testing as ft
 from fzero import optim, tree
 from fzero import config as fconfig
 from fzero.config import (
@@ -314,7 +311,7 @@ def test_lamb_is_deepspeeds_fused_lamb(eps_inside_sqrt, bias_correction):
     ref = _lamb_reference(params, grads_seq, eps_inside_sqrt=eps_inside_sqrt,
                           bias_correction=bias_correction, **hp)
     for k in params:
-        torch.testing.assert_close(p[k], ref[k], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p[k], ref[k], **ft.tolerance("lamb fp64 vs kernel formula"))
     # and it is not optax's LAMB (fzero.optim.lamb): the clamp and the bias-correction factor
     ox = optim.lamb(hp["lr"], hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["wd"])
     uo, _ = ox.update(grads_seq[0], ox.init(params), params)
@@ -356,7 +353,7 @@ def test_lamb_norms_are_exact_on_zero_shards():
     with installed(_AddOtherShard(rec.calls)):
         out_a, _ = tx.update(ga, tx.init(pa), pa)
     for k in params:
-        torch.testing.assert_close(out_a[k], half(full, 0)[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out_a[k], half(full, 0)[k], **ft.tolerance("norm"))
 
 
 @pytest.mark.parametrize("opt, exc, match", [

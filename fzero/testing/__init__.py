@@ -17,19 +17,21 @@ The modules:
 - :mod:`fzero.testing.strategies`: ``seeds``, ``shapes``, ``dtypes``, ``tensors``,
   ``pytrees``, ``models`` (with :class:`ModelCase`);
 - :mod:`fzero.testing.asserts`: ``assert_trees_close``;
-- :mod:`fzero.testing.tolerances`: ``TOLERANCES``, the one table of ``(rtol, atol)``;
+- :mod:`fzero.testing.tolerances`: ``TOLERANCES``, the one table of ``(rtol, atol, why)``
+  keyed by what is compared, and ``tolerance(what)``;
 - :mod:`fzero.testing.multirank`: ``RankPool``, ``RankPools``, ``run_ranks``, ``current``
   (imported on its own: ``from fzero.testing.multirank import RankPool``).
 """
 
 from fzero.testing.asserts import assert_trees_close
 from fzero.testing.strategies import FLOAT_DTYPES, ModelCase, dtypes, models, pytrees, seeds, shapes, tensors
-from fzero.testing.tolerances import TOLERANCES
+from fzero.testing.tolerances import TOLERANCES, Tolerance, tolerance
 
 __all__ = [
     "FLOAT_DTYPES",
     "TOLERANCES",
     "ModelCase",
+    "Tolerance",
     "assert_trees_close",
     "dtypes",
     "models",
@@ -37,4 +39,5 @@ __all__ = [
     "seeds",
     "shapes",
     "tensors",
+    "tolerance",
 ]

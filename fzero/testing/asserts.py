@@ -17,16 +17,22 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero.testing.tolerances import _tolerance
+from fzero.testing.tolerances import _for_dtypes, _row
 
 __all__ = ["assert_trees_close"]
 
 
-def assert_trees_close(actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None,
-                       what: str = "trees") -> None:
+def assert_trees_close(actual: Any, expected: Any, *, tol: str | None = None, rtol: float | None = None,
+                       atol: float | None = None, what: str = "trees") -> None:
     """Assert two pytrees have one structure and leafwise-close values.
 
-    Tolerances default to :data:`TOLERANCES` for the leaves' dtype (the looser of the two).
+    Args:
+        actual, expected: the pytrees (a ``Params`` compares as the dict of its entries).
+        tol: the row of :data:`fzero.testing.TOLERANCES` to compare by; default: the row of
+            the leaves' dtype (the looser of the two sides), ``"exact"`` for a dtype without one.
+        rtol, atol: override the row's.
+        what: names the comparison in the error.
+
     Non-tensor leaves must be equal.
 
     Raises:
@@ -52,7 +58,7 @@ def assert_trees_close(actual: Any, expected: Any, *, rtol: float | None = None,
             if a.shape != e.shape:
                 problems.append(f"{name}: shape {tuple(a.shape)} vs expected {tuple(e.shape)}")
                 continue
-            r, t = _tolerance(a.dtype, e.dtype)
+            r, t = _for_dtypes(a.dtype, e.dtype) if tol is None else _row(tol)[:2]
             r = r if rtol is None else rtol
             t = t if atol is None else atol
             a64, e64 = a.detach().double().cpu(), e.detach().double().cpu()
