@@ -18,22 +18,6 @@ def make(case, tx):
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
 
 
-def train_step(state, batch):
-    def loss_fn(p):
-        return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
-
-    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads), {"loss": loss}
-
-
-def run(step, state, batches):
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
-    return state, torch.stack(losses)
-
-
 TXS = {
     "sgd": lambda: optim.sgd(0.05, momentum=0.9),
     "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
@@ -46,9 +30,9 @@ def test_compiled_equals_plain(case, tx_name, clip):
     batches = [case.batch(6, i) for i in range(10)]
     tx = TXS[tx_name]()
     plain_tx = tx if clip is None else optim.chain(optim.clip_by_global_norm(clip), tx)
-    ref_state, ref_losses = run(train_step, make(case, plain_tx), batches)
-    step = fzero.compile(train_step, clip_norm=clip)
-    state, losses = run(step, step.init(make(case, tx)), batches)
+    ref_state, ref_losses = ft.run_steps(ft.mse_step, make(case, plain_tx), batches)
+    step = fzero.compile(ft.mse_step, clip_norm=clip)
+    state, losses = ft.run_steps(step, step.init(make(case, tx)), batches)
     ft.assert_trees_close(losses, ref_losses)
     ft.assert_trees_close(fzero.gather(state.params), ref_state.params)
     assert int(state.step) == 10
@@ -64,14 +48,14 @@ def test_grad_norm_metric_is_the_norm_before_clipping():
     ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     apply, params = fzero.functionalize(model)
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
-    step = fzero.compile(train_step, clip_norm=0.1)
+    step = fzero.compile(ft.mse_step, clip_norm=0.1)
     _, metrics = step(step.init(state), batch)
     torch.testing.assert_close(metrics["grad_norm"], ref_norm)
 
 
 def test_unknown_option_names_it_and_the_nearest():
     with pytest.raises(TypeError, match=r"unknown option 'zeroo'; did you mean 'zero'\?"):
-        fzero.compile(train_step, zeroo=2)
+        fzero.compile(ft.mse_step, zeroo=2)
 
 
 @pytest.mark.parametrize(
@@ -80,16 +64,16 @@ def test_unknown_option_names_it_and_the_nearest():
 )
 def test_options_not_yet_supported_are_errors(opts, name):
     with pytest.raises(NotImplementedError, match=f"fzero.compile: option {name}.*not supported yet"):
-        fzero.compile(train_step, **opts)
+        fzero.compile(ft.mse_step, **opts)
 
 
 def test_bad_option_values():
     with pytest.raises(ValueError, match="zero=5"):
-        fzero.compile(train_step, zero=5)
+        fzero.compile(ft.mse_step, zero=5)
     with pytest.raises(ValueError, match="precision='fp8'"):
-        fzero.compile(train_step, precision="fp8")
+        fzero.compile(ft.mse_step, precision="fp8")
     with pytest.raises(ValueError, match="clip_norm=-1"):
-        fzero.compile(train_step, clip_norm=-1)
+        fzero.compile(ft.mse_step, clip_norm=-1)
 
 
 def test_step_output_and_init_checked():

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import fzero.testing as ft
 from fzero import optim, tree
 from fzero.optim import alias, base, clipping, transform
-from fzero.transforms._core import Handler, collecting_metrics, installed
+from fzero.transforms._core import collecting_metrics, installed
 
 # The row of fzero.testing.TOLERANCES an optimizer is held to against torch.optim, by dtype.
 VS_TORCH = {torch.float32: "optimizer fp32 vs torch.optim", torch.float64: "optimizer fp64 vs torch.optim"}
@@ -382,32 +382,6 @@ def test_clip_by_global_norm_leaves_small_updates_alone():
     torch.testing.assert_close(out["w"], g["w"], **ft.tolerance("exact"))
 
 
-class _RecordPsum(Handler):
-    def __init__(self):
-        self.calls = []
-
-    def psum(self, value, *, next):
-        self.calls.append(value.clone())
-        return next(value)
-
-
-class _AddOtherShard(Handler):
-    """psum as an all-reduce over two shards: adds the other shard's recorded partial sum."""
-
-    def __init__(self, other):
-        self.other = list(other)
-
-    def psum(self, value, *, next):
-        return next(value + self.other.pop(0))
-
-
-def _halves(t):
-    """Split every leaf's flattened values into two shards (as ZeRO partitions flat buffers)."""
-    first = tree.map(lambda x: x.flatten()[: x.numel() // 2], t)
-    second = tree.map(lambda x: x.flatten()[x.numel() // 2 :], t)
-    return first, second
-
-
 @SETTINGS
 @given(problems(dtypes=(torch.float32,)), st.sampled_from([0.5, 100.0]))
 def test_clip_norm_is_exact_on_shards(problem, max_norm):
@@ -417,17 +391,17 @@ def test_clip_norm_is_exact_on_shards(problem, max_norm):
     full, _ = tx.update(g, tx.init(g))
     with collecting_metrics() as m_full:
         tx.update(g, ())
-    a, b = _halves(g)
-    rec_a, rec_b = _RecordPsum(), _RecordPsum()
+    a, b = ft.halves(g)
+    rec_a, rec_b = ft.RecordPsum(), ft.RecordPsum()
     with installed(rec_a):
         tx.update(a, ())
     with installed(rec_b):
         tx.update(b, ())
     assert len(rec_a.calls) == 1 and rec_a.calls[0].dim() == 0  # one 0-dim partial sum
-    with installed(_AddOtherShard(rec_b.calls)), collecting_metrics() as m_a:
+    with installed(ft.AddOtherShard(rec_b.calls)), collecting_metrics() as m_a:
         out_a, _ = tx.update(a, ())
     torch.testing.assert_close(m_a["grad_norm"], m_full["grad_norm"], **ft.tolerance("norm"))
-    expect_a, _ = _halves(full)
+    expect_a, _ = ft.halves(full)
     _assert_leaves_close(out_a, tree.leaves(expect_a), **ft.tolerance("norm"))
 
 
@@ -437,14 +411,14 @@ def test_trust_ratio_is_exact_on_shards(problem):
     params, grads = problem
     tx = optim.scale_by_trust_ratio()
     full, _ = tx.update(grads[0], (), params)
-    (pa, pb), (ga, gb) = _halves(params), _halves(grads[0])
-    rec_b = _RecordPsum()
+    (pa, pb), (ga, gb) = ft.halves(params), ft.halves(grads[0])
+    rec_b = ft.RecordPsum()
     with installed(rec_b):
         tx.update(gb, (), pb)
     assert len(rec_b.calls) == 1 and rec_b.calls[0].shape == (2 * len(tree.leaves(params)),)
-    with installed(_AddOtherShard(rec_b.calls)):
+    with installed(ft.AddOtherShard(rec_b.calls)):
         out_a, _ = tx.update(ga, (), pa)
-    expect_a, _ = _halves(full)
+    expect_a, _ = ft.halves(full)
     _assert_leaves_close(out_a, tree.leaves(expect_a), **ft.tolerance("norm"))
 
 

@@ -137,7 +137,7 @@ def _same_as_plain(p, m, kind, tx_name, *, steps=3, per_mb=2, width=6, depth=2, 
     losses, skipped = [], []
     j = mesh.coords["dp"]
     for b in batches:
-        state, metrics = step(state, {key: v.chunk(dp)[j] for key, v in b.items()})
+        state, metrics = step(state, ft.local_batch(b, dp, j))
         losses.append(metrics["loss"])
         skipped.append(bool(metrics.get("skipped", False)))
     assert skipped == ref_skipped, (skipped, ref_skipped)  # fp16: the same updates overflow

@@ -101,7 +101,7 @@ def _run_sharded(stage, precision, kind="mlp"):
     state = step.init(_create(kind=kind))
     stats = []
     for b in _batches(n):
-        state, m = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
+        state, m = step(state, ft.local_batch(b, n, r))
         stats.append({k: v.detach().clone() for k, v in m.items()})
     return stats, fzero.gather(state.params), {k: v.clone() for k, v in state.buffers.items()}
 
@@ -167,7 +167,7 @@ def _refused(stage):
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage)
     b = _batches(n)[0]
-    step(step.init(_create()), {k: v.chunk(n)[r] for k, v in b.items()})
+    step(step.init(_create()), ft.local_batch(b, n, r))
     return errors
 
 
@@ -202,7 +202,7 @@ def _argnums(stage):
     state = step.init(_create(optim.sgd(0.1)))
     try:
         b = _batches(n)[0]
-        state, m = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
+        state, m = step(state, ft.local_batch(b, n, r))
     except TypeError as e:
         return str(e)
     return m["gx"], fzero.gather(state.params)
@@ -235,7 +235,7 @@ def _replicated_argument(stage):
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage)
     try:
-        step(step.init(_create(optim.sgd(0.1))), {k: v.chunk(n)[r] for k, v in _batches(n)[0].items()})
+        step(step.init(_create(optim.sgd(0.1))), ft.local_batch(_batches(n)[0], n, r))
     except TypeError as e:
         return str(e)
     return None
@@ -250,7 +250,7 @@ def test_a_replicated_argument_beside_the_parameters_is_refused_by_name(ranks, s
 
 def _input_gradient_only(stage):
     n, r = dist.get_world_size(), dist.get_rank()
-    b = {k: v.chunk(n)[r] for k, v in _batches(n)[0].items()}
+    b = ft.local_batch(_batches(n)[0], n, r)
 
     def train_step(state, batch):
         gx = fzero.grad(lambda x: F.mse_loss(state.apply_fn(state.params, x), batch["y"]))(batch["x"])

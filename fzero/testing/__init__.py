@@ -19,25 +19,40 @@ The modules:
 - :mod:`fzero.testing.asserts`: ``assert_trees_close``;
 - :mod:`fzero.testing.tolerances`: ``TOLERANCES``, the one table of ``(rtol, atol, why)``
   keyed by what is compared, and ``tolerance(what)``;
+- :mod:`fzero.testing.steps`: ``mse_step`` (the plain step tests hold transforms to),
+  ``run_steps``, ``local_batch``;
+- :mod:`fzero.testing.handlers`: ``RecordPsum``, ``AddOtherShard``, ``halves`` (a two-shard
+  ``psum`` in one process);
+- :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once);
 - :mod:`fzero.testing.multirank`: ``RankPool``, ``RankPools``, ``run_ranks``, ``current``
   (imported on its own: ``from fzero.testing.multirank import RankPool``).
 """
 
 from fzero.testing.asserts import assert_trees_close
+from fzero.testing.handlers import AddOtherShard, RecordPsum, halves
+from fzero.testing.memory import storage_bytes
+from fzero.testing.steps import local_batch, mse_step, run_steps
 from fzero.testing.strategies import FLOAT_DTYPES, ModelCase, dtypes, models, pytrees, seeds, shapes, tensors
 from fzero.testing.tolerances import TOLERANCES, Tolerance, tolerance
 
 __all__ = [
+    "AddOtherShard",
     "FLOAT_DTYPES",
     "TOLERANCES",
     "ModelCase",
+    "RecordPsum",
     "Tolerance",
     "assert_trees_close",
     "dtypes",
+    "halves",
+    "local_batch",
     "models",
+    "mse_step",
     "pytrees",
+    "run_steps",
     "seeds",
     "shapes",
+    "storage_bytes",
     "tensors",
     "tolerance",
 ]
