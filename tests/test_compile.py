@@ -18,22 +18,6 @@ def make(case, tx):
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
 
 
-def train_step(state, batch):
-    def loss_fn(p):
-        return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
-
-    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads), {"loss": loss}
-
-
-def run(step, state, batches):
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
-    return state, torch.stack(losses)
-
-
 TXS = {
     "sgd": lambda: optim.sgd(0.05, momentum=0.9),
     "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
@@ -46,9 +30,9 @@ def test_compiled_equals_plain(case, tx_name, clip):
     batches = [case.batch(6, i) for i in range(10)]
     tx = TXS[tx_name]()
     plain_tx = tx if clip is None else optim.chain(optim.clip_by_global_norm(clip), tx)
-    ref_state, ref_losses = run(train_step, make(case, plain_tx), batches)
-    step = fzero.compile(train_step, clip_norm=clip)
-    state, losses = run(step, step.init(make(case, tx)), batches)
+    ref_state, ref_losses = ft.run_steps(ft.mse_step, make(case, plain_tx), batches)
+    step = fzero.compile(ft.mse_step, clip_norm=clip)
+    state, losses = ft.run_steps(step, step.init(make(case, tx)), batches)
     ft.assert_trees_close(losses, ref_losses)
     ft.assert_trees_close(fzero.gather(state.params), ref_state.params)
     assert int(state.step) == 10
@@ -64,14 +48,14 @@ def test_grad_norm_metric_is_the_norm_before_clipping():
     ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     apply, params = fzero.functionalize(model)
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
-    step = fzero.compile(train_step, clip_norm=0.1)
+    step = fzero.compile(ft.mse_step, clip_norm=0.1)
     _, metrics = step(step.init(state), batch)
     torch.testing.assert_close(metrics["grad_norm"], ref_norm)
 
 
 def test_unknown_option_names_it_and_the_nearest():
     with pytest.raises(TypeError, match=r"unknown option 'zeroo'; did you mean 'zero'\?"):
-        fzero.compile(train_step, zeroo=2)
+        fzero.compile(ft.mse_step, zeroo=2)
 
 
 @pytest.mark.parametrize(
@@ -80,16 +64,16 @@ def test_unknown_option_names_it_and_the_nearest():
 )
 def test_options_not_yet_supported_are_errors(opts, name):
     with pytest.raises(NotImplementedError, match=f"fzero.compile: option {name}.*not supported yet"):
-        fzero.compile(train_step, **opts)
+        fzero.compile(ft.mse_step, **opts)
 
 
 def test_bad_option_values():
     with pytest.raises(ValueError, match="zero=5"):
-        fzero.compile(train_step, zero=5)
+        fzero.compile(ft.mse_step, zero=5)
     with pytest.raises(ValueError, match="precision='fp8'"):
-        fzero.compile(train_step, precision="fp8")
+        fzero.compile(ft.mse_step, precision="fp8")
     with pytest.raises(ValueError, match="clip_norm=-1"):
-        fzero.compile(train_step, clip_norm=-1)
+        fzero.compile(ft.mse_step, clip_norm=-1)
 
 
 def test_step_output_and_init_checked():
@@ -146,16 +130,16 @@ def test_emit_outside_a_step_is_dropped_inside_collected():
 
 
 def test_options_are_one_typed_dataclass_with_the_contracts_spellings():
-    step = fzero.compile(train_step, zero=1, precision="bf16", bucket_bytes=2**20)
+    step = fzero.compile(ft.mse_step, zero=1, precision="bf16", bucket_bytes=2**20)
     assert step.options == fzero.CompileOptions(stage=1, dtype="bf16", bucket_bytes=2**20)
-    assert fzero.compile(train_step, stage=1, dtype="bf16").options == fzero.CompileOptions(stage=1, dtype="bf16")
+    assert fzero.compile(ft.mse_step, stage=1, dtype="bf16").options == fzero.CompileOptions(stage=1, dtype="bf16")
     with pytest.raises(TypeError, match="'stage' and 'zero' are one option"):
-        fzero.compile(train_step, zero=1, stage=1)
+        fzero.compile(ft.mse_step, zero=1, stage=1)
 
 
 def test_every_unknown_or_renamed_option_is_named_at_once():
     with pytest.raises(TypeError) as e:
-        fzero.compile(train_step, bucket_size=1024, reduce_dtype="bf16", zeroo=2)
+        fzero.compile(ft.mse_step, bucket_size=1024, reduce_dtype="bf16", zeroo=2)
     msg = str(e.value)
     assert "'bucket_size' is now bucket_bytes" in msg and "'reduce_dtype' is now reduce_in" in msg
     assert "unknown option 'zeroo'; did you mean 'zero'?" in msg
@@ -164,18 +148,18 @@ def test_every_unknown_or_renamed_option_is_named_at_once():
 def test_a_keyword_may_add_to_a_config_but_not_contradict_it():
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 1}}
-    step = fzero.compile(train_step, config=config, buffer_sync="mean")  # the config says nothing of it
+    step = fzero.compile(ft.mse_step, config=config, buffer_sync="mean")  # the config says nothing of it
     assert step.options.stage == 1 and step.options.buffer_sync == "mean"
     with pytest.raises(ValueError, match=r"zero=2 contradicts the config's stage=1"):
-        fzero.compile(train_step, config=config, zero=2)
+        fzero.compile(ft.mse_step, config=config, zero=2)
 
 
 def test_the_transforms_check_their_keywords_as_compile_does():
     with pytest.raises(ValueError, match=r"fzero.CompileOptions: buffer_sync='all' must be 'broadcast', 'mean' or 'local'"):
         fzero.CompileOptions(buffer_sync="all")
     with pytest.raises(ValueError, match=r"fzero.compile: accumulate=0 must be a positive int"):
-        fzero.compile(train_step, accumulate=0)
+        fzero.compile(ft.mse_step, accumulate=0)
     with pytest.raises(ValueError, match=r"fzero.accumulate: micro_batches=0 must be a positive int"):
-        fzero.accumulate(train_step, 0)
+        fzero.accumulate(ft.mse_step, 0)
     with pytest.raises(ValueError, match=r"fzero.mixed_precision: loss_scale_window=0 must be a positive int"):
-        fzero.mixed_precision(train_step, "fp16", loss_scale_window=0)
+        fzero.mixed_precision(ft.mse_step, "fp16", loss_scale_window=0)

@@ -23,14 +23,10 @@ with a stub ``mpu`` giving the data-parallel world size:
 FusedLamb and FusedLion are CUDA-only in DeepSpeed; LAMB is checked here against a reference
 written from the CUDA kernel, Lion through its FusedSpec (the kernel's math is optax's).
 
-Tolerances:
-
-| comparison                                   | dtype | rtol  | atol  | why                                  |
-| -------------------------------------------- | ----- | ----- | ----- | ------------------------------------ |
-| config optimizer vs fzero.optim built directly | fp32 | 0     | 0     | the same chain: must be bit-identical |
-| DeepSpeed Lamb vs kernel reference, 4 updates | fp64  | 1e-12 | 1e-14 | same formula, op order differs       |
-| DeepSpeed Lamb on two shards vs unsharded     | fp32  | 1e-6  | 1e-7  | partial sums added in another order  |
-| schedules                                    | float | exact | exact | the same functions                   |
+Tolerances: a config optimizer against fzero.optim built directly, and the schedules, are
+exact (the same chain, the same functions); DeepSpeed's Lamb against the kernel's formula and
+on two shards against unsharded: the rows "lamb fp64 vs kernel formula" and "norm" of
+``fzero.testing.TOLERANCES``.
 """
 
 from __future__ import annotations
@@ -48,6 +44,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fzero
+import fzero.testing as ft
 from fzero import optim, tree
 from fzero import config as fconfig
 from fzero.config import (
@@ -65,7 +62,7 @@ from fzero.config import (
     _values,
 )
 from fzero.optim import schedules
-from fzero.transforms._core import Handler, installed
+from fzero.transforms._core import installed
 
 # The sample config of DeepSpeed's README ("Getting started"), unchanged.
 README_SAMPLE = {
@@ -318,29 +315,12 @@ def test_lamb_is_deepspeeds_fused_lamb(eps_inside_sqrt, bias_correction):
     ref = _lamb_reference(params, grads_seq, eps_inside_sqrt=eps_inside_sqrt,
                           bias_correction=bias_correction, **hp)
     for k in params:
-        torch.testing.assert_close(p[k], ref[k], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p[k], ref[k], **ft.tolerance("lamb fp64 vs kernel formula"))
     # and it is not optax's LAMB (fzero.optim.lamb): the clamp and the bias-correction factor
     ox = optim.lamb(hp["lr"], hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["wd"])
     uo, _ = ox.update(grads_seq[0], ox.init(params), params)
     ud, _ = tx.update(grads_seq[0], tx.init(params), params)
     assert not torch.allclose(uo["big"], ud["big"])
-
-
-class _RecordPsum(Handler):
-    def __init__(self):
-        self.calls = []
-
-    def psum(self, value, *, next):
-        self.calls.append(value.clone())
-        return next(value)
-
-
-class _AddOtherShard(Handler):
-    def __init__(self, other):
-        self.other = list(other)
-
-    def psum(self, value, *, next):
-        return next(value + self.other.pop(0))
 
 
 def test_lamb_norms_are_exact_on_zero_shards():
@@ -354,13 +334,13 @@ def test_lamb_norms_are_exact_on_zero_shards():
         return tree.map(lambda x: x.flatten().chunk(2)[i], t)
 
     (pa, pb), (ga, gb) = (half(params, 0), half(params, 1)), (half(grads, 0), half(grads, 1))
-    rec = _RecordPsum()
+    rec = ft.RecordPsum()
     with installed(rec):
         tx.update(gb, tx.init(pb), pb)
-    with installed(_AddOtherShard(rec.calls)):
+    with installed(ft.AddOtherShard(rec.calls)):
         out_a, _ = tx.update(ga, tx.init(pa), pa)
     for k in params:
-        torch.testing.assert_close(out_a[k], half(full, 0)[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out_a[k], half(full, 0)[k], **ft.tolerance("norm"))
 
 
 @pytest.mark.parametrize("opt, exc, match", [
@@ -755,26 +735,11 @@ def test_configs_pickle_for_spawned_ranks():
 
 def test_deepspeed_readme_sample_runs_through_compile():
     """DeepSpeed's README config, unchanged, drives a real compiled step."""
-    import torch.nn.functional as F
-
-    import fzero
-
-    sample = {
-        "train_batch_size": 8,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
-        "fp16": {"enabled": True},
-        "zero_optimization": True,
-    }
     torch.manual_seed(0)
     apply, params = fzero.functionalize(torch.nn.Linear(4, 2))
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.sgd(1.0))
 
-    def train_step(state, batch):
-        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
-        return state.apply_gradients(g), {"loss": loss}
-
-    step = fzero.compile(train_step, fzero.Mesh(dp=-1), config=sample)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=README_SAMPLE)
     assert step.options.stage == 1 and step.options.dtype == "fp16"
     state = step.init(state)
     assert state.params["weight"].dtype == torch.float16
@@ -787,20 +752,12 @@ def test_deepspeed_readme_sample_runs_through_compile():
 def test_bf16_check_grad_overflow_drives_the_compiled_step(check):
     """bf16.check_grad_overflow (DeepSpeed's default: true) decides whether a compiled bf16
     step skips an update whose gradients are not finite."""
-    import torch.nn.functional as F
-
-    import fzero
-
     section = {"enabled": True} if check is None else {"enabled": True, "check_grad_overflow": check}
     torch.manual_seed(0)
     apply, params = fzero.functionalize(torch.nn.Linear(4, 2))
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.sgd(0.1))
 
-    def train_step(state, batch):
-        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
-        return state.apply_gradients(g), {"loss": loss}
-
-    step = fzero.compile(train_step, fzero.Mesh(dp=-1), config=base(bf16=section))
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(bf16=section))
     state = step.init(state)
     x = torch.randn(8, 4)
     x[0, 0] = float("inf")

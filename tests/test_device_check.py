@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import fzero
 import fzero.checkpoint as ckpt
+import fzero.testing as ft
 from fzero import optim
 from fzero.distributed import comm, device_check
 from fzero.distributed.device_check import DeviceMismatchError, is_host
@@ -69,11 +70,6 @@ def _batch(k, n):
     return {"x": torch.randn(n, 4, generator=g), "y": torch.randn(n, 3, generator=g)}
 
 
-def _mse_step(state, batch):
-    loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
-    return state.apply_gradients(g), {"loss": loss}
-
-
 def _compiled(zero, precision, check, root):
     """Three steps of compile(zero=, precision=, accumulate=2, clip_norm=), a checkpoint saved
     and loaded; the losses and the gathered parameters."""
@@ -81,7 +77,7 @@ def _compiled(zero, precision, check, root):
         mesh = fzero.Mesh(dp=-1)
         r, n = mesh.rank, mesh.world_size
         apply, params = fzero.functionalize(_mlp(0))
-        step = fzero.compile(_mse_step, mesh, zero=zero, precision=precision, accumulate=2, clip_norm=0.5)
+        step = fzero.compile(ft.mse_step, mesh, zero=zero, precision=precision, accumulate=2, clip_norm=0.5)
         state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
         if check:  # step.init placed the state: all but the host scalars (step, counts, loss scaler)
             placed = [state.params, state.extra["master"], state.opt_state]
@@ -90,12 +86,12 @@ def _compiled(zero, precision, check, root):
                        if x.dim() == 0)
         losses = []
         for k in range(3):
-            state, m = step(state, {key: v.chunk(n)[r] for key, v in _batch(k, 8).items()})
+            state, m = step(state, ft.local_batch(_batch(k, 8), n, r))
             losses.append(m["loss"].item())
         path = f"{root}/{'checked' if check else 'plain'}-{zero}-{precision}"
         ckpt.save(path, state)  # host messages on the checkpoint's own gloo group
         state = ckpt.load(path, like=state)
-        state, m = step(state, {key: v.chunk(n)[r] for key, v in _batch(3, 8).items()})
+        state, m = step(state, ft.local_batch(_batch(3, 8), n, r))
         losses.append(m["loss"].item())
         return losses, {k: v.clone() for k, v in fzero.gather(state.params).items()}
 
@@ -133,7 +129,7 @@ def _pipelined(zero, check):
         j = mesh.coords["dp"]
         losses = []
         for k in range(3):
-            state, m = step(state, {key: v.chunk(2)[j] for key, v in _batch(k, 16).items()})
+            state, m = step(state, ft.local_batch(_batch(k, 16), 2, j))
             losses.append(m["loss"].item())
         return losses, {k: v.clone() for k, v in pipe.gather(state.params).items()}
 
@@ -158,12 +154,12 @@ def _batchnormed(zero, sync, check):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
         apply, params = fzero.functionalize(model)
-        step = fzero.compile(_mse_step, mesh, zero=zero, buffer_sync=sync)
+        step = fzero.compile(ft.mse_step, mesh, zero=zero, buffer_sync=sync)
         state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
         if check:
             assert not any(is_host(b) for b in state.buffers.values())
         for k in range(2):
-            state, _ = step(state, {key: v.chunk(mesh.world_size)[mesh.rank] for key, v in _batch(k, 8).items()})
+            state, _ = step(state, ft.local_batch(_batch(k, 8), mesh.world_size, mesh.rank))
         return {k: v.clone() for k, v in state.buffers.items()}
 
 
@@ -209,11 +205,11 @@ def _handed(case):
             elif case == "a host psum under ZeRO":  # what fp16's overflow flag was: torch.zeros(()) + .cpu()
                 def flag_step(state, batch):
                     psum(torch.zeros(()))
-                    return _mse_step(state, batch)
+                    return ft.mse_step(state, batch)
                 _two_steps(fzero.shard_state(flag_step, mesh, 1), mesh)
             elif case == "a state step.init does not place":
                 mesh.place = lambda state: state  # the state stays where the module made it: the host
-                _two_steps(fzero.compile(_mse_step, mesh, zero=1), mesh)
+                _two_steps(fzero.compile(ft.mse_step, mesh, zero=1), mesh)
             elif case == "a host send":
                 from fzero.distributed.p2p import Channel
 
@@ -232,7 +228,7 @@ def _two_steps(step, mesh):
     apply, params = fzero.functionalize(_mlp(0))
     state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
     for k in range(2):
-        state, _ = step(state, {key: v.chunk(2)[mesh.rank] for key, v in _batch(k, 4).items()})
+        state, _ = step(state, ft.local_batch(_batch(k, 4), 2, mesh.rank))
 
 
 @pytest.mark.multirank

@@ -153,15 +153,10 @@ def _process_tensor_bytes() -> int:
 
     import torch
 
+    import fzero.testing as ft
+
     gc.collect()
-    seen, total = set(), 0
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and not o.is_meta:
-            s = o.untyped_storage()
-            if s.data_ptr() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-    return total
+    return ft.storage_bytes([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
 
 
 def _census(stage, precision):

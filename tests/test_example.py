@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fzero
+import fzero.testing as ft
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the example imports its model as `gpt`
@@ -33,7 +34,7 @@ CURVE = json.loads((ROOT / "tests" / "data" / "gpt_loss_curve.json").read_text()
 # each matmul splits its reduction the same way. The slack is for a CPU whose kernels use
 # another vector width (a different summation order); a change in the math moves the
 # losses by far more than 1e-5 within a few steps.
-RTOL, ATOL = 1e-5, 0.0
+RTOL, ATOL, _ = ft.TOLERANCES["recorded losses"]
 
 
 def _argv(tmp_path: Path) -> list[str]:

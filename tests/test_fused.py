@@ -30,11 +30,6 @@ def _txs():
     }
 
 
-def train_step(state, batch):
-    loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
-    return state.apply_gradients(g), {"loss": loss}
-
-
 @settings(max_examples=12, deadline=None)
 @given(ft.models(), st.sampled_from(sorted(_txs())))
 def test_fused_equals_unfused(case, name):
@@ -60,7 +55,7 @@ def test_compiled_step_reports_grad_norm_on_both_paths():
     for mode in ("on", "off"):
         apply, params = fzero.functionalize(case.make())
         state = fzero.TrainState.create(apply_fn=apply, params=params, tx=_txs()["clip_adamw"]())
-        step = fzero.compile(train_step)
+        step = fzero.compile(ft.mse_step)
         with optim.use_fused(mode), fzero_kernels.force_backend("reference"):
             _, m = step(step.init(state), case.batch(4))
         assert "grad_norm" in m
@@ -162,15 +157,15 @@ def _train_strided(step, batches, mode):
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_non_contiguous_parameters_train_like_torch_adamw(mode):
     batches = _strided_batches(8)
-    got = _train_strided(fzero.compile(train_step), batches, mode)
+    got = _train_strided(fzero.compile(ft.mse_step), batches, mode)
     ft.assert_trees_close(got, _torch_adamw_params(batches), what=f"params, fused {mode}")
 
 
 def _strided_data_parallel(mode):
     n, r = dist.get_world_size(), dist.get_rank()
     batches = _strided_batches(4 * n)
-    step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=0)
-    got = _train_strided(step, [{k: v.chunk(n)[r] for k, v in b.items()} for b in batches], mode)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=0)
+    got = _train_strided(step, [ft.local_batch(b, n, r) for b in batches], mode)
     ft.assert_trees_close(got, _torch_adamw_params(batches), what=f"params, fused {mode}, rank {r}")
     return True
 

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import fzero.testing as ft  # noqa: E402
 import fzero_kernels as fk  # noqa: E402
 from fzero_kernels import _common  # noqa: E402
 
@@ -47,16 +48,8 @@ needs_triton = pytest.mark.skipif(bool(_SKIP_KERNELS), reason=_SKIP_KERNELS or "
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
-# Tolerances, in one table: (rtol, atol) of a kernel against its reference.
-# fp32 state after one update differs by at most an ulp or two: torch's CPU lerp/addcmul
-# fuse a multiply-add where the kernel rounds twice (measured: <= 2.4e-7 absolute on
-# values of order 1). Sums of squares: the kernel adds fp32 partial sums of up to
-# BLOCK * REDUCTION_BLOCKS elements, the reference adds in float64 (measured ~1e-7).
-TOL = {
-    "state": (1e-6, 1e-7),
-    "sumsq": (1e-5, 0.0),
-    "norm": (1e-5, 0.0),
-}
+# Tolerances: the rows "kernel state", "kernel sumsq", "kernel norm" and "kernel lamb" of the
+# one table (fzero/testing/tolerances.py), with the measurements behind them.
 # Exact (bit for bit): lowp_param vs the cast of the kernel's own new param; the flags;
 # unscale_and_check_ vs grad.div_(scale); the references vs torch.optim over 5 steps.
 
@@ -110,8 +103,7 @@ def _clone(ts):
 
 
 def _close(got, want, kind="state"):
-    rtol, atol = TOL[kind]
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    torch.testing.assert_close(got, want, **ft.tolerance(f"kernel {kind}"), equal_nan=True)
 
 
 def _bits(t):
@@ -282,7 +274,7 @@ def test_lamb_is_optax_lamb(backend):
     with fk.force_backend(backend):
         fk.lamb_(p, g, m, v, segments=segs, **LAMB_HYPER, step=3)
     for got, w in zip((p, m, v), want):
-        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, w, **ft.tolerance("kernel lamb"))
 
 
 @needs_triton
@@ -333,8 +325,8 @@ def test_lion_reference_is_optax_lion():
     want_p = p - lr * (torch.sign((1 - b1) * g + b1 * m) + wd * p)
     want_m = (1 - b2) * g + b2 * m
     fk.lion_reference(p, g, m, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
-    torch.testing.assert_close(p, want_p, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(m, want_m, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p, want_p, **ft.tolerance("kernel state"))
+    torch.testing.assert_close(m, want_m, **ft.tolerance("kernel state"))
 
 
 SGD_CASES = [

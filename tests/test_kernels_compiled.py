@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from test_kernels import TOL  # the one tolerance table
+import fzero.testing as ft  # the one tolerance table
 
 pytestmark = [
     pytest.mark.slow,
@@ -120,7 +120,7 @@ _CUDA_SCRIPT = textwrap.dedent("""
 
     def close(what, got, want, kind="state"):
         checked[0] += 1
-        rtol, atol = TOL[kind]
+        rtol, atol = TOL["kernel " + kind]
         try:
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
         except AssertionError as e:
@@ -227,7 +227,8 @@ _CUDA_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run on a GPU machine)")
 def test_cuda_kernels_match_reference():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _CUDA_SCRIPT, json.dumps(TOL)], capture_output=True, text=True,
+    tol = {k: [row.rtol, row.atol] for k, row in ft.TOLERANCES.items()}
+    proc = subprocess.run([sys.executable, "-c", _CUDA_SCRIPT, json.dumps(tol)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -147,14 +147,19 @@ def render_filter(draw, hosts, sel):
     return "@".join(draw(st.permutations(mentions)))
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.data())
-def test_include_selects_exactly(data):
+def _draw_selection(data):
+    """A host table, a selection of its slots (at least one) and a filter string naming it."""
     hosts = data.draw(host_tables)
     sel = data.draw(selections(hosts))
     if not any(sel.values()):
         sel[next(iter(hosts))] = {0}
-    spec = data.draw(render_filter(hosts, sel))
+    return hosts, sel, data.draw(render_filter(hosts, sel))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_include_selects_exactly(data):
+    hosts, sel, spec = _draw_selection(data)
     got = select_slots(hosts, include=spec)
     assert got == {h: sorted(s) for h, s in sel.items() if s}
     assert list(got) == [h for h in hosts if sel[h]]  # hostfile order, not mention order
@@ -163,11 +168,7 @@ def test_include_selects_exactly(data):
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_exclude_removes_exactly(data):
-    hosts = data.draw(host_tables)
-    sel = data.draw(selections(hosts))
-    if not any(sel.values()):
-        sel[next(iter(hosts))] = {0}
-    spec = data.draw(render_filter(hosts, sel))
+    hosts, sel, spec = _draw_selection(data)
     left = {h: [s for s in range(n) if s not in sel[h]] for h, n in hosts.items()}
     left = {h: s for h, s in left.items() if s}
     if not left:

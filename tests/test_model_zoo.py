@@ -175,7 +175,7 @@ def _zoo(name: str, stage: int, seed: int, steps: int = 3, per_rank: int = 2):
     state = step.init(state)
     losses = []
     for b in batches:
-        state, m = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
+        state, m = step(state, ft.local_batch(b, n, r))
         losses.append(m["loss"])
 
     where = f"{name}, stage {stage}, rank {r}"

@@ -1,18 +1,8 @@
 """fzero.optim: optimizers against torch.optim and reference formulas, masks, chains, errors.
 
-Tolerances (elementwise |ours - ref| <= atol + rtol * |ref| + slack, as torch.testing.assert_close
-with an extra ``slack`` term where stated):
-
-| comparison                                            | dtype | rtol  | atol  | why                                            |
-| ----------------------------------------------------- | ----- | ----- | ----- | ---------------------------------------------- |
-| adam / adamw / sgd vs torch.optim, 50 updates         | fp64  | 1e-12 | 1e-12 | same math; only fp64 rounding order differs    |
-| adam / adamw / sgd vs torch.optim, 50 updates         | fp32  | 1e-6  | 1e-6  | slack = 2 |torch_fp32 - torch_fp64|: torch's    |
-|   (params and, for adam, the moments)                 |       |       |       | own fp32 rounding over 50 updates (AdamW's     |
-|                                                       |       |       |       | fl32(1 - lr*wd) factor alone drifts 1.5e-6)    |
-| lamb / lion (run in fp64) vs numpy fp64 reference     | fp64  | 1e-10 | 1e-12 | reference written from optax's definitions     |
-| clip_by_global_norm vs torch.nn.utils.clip_grad_norm_ | fp32  | 1e-6  | 1e-7  | one reduction, summed in a different order     |
-| sharded vs unsharded norms (psum)                     | fp32  | 1e-6  | 1e-7  | partial sums added in a different order        |
-| apply_updates, masks passing leaves through           | any   | 0     | 0     | must be exact                                  |
+Tolerances: rows of ``fzero.testing.TOLERANCES`` ("optimizer fp64 vs torch.optim",
+"optimizer fp32 vs torch.optim" plus a slack, "fp64 vs numpy reference", "norm", "exact"),
+each with its reason there.
 """
 
 from __future__ import annotations
@@ -27,17 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fzero.testing as ft
 from fzero import optim, tree
 from fzero.optim import alias, base, clipping, transform
-from fzero.transforms._core import Handler, collecting_metrics, installed
+from fzero.transforms._core import collecting_metrics, installed
 
-TOL = {
-    torch.float32: dict(rtol=1e-6, atol=1e-6),  # plus slack: see _assert_matches_torch
-    torch.float64: dict(rtol=1e-12, atol=1e-12),
-    "numpy_fp64": dict(rtol=1e-10, atol=1e-12),
-    "norm": dict(rtol=1e-6, atol=1e-7),
-    "exact": dict(rtol=0.0, atol=0.0),
-}
+# The row of fzero.testing.TOLERANCES an optimizer is held to against torch.optim, by dtype.
+VS_TORCH = {torch.float32: "optimizer fp32 vs torch.optim", torch.float64: "optimizer fp64 vs torch.optim"}
 
 STEPS = 50
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -116,7 +102,7 @@ def _run_torch(make_opt, params, grads, lr_schedule=None):
 def _assert_matches_torch(ours_trees, make_opt, params, grads, lr_schedule=None, state_keys=()):
     """``ours_trees`` (final params, then one tree per torch state key) equal torch.optim's.
 
-    In fp64 to TOL[fp64]. In fp32 to TOL[fp32] plus twice torch's own fp32 rounding error,
+    To the table's row VS_TORCH[dtype]; in fp32 plus twice torch's own fp32 rounding error,
     measured by running torch.optim again in fp64 on the same values: rounding differs
     between any two fp32 implementations, and after 50 updates it exceeds 1e-6 by itself.
     """
@@ -133,7 +119,7 @@ def _assert_matches_torch(ours_trees, make_opt, params, grads, lr_schedule=None,
                 None if dtype != torch.float32 else [opt64.state[p][key] for p in opt64.param_groups[0]["params"]],
             )
         )
-    tol = TOL[dtype]
+    tol = ft.tolerance(VS_TORCH[dtype])
     for ours, (ref, ref64) in zip(ours_trees, refs):
         ours = tree.leaves(ours)
         assert len(ours) == len(ref)
@@ -330,7 +316,7 @@ def test_lamb_matches_optax_definition(problem, lr, b1, b2, eps, eps_root, wd, m
     ours, _ = _run(tx, params, grads)
     flags = [True] * len(tree.leaves(params)) if mask is None else tree.leaves(mask)
     ref = _lamb_reference(params, grads, lr, b1, b2, eps, eps_root, wd, flags)
-    _assert_np_close(ours, ref, **TOL["numpy_fp64"])
+    _assert_np_close(ours, ref, **ft.tolerance("fp64 vs numpy reference"))
 
 
 @SETTINGS
@@ -348,7 +334,7 @@ def test_lion_matches_optax_definition(problem, lr, b1, b2, wd, mask_seed):
     ours, _ = _run(optim.lion(lr, b1=b1, b2=b2, weight_decay=wd, mask=mask), params, grads)
     flags = [True] * len(tree.leaves(params)) if mask is None else tree.leaves(mask)
     ref = _lion_reference(params, grads, lr, b1, b2, wd, flags)
-    _assert_np_close(ours, ref, **TOL["numpy_fp64"])
+    _assert_np_close(ours, ref, **ft.tolerance("fp64 vs numpy reference"))
 
 
 def test_lamb_and_lion_take_optax_defaults():
@@ -361,8 +347,8 @@ def test_trust_ratio_is_one_for_zero_params():
     p = {"w": torch.zeros(3), "b": torch.ones(2)}
     u = {"w": torch.ones(3), "b": torch.zeros(2)}
     out, _ = tx.update(u, tx.init(p), p)
-    torch.testing.assert_close(out["w"], u["w"], **TOL["exact"])
-    torch.testing.assert_close(out["b"], u["b"], **TOL["exact"])
+    torch.testing.assert_close(out["w"], u["w"], **ft.tolerance("exact"))
+    torch.testing.assert_close(out["b"], u["b"], **ft.tolerance("exact"))
 
 
 # --------------------------------------------------------------------------- clipping
@@ -381,10 +367,10 @@ def test_clip_by_global_norm_matches_torch(problem, max_norm, scale):
     for t in theirs:
         t.grad = t.detach().clone()
     total = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
-    _assert_leaves_close(ours, [t.grad for t in theirs], **TOL["norm"])
+    _assert_leaves_close(ours, [t.grad for t in theirs], **ft.tolerance("norm"))
     assert metrics["grad_norm"].dim() == 0
-    torch.testing.assert_close(metrics["grad_norm"], total, **TOL["norm"])
-    _assert_leaves_close(g, tree.leaves(before), **TOL["exact"])  # pure
+    torch.testing.assert_close(metrics["grad_norm"], total, **ft.tolerance("norm"))
+    _assert_leaves_close(g, tree.leaves(before), **ft.tolerance("exact"))  # pure
 
 
 def test_clip_by_global_norm_leaves_small_updates_alone():
@@ -393,33 +379,7 @@ def test_clip_by_global_norm_leaves_small_updates_alone():
     with collecting_metrics() as metrics:
         out, _ = tx.update(g, tx.init(g))
     assert float(metrics["grad_norm"]) == 5.0
-    torch.testing.assert_close(out["w"], g["w"], **TOL["exact"])
-
-
-class _RecordPsum(Handler):
-    def __init__(self):
-        self.calls = []
-
-    def psum(self, value, *, next):
-        self.calls.append(value.clone())
-        return next(value)
-
-
-class _AddOtherShard(Handler):
-    """psum as an all-reduce over two shards: adds the other shard's recorded partial sum."""
-
-    def __init__(self, other):
-        self.other = list(other)
-
-    def psum(self, value, *, next):
-        return next(value + self.other.pop(0))
-
-
-def _halves(t):
-    """Split every leaf's flattened values into two shards (as ZeRO partitions flat buffers)."""
-    first = tree.map(lambda x: x.flatten()[: x.numel() // 2], t)
-    second = tree.map(lambda x: x.flatten()[x.numel() // 2 :], t)
-    return first, second
+    torch.testing.assert_close(out["w"], g["w"], **ft.tolerance("exact"))
 
 
 @SETTINGS
@@ -431,18 +391,18 @@ def test_clip_norm_is_exact_on_shards(problem, max_norm):
     full, _ = tx.update(g, tx.init(g))
     with collecting_metrics() as m_full:
         tx.update(g, ())
-    a, b = _halves(g)
-    rec_a, rec_b = _RecordPsum(), _RecordPsum()
+    a, b = ft.halves(g)
+    rec_a, rec_b = ft.RecordPsum(), ft.RecordPsum()
     with installed(rec_a):
         tx.update(a, ())
     with installed(rec_b):
         tx.update(b, ())
     assert len(rec_a.calls) == 1 and rec_a.calls[0].dim() == 0  # one 0-dim partial sum
-    with installed(_AddOtherShard(rec_b.calls)), collecting_metrics() as m_a:
+    with installed(ft.AddOtherShard(rec_b.calls)), collecting_metrics() as m_a:
         out_a, _ = tx.update(a, ())
-    torch.testing.assert_close(m_a["grad_norm"], m_full["grad_norm"], **TOL["norm"])
-    expect_a, _ = _halves(full)
-    _assert_leaves_close(out_a, tree.leaves(expect_a), **TOL["norm"])
+    torch.testing.assert_close(m_a["grad_norm"], m_full["grad_norm"], **ft.tolerance("norm"))
+    expect_a, _ = ft.halves(full)
+    _assert_leaves_close(out_a, tree.leaves(expect_a), **ft.tolerance("norm"))
 
 
 @SETTINGS
@@ -451,15 +411,15 @@ def test_trust_ratio_is_exact_on_shards(problem):
     params, grads = problem
     tx = optim.scale_by_trust_ratio()
     full, _ = tx.update(grads[0], (), params)
-    (pa, pb), (ga, gb) = _halves(params), _halves(grads[0])
-    rec_b = _RecordPsum()
+    (pa, pb), (ga, gb) = ft.halves(params), ft.halves(grads[0])
+    rec_b = ft.RecordPsum()
     with installed(rec_b):
         tx.update(gb, (), pb)
     assert len(rec_b.calls) == 1 and rec_b.calls[0].shape == (2 * len(tree.leaves(params)),)
-    with installed(_AddOtherShard(rec_b.calls)):
+    with installed(ft.AddOtherShard(rec_b.calls)):
         out_a, _ = tx.update(ga, (), pa)
-    expect_a, _ = _halves(full)
-    _assert_leaves_close(out_a, tree.leaves(expect_a), **TOL["norm"])
+    expect_a, _ = ft.halves(full)
+    _assert_leaves_close(out_a, tree.leaves(expect_a), **ft.tolerance("norm"))
 
 
 # --------------------------------------------------------------------------- masks
@@ -526,7 +486,7 @@ def test_chain_equals_applying_in_sequence():
         u, s1 = clip.update(g, s1, p)
         u, s2 = adamw.update(u, s2, p)
         p = optim.apply_updates(p, u)
-    _assert_leaves_close(ours, tree.leaves(p), **TOL["exact"])
+    _assert_leaves_close(ours, tree.leaves(p), **ft.tolerance("exact"))
     assert isinstance(state, tuple) and len(state) == 2
     names = [tree.keystr(path) for path in tree.paths(state)]
     assert "[1][0].mu['a']" in names and "[1][0].nu['b'][0]" in names
@@ -568,7 +528,7 @@ def test_updates_are_pure(tx):
         updates, new_state = tx.update(grads, state, params)
         new_params = optim.apply_updates(params, updates)
         for a, b in zip(tree.leaves((grads, state, params)), tree.leaves(snap)):
-            torch.testing.assert_close(a, b, **TOL["exact"])
+            torch.testing.assert_close(a, b, **ft.tolerance("exact"))
         state, params = new_state, new_params
 
 
@@ -577,8 +537,8 @@ def test_chain_never_overwrites_a_state_it_shares():
     tx = optim.chain(optim.trace(0.5), optim.scale(2.0))
     g = [torch.ones(3)]
     updates, state = tx.update(g, tx.init(g))
-    torch.testing.assert_close(updates[0], torch.full((3,), 2.0), **TOL["exact"])
-    torch.testing.assert_close(state[0].trace[0], torch.ones(3), **TOL["exact"])
+    torch.testing.assert_close(updates[0], torch.full((3,), 2.0), **ft.tolerance("exact"))
+    torch.testing.assert_close(state[0].trace[0], torch.ones(3), **ft.tolerance("exact"))
 
 
 def test_fused_specs():
@@ -608,10 +568,10 @@ def test_apply_updates_keeps_param_dtypes_and_rounds_once():
     before = _clone((p, u))
     out = optim.apply_updates(p, u)
     assert out["h"].dtype == torch.bfloat16 and out["f"].dtype == torch.float32
-    torch.testing.assert_close(out["h"], (p["h"].float() + u["h"]).to(torch.bfloat16), **TOL["exact"])
-    torch.testing.assert_close(out["f"], (p["f"].double() + u["f"]).float(), **TOL["exact"])
+    torch.testing.assert_close(out["h"], (p["h"].float() + u["h"]).to(torch.bfloat16), **ft.tolerance("exact"))
+    torch.testing.assert_close(out["f"], (p["f"].double() + u["f"]).float(), **ft.tolerance("exact"))
     for a, b in zip(tree.leaves((p, u)), tree.leaves(before)):
-        torch.testing.assert_close(a, b, **TOL["exact"])
+        torch.testing.assert_close(a, b, **ft.tolerance("exact"))
 
 
 def test_apply_updates_same_dtype_is_plain_addition():
@@ -619,7 +579,7 @@ def test_apply_updates_same_dtype_is_plain_addition():
     u = [torch.randn(5), torch.randn(2, 3)]
     out = optim.apply_updates(p, u)
     for o, a, b in zip(out, p, u):
-        torch.testing.assert_close(o, a + b, **TOL["exact"])
+        torch.testing.assert_close(o, a + b, **ft.tolerance("exact"))
 
 
 def test_apply_updates_structure_mismatch_names_key_paths():

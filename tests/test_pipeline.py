@@ -24,7 +24,6 @@ TXS = {
     "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
     "clipped": lambda: optim.chain(optim.clip_by_global_norm(0.05), optim.sgd(0.1)),  # psum over pp
 }
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------- models
@@ -138,20 +137,20 @@ def _same_as_plain(p, m, kind, tx_name, *, steps=3, per_mb=2, width=6, depth=2, 
     losses, skipped = [], []
     j = mesh.coords["dp"]
     for b in batches:
-        state, metrics = step(state, {key: v.chunk(dp)[j] for key, v in b.items()})
+        state, metrics = step(state, ft.local_batch(b, dp, j))
         losses.append(metrics["loss"])
         skipped.append(bool(metrics.get("skipped", False)))
     assert skipped == ref_skipped, (skipped, ref_skipped)  # fp16: the same updates overflow
 
-    # Low precision: the table's tolerance for the compute dtype (the plain step rounds in
-    # other places when the batch is cut); masters are fp32 but carry that rounding too.
-    tol = {} if precision is None else dict(zip(("rtol", "atol"), ft.TOLERANCES[LOW[precision]]))
-    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses on rank {r}", **tol)
+    # Low precision: the table's row for the compute dtype (the plain step rounds in other
+    # places when the batch is cut); masters are fp32 but carry that rounding too. fp32: the
+    # row of the leaves' dtype.
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol=precision, what=f"losses on rank {r}")
     full = pipe.gather(state.params)
-    ft.assert_trees_close(full, ref.params, what=f"params on rank {r}", **tol)
+    ft.assert_trees_close(full, ref.params, tol=precision, what=f"params on rank {r}")
     if precision:
-        ft.assert_trees_close(pipe.gather(state.extra["master"]), ref.extra["master"],
-                              what=f"master weights on rank {r}", **tol)
+        ft.assert_trees_close(pipe.gather(state.extra["master"]), ref.extra["master"], tol=precision,
+                              what=f"master weights on rank {r}")
     if tied and pipe.stage == p - 1:
         # The last stage's copy of the tied weight equals the first stage's, bit for bit.
         mine = fzero.gather(state.params)["0.weight"]

@@ -101,7 +101,7 @@ def _run_sharded(stage, precision, kind="mlp"):
     state = step.init(_create(kind=kind))
     stats = []
     for b in _batches(n):
-        state, m = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
+        state, m = step(state, ft.local_batch(b, n, r))
         stats.append({k: v.detach().clone() for k, v in m.items()})
     return stats, fzero.gather(state.params), {k: v.clone() for k, v in state.buffers.items()}
 
@@ -117,8 +117,8 @@ def test_statistics_and_manual_clipping_in_the_step_match_one_process(ranks, sta
         for got, want in zip(stats, ref_stats):
             assert got.keys() == want.keys()
             for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
-        ft.assert_trees_close(params, ref_state.params, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got[k], want[k], **ft.tolerance("fp32"), msg=k)
+        ft.assert_trees_close(params, ref_state.params, tol="fp32")
         assert buffers.keys() == ref_state.buffers.keys()
         for k in buffers:
             assert torch.equal(buffers[k], ref_state.buffers[k]), k
@@ -167,7 +167,7 @@ def _refused(stage):
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage)
     b = _batches(n)[0]
-    step(step.init(_create()), {k: v.chunk(n)[r] for k, v in b.items()})
+    step(step.init(_create()), ft.local_batch(b, n, r))
     return errors
 
 
@@ -202,7 +202,7 @@ def _argnums(stage):
     state = step.init(_create(optim.sgd(0.1)))
     try:
         b = _batches(n)[0]
-        state, m = step(state, {k: v.chunk(n)[r] for k, v in b.items()})
+        state, m = step(state, ft.local_batch(b, n, r))
     except TypeError as e:
         return str(e)
     return m["gx"], fzero.gather(state.params)
@@ -217,8 +217,8 @@ def test_argnums_gives_the_global_batch_gradients_of_every_argument(ranks, stage
         assert not isinstance(out, str), out
         gx, params = out
         # this rank's rows of the one-process input gradient (the loss is the global batch's mean)
-        torch.testing.assert_close(gx, ref["gx"].chunk(2)[r], rtol=1e-5, atol=1e-7)
-        ft.assert_trees_close(params, ref_state.params, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx, ref["gx"].chunk(2)[r], **ft.tolerance("fp32 small values"))
+        ft.assert_trees_close(params, ref_state.params, tol="fp32")
 
 
 def _replicated_argument(stage):
@@ -235,7 +235,7 @@ def _replicated_argument(stage):
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage)
     try:
-        step(step.init(_create(optim.sgd(0.1))), {k: v.chunk(n)[r] for k, v in _batches(n)[0].items()})
+        step(step.init(_create(optim.sgd(0.1))), ft.local_batch(_batches(n)[0], n, r))
     except TypeError as e:
         return str(e)
     return None
@@ -250,7 +250,7 @@ def test_a_replicated_argument_beside_the_parameters_is_refused_by_name(ranks, s
 
 def _input_gradient_only(stage):
     n, r = dist.get_world_size(), dist.get_rank()
-    b = {k: v.chunk(n)[r] for k, v in _batches(n)[0].items()}
+    b = ft.local_batch(_batches(n)[0], n, r)
 
     def train_step(state, batch):
         gx = fzero.grad(lambda x: F.mse_loss(state.apply_fn(state.params, x), batch["y"]))(batch["x"])
@@ -266,4 +266,4 @@ def test_the_gradient_of_the_input_alone_is_this_ranks_rows_of_the_global_one(ra
     state, b = _create(optim.sgd(0.1)), _batches(2)[0]
     ref = fzero.grad(lambda x: F.mse_loss(state.apply_fn(state.params, x), b["y"]))(b["x"])
     for r, gx in enumerate(ranks(2).run(_input_gradient_only, stage)):
-        torch.testing.assert_close(gx, ref.chunk(2)[r], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(gx, ref.chunk(2)[r], **ft.tolerance("fp32 small values"))

@@ -4,7 +4,7 @@ A :class:`RankPool` spawns ``world_size`` processes once, joins them into a gloo
 group, and then runs many jobs in them: ``pool.run(fn, *args)`` calls ``fn(*args)`` on
 every rank and returns the results in rank order. Starting the ranks costs seconds
 (each imports torch); a job costs milliseconds, so a test suite starts its pools once per
-session (the ``ranks`` fixture in ``tests/conftest_multirank.py``) and runs every case in
+session (the ``ranks`` fixture in ``tests/conftest.py``) and runs every case in
 them.
 
 Failures never hang the caller and always name the rank:
@@ -30,12 +30,12 @@ rank and world size (``torch.distributed.get_rank()`` works too).
 
 Example:
     >>> import torch.distributed as dist
-    >>> from fzero._multirank import run_ranks
+    >>> from fzero.testing.multirank import run_ranks
     >>> run_ranks(2, dist.get_world_size)
     [2, 2]
 
-This module imports only the standard library at import time; torch is imported when a
-pool starts.
+This module imports only the standard library at import time (the ``fzero.testing`` package
+around it imports torch and hypothesis); torch.distributed is imported when a pool starts.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def current() -> RankInfo:
     """
     if _CURRENT is None:
         raise RuntimeError(
-            "fzero._multirank.current: not running on a RankPool rank; call it from a "
+            "fzero.testing.multirank.current: not running on a RankPool rank; call it from a "
             "function passed to RankPool.run or run_ranks"
         )
     return _CURRENT
@@ -218,7 +218,7 @@ def _watch_parent() -> None:
 # --------------------------------------------------------------------------- the pool
 
 _LIVE: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
-_BOOTSTRAP = "import os; os.environ.update(env)\nfrom fzero._multirank import _child_main; _child_main(*args)"
+_BOOTSTRAP = "import os; os.environ.update(env)\nfrom fzero.testing.multirank import _child_main; _child_main(*args)"
 
 
 class RankPool:
@@ -354,7 +354,7 @@ class RankPool:
         self._dump_dir = tempfile.mkdtemp(prefix="fzero-ranks-")
         self._dump_offsets[:] = [0] * n
         # The repository root and its tests/ (where test modules define their jobs).
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         extra = [d for d in (root, os.path.join(root, "tests")) if os.path.isdir(d)]
         sys_path = _unique([*extra, *sys.path])
         rank_env = []
@@ -749,7 +749,7 @@ def _clean_stack(text: str) -> str:
             continue
         lines = block.splitlines()
         for i, line in enumerate(lines):
-            if line.strip().startswith('File "') and "_multirank.py" in line and line.endswith(" in _run_job"):
+            if line.strip().startswith('File "') and f"{os.sep}multirank.py" in line and line.endswith(" in _run_job"):
                 lines = lines[:i]
                 break
         blocks.append("\n".join(lines))

@@ -1,59 +1,24 @@
-"""Property-testing helpers: hypothesis strategies and ``assert_trees_close``.
-
-fzero's own tests use these, and so can users who property-test their own steps:
-
-    >>> from hypothesis import given, settings
-    >>> import fzero.testing as ft
-    >>> @settings(max_examples=5, deadline=None)
-    ... @given(ft.pytrees())
-    ... def test_roundtrip(t):
-    ...     leaves, spec = fzero.tree.flatten(t)
-    ...     ft.assert_trees_close(fzero.tree.unflatten(spec, leaves), t)
-    >>> import fzero; test_roundtrip()
+"""Hypothesis strategies: shapes, tensors, pytrees and small random models.
 
 Tensors are drawn from a seed (hypothesis shrinks the seed and the shapes, not millions of
 floats), so strategies stay fast for realistic sizes.
+
+Example:
+    >>> from hypothesis import find
+    >>> import fzero.testing as ft
+    >>> find(ft.shapes(min_dims=2), lambda s: True)
+    (1, 1)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
-from fzero import tree
-
-__all__ = [
-    "TOLERANCES",
-    "ModelCase",
-    "assert_trees_close",
-    "dtypes",
-    "models",
-    "pytrees",
-    "seeds",
-    "shapes",
-    "tensors",
-]
-
-# One table of tolerances for the whole project: (rtol, atol) by the dtype compared.
-# fp32: reduction-order error over a few steps of training (SPEC: relative 1e-5).
-# bf16 / fp16: a few units in the last place of their 8 / 11-bit mantissas.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-6),
-    torch.bfloat16: (2e-2, 1e-2),
-    torch.float16: (2e-3, 1e-3),
-}
-
-def _plain(x: Any) -> Any:
-    from fzero._params import Params
-
-    return tree.map(lambda p: {k: v for k, v in p.items() if v is not None} if isinstance(p, Params) else p,
-                    x, is_leaf=lambda p: isinstance(p, Params))
-
+__all__ = ["FLOAT_DTYPES", "ModelCase", "dtypes", "models", "pytrees", "seeds", "shapes", "tensors"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -167,63 +132,3 @@ def models(draw, *, max_layers: int = 3, max_width: int = 12) -> ModelCase:
         bias=draw(st.booleans()),
         seed=draw(st.integers(0, 10_000)),
     )
-
-
-# --------------------------------------------------------------------------- comparison
-
-
-def assert_trees_close(actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None,
-                       what: str = "trees") -> None:
-    """Assert two pytrees have one structure and leafwise-close values.
-
-    Tolerances default to :data:`TOLERANCES` for the leaves' dtype (the looser of the two).
-    Non-tensor leaves must be equal.
-
-    Raises:
-        AssertionError: naming every key path that differs, with the largest absolute and
-            relative error and where it is.
-    """
-    # A Params compares as the dict of its entries (its frozen entries' None gradients are
-    # absent, as in a reference built from named_parameters() that require grad).
-    actual, expected = _plain(actual), _plain(expected)
-    try:
-        tree.assert_same_structure(expected, actual, what=f"assert_trees_close({what})", names=("expected", "actual"))
-    except tree.StructureError as e:
-        raise AssertionError(str(e)) from None
-    paths, exp_leaves, _ = tree.flatten_with_path(expected)
-    act_leaves = tree.leaves(actual)
-    problems = []
-    for path, a, e in zip(paths, act_leaves, exp_leaves):
-        name = tree.keystr(path) or "<root>"
-        if isinstance(e, torch.Tensor) or isinstance(a, torch.Tensor):
-            if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)):
-                problems.append(f"{name}: {type(a).__name__} vs {type(e).__name__}")
-                continue
-            if a.shape != e.shape:
-                problems.append(f"{name}: shape {tuple(a.shape)} vs expected {tuple(e.shape)}")
-                continue
-            r, t = _tolerance(a.dtype, e.dtype)
-            r = r if rtol is None else rtol
-            t = t if atol is None else atol
-            a64, e64 = a.detach().double().cpu(), e.detach().double().cpu()
-            same_nonfinite = (~torch.isfinite(e64)) & (a64.isnan() & e64.isnan() | (a64 == e64))
-            err = (a64 - e64).abs().masked_fill(same_nonfinite, 0.0)
-            bad = err > t + r * e64.abs()
-            if bad.any():
-                i = int(torch.argmax((err - t - r * e64.abs()).flatten()))
-                idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), e.shape)) if e.dim() else ()
-                rel = err / e64.abs().clamp_min(1e-30)
-                problems.append(
-                    f"{name}: {int(bad.sum())}/{e.numel()} elements differ (rtol={r:g}, atol={t:g}); "
-                    f"worst at {list(idx)}: {a64.flatten()[i].item()!r} vs expected {e64.flatten()[i].item()!r}; "
-                    f"max abs err {err.max().item():.3g}, max rel err {rel.max().item():.3g}"
-                )
-        elif a != e:
-            problems.append(f"{name}: {a!r} vs expected {e!r}")
-    if problems:
-        raise AssertionError(f"assert_trees_close({what}): {len(problems)} leaves differ:\n  " + "\n  ".join(problems))
-
-
-def _tolerance(*dts: torch.dtype) -> tuple[float, float]:
-    tols = [TOLERANCES.get(d, (0.0, 0.0)) for d in dts]
-    return max(t[0] for t in tols), max(t[1] for t in tols)

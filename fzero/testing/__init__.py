@@ -1,0 +1,58 @@
+"""Test support: hypothesis strategies, ``assert_trees_close``, one tolerance table, and a
+harness that runs a function on real ``torch.distributed`` ranks.
+
+fzero's own tests use these, and so can users who property-test their own steps:
+
+    >>> from hypothesis import given, settings
+    >>> import fzero.testing as ft
+    >>> @settings(max_examples=5, deadline=None)
+    ... @given(ft.pytrees())
+    ... def test_roundtrip(t):
+    ...     leaves, spec = fzero.tree.flatten(t)
+    ...     ft.assert_trees_close(fzero.tree.unflatten(spec, leaves), t)
+    >>> import fzero; test_roundtrip()
+
+The modules:
+
+- :mod:`fzero.testing.strategies`: ``seeds``, ``shapes``, ``dtypes``, ``tensors``,
+  ``pytrees``, ``models`` (with :class:`ModelCase`);
+- :mod:`fzero.testing.asserts`: ``assert_trees_close``;
+- :mod:`fzero.testing.tolerances`: ``TOLERANCES``, the one table of ``(rtol, atol, why)``
+  keyed by what is compared, and ``tolerance(what)``;
+- :mod:`fzero.testing.steps`: ``mse_step`` (the plain step tests hold transforms to),
+  ``run_steps``, ``local_batch``;
+- :mod:`fzero.testing.handlers`: ``RecordPsum``, ``AddOtherShard``, ``halves`` (a two-shard
+  ``psum`` in one process);
+- :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once);
+- :mod:`fzero.testing.multirank`: ``RankPool``, ``RankPools``, ``run_ranks``, ``current``
+  (imported on its own: ``from fzero.testing.multirank import RankPool``).
+"""
+
+from fzero.testing.asserts import assert_trees_close
+from fzero.testing.handlers import AddOtherShard, RecordPsum, halves
+from fzero.testing.memory import storage_bytes
+from fzero.testing.steps import local_batch, mse_step, run_steps
+from fzero.testing.strategies import FLOAT_DTYPES, ModelCase, dtypes, models, pytrees, seeds, shapes, tensors
+from fzero.testing.tolerances import TOLERANCES, Tolerance, tolerance
+
+__all__ = [
+    "AddOtherShard",
+    "FLOAT_DTYPES",
+    "TOLERANCES",
+    "ModelCase",
+    "RecordPsum",
+    "Tolerance",
+    "assert_trees_close",
+    "dtypes",
+    "halves",
+    "local_batch",
+    "models",
+    "mse_step",
+    "pytrees",
+    "run_steps",
+    "seeds",
+    "shapes",
+    "storage_bytes",
+    "tensors",
+    "tolerance",
+]

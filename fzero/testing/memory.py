@@ -1,0 +1,48 @@
+"""Count the bytes tensors hold: the distinct storages, views counted once (the way the ZeRO
+paper's per-rank memory is checked).
+
+Example:
+    >>> import torch
+    >>> from fzero.testing import storage_bytes
+    >>> w = torch.zeros(10)
+    >>> storage_bytes({"w": w, "view": w[2:5]}, [torch.zeros(2, dtype=torch.float16)])
+    44
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fzero import tree
+from fzero.distributed.flat import Shard
+
+__all__ = ["storage_bytes"]
+
+
+def storage_bytes(*trees: Any) -> int:
+    """Bytes of the distinct storages reachable from the leaves of ``trees`` (views count once).
+
+    A partitioned leaf counts the piece this rank holds: a :class:`~fzero.distributed.flat.Shard`
+    (inside a train step) its ``local``, a ``DTensor`` its local tensor. Meta tensors, empty
+    storages and leaves that are not tensors count nothing.
+    """
+    seen, total = set(), 0
+    for t in trees:
+        for x in tree.leaves(t):
+            x = _local(x)
+            if not isinstance(x, torch.Tensor) or x.is_meta:
+                continue
+            s = x.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def _local(x: Any) -> Any:
+    if isinstance(x, Shard):
+        return x.local
+    to_local = getattr(x, "to_local", None)
+    return to_local() if callable(to_local) and hasattr(x, "_local_tensor") else x

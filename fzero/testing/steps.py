@@ -1,0 +1,61 @@
+"""The plain train step that tests hold transforms to, the loop that runs a step over
+batches, and a rank's rows of a global batch.
+
+Example:
+    >>> import torch
+    >>> import fzero, fzero.testing as ft
+    >>> from fzero import optim
+    >>> torch.manual_seed(0) and None
+    >>> apply, params = fzero.functionalize(torch.nn.Linear(3, 2))
+    >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    >>> batches = [{"x": torch.randn(4, 3), "y": torch.randn(4, 2)} for _ in range(3)]
+    >>> state, losses = ft.run_steps(ft.mse_step, state, batches)
+    >>> losses.shape, int(state.step)
+    (torch.Size([3]), 3)
+    >>> ft.local_batch(batches[0], 2, 1)["x"].shape
+    torch.Size([2, 3])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import fzero
+
+__all__ = ["local_batch", "mse_step", "run_steps"]
+
+
+def mse_step(state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The plain train step: the mean squared error of ``state.apply_fn(params, batch["x"])``
+    against ``batch["y"]``, its gradients by :func:`fzero.value_and_grad`, one update.
+
+    A module-level function, so a :class:`~fzero.testing.multirank.RankPool` can run it by
+    name.
+
+    Returns:
+        ``(new state, {"loss": loss})``.
+    """
+
+    def loss_fn(p):
+        return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def run_steps(step: Callable, state: Any, batches) -> tuple[Any, torch.Tensor]:
+    """Run ``step`` over ``batches``; return the last state and the losses, stacked."""
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return state, torch.stack(losses)
+
+
+def local_batch(batch: Any, world_size: int, rank: int) -> Any:
+    """Rank ``rank``'s rows of a global batch: every leaf cut on its leading axis into
+    ``world_size`` chunks (as ``Tensor.chunk``), the ``rank``-th kept."""
+    return fzero.tree.map(lambda v: v.chunk(world_size)[rank], batch)
