@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import fzero
 from fzero import optim
-from fzero.distributed.flat import Shard
+from fzero.testing import storage_bytes  # the bytes a rank holds: the same count the tests check
 
 # The AdamW of every contestant of benchmarks/zero.py and benchmarks/precision.py.
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.999), 1e-8, 0.1
@@ -72,31 +72,6 @@ def make_torch_optimizer(params):
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-def local(x):
-    """The local tensor of a DTensor (FSDP2's shards) or of an fzero Shard (a leaf inside
-    the train step, where a partitioned leaf stands for the whole tensor); anything else
-    unchanged."""
-    if isinstance(x, Shard):
-        return x.local
-    to_local = getattr(x, "to_local", None)
-    return to_local() if callable(to_local) and hasattr(x, "_local_tensor") else x
-
-
-def storage_bytes(*tensors_or_trees) -> int:
-    """Bytes of the distinct storages reachable from the arguments (views count once)."""
-    seen, total = set(), 0
-    for t in tensors_or_trees:
-        for x in fzero.tree.leaves(t):
-            x = local(x)
-            if not isinstance(x, torch.Tensor) or x.is_meta:
-                continue
-            s = x.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-    return total
 
 
 def torch_state_bytes(params: list, opt: torch.optim.Optimizer) -> int:
