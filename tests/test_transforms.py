@@ -362,11 +362,24 @@ def test_compile_precision_and_accumulate_options():
 # --------------------------------------------------------------------------- the NotApplied contract
 
 
+def _installing(handler, step):
+    """``step`` as a transform that installs ``handler`` around it (a user-written transform)."""
+    from fzero.transforms import Step, as_step, installed
+
+    inner = as_step(step)
+
+    def call(state, batch):
+        with installed(handler):
+            return inner(state, batch)
+
+    return Step(call, inner=inner)
+
+
 def test_an_update_not_applied_is_an_explicit_value_through_the_handlers():
     """A handler inside accumulate (so seeing what accumulate answers) gets NotApplied("deferred")
     for the micro-batches before the last, and inside mixed_precision NotApplied("skipped")
     for a non-finite gradient; the user's step always gets a TrainState."""
-    from fzero.transforms import Handler, NotApplied, Step, as_step, installed
+    from fzero.transforms import Handler, NotApplied
 
     seen = []
 
@@ -377,13 +390,7 @@ def test_an_update_not_applied_is_an_explicit_value_through_the_handlers():
             return out
 
     def watched(step):
-        inner, h = as_step(step), Watch()
-
-        def call(state, batch):
-            with installed(h):
-                return inner(state, batch)
-
-        return Step(call, inner=inner)
+        return _installing(Watch(), step)
 
     got = []
 
@@ -413,7 +420,7 @@ def test_the_optimizer_steps_the_fp32_masters_whatever_the_nesting(outside):
     ``update`` outside it sees fp32 parameters and gradients (one inside, the bf16 ones
     before the swap), the result equals torch's SGD on the fp32 weights with the bf16
     forward's gradient, and the model's parameters are the masters' bf16 copies."""
-    from fzero.transforms import Handler, Step, as_step, installed
+    from fzero.transforms import Handler
 
     seen = []
 
@@ -423,13 +430,7 @@ def test_the_optimizer_steps_the_fp32_masters_whatever_the_nesting(outside):
             return next(state, grads)
 
     def watched(step):
-        inner, h = as_step(step), Watch()
-
-        def call(state, batch):
-            with installed(h):
-                return inner(state, batch)
-
-        return Step(call, inner=inner)
+        return _installing(Watch(), step)
 
     torch.manual_seed(0)
     apply, params = fzero.functionalize(torch.nn.Linear(3, 2))
