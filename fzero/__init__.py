@@ -13,10 +13,12 @@ from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
-from fzero.transforms import Step, accumulate, mixed_precision, pipeline, shard_state
+from fzero.transforms import (ColwiseParallel, RowwiseParallel, Step, accumulate, mixed_precision, pipeline, shard_state,
+                              tensor_parallel)
 from fzero._version import __version__
 
 __all__ = [
+    "ColwiseParallel",
     "CompileOptions",
     "Config",
     "Mesh",
@@ -33,8 +35,10 @@ __all__ = [
     "mixed_precision",
     "optim",
     "pipeline",
+    "RowwiseParallel",
     "remat",
     "shard_state",
+    "tensor_parallel",
     "tree",
     "value_and_grad",
 ]

@@ -1,0 +1,145 @@
+"""fzero.tensor_parallel on real gloo ranks: Megatron's column/row split of Linear layers gives
+the plain single-process trajectory, alone and under ZeRO over dp; a plan that does not fit
+the model fails at init naming every parameter and size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fzero
+import fzero.testing as ft
+from fzero import optim
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, hidden)
+        self.proj = torch.nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, d_in: int = 5, d: int = 8, hidden: int = 16, depth: int = 2, d_out: int = 3):
+        super().__init__()
+        self.inp = torch.nn.Linear(d_in, d)
+        self.blocks = torch.nn.ModuleList(Block(d, hidden) for _ in range(depth))
+        self.head = torch.nn.Linear(d, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+PLAN = {"blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.proj": fzero.RowwiseParallel()}
+
+
+def _state(tx_name: str):
+    torch.manual_seed(3)
+    apply, params = fzero.functionalize(Net())
+    tx = {"sgd": lambda: optim.sgd(0.1, momentum=0.9), "adamw": lambda: optim.adamw(1e-2)}[tx_name]()
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+
+
+def _batches(n: int, rows: int):
+    g = torch.Generator().manual_seed(11)
+    return [{"x": torch.randn(rows, 5, generator=g), "y": torch.randn(rows, 3, generator=g)} for _ in range(n)]
+
+
+def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int):
+    """On every rank: the tp (x dp, ZeRO stage) trajectory equals the plain one."""
+    world = dist.get_world_size()
+    mesh = fzero.Mesh(dp=world // tp, tp=tp)
+    batches = _batches(steps, 4 * mesh.size("dp"))
+    ref, ref_losses = ft.run_steps(ft.mse_step, _state(tx_name), batches)
+    inner = fzero.shard_state(ft.mse_step, mesh, stage) if mesh.size("dp") > 1 or stage else ft.mse_step
+    step = fzero.tensor_parallel(inner, mesh, PLAN)
+    state = step.init(_state(tx_name))
+    # this rank holds its slice of the split layers, whole copies of the rest
+    if stage < 3:
+        assert tuple(state.params["blocks.0.fc.weight"].shape) == (16 // tp, 8)
+    losses = []
+    for b in batches:
+        state, m = step(state, ft.local_batch(b, mesh.size("dp"), mesh.coords["dp"]))
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
+    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    return fzero.distributed.comm.traffic.bytes(what="tp")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tx_name", ["sgd", "adamw"])
+def test_tp2_equals_the_plain_step(ranks, tx_name):
+    sent = ranks(2).run(_tp_equals_plain, 2, 0, tx_name, 3)
+    assert all(n > 0 for n in sent)  # the activations and their gradients crossed the ranks
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tp2_by_dp2_under_zero_equals_the_plain_step(ranks, stage):
+    ranks(4).run(_tp_equals_plain, 2, stage, "adamw", 3)
+
+
+def _bytes_per_step(tp: int):
+    """Bytes this rank sends to tp collectives in one step: Megatron's count is one all-reduce
+    of the (rows x d) activation per row-parallel layer forward, and one of the same size per
+    column-parallel layer's input gradient backward."""
+    mesh = fzero.Mesh(dp=1, tp=tp)
+    step = fzero.tensor_parallel(ft.mse_step, mesh, PLAN)
+    state = step.init(_state("sgd"))
+    batch = _batches(1, 4)[0]
+    fzero.distributed.comm.traffic.reset()
+    step(state, batch)
+    return fzero.distributed.comm.traffic.bytes(what="tp")
+
+
+@pytest.mark.multirank
+def test_bytes_sent_are_megatrons_count(ranks):
+    rows, d, depth = 4, 8, 2
+    expect = depth * 2 * rows * d * 4  # per block: g forward + f backward, fp32 activations
+    assert ranks(2).run(_bytes_per_step, 2) == [expect, expect]
+
+
+def test_a_plan_that_does_not_fit_names_every_problem():
+    state = _state("sgd")
+    plan = {"blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.ln": fzero.RowwiseParallel(),
+            "decoder.*": fzero.ColwiseParallel()}
+    step = fzero.tensor_parallel(ft.mse_step, fzero.Mesh(dp=-1), plan)
+    with pytest.raises(ValueError) as e:
+        step.init(state)
+    msg = str(e.value)
+    assert "glob 'decoder.*' matches no module" in msg
+    assert "module 'blocks.0.ln' is a LayerNorm" in msg and "module 'blocks.1.ln' is a LayerNorm" in msg
+
+
+def _indivisible():
+    mesh = fzero.Mesh(dp=1, tp=2)
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(Net(hidden=15))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    try:
+        fzero.tensor_parallel(ft.mse_step, mesh, PLAN).init(state)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_a_dim_that_does_not_divide_by_tp_is_named_with_its_size(ranks):
+    msg = ranks(2).run(_indivisible)[0]
+    assert "parameter 'blocks.0.fc.weight' of shape (15, 8): dim 0 (15) does not divide by tp=2" in msg
+    assert "parameter 'blocks.1.proj.weight' of shape (8, 15): dim 1 (15) does not divide by tp=2" in msg
+
+
+def test_plans_are_checked_when_the_transform_is_built():
+    with pytest.raises(TypeError, match="plan entries must be 'glob': ColwiseParallel"):
+        fzero.tensor_parallel(ft.mse_step, fzero.Mesh(dp=-1), {"fc": "colwise"})
