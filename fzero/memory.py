@@ -89,7 +89,7 @@ def _rank_share(name: str, num_params: int, world_size: int, tp: int, pp: int) -
         raise ValueError(f"{name}: world_size={world_size} is smaller than tp={tp} × pp={pp} = {tp * pp}: "
                          f"dp = world_size/(tp·pp) would be less than 1 (the world is pp × dp × tp ranks)")
     if world_size % (tp * pp):
-        raise ValueError(f"{name}: world_size={world_size} is not divisible by tp={tp} × pp={pp} = {tp * pp}: "
+        raise ValueError(f"{name}: world_size={world_size} is not a multiple of tp={tp} × pp={pp} = {tp * pp}: "
                          f"dp = world_size/(tp·pp) must be whole (the world is pp × dp × tp ranks)")
     return -(-num_params // (tp * pp)), world_size // (tp * pp)
 
