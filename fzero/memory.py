@@ -23,14 +23,23 @@ its total; a test holds the sum within 10% of every tensor byte a rank's process
 
 A partitioned flat buffer is padded to a multiple of N, so a rank's shard is
 ``ceil(Ψ / N)`` elements.
+
+Tensor and pipeline parallelism (``tp=``, ``pp=``): the world is ``pp × dp × tp`` ranks,
+as :class:`fzero.Mesh` lays it out, and ZeRO partitions over ``dp = world_size / (tp·pp)``
+only. Before ZeRO a rank holds Ψ' = Ψ / (tp·pp) parameters: Megatron slices every weight
+matrix over the tp ranks (Shoeybi et al. 2019, section 3) and a pipeline stage holds 1/pp
+of the layers. That assumes an even split, and ignores the small tensors tp replicates
+(LayerNorm weights, biases of row-parallel layers) and a stage's extra embedding; Ψ' is
+rounded up, the share of the busiest rank. So every formula above holds with Ψ → Ψ' and
+N → dp: mixed precision ZeRO-2 on pp × dp × tp = 2 × 4 × 2 is 2Ψ' + 14Ψ'/4 with Ψ' = Ψ/4.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "OPTIMIZER_STATES", "PRECISIONS",
-           "REDUCE_BUFFERS"]
+__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "OPTIMIZER_STATES",
+           "PRECISIONS", "REDUCE_BUFFERS"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -50,6 +59,41 @@ PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 REDUCE_BUFFERS = 4
 
 
+def _positive(name: str, arg: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+
+
+def rank_share(num_params: int, *, world_size: int, tp: int = 1, pp: int = 1) -> tuple[int, int]:
+    """``(Ψ', dp)``: the parameters one rank holds before ZeRO, and the data-parallel
+    ranks ZeRO partitions them over, on a world of ``pp × dp × tp`` ranks.
+
+    Ψ' = ⌈Ψ / (tp·pp)⌉, assuming tp slices every weight matrix and pp gives each stage
+    1/pp of the layers, evenly (replicated small tensors such as LayerNorm's ignored).
+
+    Raises:
+        ValueError: a count that is not a positive int, or ``world_size`` not a multiple
+            of ``tp·pp``; the message gives world_size, tp and pp.
+
+    Example:
+        >>> rank_share(1_000_000, world_size=16, tp=2, pp=2)
+        (250000, 4)
+    """
+    return _rank_share("rank_share", num_params, world_size, tp, pp)
+
+
+def _rank_share(name: str, num_params: int, world_size: int, tp: int, pp: int) -> tuple[int, int]:
+    for arg, value in (("num_params", num_params), ("world_size", world_size), ("tp", tp), ("pp", pp)):
+        _positive(name, arg, value)
+    if world_size < tp * pp:
+        raise ValueError(f"{name}: world_size={world_size} is smaller than tp={tp} × pp={pp} = {tp * pp}: "
+                         f"dp = world_size/(tp·pp) would be less than 1 (the world is pp × dp × tp ranks)")
+    if world_size % (tp * pp):
+        raise ValueError(f"{name}: world_size={world_size} is not a multiple of tp={tp} × pp={pp} = {tp * pp}: "
+                         f"dp = world_size/(tp·pp) must be whole (the world is pp × dp × tp ranks)")
+    return -(-num_params // (tp * pp)), world_size // (tp * pp)
+
+
 def model_state_bytes(
     num_params: int,
     *,
@@ -57,34 +101,40 @@ def model_state_bytes(
     stage: int,
     precision: Precision = "fp32",
     optimizer: str = "adam",
+    tp: int = 1,
+    pp: int = 1,
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that one rank holds.
 
     Args:
-        num_params: Ψ, the number of (trainable) parameters.
-        world_size: N, the number of data-parallel ranks the states are partitioned over.
+        num_params: Ψ, the number of (trainable) parameters of the whole model.
+        world_size: the number of ranks, ``pp × dp × tp``; with ``tp = pp = 1`` it is N,
+            the data-parallel ranks the states are partitioned over.
         stage: ZeRO stage: 0 replicates everything, 1 partitions the optimizer state,
             2 also the gradients, 3 also the parameters.
         precision: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` mixed precision (2-byte
             parameters and gradients, fp32 master weights counted as optimizer state).
         optimizer: ``adam``, ``adamw``, ``lamb`` (2 fp32 states per parameter), ``lion``,
             ``sgd-momentum`` (1) or ``sgd`` (0).
+        tp, pp: tensor- and pipeline-parallel degrees: a rank holds Ψ' = Ψ/(tp·pp) of the
+            parameters and ZeRO partitions them over N = dp = world_size/(tp·pp) (see
+            :func:`rank_share` for the assumption).
 
     Returns:
         ``{"params": ..., "grads": ..., "optimizer": ..., "total": ...}`` in bytes.
 
     Raises:
-        ValueError: an argument out of range; the message names it.
+        ValueError: an argument out of range, or ``world_size`` not a multiple of
+            ``tp·pp``; the message names it.
 
     Example:
         >>> model_state_bytes(1_000_000, world_size=8, stage=2, precision="bf16")
         {'params': 2000000, 'grads': 250000, 'optimizer': 1500000, 'total': 3750000}
+        >>> model_state_bytes(4_000_000, world_size=32, stage=2, precision="bf16", tp=2, pp=2)
+        {'params': 2000000, 'grads': 250000, 'optimizer': 1500000, 'total': 3750000}
     """
     name = "model_state_bytes"
-    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
-        raise ValueError(f"{name}: num_params must be a positive int, got {num_params!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"{name}: world_size must be a positive int, got {world_size!r}")
+    num_params, world_size = _rank_share(name, num_params, world_size, tp, pp)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"{name}: stage must be 0, 1, 2 or 3, got {stage!r}")
     if precision not in PRECISIONS:
@@ -103,7 +153,7 @@ def model_state_bytes(
 
 
 def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precision: Precision = "fp32",
-                        bucket_bytes: int = 25 * 2**20) -> int:
+                        bucket_bytes: int = 25 * 2**20, tp: int = 1, pp: int = 1) -> int:
     """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
     buffers, and at stage 3 the gathered parameters.
 
@@ -116,7 +166,9 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     * Stage 3 holds the unit being computed and the one prefetched, gathered.
 
     At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
-    parameters as ``bucket_bytes``.
+    parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in
+    :func:`model_state_bytes`: a rank's buffers hold its Ψ' = Ψ/(tp·pp) parameters,
+    reduced over dp.
 
     Example:
         >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 4 buckets of 25 MiB
@@ -124,6 +176,7 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2)  # a small model: its whole gradient, once
         4000
     """
+    num_params, world_size = _rank_share("reduce_buffer_bytes", num_params, world_size, tp, pp)
     p = PRECISIONS[precision]
     if stage < 2:
         return (4 - p) * num_params
@@ -135,7 +188,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
 
 
 def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam") -> tuple[int, int]:
-    """``(a, b)`` such that the per-rank bytes are ``aΨ + bΨ/N`` (before padding)."""
+    """``(a, b)`` such that the per-rank bytes are ``aΨ + bΨ/N`` (before padding); with
+    tensor or pipeline parallelism, ``aΨ' + bΨ'/dp`` with Ψ' = Ψ/(tp·pp)."""
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"coefficients: stage must be 0, 1, 2 or 3, got {stage!r}")
     one = model_state_bytes(1, world_size=1, stage=0, precision=precision, optimizer=optimizer)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fzero.cli.estimate import format_bytes, parse_count
 from fzero.cli.main import main
-from fzero.memory import coefficients, model_state_bytes, reduce_buffer_bytes
+from fzero.memory import coefficients, model_state_bytes, rank_share, reduce_buffer_bytes
 
 PSI = 1_000_000
 
@@ -141,6 +143,82 @@ def test_checkpoint_command_on_a_missing_path_names_it(capsys, tmp_path):
     missing = str(tmp_path / "no_such_checkpoint")
     assert main(["checkpoint", "verify", missing]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- tensor and pipeline parallelism
+
+_DEGREES = st.sampled_from([1, 2, 3, 4, 8])
+
+
+@given(psi=st.integers(1, 10**12), stage=st.sampled_from([0, 1, 2, 3]),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]), tp=_DEGREES, pp=_DEGREES, dp=_DEGREES)
+def test_tp_and_pp_are_the_zero_formula_at_psi_over_tp_pp_and_n_dp(psi, stage, precision, tp, pp, dp):
+    """A rank of a pp × dp × tp world holds Ψ/(tp·pp) parameters (rounded up), which ZeRO
+    partitions over dp: the tp = pp = 1 formula at Ψ' and N = dp, buffers included."""
+    world, local = pp * dp * tp, -(-psi // (tp * pp))
+    assert rank_share(psi, world_size=world, tp=tp, pp=pp) == (local, dp)
+    got = model_state_bytes(psi, world_size=world, stage=stage, precision=precision, tp=tp, pp=pp)
+    assert got == model_state_bytes(local, world_size=dp, stage=stage, precision=precision)
+    assert (reduce_buffer_bytes(psi, world_size=world, stage=stage, precision=precision, tp=tp, pp=pp)
+            == reduce_buffer_bytes(local, world_size=dp, stage=stage, precision=precision))
+
+
+@given(per_rank=st.integers(1, 10**6), stage=st.sampled_from([0, 1, 2, 3]),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]), tp=_DEGREES, pp=_DEGREES, dp=_DEGREES)
+def test_tp_and_pp_give_the_zero_paper_figure_when_every_split_is_even(per_rank, stage, precision, tp, pp, dp):
+    psi = per_rank * dp * tp * pp  # Ψ' = Ψ/(tp·pp) and Ψ'/dp are whole: no rounding anywhere
+    table = PAPER["fp32" if precision == "fp32" else "mixed"][stage]
+    got = model_state_bytes(psi, world_size=pp * dp * tp, stage=stage, precision=precision, tp=tp, pp=pp)
+    for part, (a, b) in zip(("params", "grads", "optimizer"), table):
+        assert got[part] == a * psi // (tp * pp) + b * psi // (tp * pp * dp), part
+
+
+def test_cli_prints_the_degrees_and_the_split_formula(capsys):
+    assert main(["estimate", "--params", "13B", "--world-size", "64", "--tp", "4", "--pp", "2", "--stage", "2",
+                 "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "64 ranks = pp 2 × dp 8 × tp 4" in out
+    assert "Ψ' = Ψ/(tp·pp) = 1.625B parameters (1,625,000,000)" in out and "N = dp = 8" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("2 "))
+    # by hand: Ψ' = 1.625e9; params 2Ψ' = 3.25e9 B, grads 2Ψ'/8, optimizer 12Ψ'/8
+    for n in (3_250_000_000, 406_250_000, 2_437_500_000, 3_250_000_000 + 14 * 1_625_000_000 // 8):
+        assert format_bytes(n) in row
+    assert "2Ψ' + 14Ψ'/N" in row
+    assert "evenly" in out and "LayerNorm" in out
+
+
+def test_cli_with_tp_and_pp_one_is_the_plain_table(capsys):
+    main(["estimate", "--params", "1M", "-N", "8", "--bytes"])
+    plain = capsys.readouterr().out
+    main(["estimate", "--params", "1M", "-N", "8", "--tp", "1", "--pp", "1", "--bytes"])
+    assert capsys.readouterr().out == plain
+
+
+@pytest.mark.parametrize("world, tp, pp, what", [(6, 4, 1, "not a multiple of"), (12, 1, 8, "not a multiple of"),
+                                                 (2, 2, 2, "smaller than"), (1, 2, 1, "smaller than")])
+def test_degrees_that_do_not_fit_the_world_are_named(capsys, world, tp, pp, what):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--params", "1M", "--world-size", str(world), "--tp", str(tp), "--pp", str(pp)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"fzero estimate: error: --world-size {world} is {what} --tp {tp} × --pp {pp} = {tp * pp}" in err
+    for fn in (model_state_bytes, reduce_buffer_bytes):
+        expected = f"{fn.__name__}: world_size={world} is {what} tp={tp} × pp={pp} = {tp * pp}"
+        with pytest.raises(ValueError, match=expected):
+            fn(10**6, world_size=world, stage=1, tp=tp, pp=pp)
+
+
+@pytest.mark.parametrize("tp, pp, name", [(0, 1, "tp"), (1, -2, "pp"), (True, 1, "tp"), (1, 1.5, "pp")])
+def test_degrees_must_be_positive_ints(tp, pp, name):
+    with pytest.raises(ValueError, match=f"model_state_bytes: {name} must be a positive int"):
+        model_state_bytes(10**6, world_size=4, stage=1, tp=tp, pp=pp)
+
+
+@pytest.mark.parametrize("argv", [["--tp", "0"], ["--pp", "-1"], ["--tp", "x"]])
+def test_cli_degrees_must_be_positive_integers(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--params", "1M", *argv])
+    assert e.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the estimate against the process

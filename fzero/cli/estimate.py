@@ -1,4 +1,5 @@
-"""``fzero estimate``: per-rank memory of the model states for each ZeRO stage.
+"""``fzero estimate``: per-rank memory of the model states for each ZeRO stage, on a world
+of ``pp × dp × tp`` ranks.
 
 The formula lives in :mod:`fzero.memory` so the library and its tests use the same one.
 """
@@ -8,7 +9,8 @@ from __future__ import annotations
 import argparse
 from decimal import Decimal, InvalidOperation
 
-from fzero.memory import OPTIMIZER_STATES, PRECISIONS, coefficients, model_state_bytes, reduce_buffer_bytes
+from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, coefficients, model_state_bytes, rank_share,
+                          reduce_buffer_bytes)
 
 __all__ = ["add_parser", "parse_count", "format_bytes", "render", "run"]
 
@@ -64,23 +66,30 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _formula(a: int, b: int) -> str:
-    terms = ([f"{a}Ψ"] if a else []) + ([f"{b}Ψ/N"] if b else [])
+def _formula(a: int, b: int, psi: str = "Ψ") -> str:
+    terms = ([f"{a}{psi}"] if a else []) + ([f"{b}{psi}/N"] if b else [])
     return " + ".join(terms) or "0"
 
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
-           optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int = 25 * 2**20) -> str:
-    """The table ``fzero estimate`` prints."""
+           optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int = 25 * 2**20,
+           tp: int = 1, pp: int = 1) -> str:
+    """The table ``fzero estimate`` prints; ``tp``/``pp`` as in :func:`fzero.memory.model_state_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
+    local, dp = rank_share(num_params, world_size=world_size, tp=tp, pp=pp)
+    split = tp * pp > 1  # the formulas are then in Ψ' = Ψ/(tp·pp)
     n_states = OPTIMIZER_STATES[optimizer]
     if precision == "fp32":
         prec = "fp32 (4-byte parameters and gradients)"
     else:
         prec = f"{precision} mixed (2-byte parameters and gradients, fp32 master weights)"
+    ranks = (f"{world_size} ranks = pp {pp} × dp {dp} × tp {tp}" if split
+             else f"N = {world_size} rank{'s' if world_size != 1 else ''}")
     lines = [
         f"fzero estimate: per-rank memory of the model states for Ψ = {_count(num_params)} parameters "
-        f"({num_params:,}), N = {world_size} rank{'s' if world_size != 1 else ''}",
+        f"({num_params:,}), {ranks}",
+        *([f"a rank holds Ψ' = Ψ/(tp·pp) = {_count(local)} parameters ({local:,}), partitioned by ZeRO "
+           f"over N = dp = {dp}"] if split else []),
         f"precision: {prec}; optimizer: {optimizer} "
         f"({n_states} fp32 state{'s' if n_states != 1 else ''} per parameter)",
         "",
@@ -89,12 +98,13 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
     rows = []
     for stage in stages:
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
-                              optimizer=optimizer)
+                              optimizer=optimizer, tp=tp, pp=pp)
         buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
-                                  bucket_bytes=bucket_bytes)
+                                  bucket_bytes=bucket_bytes, tp=tp, pp=pp)
         rows.append([str(stage), fmt(b["params"]), fmt(b["grads"]), fmt(b["optimizer"]), fmt(b["total"]),
                      fmt(buf), fmt(b["total"] + buf),
-                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer))])
+                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer),
+                              "Ψ'" if split else "Ψ")])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         lines.append("  ".join(c.rjust(w) if i < len(r) - 1 else c for i, (c, w) in enumerate(zip(r, widths))))
@@ -106,6 +116,11 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         "two gathered units. Not counted: activations, the CUDA context and allocator",
         "fragmentation. Partitioned buffers are padded to a multiple of N. 1 GiB = 2^30 bytes.",
     ]
+    if split:
+        lines += [
+            "Ψ' assumes tp and pp split the weights evenly: Megatron slices every weight matrix over tp,",
+            "a pipeline stage holds 1/pp of the layers; small replicated tensors (LayerNorm) are ignored.",
+        ]
     return "\n".join(lines)
 
 
@@ -133,12 +148,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Per-rank bytes of parameters, gradients and optimizer state for a parameter "
                     "count, world size, ZeRO stage and precision, by the ZeRO paper's formula. "
                     "Activations are not counted.",
-        epilog="example: fzero estimate --params 1.3B --world-size 8 --stage 2 --precision bf16",
+        epilog="examples: fzero estimate --params 1.3B --world-size 8 --stage 2 --precision bf16; "
+               "fzero estimate --params 13B --world-size 64 --tp 4 --pp 2 --precision bf16",
     )
     p.add_argument("--params", required=True, type=_count_arg, metavar="COUNT",
                    help="number of parameters, e.g. 350M, 1.3B, 7e9")
     p.add_argument("--world-size", "-N", type=_positive_int, default=1, metavar="N",
-                   help="data-parallel ranks the states are partitioned over (default 1)")
+                   help="ranks in all, pp × dp × tp; with --tp and --pp 1, the data-parallel ranks the "
+                        "states are partitioned over (default 1)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
+                   help="tensor-parallel degree: a rank holds 1/T of every weight matrix (default 1)")
+    p.add_argument("--pp", type=_positive_int, default=1, metavar="P",
+                   help="pipeline-parallel degree: a rank holds 1/P of the layers (default 1); "
+                        "ZeRO partitions over dp = N/(T·P)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage (default: show all four)")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
@@ -154,7 +176,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    world, tp, pp = args.world_size, args.tp, args.pp
+    if world % (tp * pp):  # a world smaller than tp·pp too: dp would be 0
+        what = "smaller than" if world < tp * pp else "not a multiple of"
+        parser.error(f"--world-size {world} is {what} --tp {tp} × --pp {pp} = {tp * pp}: the world is "
+                     f"pp × dp × tp ranks, so dp = world/(tp·pp) must be a whole number, at least 1")
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
-    print(render(args.params, world_size=args.world_size, stages=stages, precision=args.precision,
-                 optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes))
+    print(render(args.params, world_size=world, stages=stages, precision=args.precision,
+                 optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
+                 tp=tp, pp=pp))
     return 0
