@@ -73,9 +73,12 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     """
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     opts, cfg = _options(config, options, mesh)
-    if mesh.size("pp") > 1 or mesh.size("tp") > 1:
-        raise NotImplementedError(f"fzero.compile: {mesh} has pp or tp axes; pipeline and tensor "
-                                  "parallelism are not supported yet")
+    if mesh.size("pp") > 1:
+        raise NotImplementedError(f"fzero.compile: {mesh} has a pp axis; build the pipeline with "
+                                  "fzero.pipeline(...).transform(step) (compile does not take it yet)")
+    if mesh.size("tp") > 1 and opts.tp is None:
+        raise ValueError(f"fzero.compile: {mesh} has a tp axis of {mesh.size('tp')}: pass tp={{...}}, a plan "
+                         "of module-name globs to fzero.ColwiseParallel() / fzero.RowwiseParallel()")
     # The fixed order, innermost first. Each transform's handler sees the primitives of the
     # ones inside it first (fzero/transforms/_core.py).
     inner = as_step(train_step)
@@ -102,6 +105,12 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 
         inner = shard_state(inner, mesh, opts.stage, bucket_bytes=opts.bucket_bytes,
                             reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync)
+    if opts.tp is not None:
+        # Outside ZeRO and mixed precision: its init keeps this rank's slice of each split
+        # layer before they cast, partition and build optimizer state on it (Ψ/tp per rank).
+        from fzero.transforms.tensor_parallel import tensor_parallel
+
+        inner = tensor_parallel(inner, mesh, opts.tp)
 
     def before(state):
         if not isinstance(state, TrainState):
@@ -158,6 +167,9 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[Compile
                  if decided.get(SPELLINGS.get(key, key), value) != value]
         if clash:
             raise ValueError("fzero.compile: option " + "; ".join(clash) + "; set each in one place")
+        if cfg.autotp_size > 1 and cfg.autotp_size != mesh.size("tp"):
+            raise ValueError(f"fzero.compile: the config's tensor_parallel.autotp_size={cfg.autotp_size} but "
+                             f"{mesh} has tp={mesh.size('tp')}: make the mesh's tp axis that size")
     opts = CompileOptions.from_keywords("fzero.compile", keywords, base)
     if not opts.overlap_comm:
         raise NotImplementedError("fzero.compile: option overlap_comm=False: turning off overlapped "

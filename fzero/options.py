@@ -62,6 +62,15 @@ def _bool(v) -> str | None:
     return None if isinstance(v, bool) else "must be True or False"
 
 
+def _plan(v) -> str | None:
+    if v is None or v == "auto":
+        return None
+    from fzero.transforms.tensor_parallel import STYLES
+
+    ok = isinstance(v, Mapping) and v and all(isinstance(k, str) and isinstance(s, STYLES) for k, s in v.items())
+    return None if ok else "must be None, 'auto' or a dict of module-name globs to ColwiseParallel() / RowwiseParallel()"
+
+
 def _loss_scale(v) -> str | None:
     return None if v in ("dynamic", None) or _positive_number(v) is None else \
         "must be 'dynamic', a positive number or None"
@@ -84,6 +93,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "bucket_bytes": _positive_int,
     "overlap_comm": _bool,
     "buffer_sync": _choice("broadcast", "mean", "local"),
+    "tp": _plan,
 }
 
 
@@ -161,6 +171,12 @@ class CompileOptions:
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast"
     """How ``state.buffers`` agree across ``dp`` ranks after a step: dp-rank 0's (DDP's),
     the mean of floating-point ones, or each rank's own."""
+
+    tp: Mapping[str, Any] | Literal["auto"] | None = None
+    """The tensor-parallel plan over the mesh's ``tp`` axis (:func:`fzero.tensor_parallel`):
+    module-name globs to ``fzero.ColwiseParallel()`` / ``fzero.RowwiseParallel()``, or
+    ``"auto"`` (DeepSpeed's AutoTP: the common Linear layouts). Required when the mesh has a
+    ``tp`` axis."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

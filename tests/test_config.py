@@ -494,7 +494,6 @@ def test_unknown_keys_name_the_key_and_the_nearest_valid_one(d, path, nearest):
     (base(compression_training={"weight_quantization": {}}), "compression_training"),
     (base(data_types={"grad_accum_dtype": "bf16"}), "data_types"),
     (base(gradient_allreduce_op="sum"), "gradient_allreduce_op"),
-    (base(tensor_parallel={"autotp_size": 2}), "tensor_parallel"),
     (base(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}), "zero_optimization.offload_param"),
     (base(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
      "zero_optimization.offload_optimizer"),
@@ -768,3 +767,14 @@ def test_bf16_check_grad_overflow_drives_the_compiled_step(check):
         assert "skipped" not in metrics and not master_finite and int(state.step) == 1
     else:
         assert bool(metrics["skipped"]) and master_finite and int(state.step) == 0
+
+
+def test_autotp_size_asks_compile_for_the_automatic_plan():
+    cfg = load(base(tensor_parallel={"autotp_size": 2}))
+    assert cfg.autotp_size == 2 and cfg.decided_options()["tp"] == "auto"
+    assert "tp" not in load(base(tensor_parallel={"autotp_size": 1})).decided_options()
+    with pytest.raises(ConfigKeyError, match=r"tensor_parallel.tp_size: fzero reads only tensor_parallel.autotp_size"):
+        load(base(tensor_parallel={"autotp_size": 2, "tp_size": 2}))
+    # the mesh of this process has no tp axis: compile names both sizes
+    with pytest.raises(ValueError, match=r"autotp_size=2 but Mesh\(pp=1, dp=1, tp=1.*has tp=1"):
+        fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(tensor_parallel={"autotp_size": 2}))

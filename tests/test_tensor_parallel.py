@@ -143,3 +143,30 @@ def test_a_dim_that_does_not_divide_by_tp_is_named_with_its_size(ranks):
 def test_plans_are_checked_when_the_transform_is_built():
     with pytest.raises(TypeError, match="plan entries must be 'glob': ColwiseParallel"):
         fzero.tensor_parallel(ft.mse_step, fzero.Mesh(dp=-1), {"fc": "colwise"})
+
+
+def _compiled_equals_plain(stage: int):
+    world = dist.get_world_size()
+    mesh = fzero.Mesh(dp=world // 2, tp=2)
+    batches = _batches(3, 4 * mesh.size("dp"))
+    ref, ref_losses = ft.run_steps(ft.mse_step, _state("adamw"), batches)
+    step = fzero.compile(ft.mse_step, mesh, zero=stage, tp=PLAN)
+    state = step.init(_state("adamw"))
+    losses = []
+    for b in batches:
+        state, m = step(state, ft.local_batch(b, mesh.size("dp"), mesh.coords["dp"]))
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
+    tp_step = step.inner  # compile's step wraps the transforms; the outermost is tensor_parallel
+    ft.assert_trees_close(tp_step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    try:
+        fzero.compile(ft.mse_step, mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_compile_builds_the_tp_step_from_a_plan(ranks):
+    msg = ranks(2).run(_compiled_equals_plain, 0)[0]
+    assert "has a tp axis of 2: pass tp={...}" in msg

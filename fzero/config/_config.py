@@ -127,6 +127,11 @@ class Config:
     communication_data_type: Literal["fp32", "fp16", "bfp16", "bf16"] | None = None
     """dtype gradients are reduced in (``None``/``"fp32"``: fp32, fzero's default)."""
 
+    autotp_size: int = 1
+    """``tensor_parallel.autotp_size``: DeepSpeed's AutoTP degree. Above 1 the compiled step
+    splits the common Linear layouts over the mesh's ``tp`` axis, which must have this size
+    (``compile(tp="auto")``, :func:`fzero.transforms.tensor_parallel.auto_plan`)."""
+
     ignored: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
     (only those whose value differs from DeepSpeed's default)."""
@@ -252,6 +257,8 @@ class Config:
             opts["overlap_comm"] = zero.overlap_comm
         if comm_dtype is not None:
             opts["reduce_in"] = comm_dtype
+        if self.autotp_size > 1:
+            opts["tp"] = "auto"
         return opts
 
     def compile_options(self) -> "CompileOptions":

@@ -24,7 +24,7 @@ from fzero.config._keys import (
     _Rule,
 )
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
-from fzero.config._values import WHERE, _section
+from fzero.config._values import WHERE, _int, _section
 
 if TYPE_CHECKING:
     from fzero.config._config import Config
@@ -128,6 +128,16 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                                                        _section("zero_optimization", zero), _ZERO, noted))
     if top.get("gradient_clipping") is not None:
         kw["gradient_clipping"] = top["gradient_clipping"]
+    tp = top.get("tensor_parallel")
+    if tp is not None:
+        section = _section("tensor_parallel", tp)
+        unknown = sorted(set(section) - {"autotp_size"})
+        if unknown:
+            raise ConfigKeyError(f"{WHERE}: tensor_parallel.{unknown[0]}: fzero reads only "
+                                 "tensor_parallel.autotp_size (DeepSpeed's AutoTP degree)"
+                                 + (f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""))
+        if section.get("autotp_size") is not None:
+            kw["autotp_size"] = _int("tensor_parallel.autotp_size", section["autotp_size"], minimum=1)
     comm = top.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:

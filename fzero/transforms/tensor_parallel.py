@@ -43,7 +43,7 @@ from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "tensor_parallel"]
+__all__ = ["ColwiseParallel", "RowwiseParallel", "auto_plan", "tensor_parallel"]
 
 WHERE = "fzero.tensor_parallel"
 
@@ -125,11 +125,46 @@ class _Split:
     shape: tuple[int, ...]
 
 
+def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
+    """A plan for the common Linear layouts, as DeepSpeed's AutoTP finds them.
+
+    In every module whose ``nn.Linear`` children are expansions and their contraction -- some
+    ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and one
+    ``h -> d`` layer (``c_proj``, ``down_proj``), ``h > d`` -- the former are split by
+    columns and the latter by rows. Attention projections (``d -> d``, or a fused
+    ``d -> 3d`` beside a ``d -> d``) are left whole: splitting them needs the heads split.
+
+    Example:
+        >>> import torch
+        >>> from fzero.transforms.tensor_parallel import auto_plan
+        >>> mlp = torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 16), "proj": torch.nn.Linear(16, 4)})
+        >>> sorted((k, type(v).__name__) for k, v in auto_plan(torch.nn.ModuleDict({"mlp": mlp})).items())
+        [('mlp.fc', 'ColwiseParallel'), ('mlp.proj', 'RowwiseParallel')]
+    """
+    plan: dict[str, Any] = {}
+    for name, m in module.named_modules():
+        linears = [(n, c) for n, c in m.named_children() if isinstance(c, torch.nn.Linear)]
+        down = [(n, c) for n, c in linears if c.in_features > c.out_features
+                and any((o.in_features, o.out_features) == (c.out_features, c.in_features) for _, o in linears)]
+        up = [(n, c) for n, c in linears if (n, c) not in down]
+        if len(down) != 1 or not up:
+            continue
+        d, h = down[0][1].out_features, down[0][1].in_features
+        if any((c.in_features, c.out_features) != (d, h) for _, c in up):
+            continue
+        prefix = f"{name}." if name else ""
+        plan.update({prefix + n: ColwiseParallel() for n, _ in up})
+        plan[prefix + down[0][0]] = RowwiseParallel()
+    return plan
+
+
 def check_plan(plan: Any, where: str = WHERE) -> None:
-    """``plan`` must map module-name globs (strings) to a style instance."""
+    """``plan`` must map module-name globs (strings) to a style instance, or be ``"auto"``."""
+    if plan == "auto":
+        return
     if not isinstance(plan, Mapping) or not plan:
         raise TypeError(f"{where}: the plan must be a non-empty dict of module-name globs to "
-                        f"ColwiseParallel() / RowwiseParallel(), got {plan!r}")
+                        f"ColwiseParallel() / RowwiseParallel(), or 'auto', got {plan!r}")
     bad = [f"{k!r}: {v!r}" for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, STYLES))]
     if bad:
         raise TypeError(f"{where}: plan entries must be 'glob': ColwiseParallel() or RowwiseParallel(); "
@@ -204,7 +239,8 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
     Args:
         step: ``train_step(state, batch) -> (state, metrics)``.
         mesh: the :class:`fzero.Mesh`, with a ``tp`` axis.
-        plan: module-name globs to :class:`ColwiseParallel` / :class:`RowwiseParallel`.
+        plan: module-name globs to :class:`ColwiseParallel` / :class:`RowwiseParallel`, or
+            ``"auto"`` (:func:`auto_plan`, at ``init``).
 
     Returns:
         A :class:`Step`. ``init`` keeps this rank's slices (before the transforms inside it
@@ -242,7 +278,11 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         if "master" in state.extra or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
             raise ValueError(f"{WHERE}: this state is already partitioned or cast: make tensor_parallel "
                              "outside mixed_precision and shard_state (it chooses what they compute with)")
-        chosen, found = resolve_plan(module, state.params, plan, tp)
+        planned = auto_plan(module) if plan == "auto" else plan
+        if not planned:
+            raise ValueError(f"{WHERE}: plan='auto' found no Linear layers to split in {type(module).__name__} "
+                             "(an expansion d -> h beside a contraction h -> d in one module); give a plan")
+        chosen, found = resolve_plan(module, state.params, planned, tp)
         splits.clear()
         splits.update(found)
         timeout_s = mesh.timeout_s
