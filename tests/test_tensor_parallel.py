@@ -170,3 +170,60 @@ def _compiled_equals_plain(stage: int):
 def test_compile_builds_the_tp_step_from_a_plan(ranks):
     msg = ranks(2).run(_compiled_equals_plain, 0)[0]
     assert "has a tp axis of 2: pass tp={...}" in msg
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=32, max_position_embeddings=16)
+    return LlamaForCausalLM(cfg)
+
+
+def _lm_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _llama_auto_plan_equals_torch():
+    """Hugging Face Llama at tp=2 under compile(tp="auto") against the module's own forward,
+    backward and torch.optim.AdamW on one process."""
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(3)]
+    ref = _llama()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = _lm_loss(ref(b[:, :-1]).logits, b[:, 1:])
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.detach())
+
+    apply, params = fzero.functionalize(_llama())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.0))
+
+    def train_step(state, batch):
+        loss, grads = fzero.value_and_grad(lambda p: _lm_loss(state.apply_fn(p, batch[:, :-1]).logits,
+                                                              batch[:, 1:]))(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp="auto")
+    state = step.init(state)
+    # the MLPs are split (gate and up by columns, down by rows); attention stays whole
+    assert tuple(state.params["model.layers.0.mlp.gate_proj.weight"].shape) == (16, 16)
+    assert tuple(state.params["model.layers.0.mlp.down_proj.weight"].shape) == (16, 16)
+    assert tuple(state.params["model.layers.0.self_attn.q_proj.weight"].shape) == (16, 16)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
+    ft.assert_trees_close(step.inner.gather(state.params), dict(ref.named_parameters()), tol="fp32",
+                          what="parameters")
+    return True
+
+
+@pytest.mark.multirank
+def test_hugging_face_llama_under_the_automatic_plan_equals_torch(ranks):
+    assert ranks(2).run(_llama_auto_plan_equals_torch) == [True, True]
