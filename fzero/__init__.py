@@ -13,14 +13,15 @@ from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
-from fzero.transforms import (ColwiseParallel, RowwiseParallel, Step, accumulate, mixed_precision, pipeline, shard_state,
-                              tensor_parallel)
+from fzero.transforms import (ColwiseParallel, DivideAttributes, RowwiseParallel, Step, accumulate, mixed_precision,
+                              pipeline, shard_state, tensor_parallel)
 from fzero._version import __version__
 
 __all__ = [
     "ColwiseParallel",
     "CompileOptions",
     "Config",
+    "DivideAttributes",
     "Mesh",
     "Params",
     "Step",

@@ -176,22 +176,36 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(4)
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=32, max_position_embeddings=16)
     return LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(4)
+    cfg = GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=32, n_positions=16, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
 
 
 def _lm_loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _llama_auto_plan_equals_torch():
-    """Hugging Face Llama at tp=2 under compile(tp="auto") against the module's own forward,
-    backward and torch.optim.AdamW on one process."""
+def _hf_equals_torch(make: str, plan: str):
+    """A Hugging Face model at tp=2 under ``compile(tp=...)`` against the module's own
+    forward, backward and torch.optim.SGD with momentum on one process. (SGD, not Adam:
+    the split sums partial products in another order, and Adam's normalisation turns that
+    last-bit difference of a near-zero gradient into a difference of a whole step.)"""
+    from fzero.transforms import tp_plans
+
+    make = {"llama": _llama, "gpt2": _gpt2}[make]
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(3)]
-    ref = _llama()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref = make()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_losses = []
     for b in batches:
         opt.zero_grad()
@@ -200,20 +214,19 @@ def _llama_auto_plan_equals_torch():
         opt.step()
         ref_losses.append(loss.detach())
 
-    apply, params = fzero.functionalize(_llama())
-    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.0))
+    model = make()
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
 
     def train_step(state, batch):
         loss, grads = fzero.value_and_grad(lambda p: _lm_loss(state.apply_fn(p, batch[:, :-1]).logits,
                                                               batch[:, 1:]))(state.params)
         return state.apply_gradients(grads), {"loss": loss}
 
-    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp="auto")
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2),
+                         tp="auto" if plan == "auto" else getattr(tp_plans, plan)(model))
     state = step.init(state)
-    # the MLPs are split (gate and up by columns, down by rows); attention stays whole
-    assert tuple(state.params["model.layers.0.mlp.gate_proj.weight"].shape) == (16, 16)
-    assert tuple(state.params["model.layers.0.mlp.down_proj.weight"].shape) == (16, 16)
-    assert tuple(state.params["model.layers.0.self_attn.q_proj.weight"].shape) == (16, 16)
+    shapes = {k: tuple(v.shape) for k, v in state.params.items()}
     losses = []
     for b in batches:
         state, m = step(state, b)
@@ -221,9 +234,53 @@ def _llama_auto_plan_equals_torch():
     ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
     ft.assert_trees_close(step.inner.gather(state.params), dict(ref.named_parameters()), tol="fp32",
                           what="parameters")
-    return True
+    return shapes
 
 
 @pytest.mark.multirank
 def test_hugging_face_llama_under_the_automatic_plan_equals_torch(ranks):
-    assert ranks(2).run(_llama_auto_plan_equals_torch) == [True, True]
+    shapes = ranks(2).run(_hf_equals_torch, "llama", "auto")[0]
+    # AutoTP splits the MLPs (gate and up by columns, down by rows) and leaves attention whole
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (16, 16)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (16, 16)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (16, 16)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_hugging_face_blocks_under_their_shipped_plans_equal_torch(ranks, model):
+    shapes = ranks(2).run(_hf_equals_torch, model, model)[0]
+    if model == "llama":  # 4 heads of 4: two per rank; 2 key/value heads: one per rank
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
+        assert shapes["model.layers.0.self_attn.k_proj.weight"] == (4, 16)
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
+    else:  # Conv1D weights are (in, out): q, k and v each give this rank two heads of 4
+        assert shapes["transformer.h.0.attn.c_attn.weight"] == (16, 24)
+        assert shapes["transformer.h.0.attn.c_proj.weight"] == (8, 16)
+        assert shapes["transformer.h.0.mlp.c_fc.weight"] == (16, 32)
+
+
+def _heads_cut():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fzero.transforms import tp_plans
+
+    torch.manual_seed(0)  # 2 key/value heads of 8 at tp=4 would cut a head: 16 / 4 = 4 < 8
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=32))
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    try:
+        fzero.tensor_parallel(ft.mse_step, fzero.Mesh(dp=1, tp=4), tp_plans.llama(model)).init(state)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_heads_that_do_not_divide_by_tp_are_named(ranks):
+    msg = ranks(4).run(_heads_cut)[0]
+    assert ("parameter 'model.layers.0.self_attn.k_proj.weight' of shape (16, 32): dim 0 (16) as 1 block(s) "
+            "of units of 8 (heads) does not split over tp=4 without cutting one") in msg
+
+

@@ -43,7 +43,7 @@ from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "auto_plan", "tensor_parallel"]
+__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "auto_plan", "tensor_parallel"]
 
 WHERE = "fzero.tensor_parallel"
 
@@ -87,31 +87,96 @@ def _all_reduce(x: torch.Tensor, group, timeout_s: float, name: str) -> torch.Te
 # --------------------------------------------------------------------------- styles
 
 
+def _is_conv1d(m: torch.nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a Linear whose ``weight`` is stored ``(in, out)``."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+
+
+def _io(m: torch.nn.Module) -> tuple[int, int]:
+    """(input features, output features) of an ``nn.Linear`` or a ``Conv1D``."""
+    return (m.weight.shape[0], m.nf) if _is_conv1d(m) else (m.in_features, m.out_features)
+
+
+def _affine(module: torch.nn.Module, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """``module``'s affine map with its (local) weight: ``nn.Linear`` or ``Conv1D``."""
+    b = module.bias if bias else None
+    if _is_conv1d(module):
+        w = module.weight
+        out = x.reshape(-1, x.shape[-1]) @ w if b is None else torch.addmm(b, x.reshape(-1, x.shape[-1]), w)
+        return out.view(*x.shape[:-1], w.shape[1])
+    return F.linear(x, module.weight, b)
+
+
 @dataclasses.dataclass(frozen=True)
 class ColwiseParallel:
-    """Split an ``nn.Linear``'s output features over ``tp`` (``weight`` dim 0, ``bias`` dim 0)."""
+    """Split a Linear layer's output features over ``tp`` (``nn.Linear``'s ``weight`` rows,
+    Hugging Face ``Conv1D``'s columns; ``bias`` with them).
 
-    dims = {"weight": 0, "bias": 0}
+    Args:
+        parts: the output is this many equal blocks split one by one (a fused q/k/v
+            projection: ``parts=3``), so each rank gets its slice of each block.
+        unit: features kept together (an attention head's width): a split never cuts one.
+    """
+
+    parts: int = 1
+    unit: int = 1
+
+    def dims(self, module: torch.nn.Module) -> dict[str, int]:
+        return {"weight": 1 if _is_conv1d(module) else 0, "bias": 0}
 
     @staticmethod
-    def forward(module: torch.nn.Linear, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, group, timeout_s), module.weight, module.bias)
+    def forward(module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+        return _affine(module, _CopyToTP.apply(x, group, timeout_s))
 
 
 @dataclasses.dataclass(frozen=True)
 class RowwiseParallel:
-    """Split an ``nn.Linear``'s input features over ``tp`` (``weight`` dim 1; ``bias`` whole,
-    added once after the sum)."""
+    """Split a Linear layer's input features over ``tp`` (``bias`` whole, added once after
+    the sum).
 
-    dims = {"weight": 1}
+    Args:
+        unit: input features kept together (an attention head's width).
+    """
+
+    parts: int = 1
+    unit: int = 1
+
+    def dims(self, module: torch.nn.Module) -> dict[str, int]:
+        return {"weight": 0 if _is_conv1d(module) else 1}
 
     @staticmethod
-    def forward(module: torch.nn.Linear, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
-        out = _ReduceFromTP.apply(F.linear(x, module.weight), group, timeout_s)
+    def forward(module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+        out = _ReduceFromTP.apply(_affine(module, x, bias=False), group, timeout_s)
         return out if module.bias is None else out + module.bias
 
 
-STYLES = (ColwiseParallel, RowwiseParallel)
+@dataclasses.dataclass(frozen=True)
+class DivideAttributes:
+    """Divide integer attributes of a module by ``tp`` at ``init`` -- the sizes its own
+    forward reads that become per-rank once its projections are split (Hugging Face GPT-2's
+    attention reads ``split_size`` to cut the fused q/k/v output; a model that reads a head
+    count does the same with it). The module's code is unchanged.
+    """
+
+    names: tuple[str, ...]
+
+    def __init__(self, *names: str):
+        object.__setattr__(self, "names", tuple(names))
+
+
+STYLES = (ColwiseParallel, RowwiseParallel, DivideAttributes)
+
+
+def _local(full: torch.Tensor, dim: int, tp: int, rank: int, parts: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` on ``dim``: of each of ``parts`` equal blocks."""
+    blocks = full.detach().chunk(parts, dim=dim)
+    return torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim).clone()
+
+
+def _whole(pieces: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The inverse of :func:`_local`: every rank's slice (in rank order) back into the whole."""
+    per = [p.chunk(parts, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([q[i] for q in per], dim=dim) for i in range(parts)], dim=dim)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -119,16 +184,18 @@ STYLES = (ColwiseParallel, RowwiseParallel)
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
-    """One split parameter: the dim it is split on and its whole shape."""
+    """One split parameter: the dim it is split on, its whole shape, and the blocks split
+    one by one (a fused projection's)."""
 
     dim: int
     shape: tuple[int, ...]
+    parts: int = 1
 
 
 def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
     """A plan for the common Linear layouts, as DeepSpeed's AutoTP finds them.
 
-    In every module whose ``nn.Linear`` children are expansions and their contraction -- some
+    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are expansions and their contraction -- some
     ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and one
     ``h -> d`` layer (``c_proj``, ``down_proj``), ``h > d`` -- the former are split by
     columns and the latter by rows. Attention projections (``d -> d``, or a fused
@@ -143,14 +210,10 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
     """
     plan: dict[str, Any] = {}
     for name, m in module.named_modules():
-        linears = [(n, c) for n, c in m.named_children() if isinstance(c, torch.nn.Linear)]
-        down = [(n, c) for n, c in linears if c.in_features > c.out_features
-                and any((o.in_features, o.out_features) == (c.out_features, c.in_features) for _, o in linears)]
-        up = [(n, c) for n, c in linears if (n, c) not in down]
-        if len(down) != 1 or not up:
-            continue
-        d, h = down[0][1].out_features, down[0][1].in_features
-        if any((c.in_features, c.out_features) != (d, h) for _, c in up):
+        layers = [(n, _io(c)) for n, c in m.named_children() if isinstance(c, torch.nn.Linear) or _is_conv1d(c)]
+        down = [(n, io) for n, io in layers if io[0] > io[1] and any(o == io[::-1] for _, o in layers)]
+        up = [(n, io) for n, io in layers if (n, io) not in down]
+        if len(down) != 1 or not up or any(io != down[0][1][::-1] for _, io in up):
             continue
         prefix = f"{name}." if name else ""
         plan.update({prefix + n: ColwiseParallel() for n, _ in up})
@@ -167,7 +230,8 @@ def check_plan(plan: Any, where: str = WHERE) -> None:
                         f"ColwiseParallel() / RowwiseParallel(), or 'auto', got {plan!r}")
     bad = [f"{k!r}: {v!r}" for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, STYLES))]
     if bad:
-        raise TypeError(f"{where}: plan entries must be 'glob': ColwiseParallel() or RowwiseParallel(); "
+        raise TypeError(f"{where}: plan entries must be 'glob': ColwiseParallel(), RowwiseParallel() or "
+                        "DivideAttributes(...); "
                         f"got {', '.join(bad)}")
 
 
@@ -177,8 +241,9 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
 
     Raises:
         ValueError: every problem at once -- a glob that matches no module, a matched module
-            that is not an ``nn.Linear``, a parameter whose split dim does not divide by
-            ``tp`` (named with its size), a split parameter tied to another name.
+            that is not an ``nn.Linear`` (or ``Conv1D``), a parameter whose split dim does not
+            divide by ``tp`` or would cut a head (named with its size), a split parameter
+            tied to another name, an attribute to divide that is missing or indivisible.
     """
     problems: list[str] = []
     modules = dict(module.named_modules())
@@ -195,10 +260,19 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
     splits: dict[str, _Split] = {}
     for name, style in chosen.items():
         m = modules[name]
-        if not isinstance(m, torch.nn.Linear):
-            problems.append(f"module {name!r} is a {type(m).__name__}; {type(style).__name__} splits nn.Linear")
+        if isinstance(style, DivideAttributes):
+            for attr in style.names:
+                v = getattr(m, attr, None)
+                if not isinstance(v, int) or isinstance(v, bool):
+                    problems.append(f"module {name!r} has no integer attribute {attr!r} to divide (got {v!r})")
+                elif v % tp:
+                    problems.append(f"module {name!r}: {attr}={v} does not divide by tp={tp}")
             continue
-        for pname, dim in style.dims.items():
+        if not (isinstance(m, torch.nn.Linear) or _is_conv1d(m)):
+            problems.append(f"module {name!r} is a {type(m).__name__}; {type(style).__name__} splits nn.Linear "
+                            "(or Hugging Face's Conv1D)")
+            continue
+        for pname, dim in style.dims(m).items():
             p = getattr(m, pname)
             if p is None:
                 continue
@@ -207,13 +281,19 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
             if len(tied) > 1:
                 problems.append(f"parameter {full!r} is tied to {[a for a in tied if a != full]}: a split "
                                 "parameter cannot be shared")
-            elif full not in params:
+                continue
+            if full not in params:
                 problems.append(f"parameter {full!r} is not in state.params")
-            elif params[full].shape[dim] % tp:
-                problems.append(f"parameter {full!r} of shape {tuple(params[full].shape)}: dim {dim} "
-                                f"({params[full].shape[dim]}) does not divide by tp={tp}")
+                continue
+            shape = tuple(params[full].shape)
+            size, parts, unit = shape[dim], style.parts, style.unit
+            if parts == 1 and unit == 1 and size % tp:
+                problems.append(f"parameter {full!r} of shape {shape}: dim {dim} ({size}) does not divide by tp={tp}")
+            elif size % parts or (size // parts) % unit or (size // parts // unit) % tp:
+                problems.append(f"parameter {full!r} of shape {shape}: dim {dim} ({size}) as {parts} block(s) of "
+                                f"units of {unit} (heads) does not split over tp={tp} without cutting one")
             else:
-                splits[full] = _Split(dim, tuple(params[full].shape))
+                splits[full] = _Split(dim, shape, parts)
     if problems:
         raise ValueError(f"{WHERE}: the plan does not fit the model:\n  " + "\n  ".join(problems))
     return chosen, splits
@@ -287,10 +367,15 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         splits.update(found)
         timeout_s = mesh.timeout_s
         for name, style in chosen.items():
-            if tp > 1:
-                m = module.get_submodule(name)
+            if tp == 1:
+                continue
+            m = module.get_submodule(name)
+            if isinstance(style, DivideAttributes):
+                for attr in style.names:
+                    setattr(m, attr, getattr(m, attr) // tp)
+            else:
                 m.forward = types.MethodType(lambda self, x, style=style: style.forward(self, x, group, timeout_s), m)
-        local = {name: state.params[name].detach().chunk(tp, dim=s.dim)[rank].clone() for name, s in splits.items()}
+        local = {name: _local(state.params[name], s.dim, tp, rank, s.parts) for name, s in splits.items()}
         params = with_values(state.params, local)
         return state.replace(params=params, opt_state=state.tx.init(trainable(params)))
 
@@ -315,7 +400,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
                      lambda: comm.all_gather_flat(full.view(-1), piece.view(-1), group=group, async_op=True,
                                                   what="tp"),
                      timeout_s=mesh.timeout_s, where=WHERE)
-            out[name] = torch.cat(list(full.unbind(0)), dim=s.dim)
+            out[name] = _whole(list(full.unbind(0)), s.dim, s.parts)
         return out
 
     out = Step(call, before=before, name=f"tensor_parallel({inner.__name__}, tp={tp})", inner=inner)

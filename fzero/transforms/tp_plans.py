@@ -1,0 +1,68 @@
+"""Tensor-parallel plans for models people train, for :func:`fzero.tensor_parallel`.
+
+Each takes the model (its sizes decide the head width) and returns a plan: module-name globs
+to styles. Attention is split by heads (q, k, v by columns, the output projection by rows,
+never cutting a head), the MLP by Megatron's column / row pair; embeddings, norms and the LM
+head stay whole.
+
+Example:
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from fzero.transforms import tp_plans
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=32))
+    >>> sorted(tp_plans.llama(model))[:2]
+    ['model.layers.*.mlp.down_proj', 'model.layers.*.mlp.gate_proj']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fzero.transforms.tensor_parallel import ColwiseParallel, DivideAttributes, RowwiseParallel
+
+__all__ = ["gpt", "gpt2", "llama"]
+
+
+def llama(model: torch.nn.Module) -> dict[str, Any]:
+    """Hugging Face Llama (and Mistral/Qwen2-shaped) decoder layers: heads split over ``tp``
+    (``num_attention_heads`` and ``num_key_value_heads`` must divide by it), the gated MLP
+    by columns then rows. The attention's own code reads the head count from the tensors'
+    shapes, so no attribute changes."""
+    head = model.config.hidden_size // model.config.num_attention_heads
+    head = getattr(model.config, "head_dim", None) or head
+    layers = "model.layers.*"
+    return {
+        f"{layers}.self_attn.q_proj": ColwiseParallel(unit=head),
+        f"{layers}.self_attn.k_proj": ColwiseParallel(unit=head),
+        f"{layers}.self_attn.v_proj": ColwiseParallel(unit=head),
+        f"{layers}.self_attn.o_proj": RowwiseParallel(unit=head),
+        f"{layers}.mlp.gate_proj": ColwiseParallel(),
+        f"{layers}.mlp.up_proj": ColwiseParallel(),
+        f"{layers}.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def gpt2(model: torch.nn.Module) -> dict[str, Any]:
+    """Hugging Face GPT-2 blocks (``Conv1D`` layers): the fused q/k/v projection split as
+    three blocks by heads, the attention's ``split_size`` and ``num_heads`` divided (its
+    forward cuts the fused output with them), the MLP by columns then rows."""
+    head = model.config.n_embd // model.config.n_head
+    blocks = "transformer.h.*"
+    return {
+        f"{blocks}.attn.c_attn": ColwiseParallel(parts=3, unit=head),
+        f"{blocks}.attn.c_proj": RowwiseParallel(unit=head),
+        f"{blocks}.attn": DivideAttributes("split_size", "num_heads"),
+        f"{blocks}.mlp.c_fc": ColwiseParallel(),
+        f"{blocks}.mlp.c_proj": RowwiseParallel(),
+    }
+
+
+def gpt(model: torch.nn.Module) -> dict[str, Any]:
+    """The example GPT (``examples/gpt.py``): its MLPs by columns then rows. Its attention
+    stays whole: its forward cuts the fused q/k/v output at the input's width, which a
+    per-rank slice does not have (Hugging Face's models read a size attribute instead, which
+    :class:`DivideAttributes` adjusts)."""
+    return {"blocks.*.mlp.c_fc": ColwiseParallel(), "blocks.*.mlp.c_proj": RowwiseParallel()}
