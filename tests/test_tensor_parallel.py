@@ -284,3 +284,53 @@ def test_heads_that_do_not_divide_by_tp_are_named(ranks):
             "of units of 8 (heads) does not split over tp=4 without cutting one") in msg
 
 
+
+
+def _tp_by_pp_equals_plain(dp: int, stage: int):
+    """pp=2 x dp x tp=2: each stage's Linear pair split over tp, the stages pipelined, ZeRO
+    over dp."""
+    mesh = fzero.Mesh(pp=2, dp=dp, tp=2)
+
+    def make():
+        torch.manual_seed(6)
+        return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                   torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+
+    batches = _batches(3, 8 * dp)
+    apply, params = fzero.functionalize(make())
+    ref, ref_losses = ft.run_steps(ft.mse_step, fzero.TrainState.create(apply_fn=apply, params=params,
+                                                                         tx=optim.sgd(0.1, momentum=0.9)), batches)
+    model = make()
+    apply, params = fzero.functionalize(model)
+    pipe = fzero.pipeline(fzero.pipeline.split(model, [3]), F.mse_loss, mesh, micro_batches=2)
+
+    def train_step(state, batch):
+        loss, grads = pipe(state.params, batch["x"], batch["y"])
+        return state.apply_gradients(grads), {"loss": loss}
+
+    plan = {"0": fzero.ColwiseParallel(), "2": fzero.RowwiseParallel(), "3": fzero.ColwiseParallel(),
+            "5": fzero.RowwiseParallel()}
+    inner = fzero.shard_state(train_step, mesh, stage) if dp > 1 else train_step
+    tp_step = fzero.tensor_parallel(inner, mesh, plan)
+    step = pipe.transform(tp_step)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9)))
+    assert sorted(state.params) == sorted(pipe.keys)  # this stage's parameters only, split over tp
+    losses = []
+    for b in batches:
+        state, m = step(state, ft.local_batch(b, dp, mesh.coords["dp"]))
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
+    ft.assert_trees_close(pipe.gather(tp_step.gather(state.params)), dict(ref.params), tol="fp32", what="parameters")
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_tp2_by_pp2_equals_the_plain_step(ranks):
+    assert ranks(4).run(_tp_by_pp_equals_plain, 1, 0) == [True] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_dp2_by_pp2_by_tp2_under_zero_2_equals_the_plain_step(ranks):
+    assert ranks(8).run(_tp_by_pp_equals_plain, 2, 2) == [True] * 8

@@ -237,7 +237,9 @@ def check_plan(plan: Any, where: str = WHERE) -> None:
 
 def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], plan: Mapping[str, Any],
                  tp: int) -> tuple[dict[str, Any], dict[str, _Split]]:
-    """The planned modules by name, and the split of each of their parameters.
+    """The planned modules this rank runs, by name, and the split of each of their
+    parameters. A planned layer none of whose parameters are in ``params`` belongs to
+    another pipeline stage and is left alone.
 
     Raises:
         ValueError: every problem at once -- a glob that matches no module, a matched module
@@ -258,9 +260,11 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     splits: dict[str, _Split] = {}
+    local: dict[str, Any] = {}  # the planned modules this rank runs
     for name, style in chosen.items():
         m = modules[name]
         if isinstance(style, DivideAttributes):
+            local[name] = style
             for attr in style.names:
                 v = getattr(m, attr, None)
                 if not isinstance(v, int) or isinstance(v, bool):
@@ -272,6 +276,10 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
             problems.append(f"module {name!r} is a {type(m).__name__}; {type(style).__name__} splits nn.Linear "
                             "(or Hugging Face's Conv1D)")
             continue
+        own = [f"{name}.{pname}" for pname in style.dims(m) if getattr(m, pname) is not None]
+        if not any(n in params for n in own):  # another pipeline stage's layer: not run here
+            continue
+        local[name] = style
         for pname, dim in style.dims(m).items():
             p = getattr(m, pname)
             if p is None:
@@ -296,7 +304,7 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
                 splits[full] = _Split(dim, shape, parts)
     if problems:
         raise ValueError(f"{WHERE}: the plan does not fit the model:\n  " + "\n  ".join(problems))
-    return chosen, splits
+    return local, splits
 
 
 # --------------------------------------------------------------------------- the transform

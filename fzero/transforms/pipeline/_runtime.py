@@ -423,8 +423,6 @@ def pipeline(
     if schedule not in SCHEDULES:
         raise ValueError(f"{WHERE}: schedule={schedule!r} must be one of {', '.join(map(repr, SCHEDULES))}")
     mesh = mesh if mesh is not None else Mesh(pp=len(stages), dp=-1)
-    if mesh.size("tp") > 1:
-        raise NotImplementedError(f"{WHERE}: {mesh} has a tp axis; tensor parallelism is not supported yet")
     if len(stages) != mesh.size("pp"):
         raise ValueError(f"{WHERE}: {len(stages)} stages, but the mesh's pp axis has {mesh.size('pp')} ranks "
                          f"({mesh}); give one stage per pp rank")
