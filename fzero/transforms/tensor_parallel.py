@@ -23,7 +23,8 @@ tensor, so ``shard_state`` partitions it over ``dp`` and the optimizer runs on i
 and the model's code runs unchanged (the planned modules' forwards are replaced at ``init``,
 a few lines each) with no per-op dispatch on the step's path. What it does not do yet:
 reductions across parameters (``psum``: global-norm clipping, LAMB's trust ratios, the
-overflow check of ``mixed_precision``) are refused, as are checkpoints of a split state.
+overflow check of ``mixed_precision``) are refused. ``init`` records the split in the state
+(:class:`TensorParallelLayout`), so ``fzero.checkpoint`` saves, reshards and exports it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "tensor_parallel"]
+__all__ = ["ColwiseParallel", "RowwiseParallel", "TensorParallelLayout", "tensor_parallel"]
 
 WHERE = "fzero.tensor_parallel"
 
@@ -123,6 +124,37 @@ class _Split:
 
     dim: int
     shape: tuple[int, ...]
+
+
+@tree.dataclass
+class TensorParallelLayout:
+    """How a state is split over the ``tp`` axis; ``init`` keeps it in
+    ``state.extra["tensor_parallel"]``, where ``fzero.checkpoint`` finds it (by type) to
+    save whole tensors' slices and to re-slice them onto another ``tp``.
+
+    Every field is static, so the record has no leaves: a state's key paths and leaves are
+    the same with and without it, and a checkpoint saved at ``tp=2`` loads into a plain
+    state by key path.
+
+    Attributes:
+        size: the ``tp`` degree.
+        rank: this rank's coordinate on ``tp``; it holds ``whole.chunk(size, dim)[rank]`` of
+            every split parameter.
+        splits: ``(name, _Split(dim, whole shape))`` per split parameter, sorted by name.
+
+    A tensor of the state stored under a split parameter's name -- the parameter, its
+    optimizer moments, its fp32 master -- is split as the parameter is: optax-style
+    optimizer states mirror the params dict, and every ``fzero.optim`` state per parameter
+    has the parameter's shape.
+    """
+
+    size: int = tree.field(static=True)
+    rank: int = tree.field(static=True)
+    splits: tuple[tuple[str, _Split], ...] = tree.field(static=True)
+
+    def split(self, name: str) -> _Split | None:
+        """The split of the parameter ``name``, or ``None`` when it is whole on every rank."""
+        return dict(self.splits).get(name)
 
 
 def check_plan(plan: Any, where: str = WHERE) -> None:
@@ -239,7 +271,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{WHERE}: state.apply_fn must come from fzero.functionalize(module): the plan "
                             "names the module's layers")
-        if "master" in state.extra or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
+        if "master" in state.extra or "tensor_parallel" in state.extra or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
             raise ValueError(f"{WHERE}: this state is already partitioned or cast: make tensor_parallel "
                              "outside mixed_precision and shard_state (it chooses what they compute with)")
         chosen, found = resolve_plan(module, state.params, plan, tp)
@@ -252,7 +284,9 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
                 m.forward = types.MethodType(lambda self, x, style=style: style.forward(self, x, group, timeout_s), m)
         local = {name: state.params[name].detach().chunk(tp, dim=s.dim)[rank].clone() for name, s in splits.items()}
         params = with_values(state.params, local)
-        return state.replace(params=params, opt_state=state.tx.init(trainable(params)))
+        layout = TensorParallelLayout(tp, rank, tuple(sorted(splits.items())))
+        return state.replace(params=params, opt_state=state.tx.init(trainable(params)),
+                             extra={**state.extra, "tensor_parallel": layout})
 
     def call(state, batch):
         if tp == 1:
