@@ -334,8 +334,9 @@ def load(
 
     Collective when a process group exists (every rank calls it). ``like`` is a state as
     the step gives it (``step.init(state)``): its tree says which leaves to load, and its
-    ``Shard`` pieces say which elements this rank needs, whatever world size and ZeRO stage
-    the checkpoint was saved with. Ranks may load different parts of the checkpoint (each
+    ``Shard`` pieces (and, under ``fzero.tensor_parallel``, its tp slices) say which
+    elements this rank needs, whatever world size, ZeRO stage and tp the checkpoint was
+    saved with. Ranks may load different parts of the checkpoint (each
     pipeline stage its own parameters, whatever the pipeline it was saved with); together
     they must load every leaf of it. Floating-point leaves are cast to ``like``'s dtype
     (fp32 <-> bf16/fp16) and placed on ``like``'s device. No code runs: the manifest is
@@ -363,7 +364,8 @@ def load(
             checkpoint, mismatched, or extra in it (loaded by no rank) is listed with its
             shape.
         CorruptCheckpointError: a missing, truncated or corrupted file (named).
-        CheckpointError: ``path`` was never committed; another rank failed (named).
+        CheckpointError: ``path`` was never committed; another rank failed (named); a
+            split dim ``like``'s tp does not divide (the leaf, the parameter, both sizes).
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt

@@ -173,8 +173,9 @@ def save(
         TypeError, ValueError: a leaf that cannot be stored, metadata that is not JSON (named
             by key path), ``keep`` < 1.
         CheckpointError: writing failed on some rank (named); ranks hold different leaves
-            under one key path, or a partitioned leaf has a piece no rank holds (named,
-            with the ranks); nothing was committed.
+            under one key path, or a partitioned leaf has a piece (a split leaf a tp
+            slice) no rank holds (named, with the ranks), or a tensor under a split
+            parameter's name is not its slice; nothing was committed.
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
