@@ -11,7 +11,7 @@ slice* of a larger tensor, ``whole.chunk(size, dim)[rank]``: the state's
 :class:`~fzero.transforms.tensor_parallel.TensorParallelLayout` names the split parameters,
 and every tensor stored under a split parameter's name (the last key of its path: the
 parameter, its optimizer moments, its master) is split as the parameter is
-(:func:`tp_slice`). The key path does not change with the split either.
+(:func:`tp_slices`). The key path does not change with the split either.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from fzero.checkpoint._format import CheckpointError
 from fzero.distributed.flat import Shard, is_shard
 from fzero.transforms.tensor_parallel import TensorParallelLayout
 
-__all__ = ["TPSlice", "flatten", "keystr", "json_entries", "layout_of", "piece_name", "is_value", "stages_of",
-           "tp_slice"]
+__all__ = ["TPSlice", "flatten", "keystr", "json_entries", "layout_of", "piece_name", "is_value", "slice_problem",
+           "slice_shape", "stages_of", "tp_slices"]
 
 VALUE_TYPES = (bool, int, float, str)
 
@@ -109,13 +109,16 @@ class TPSlice(NamedTuple):
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        s = list(self.shape)
-        s[self.dim] //= self.size
-        return tuple(s)
+        return slice_shape(self.shape, self.dim, self.size)
 
     @property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
+
+
+def slice_shape(shape, dim: int, size: int) -> tuple[int, ...]:
+    """The shape of each of the ``size`` slices of a ``shape`` split on ``dim``."""
+    return tuple(int(n) // size if d == dim else int(n) for d, n in enumerate(shape))
 
 
 def layout_of(state: Any, where: str) -> TensorParallelLayout | None:
@@ -134,17 +137,20 @@ def layout_of(state: Any, where: str) -> TensorParallelLayout | None:
     return layout if layout is not None and layout.size > 1 else None
 
 
-def tp_slice(path, x: Any, layout: TensorParallelLayout | None) -> TPSlice | None:
-    """The tp slice the leaf ``x`` at ``path`` is, or ``None`` (whole on every ``tp`` rank): a
-    tensor or Shard whose last key is the name of a parameter ``layout`` splits. Its shape is
-    not checked here (see :func:`slice_problem`)."""
-    if layout is None or not path or global_shape(x) is None:
-        return None
-    last = json_entries(path[-1:])[0]
-    split = layout.split(last[1]) if last[0] == "key" and isinstance(last[1], str) else None
-    if split is None:
-        return None
-    return TPSlice(last[1], split.dim, layout.size, layout.rank, tuple(split.shape))
+def tp_slices(paths: list, leaves: list, layout: TensorParallelLayout | None) -> list[TPSlice | None]:
+    """Per leaf, the tp slice it is, or ``None`` (whole on every ``tp`` rank): a tensor or
+    Shard whose last key is the name of a parameter ``layout`` splits. Shapes are not
+    checked here (see :func:`slice_problem`)."""
+    if layout is None:
+        return [None] * len(leaves)
+    splits = dict(layout.splits)
+    out: list[TPSlice | None] = []
+    for path, x in zip(paths, leaves):
+        last = json_entries(path[-1:])[0] if path else None
+        split = splits.get(last[1]) if last and last[0] == "key" and isinstance(last[1], str) else None
+        out.append(None if split is None or global_shape(x) is None else
+                   TPSlice(last[1], split.dim, layout.size, layout.rank, tuple(split.shape)))
+    return out
 
 
 def slice_problem(key: str, x: Any, sl: TPSlice) -> str | None:

@@ -239,8 +239,7 @@ def _read_rows(reader: _Reader, rec: dict, dim: int, lo: int, hi: int) -> torch.
     dtype = _format.dtype_of(rec["dtype"], reader.files.path(_format.MANIFEST))
     split = rec.get("tp") or {"dim": dim, "size": 1}
     sd, size = split["dim"], split["size"]
-    local = list(shape)
-    local[sd] //= size
+    local = list(_leaves.slice_shape(shape, sd, size))
     n, outer, inner = math.prod(local), math.prod(local[:sd]), math.prod(local[sd + 1:])
 
     def rows(t: int, r0: int, r1: int) -> torch.Tensor:  # rows [r0, r1) along sd of slice t
@@ -422,7 +421,7 @@ def _prepare(path, like, world, verify, restore_rng):
     paths, leaves, spec = _leaves.flatten(like)
     keys = [_leaves.keystr(p) for p in paths]
     layout = _leaves.layout_of(like, WHERE)
-    slices = [_leaves.tp_slice(p, x, layout) for p, x in zip(paths, leaves)]
+    slices = _leaves.tp_slices(paths, leaves, layout)
     recs, extra = _match(path, man, keys, leaves, slices, alone=world.size == 1)
     _check_slices(path, keys, leaves, recs, slices)
     if restore_rng and man["world_size"] != world.size:

@@ -79,10 +79,9 @@ def _describe(state: Any, world: _comm.World):
     paths, leaves, spec = _leaves.flatten(state)
     layout = _leaves.layout_of(state, WHERE)
     descs, local, position = [], {}, None
-    for path, x in zip(paths, leaves):
+    for path, x, sl in zip(paths, leaves, _leaves.tp_slices(paths, leaves, layout)):
         key = _leaves.keystr(path)
         d: dict[str, Any] = {"path": key, "entries": _leaves.json_entries(path)}
-        sl = _leaves.tp_slice(path, x, layout)
         problem = _leaves.slice_problem(key, x, sl) if sl is not None else None
         if problem is not None:
             raise CheckpointError(f"{WHERE}: on rank {world.rank}: {problem}")
@@ -187,7 +186,8 @@ def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], 
             holders.setdefault(d["path"], []).append((p, d))
     load = [0] * n
     records: list[dict] = []
-    replicated: list[tuple[int, int, list[int], int]] = []  # (record index, bytes, candidate writers, tp slice)
+    # (record index, bytes, candidate writers, start, stop, tp slice or None)
+    replicated: list[tuple[int, int, list[int], int, int, int | None]] = []
     mine: list[tuple[str, torch.Tensor]] = []
     for key, held in holders.items():
         p0, d0 = held[0]
@@ -206,7 +206,7 @@ def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], 
         sharding = d0["sharding"]
         rec["sharding"] = sharding
         tp = d0.get("tp")
-        shape = _leaves.TPSlice(key, tp["dim"], tp["size"], 0, tuple(d0["shape"])).local_shape if tp else d0["shape"]
+        shape = _leaves.slice_shape(d0["shape"], tp["dim"], tp["size"]) if tp else tuple(d0["shape"])
         numel = math.prod(shape)
         for t in range(tp["size"] if tp else 1):  # each tp slice is a leaf of its own, at elements base + [0, numel)
             base = t * numel
@@ -218,10 +218,11 @@ def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], 
                     f"({_ranks(sorted(r for p, _ in held for r in parts[p][1]))}) holds slice {t}: every rank of "
                     f"the tp axis must save together")
             if sharding is None:
-                replicated.append((len(records) - 1, numel * item, sorted(on_slice), t))
+                replicated.append((len(records) - 1, numel * item, sorted(on_slice), base, base + numel,
+                                   t if tp else None))
                 continue
             holding = sorted(on_slice)
-            info = ShardInfo(tuple(shape), sharding["offset"], sharding["chunk"], sharding["world"], 0)
+            info = ShardInfo(shape, sharding["offset"], sharding["chunk"], sharding["world"], 0)
             for q in range(sharding["world"]):
                 a, b = info.piece(q)
                 if b <= a:
@@ -241,15 +242,13 @@ def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], 
     # Replicated leaves go to the least-loaded rank holding them, largest first (LPT), so
     # writing is spread over the ranks; ties go to the lowest rank, so every rank agrees.
     # A slice of a tp-split leaf is replicated over the ranks at its tp coordinate only.
-    for i, nbytes, writers, t in sorted(replicated, key=lambda e: (-e[1], e[0], e[3])):
+    for i, nbytes, writers, a, b, t in sorted(replicated, key=lambda e: (-e[1], e[0], e[3])):
         owner = min(writers, key=lambda r: (load[r], r))
         load[owner] += nbytes
         key = records[i]["path"]
-        item = _format.dtype_of(records[i]["dtype"], "manifest").itemsize
-        a, b = t * nbytes // item, (t + 1) * nbytes // item
-        split = "tp" in records[i]
-        name = _leaves.piece_name(key, a, b) if split else key
-        records[i]["pieces"].append({"rank": owner, "name": name, "start": a, "stop": b, **({"tp": t} if split else {})})
+        name = key if t is None else _leaves.piece_name(key, a, b)
+        records[i]["pieces"].append({"rank": owner, "name": name, "start": a, "stop": b,
+                                     **({} if t is None else {"tp": t})})
         if owner == me:
             mine.append((name, local[key]))
     for rec in records:
