@@ -152,10 +152,6 @@ class TensorParallelLayout:
     rank: int = tree.field(static=True)
     splits: tuple[tuple[str, _Split], ...] = tree.field(static=True)
 
-    def split(self, name: str) -> _Split | None:
-        """The split of the parameter ``name``, or ``None`` when it is whole on every rank."""
-        return dict(self.splits).get(name)
-
 
 def check_plan(plan: Any, where: str = WHERE) -> None:
     """``plan`` must map module-name globs (strings) to a style instance."""
