@@ -885,6 +885,7 @@ def test_a_tp2_checkpoint_records_the_split_resumes_at_tp1_and_exports_whole(ran
     # The manifest says how each leaf is split and which tp slice each piece is.
     man = ckpt.manifest(path)
     assert man["version"] == 2 and man["tp"] == 2 and man["stages"] == [0]
+    assert ckpt.verify(path)["files"] == 2  # every byte accounted for and intact
     recs = {r["path"]: r for r in man["leaves"]}
     for key, dim, shape in [(".params['blocks.0.fc.weight']", 0, [16, 8]), (".params['blocks.0.fc.bias']", 0, [16]),
                             (".params['blocks.1.proj.weight']", 1, [8, 16]),
