@@ -8,6 +8,7 @@ session's ``ranks`` pools, or on one-shot worlds where a rank is killed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import random
@@ -814,6 +815,189 @@ def test_a_pipelined_checkpoint_reshards_per_stage_loads_unpipelined_and_exports
     out = capsys.readouterr().out
     assert "parts: 2" in out and "part 0: ranks 0, 1" in out and "part 1: ranks 2, 3" in out, out
     assert ".params['1.bias']" in out and "[part 0]" in out and "[parts 0, 1]" in out, out
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+#
+# A state split over tp (fzero.tensor_parallel: Megatron's column/row split of the MLPs'
+# Linear layers) saved at one tp x dp x ZeRO layout, resumed at another, and checked against
+# the plain single-process run on the same global batches.
+
+from test_tensor_parallel import PLAN as TP_PLAN  # noqa: E402
+from test_tensor_parallel import Net as TPNet  # noqa: E402
+
+
+def _tp_state():
+    torch.manual_seed(3)
+    apply, params = fzero.functionalize(TPNet())  # blocks.*.fc: (16, 8) split on dim 0; proj: (8, 16) on dim 1
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+
+
+def _tp_batches():
+    g = torch.Generator().manual_seed(11)
+    return [{"x": torch.randn(8, 5, generator=g), "y": torch.randn(8, 3, generator=g)} for _ in range(4)]
+
+
+def _tp_plain():
+    """The uninterrupted plain run: 4 steps in one process, and its parameters after 2."""
+    half, _ = ft.run_steps(ft.mse_step, _tp_state(), _tp_batches()[:2])
+    whole, losses = ft.run_steps(ft.mse_step, _tp_state(), _tp_batches())
+    return dict(half.params), dict(whole.params), losses
+
+
+def _tp_run(tp, dp, zero, phase, path):
+    """On every rank of a tp x dp world (ZeRO stage ``zero``, ``None``: no shard_state): a
+    fresh state, then ``"save"``: steps 0-1 and a save; ``"resume"``: a load and steps 2-3.
+    Returns the losses and the whole parameters."""
+    if dist.is_available() and dist.is_initialized():
+        mesh = fzero.Mesh(dp=dp, tp=tp)
+        inner = ft.mse_step if zero is None else fzero.shard_state(ft.mse_step, mesh, zero)
+        step = fzero.tensor_parallel(inner, mesh, TP_PLAN) if tp > 1 else fzero.transforms.as_step(inner)
+        rows = lambda b: ft.local_batch(b, dp, mesh.coords["dp"])  # noqa: E731
+    else:  # one process: the plain step
+        step, rows = fzero.transforms.as_step(ft.mse_step), lambda b: b
+    state = step.init(_tp_state())
+    batches = _tp_batches()[:2] if phase == "save" else _tp_batches()[2:]
+    if phase == "resume":
+        state = ckpt.load(path, like=state)
+    state, losses = ft.run_steps(step, state, [rows(b) for b in batches])
+    if phase == "save":
+        ckpt.save(path, state)
+    gathered = step.gather(state.params) if tp > 1 else fzero.gather(state.params)
+    return losses, {k: v.clone() for k, v in gathered.items()}
+
+
+def _tp_check(results, plain, phase, what):
+    """Every rank's losses and parameters are the plain run's (fp32 reduction-order error)."""
+    half, whole, losses = plain
+    for r, (got, params) in enumerate(results):
+        ref = losses[:2] if phase == "save" else losses[2:]
+        ft.assert_trees_close(got, ref, tol="fp32", what=f"{what}, rank {r}: losses")
+        ft.assert_trees_close(params, half if phase == "save" else whole, tol="fp32",
+                              what=f"{what}, rank {r}: parameters")
+
+
+@pytest.mark.multirank
+def test_a_tp2_checkpoint_records_the_split_resumes_at_tp1_and_exports_whole(ranks, tmp_path, capsys):
+    plain = _tp_plain()
+    path = str(tmp_path / "tp2")
+    _tp_check(ranks(2).run(_tp_run, 2, 1, None, "save", path), plain, "save", "saved at tp=2")
+    # The manifest says how each leaf is split and which tp slice each piece is.
+    man = ckpt.manifest(path)
+    assert man["version"] == 2 and man["tp"] == 2 and man["stages"] == [0]
+    assert ckpt.verify(path)["files"] == 2  # every byte accounted for and intact
+    recs = {r["path"]: r for r in man["leaves"]}
+    for key, dim, shape in [(".params['blocks.0.fc.weight']", 0, [16, 8]), (".params['blocks.0.fc.bias']", 0, [16]),
+                            (".params['blocks.1.proj.weight']", 1, [8, 16]),
+                            (".opt_state[0].mu['blocks.1.proj.weight']", 1, [8, 16]),  # Adam's moments too
+                            (".opt_state[0].nu['blocks.0.fc.weight']", 0, [16, 8])]:
+        rec = recs[key]
+        half = math.prod(shape) // 2
+        assert rec["shape"] == shape and rec["tp"] == {"dim": dim, "size": 2}, (key, rec)
+        assert [(p["tp"], p["rank"], p["start"], p["stop"]) for p in rec["pieces"]] == \
+            [(0, 0, 0, half), (1, 1, half, 2 * half)], (key, rec["pieces"])
+    for key in (".params['blocks.0.proj.bias']", ".params['inp.weight']", ".opt_state[0].count"):
+        assert "tp" not in recs[key] and len(recs[key]["pieces"]) == 1, key  # whole on every tp rank
+    # tp=2 -> tp=1 in this process: the plain run's curve goes on.
+    _tp_check([_tp_run(1, 1, None, "resume", path)], plain, "resume", "tp=2 resumed at tp=1")
+    # Export and inspect give whole tensors under named_parameters() names.
+    out_file = str(tmp_path / "model.safetensors")
+    assert ckpt.export(path, out_file)["blocks.1.proj.weight"] == (8, 16)
+    from safetensors.torch import load_file
+
+    exported = load_file(out_file)
+    ft.assert_trees_close(exported, plain[0], tol="fp32", what="export")
+    TPNet().load_state_dict(exported, strict=True)
+    assert cli_main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "tp 2" in out and "(16, 8)" in out and "dim 0 split over tp=2" in out, out
+    # A like that splits blocks.0.fc.weight (16, 8) over tp=3 cannot be cut from it.
+    from fzero.transforms.tensor_parallel import TensorParallelLayout, _Split
+
+    three = TensorParallelLayout(3, 0, (("blocks.0.fc.weight", _Split(0, (16, 8))),))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(path, like=_tp_state().replace(extra={"tensor_parallel": three}))
+    msg = str(e.value)
+    assert "cannot split .params['blocks.0.fc.weight']" in msg and "(16, 8) float32 (dim 0 split over tp=2)" in msg
+    assert "over tp=3 as like does: dim 0 of parameter 'blocks.0.fc.weight' has 16 elements, which do not divide " \
+           "by 3" in msg, msg
+
+
+@pytest.mark.multirank
+def test_a_tp1_checkpoint_resumes_at_tp2(ranks, tmp_path):
+    plain = _tp_plain()
+    path = str(tmp_path / "tp1")
+    _tp_check([_tp_run(1, 1, None, "save", path)], plain, "save", "saved at tp=1")
+    assert ckpt.manifest(path)["version"] == 1 and "tp" not in ckpt.manifest(path)["leaves"][1]
+    _tp_check(ranks(2).run(_tp_run, 2, 1, None, "resume", path), plain, "resume", "tp=1 resumed at tp=2")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_tp2_by_dp2_zero2_checkpoint_resumes_at_other_tp_dp_and_stages(ranks, tmp_path):
+    plain = _tp_plain()
+    path = str(tmp_path / "tp2dp2")
+    _tp_check(ranks(4).run(_tp_run, 2, 2, 2, "save", path), plain, "save", "saved at tp=2 x dp=2, ZeRO-2")
+    man = ckpt.manifest(path)
+    rec = {r["path"]: r for r in man["leaves"]}[".opt_state[0].nu['blocks.0.proj.weight']"]
+    # each tp slice (64 elements) cut in two ZeRO pieces, by the ranks at (tp, dp) = (t, q)
+    assert man["stages"] == [1, 2] and rec["tp"] == {"dim": 1, "size": 2} and rec["sharding"]["world"] == 2
+    assert [(p["tp"], p["start"] // 64) for p in rec["pieces"]] == [(0, 0), (0, 0), (1, 1), (1, 1)]
+    assert len({p["rank"] for p in rec["pieces"]}) == 4
+    for tp, dp, zero in [(2, 2, 2), (2, 1, 3), (1, 2, 1), (2, 1, None)]:
+        world = tp * dp
+        _tp_check(ranks(world).run(_tp_run, tp, dp, zero, "resume", path), plain, "resume",
+                  f"tp=2 x dp=2 ZeRO-2 resumed at tp={tp} x dp={dp} ZeRO-{zero}")
+    _tp_check([_tp_run(1, 1, None, "resume", path)], plain, "resume", "tp=2 x dp=2 ZeRO-2 resumed in one process")
+
+
+def _save_split(path, w, dim):
+    from fzero.transforms.tensor_parallel import TensorParallelLayout, _Split
+
+    r = dist.get_rank()
+    layout = TensorParallelLayout(2, r, (("w", _Split(dim, tuple(w.shape))),))
+    ckpt.save(path, {"params": {"w": w.chunk(2, dim)[r].clone(), "b": torch.ones(3)}, "tp": layout})
+
+
+@pytest.mark.multirank
+def test_a_split_leaf_reslices_onto_any_tp_dim_and_zero_piece(ranks, tmp_path):
+    """A (4, 6) leaf saved as two (4, 3) slices loads as slice r of any tp, on either dim,
+    whole or as any ZeRO piece of that slice (one process may load any rank's target)."""
+    from fzero.transforms.tensor_parallel import TensorParallelLayout, _Split
+
+    w = torch.arange(24.0).view(4, 6)
+    path = str(tmp_path / "split")
+    ranks(2).run(_save_split, path, w, 1)
+    for size, dim in [(1, 0), (2, 1), (3, 1), (6, 1), (2, 0), (4, 0)]:  # same split, across slices, another dim
+        for r in range(size):
+            want = w.chunk(size, dim)[r]
+            layout = TensorParallelLayout(size, r, (("w", _Split(dim, (4, 6))),))
+            like = {"params": {"w": torch.zeros(want.shape), "b": torch.zeros(3)}, "tp": layout}
+            got = ckpt.load(path, like)["params"]["w"]
+            assert torch.equal(got, want), (size, dim, r)
+            info = ShardInfo(tuple(want.shape), 1, 3, 2, 1)  # ZeRO piece 1 of the slice: elements [2, n)
+            a, b = info.piece()
+            like["params"]["w"] = Shard(torch.zeros(b - a), info)
+            got = ckpt.load(path, like, in_place=True)["params"]["w"]
+            assert torch.equal(got.local, want.reshape(-1)[a:b]), (size, dim, r, "piece")
+
+
+def test_a_save_holds_every_tp_slice_and_only_slices_under_split_names(tmp_path):
+    from fzero.transforms.tensor_parallel import TensorParallelLayout, _Split
+
+    state = _tp_state()
+    # One process claiming slice 0 of 2 is refused: the tp ranks save together.
+    two = TensorParallelLayout(2, 0, (("blocks.0.fc.weight", _Split(0, (16, 8))),))
+    half = state.replace(params={**state.params, "blocks.0.fc.weight": state.params["blocks.0.fc.weight"][:8]},
+                         opt_state=state.tx.init({**state.params, "blocks.0.fc.weight": torch.zeros(8, 8)}),
+                         extra={"tensor_parallel": two})
+    with pytest.raises(ckpt.CheckpointError, match=r"leaf \.params\['blocks\.0\.fc\.weight'\] is split over tp=2, "
+                                                   r"but none of the ranks holding it \(0\) holds slice 1"):
+        ckpt.save(str(tmp_path / "half"), half)
+    wrong = half.replace(opt_state=state.opt_state)  # moments of the whole (16, 8) under a split name
+    with pytest.raises(ckpt.CheckpointError, match=r"under the split parameter 'blocks\.0\.fc\.weight' .* slices of "
+                                                   r"\(8, 8\)\) but has shape \(16, 8\)"):
+        ckpt.save(str(tmp_path / "wrong"), wrong)
 
 
 # --------------------------------------------------------------------------- CLI and progress

@@ -234,6 +234,14 @@ def _hf_equals_torch(make: str, plan: str):
     ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
     ft.assert_trees_close(step.inner.gather(state.params), dict(ref.named_parameters()), tol="fp32",
                           what="parameters")
+    if plan == "gpt2":  # the fused q/k/v split block by block cannot be checkpointed yet: said, not mangled
+        import os
+        import tempfile
+
+        try:
+            fzero.checkpoint.save(os.path.join(tempfile.gettempdir(), f"fzero-tp-gpt2-{os.getppid()}"), state)
+        except fzero.checkpoint.CheckpointError as e:
+            shapes["ckpt"] = str(e)
     return shapes
 
 
@@ -258,6 +266,7 @@ def test_hugging_face_blocks_under_their_shipped_plans_equal_torch(ranks, model)
         assert shapes["transformer.h.0.attn.c_attn.weight"] == (16, 24)
         assert shapes["transformer.h.0.attn.c_proj.weight"] == (8, 16)
         assert shapes["transformer.h.0.mlp.c_fc.weight"] == (16, 32)
+        assert "'transformer.h.0.attn.c_attn.bias' is split over tp as 3 blocks" in shapes["ckpt"]
 
 
 def _heads_cut():

@@ -2,9 +2,10 @@
 
 * :func:`save` -- every rank writes what it owns, in parallel (safetensors + a JSON
   manifest); one atomic commit; optionally asynchronous; retention with ``keep=``.
-* :func:`load` -- onto the current mesh, whatever world size, ZeRO stage and pipeline it
-  was saved with (ranks may hold different trees: each pipeline stage its own parameters);
-  checksums verified; no code ever runs on load.
+* :func:`load` -- onto the current mesh, whatever world size, ZeRO stage, pipeline and
+  ``tp`` split it was saved with (ranks may hold different trees: each pipeline stage its
+  own parameters; a tensor-parallel rank its slices); checksums verified; no code ever runs
+  on load.
 * :func:`latest` -- the newest committed checkpoint in a directory.
 * :func:`export` -- the parameters, whole, in one safetensors file for ``load_state_dict``.
 * :func:`verify`, :func:`metadata`, :func:`manifest` -- read-only helpers (and the

@@ -1,8 +1,8 @@
 """``export``: the parameters of a checkpoint, whole, in one safetensors file.
 
 It runs in one process from the files alone (no process group, no model needed): each
-parameter is read piece by piece from whichever ranks' files hold it and written under its
-``named_parameters()`` name, so ``module.load_state_dict(safetensors.torch.load_file(f),
+parameter is read piece by piece from whichever ranks' files hold it (a parameter split over
+``tp`` is put together from its slices) and written under its ``named_parameters()`` name, so ``module.load_state_dict(safetensors.torch.load_file(f),
 strict=True)`` takes it. Two names the params dict does not have, which a strict
 ``load_state_dict`` wants, can only come from the module: the second names of tied
 parameters (``functionalize`` keeps each tied parameter once, under its first name) and the
@@ -19,7 +19,7 @@ import torch
 
 from fzero.checkpoint import _format
 from fzero.checkpoint._format import CheckpointError, Files
-from fzero.checkpoint._load import _fill, _Reader
+from fzero.checkpoint._load import _Reader, read_whole
 
 __all__ = ["export"]
 
@@ -86,10 +86,7 @@ def export(
     params: dict[str, torch.Tensor] = {}
     try:
         for name, rec in recs:
-            t = torch.empty(_numel(rec["shape"]), dtype=_format.dtype_of(rec["dtype"], path))
-            _fill(reader, rec, 0, t.numel(), t)
-            reader.flush()
-            t = t.view(rec["shape"])
+            t = read_whole(reader, rec)  # a leaf split over tp: its slices put together
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
             params[name] = t
@@ -110,13 +107,6 @@ def export(
         raise
     _format.fsync_dir(parent)
     return {k: tuple(v.shape) for k, v in tensors.items()}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _for_module(module: torch.nn.Module, params: dict[str, torch.Tensor], path: str) -> dict[str, Any]:

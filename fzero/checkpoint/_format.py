@@ -45,7 +45,8 @@ __all__ = [
 ]
 
 FORMAT = "fzero.checkpoint"
-VERSION = 1
+VERSION = 2  # what a save writes when a leaf is split over tp (leaves' ``tp``); 1 otherwise
+READS = (1, 2)
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 # 4 MiB: a resharding read wastes at most two blocks per piece boundary, and the manifest
@@ -438,9 +439,9 @@ def read_manifest(path: str, where: str, *, verify: bool = True) -> dict:
     manifest = _parse_json(data, manifest_path, where)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where}: {manifest_path} is not an fzero checkpoint manifest", manifest_path)
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READS:
         raise CheckpointError(f"{where}: {path} has format version {manifest.get('version')!r}; this fzero "
-                              f"reads version {VERSION}")
+                              f"reads versions {', '.join(map(str, READS))}")
     problem = _schema_problem(manifest)
     if problem is not None:
         raise CorruptCheckpointError(f"{where}: {manifest_path} is not a valid manifest ({problem}): the file is "
@@ -497,6 +498,10 @@ def _schema_problem(m: dict) -> str | None:
             pieces = rec.get("pieces")
             if not isinstance(pieces, list):
                 return f"{where}: no pieces"
+            tp = rec.get("tp")
+            if tp is not None and not (isinstance(tp, dict) and _is_int(tp.get("dim")) and _is_int(tp.get("size"), 1)
+                                       and tp["dim"] < len(shape) and shape[tp["dim"]] % tp["size"] == 0):
+                return f"{where}: bad tp split {tp!r} of shape {shape}"
             for p in pieces:
                 if not (_is_int(p.get("start")) and _is_int(p.get("stop")) if isinstance(p, dict) else False):
                     return f"{where}: a piece lacks start or stop"

@@ -5,19 +5,30 @@ rank's piece of a partitioned leaf), or a Python scalar (``int``, ``float``, ``b
 ``str``). Shards are leaves here, not nodes: the key path of a partitioned leaf is the same
 at every ZeRO stage and world size (``.opt_state[0].mu['w']``), which is what lets a
 checkpoint saved at one layout load into another.
+
+Under ``fzero.tensor_parallel`` a tensor (or a Shard's whole) may also be this rank's *tp
+slice* of a larger tensor, ``whole.chunk(size, dim)[rank]``: the state's
+:class:`~fzero.transforms.tensor_parallel.TensorParallelLayout` names the split parameters,
+and every tensor stored under a split parameter's name (the last key of its path: the
+parameter, its optimizer moments, its master) is split as the parameter is
+(:func:`tp_slices`). The key path does not change with the split either.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
 from fzero import tree
+from fzero.checkpoint._format import CheckpointError
 from fzero.distributed.flat import Shard, is_shard
+from fzero.transforms.tensor_parallel import TensorParallelLayout
 
-__all__ = ["flatten", "keystr", "json_entries", "piece_name", "is_value", "stages_of"]
+__all__ = ["TPSlice", "flatten", "keystr", "json_entries", "layout_of", "piece_name", "is_value", "slice_problem",
+           "slice_shape", "stages_of", "tp_slices"]
 
 VALUE_TYPES = (bool, int, float, str)
 
@@ -75,3 +86,85 @@ def stages_of(records: list[dict]) -> list[int]:
     if any(r["entries"][:1] in ([["attr", "params"]], [["key", "params"]]) for r in sharded):
         return [3]
     return [1, 2]
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+class TPSlice(NamedTuple):
+    """A leaf that is slice ``rank`` of a tensor split over ``tp``: ``whole.chunk(size, dim)[rank]``.
+
+    On disk a split leaf is its ``size`` slices one after another, each flattened: elements
+    ``[t * n, (t + 1) * n)`` of the leaf (``n`` = :attr:`local_numel`) are slice ``t``. So a
+    ZeRO piece ``[a, b)`` of slice ``t`` is elements ``[t * n + a, t * n + b)``, and a leaf
+    saved and loaded at the same ``size`` and ``dim`` reshards over ``dp`` by interval
+    overlap, as an unsplit one does.
+    """
+
+    name: str  # the split parameter's
+    dim: int
+    size: int
+    rank: int
+    shape: tuple[int, ...]  # the whole tensor's
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return slice_shape(self.shape, self.dim, self.size)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+def slice_shape(shape, dim: int, size: int) -> tuple[int, ...]:
+    """The shape of each of the ``size`` slices of a ``shape`` split on ``dim``."""
+    return tuple(int(n) // size if d == dim else int(n) for d, n in enumerate(shape))
+
+
+def layout_of(state: Any, where: str) -> TensorParallelLayout | None:
+    """The state's tp layout (``init`` of ``fzero.tensor_parallel`` keeps it in
+    ``state.extra``), or ``None``: nothing is split. A layout of ``size`` 1 splits nothing.
+
+    Raises:
+        CheckpointError: the state holds two different layouts.
+    """
+    found = {x for x in tree.leaves(state, is_leaf=lambda x: isinstance(x, TensorParallelLayout))
+             if isinstance(x, TensorParallelLayout)}
+    if len(found) > 1:
+        raise CheckpointError(f"{where}: the state holds {len(found)} different TensorParallelLayouts; a state "
+                              f"is split over one tp axis")
+    layout = next(iter(found), None)
+    return layout if layout is not None and layout.size > 1 else None
+
+
+def tp_slices(paths: list, leaves: list, layout: TensorParallelLayout | None) -> list[TPSlice | None]:
+    """Per leaf, the tp slice it is, or ``None`` (whole on every ``tp`` rank): a tensor or
+    Shard whose last key is the name of a parameter ``layout`` splits. Shapes are not
+    checked here (see :func:`slice_problem`)."""
+    if layout is None:
+        return [None] * len(leaves)
+    splits = dict(layout.splits)
+    out: list[TPSlice | None] = []
+    for path, x in zip(paths, leaves):
+        last = json_entries(path[-1:])[0] if path else None
+        split = splits.get(last[1]) if last and last[0] == "key" and isinstance(last[1], str) else None
+        if split is not None and getattr(split, "parts", 1) > 1:
+            raise CheckpointError(f"fzero.checkpoint: parameter {last[1]!r} is split over tp as {split.parts} "
+                                  "blocks (a fused projection, ColwiseParallel(parts=...)); checkpoints of such a "
+                                  "split are not supported yet")
+        out.append(None if split is None or global_shape(x) is None else
+                   TPSlice(last[1], split.dim, layout.size, layout.rank, tuple(split.shape)))
+    return out
+
+
+def slice_problem(key: str, x: Any, sl: TPSlice) -> str | None:
+    """What is wrong with ``x`` as the tp slice ``sl``, or ``None``."""
+    name = sl.name
+    if sl.shape[sl.dim] % sl.size:
+        return (f"parameter {name!r} of shape {sl.shape}: dim {sl.dim} ({sl.shape[sl.dim]}) does not divide by "
+                f"tp={sl.size}")
+    if global_shape(x) != sl.local_shape:
+        return (f"leaf {key} is stored under the split parameter {name!r} (shape {sl.shape}, dim {sl.dim} split "
+                f"over tp={sl.size}: slices of {sl.local_shape}) but has shape {global_shape(x)}: a tensor stored "
+                f"under a split parameter's name must be its slice")
+    return None

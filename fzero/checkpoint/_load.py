@@ -6,6 +6,12 @@ piece ``[0, numel)``). A target leaf of ``like`` needs ``[a, b)``: its ``Shard``
 (``ShardInfo.piece()``), or the whole leaf. The loader reads the overlap of ``[a, b)`` with
 each saved piece straight into the new tensor. N -> M and stage s -> t are the same code.
 
+A leaf split over ``tp`` is, on disk, its slices one after another (``_leaves.TPSlice``).
+Loaded with the same split, slice ``t``'s range is an interval like any other. Loaded with
+another (``tp=2 -> 1``, ``1 -> 2``, another ``tp``), the target's slice is cut from the rows
+of the saved slices it overlaps along the split dim (:func:`_read_rows`), then its ZeRO
+piece from that: one leaf at a time, so a rank holds at most its slice of one leaf extra.
+
 Checksums: each rank verifies every block it reads, and rank ``f mod M`` verifies the header
 and RNG blocks of the f-th file. Since the ranks' targets together cover every leaf, a load
 with ``verify=True`` checks every byte of the checkpoint somewhere, and every rank learns of
@@ -14,6 +20,7 @@ a failure on any rank (the error names the file).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +47,11 @@ def _shape_str(shape) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _describe_like(x: Any) -> str:
+def _describe_like(x: Any, sl: _leaves.TPSlice | None = None) -> str:
+    if sl is not None:
+        t = x.local if isinstance(x, Shard) else x
+        return (f"{_shape_str(sl.shape)} {_format.DTYPE_NAME.get(t.dtype, t.dtype)} (slice {sl.rank} of dim "
+                f"{sl.dim} over tp={sl.size})")
     if isinstance(x, Shard):
         return f"{_shape_str(x.info.shape)} {_format.DTYPE_NAME.get(x.local.dtype, x.local.dtype)}"
     if isinstance(x, torch.Tensor):
@@ -50,11 +61,14 @@ def _describe_like(x: Any) -> str:
 
 def _describe_saved(rec: dict) -> str:
     if rec["kind"] == "tensor":
-        return f"{_shape_str(rec['shape'])} {rec['dtype']}"
+        tp = rec.get("tp")
+        split = f" (dim {tp['dim']} split over tp={tp['size']})" if tp else ""
+        return f"{_shape_str(rec['shape'])} {rec['dtype']}{split}"
     return f"{rec['type']} {rec['value']!r}"
 
 
-def _match(path: str, man: dict, keys: list[str], leaves: list[Any], *, alone: bool) -> tuple[list[dict], set[str]]:
+def _match(path: str, man: dict, keys: list[str], leaves: list[Any], slices: list, *,
+           alone: bool) -> tuple[list[dict], set[str]]:
     """The saved record of each leaf of ``like``, and the checkpoint's key paths ``like``
     does not have. A leaf missing from the checkpoint or mismatched is an error listing
     every difference; so are the extra key paths when this rank loads ``alone`` (in a
@@ -62,14 +76,15 @@ def _match(path: str, man: dict, keys: list[str], leaves: list[Any], *, alone: b
     over all ranks by :func:`_agree_coverage`)."""
     saved = {rec["path"]: rec for rec in man["leaves"]}
     missing, mismatched = [], []  # (key, line)
-    for key, x in zip(keys, leaves):
+    for key, x, sl in zip(keys, leaves, slices):
         rec = saved.get(key)
         if rec is None:
-            missing.append((key, f"{key} {_describe_like(x)}"))
+            missing.append((key, f"{key} {_describe_like(x, sl)}"))
             continue
         if isinstance(x, (Shard, torch.Tensor)):
             t = x.local if isinstance(x, Shard) else x
-            ok = rec["kind"] == "tensor" and tuple(rec["shape"]) == _leaves.global_shape(x)
+            whole = sl.shape if sl is not None else _leaves.global_shape(x)  # a tp slice matches its whole
+            ok = rec["kind"] == "tensor" and tuple(rec["shape"]) == whole
             if ok and rec["dtype"] != _format.DTYPE_NAME.get(t.dtype):
                 saved_dt = _format.DTYPE_OF.get(rec["dtype"])
                 ok = saved_dt is not None and saved_dt.is_floating_point and t.dtype.is_floating_point
@@ -79,7 +94,7 @@ def _match(path: str, man: dict, keys: list[str], leaves: list[Any], *, alone: b
             raise TypeError(f"{WHERE}: leaf {key} of like is a {type(x).__name__}; a checkpoint holds tensors, "
                             f"fzero Shards and Python scalars")
         if not ok:
-            mismatched.append((key, f"{key}: checkpoint {_describe_saved(rec)}, like {_describe_like(x)}"))
+            mismatched.append((key, f"{key}: checkpoint {_describe_saved(rec)}, like {_describe_like(x, sl)}"))
     keyset = set(keys)
     extra = {rec["path"] for rec in man["leaves"] if rec["path"] not in keyset}
     shown_extra = [(rec["path"], f"{rec['path']} {_describe_saved(rec)}") for rec in man["leaves"]
@@ -87,6 +102,22 @@ def _match(path: str, man: dict, keys: list[str], leaves: list[Any], *, alone: b
     if missing or shown_extra or mismatched:
         _mismatch(path, missing, shown_extra, mismatched, "extra in the checkpoint (not in like)")
     return [saved[k] for k in keys], extra
+
+
+def _check_slices(path: str, keys: list[str], leaves: list[Any], recs: list[dict], slices: list) -> None:
+    """Every tp slice of ``like`` can be cut from the checkpoint's leaf: its split dim divides
+    by ``like``'s tp, and ``like`` holds a slice of the size that gives."""
+    for key, x, rec, sl in zip(keys, leaves, recs, slices):
+        if sl is None:
+            continue
+        if sl.shape[sl.dim] % sl.size:
+            raise CheckpointError(
+                f"{WHERE}: cannot split {key} of the checkpoint at {path}, {_describe_saved(rec)}, over tp={sl.size} "
+                f"as like does: dim {sl.dim} of parameter {sl.name!r} has {sl.shape[sl.dim]} elements, which do not "
+                f"divide by {sl.size}")
+        problem = _leaves.slice_problem(key, x, sl)
+        if problem is not None:
+            raise CheckpointError(f"{WHERE}: like does not fit the checkpoint at {path}: {problem}")
 
 
 def _mismatch(path: str, missing, extra, mismatched, extra_title: str):
@@ -200,7 +231,50 @@ def _fill(reader: _Reader, rec: dict, a: int, b: int, dst: torch.Tensor) -> None
                                      os.path.join(reader.files.root, _format.MANIFEST))
 
 
-def _load_leaf(reader: _Reader, rec: dict, x: Any, in_place: bool):
+def _read_rows(reader: _Reader, rec: dict, dim: int, lo: int, hi: int) -> torch.Tensor:
+    """``whole.narrow(dim, lo, hi - lo)`` of the saved tensor leaf ``rec``, reading only the
+    saved tp slices it overlaps when ``rec`` is split on ``dim`` (a leaf not split is one
+    slice), and only the rows it needs of a slice whose rows are contiguous."""
+    shape = [int(n) for n in rec["shape"]]
+    dtype = _format.dtype_of(rec["dtype"], reader.files.path(_format.MANIFEST))
+    split = rec.get("tp") or {"dim": dim, "size": 1}
+    sd, size = split["dim"], split["size"]
+    local = list(_leaves.slice_shape(shape, sd, size))
+    n, outer, inner = math.prod(local), math.prod(local[:sd]), math.prod(local[sd + 1:])
+
+    def rows(t: int, r0: int, r1: int) -> torch.Tensor:  # rows [r0, r1) along sd of slice t
+        if outer == 1:  # they are contiguous: read just them
+            out = torch.empty((r1 - r0) * inner, dtype=dtype)
+            _fill(reader, rec, t * n + r0 * inner, t * n + r1 * inner, out)
+            return out.view(local[:sd] + [r1 - r0] + local[sd + 1:])
+        out = torch.empty(n, dtype=dtype)
+        _fill(reader, rec, t * n, (t + 1) * n, out)
+        return out.view(local).narrow(sd, r0, r1 - r0)
+
+    if math.prod(shape) == 0:
+        out = torch.empty(shape, dtype=dtype).narrow(dim, lo, hi - lo)
+    elif sd != dim:  # split on another dim than the target's: the whole leaf, then its rows
+        out = torch.cat([rows(t, 0, local[sd]) for t in range(size)], sd).narrow(dim, lo, hi - lo)
+    else:
+        L = local[sd]
+        parts = [rows(t, max(lo, t * L) - t * L, min(hi, (t + 1) * L) - t * L) for t in range(lo // L, -(-hi // L))]
+        out = torch.cat(parts, sd) if len(parts) > 1 else parts[0]
+    reader.flush()
+    return out
+
+
+def read_whole(reader: _Reader, rec: dict) -> torch.Tensor:
+    """The whole tensor leaf ``rec``, in its saved dtype (its tp slices put together)."""
+    split = rec.get("tp")
+    if split is not None:
+        return _read_rows(reader, rec, split["dim"], 0, rec["shape"][split["dim"]]).contiguous()
+    t = torch.empty(math.prod(rec["shape"]), dtype=_format.dtype_of(rec["dtype"], reader.files.path(_format.MANIFEST)))
+    _fill(reader, rec, 0, t.numel(), t)
+    reader.flush()
+    return t.view(rec["shape"])
+
+
+def _load_leaf(reader: _Reader, rec: dict, x: Any, sl: _leaves.TPSlice | None, in_place: bool):
     if rec["kind"] == "value":
         v = rec["value"]
         return float(v) if rec["type"] == "float" and isinstance(v, str) else v
@@ -210,7 +284,15 @@ def _load_leaf(reader: _Reader, rec: dict, x: Any, in_place: bool):
     direct = (in_place and target.dtype == saved_dtype and target.device.type == "cpu"
               and target.is_contiguous())
     flat = target.detach().view(-1) if direct else torch.empty(b - a, dtype=saved_dtype)
-    _fill(reader, rec, a, b, flat)
+    saved = rec.get("tp")
+    if (saved is None and sl is None) or (saved is not None and sl is not None
+                                          and (saved["dim"], saved["size"]) == (sl.dim, sl.size)):
+        base = sl.rank * sl.local_numel if sl is not None else 0  # slice sl.rank's elements on disk
+        _fill(reader, rec, base + a, base + b, flat)
+    else:  # re-sliced: this rank's tp slice (or the whole leaf), then its ZeRO piece
+        part = read_whole(reader, rec) if sl is None else _read_rows(
+            reader, rec, sl.dim, sl.rank * sl.local_shape[sl.dim], (sl.rank + 1) * sl.local_shape[sl.dim])
+        flat.copy_(part.reshape(-1)[a:b])
     reader.flush()
     if direct:
         out = target
@@ -251,8 +333,9 @@ def load(
 
     Collective when a process group exists (every rank calls it). ``like`` is a state as
     the step gives it (``step.init(state)``): its tree says which leaves to load, and its
-    ``Shard`` pieces say which elements this rank needs, whatever world size and ZeRO stage
-    the checkpoint was saved with. Ranks may load different parts of the checkpoint (each
+    ``Shard`` pieces (and, under ``fzero.tensor_parallel``, its tp slices) say which
+    elements this rank needs, whatever world size, ZeRO stage and tp the checkpoint was
+    saved with. Ranks may load different parts of the checkpoint (each
     pipeline stage its own parameters, whatever the pipeline it was saved with); together
     they must load every leaf of it. Floating-point leaves are cast to ``like``'s dtype
     (fp32 <-> bf16/fp16) and placed on ``like``'s device. No code runs: the manifest is
@@ -280,7 +363,8 @@ def load(
             checkpoint, mismatched, or extra in it (loaded by no rank) is listed with its
             shape.
         CorruptCheckpointError: a missing, truncated or corrupted file (named).
-        CheckpointError: ``path`` was never committed; another rank failed (named).
+        CheckpointError: ``path`` was never committed; another rank failed (named); a
+            split dim ``like``'s tp does not divide (the leaf, the parameter, both sizes).
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
@@ -331,19 +415,23 @@ def _printer(p: Progress) -> None:
 
 
 def _prepare(path, like, world, verify, restore_rng):
-    """``(manifest, leaves of like, its treespec, their saved records, extra key paths)``."""
+    """``(manifest, leaves of like, its treespec, their saved records, extra key paths, their
+    tp slices)``."""
     man = _format.read_manifest(path, WHERE, verify=verify)
     paths, leaves, spec = _leaves.flatten(like)
     keys = [_leaves.keystr(p) for p in paths]
-    recs, extra = _match(path, man, keys, leaves, alone=world.size == 1)
+    layout = _leaves.layout_of(like, WHERE)
+    slices = _leaves.tp_slices(paths, leaves, layout)
+    recs, extra = _match(path, man, keys, leaves, slices, alone=world.size == 1)
+    _check_slices(path, keys, leaves, recs, slices)
     if restore_rng and man["world_size"] != world.size:
         raise CheckpointError(f"{WHERE}: restore_rng=True needs the world size the checkpoint was saved with "
                               f"({man['world_size']}); this world has {world.size}")
-    return man, leaves, spec, recs, extra
+    return man, leaves, spec, recs, extra, slices
 
 
 def _load_local(path, prepared, world, verify, restore_rng, in_place, callback):
-    man, leaves, spec, recs, _ = prepared
+    man, leaves, spec, recs, _, slices = prepared
     files = Files(path, man, WHERE)
     total = 0
     for rec, x in zip(recs, leaves):
@@ -353,7 +441,7 @@ def _load_local(path, prepared, world, verify, restore_rng, in_place, callback):
     meter = _format._Meter("load", world.rank, total, callback)
     reader = _Reader(files, man["block_bytes"], verify, meter)
     try:
-        out = [_load_leaf(reader, rec, x, in_place) for rec, x in zip(recs, leaves)]
+        out = [_load_leaf(reader, rec, x, sl, in_place) for rec, x, sl in zip(recs, leaves, slices)]
         rng_by_rank = {e["rank"]: e for e in man["rng"]}
         if verify:  # this rank's share of the bytes no target reads: headers and RNG states
             for i, name in enumerate(sorted(man["files"])):

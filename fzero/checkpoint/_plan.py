@@ -6,14 +6,20 @@ stage's parameters (and their optimizer state) and share a few leaves with the o
 *union* of the ranks' trees, each key path once:
 
 1. every rank describes its own leaves (key path, kind, dtype, global shape, how it is
-   partitioned) and hashes the description;
+   partitioned over ``dp`` and split over ``tp``) and hashes the description;
 2. the ranks all-gather the hashes; ranks with the same hash hold the same tree and form a
    *part* (with ``fzero.pipeline``, the ranks of one stage); the first rank of each part
    broadcasts its description when there is more than one part;
 3. every rank then builds the same plan from the same descriptions: a key held by several
-   parts must be the same leaf in each (shape, dtype, value); a partitioned leaf is written
-   piece by piece by the lowest rank holding each piece; a replicated leaf by the least
-   loaded rank among those holding it, largest leaves first.
+   parts must be the same leaf in each (shape, dtype, value, split); a partitioned leaf is
+   written piece by piece by the lowest rank holding each piece; a replicated leaf by the
+   least loaded rank among those holding it, largest leaves first.
+
+A leaf split over ``tp`` (``fzero.tensor_parallel``) is described by its whole shape and the
+split (``dim``, ``size``); the ``tp`` ranks hold the same description, and each rank's
+coordinate on ``tp`` travels with its ZeRO position. Slice ``t`` is elements
+``[t*n, (t+1)*n)`` of the leaf on disk (``_leaves.TPSlice``), written as any leaf is -- by
+its ZeRO pieces, or whole by one rank of those holding it -- by ranks at coordinate ``t``.
 
 Nothing but descriptions moves between ranks (kilobytes per leaf, once per distinct tree),
 and a world whose ranks hold the same tree -- any state without a pipeline -- exchanges one
@@ -52,7 +58,7 @@ class Plan:
     def __init__(self, records, parts, stages, mine, treespec):
         self.records, self.parts, self.stages, self.mine, self.treespec = records, parts, stages, mine, treespec
         self.fingerprint = _hash([[r["path"], r["kind"], r.get("dtype"), r.get("shape"), r.get("sharding"),
-                                   r.get("pieces"), r.get("value")] for r in records])
+                                   r.get("tp"), r.get("pieces"), r.get("value")] for r in records])
 
 
 def _hash(obj: Any) -> str:
@@ -63,16 +69,22 @@ def _hash(obj: Any) -> str:
 
 
 def _describe(state: Any, world: _comm.World):
-    """``(descriptions, local tensors by key, shard position, treespec)`` of this rank's state.
+    """``(descriptions, local tensors by key, shard position, treespec, tp coordinate)`` of
+    this rank's state.
 
     The shard position is the ``ShardInfo.rank`` of this rank's pieces (one per rank: the
-    rank's place on the axis its leaves are partitioned over), ``None`` without pieces.
+    rank's place on the axis its leaves are partitioned over), ``None`` without pieces. The
+    tp coordinate is the rank's place on ``tp`` (``None`` when nothing is split).
     """
     paths, leaves, spec = _leaves.flatten(state)
+    layout = _leaves.layout_of(state, WHERE)
     descs, local, position = [], {}, None
-    for path, x in zip(paths, leaves):
+    for path, x, sl in zip(paths, leaves, _leaves.tp_slices(paths, leaves, layout)):
         key = _leaves.keystr(path)
         d: dict[str, Any] = {"path": key, "entries": _leaves.json_entries(path)}
+        problem = _leaves.slice_problem(key, x, sl) if sl is not None else None
+        if problem is not None:
+            raise CheckpointError(f"{WHERE}: on rank {world.rank}: {problem}")
         if isinstance(x, Shard):
             info = x.info
             a, b = info.piece()
@@ -99,8 +111,10 @@ def _describe(state: Any, world: _comm.World):
         else:
             raise TypeError(f"{WHERE}: leaf {key} is a {type(x).__name__}; a checkpoint stores tensors, "
                             f"fzero Shards and Python scalars (int, float, bool, str)")
+        if sl is not None:  # the whole tensor's shape; ``sharding`` stays the slice's
+            d.update(shape=list(sl.shape), tp={"dim": sl.dim, "size": sl.size})
         descs.append(d)
-    return descs, local, position, str(spec)
+    return descs, local, position, str(spec), None if layout is None else layout.rank
 
 
 # --------------------------------------------------------------------------- 2. agreement
@@ -120,14 +134,14 @@ def plan(state: Any, world: _comm.World) -> Plan:
         mine = _describe(state, world)
     except Exception as e:  # noqa: BLE001  (every rank must reach the agreement below)
         error = e
-    descs, local, position, treespec = mine if mine is not None else ([], {}, None, "")
+    descs, local, position, treespec, coord = mine if mine is not None else ([], {}, None, "", None)
     digest = _hash(descs)  # not the treespec: its text holds the addresses of static fields' functions
     if world.size == 1:
         if error is not None:
             raise error
-        return _build([(0, [0], descs, treespec)], [position], local, 0)
+        return _build([(0, [0], descs, treespec)], [position], local, 0, [coord])
     said = world.all_gather_json("what each rank saves", {
-        "hash": digest, "position": position,
+        "hash": digest, "position": position, "tp": coord,
         "error": None if error is None else f"{type(error).__name__}: {error}"})
     failed = [r for r, s in enumerate(said) if s["error"] is not None]
     if error is not None:
@@ -145,7 +159,7 @@ def plan(state: Any, world: _comm.World) -> Plan:
         got = world.broadcast_json(f"the tree of ranks {_ranks(ranks)}", [descs, treespec] if h == digest else None,
                                    src=ranks[0])
         parts.append((len(parts), ranks, got[0], got[1]))
-    return _build(parts, [s["position"] for s in said], local, world.rank)
+    return _build(parts, [s["position"] for s in said], local, world.rank, [s["tp"] for s in said])
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -157,18 +171,23 @@ def _ranks(ranks: list[int]) -> str:
 # --------------------------------------------------------------------------- 3. the plan
 
 
-_SAME = ("kind", "dtype", "shape", "type", "value")  # what ranks sharing a key path must agree on
+_SAME = ("kind", "dtype", "shape", "tp", "type", "value")  # what ranks sharing a key path must agree on
 
 
-def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], me: int) -> Plan:
+def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], me: int,
+           coords: list | None = None) -> Plan:
+    """The plan from every part's descriptions; ``positions`` and ``coords`` are each rank's
+    ZeRO position and tp coordinate (``None``: it holds no pieces, nothing split)."""
     n = len(positions)
+    coords = coords if coords is not None else [None] * n
     holders: dict[str, list[tuple[int, dict]]] = {}  # key -> [(part, description)]
     for p, _ranks_p, descs, _ in parts:
         for d in descs:
             holders.setdefault(d["path"], []).append((p, d))
     load = [0] * n
     records: list[dict] = []
-    replicated: list[tuple[int, int, list[int]]] = []  # (record index, bytes, candidate writers)
+    # (record index, bytes, candidate writers, start, stop, tp slice or None)
+    replicated: list[tuple[int, int, list[int], int, int, int | None]] = []
     mine: list[tuple[str, torch.Tensor]] = []
     for key, held in holders.items():
         p0, d0 = held[0]
@@ -186,36 +205,55 @@ def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], 
         item = _format.dtype_of(d0["dtype"], "manifest").itemsize
         sharding = d0["sharding"]
         rec["sharding"] = sharding
-        if sharding is None:
-            writers = sorted(r for p, d in held if d["sharding"] is None for r in parts[p][1])
-            replicated.append((len(records) - 1, math.prod(d0["shape"]) * item, writers))
-            continue
-        holding = sorted(r for p, d in held if d["sharding"] == sharding for r in parts[p][1])
-        info = ShardInfo(tuple(d0["shape"]), sharding["offset"], sharding["chunk"], sharding["world"], 0)
-        for q in range(sharding["world"]):
-            a, b = info.piece(q)
-            if b <= a:
-                continue
-            writer = next((r for r in holding if positions[r] == q), None)
-            if writer is None:
+        tp = d0.get("tp")
+        shape = _leaves.slice_shape(d0["shape"], tp["dim"], tp["size"]) if tp else tuple(d0["shape"])
+        numel = math.prod(shape)
+        for t in range(tp["size"] if tp else 1):  # each tp slice is a leaf of its own, at elements base + [0, numel)
+            base = t * numel
+            on_slice = [r for p, d in held if d["sharding"] == sharding for r in parts[p][1]
+                        if tp is None or coords[r] == t]
+            if tp is not None and not on_slice:
                 raise CheckpointError(
-                    f"{WHERE}: leaf {key} is partitioned over {sharding['world']} ranks, but none of the ranks "
-                    f"holding it ({_ranks(holding)}) holds piece {q} (elements [{a}, {b})): every rank of the "
-                    f"partition must save together")
-            rec["pieces"].append({"rank": writer, "name": _leaves.piece_name(key, a, b), "start": a, "stop": b})
-            load[writer] += (b - a) * item
-            if writer == me:
-                mine.append((_leaves.piece_name(key, a, b), local[key]))
+                    f"{WHERE}: leaf {key} is split over tp={tp['size']}, but none of the ranks holding it "
+                    f"({_ranks(sorted(r for p, _ in held for r in parts[p][1]))}) holds slice {t}: every rank of "
+                    f"the tp axis must save together")
+            if sharding is None:
+                replicated.append((len(records) - 1, numel * item, sorted(on_slice), base, base + numel,
+                                   t if tp else None))
+                continue
+            holding = sorted(on_slice)
+            info = ShardInfo(shape, sharding["offset"], sharding["chunk"], sharding["world"], 0)
+            for q in range(sharding["world"]):
+                a, b = info.piece(q)
+                if b <= a:
+                    continue
+                writer = next((r for r in holding if positions[r] == q), None)
+                if writer is None:
+                    raise CheckpointError(
+                        f"{WHERE}: leaf {key} is partitioned over {sharding['world']} ranks, but none of the ranks "
+                        f"holding it ({_ranks(holding)}) holds piece {q} (elements [{a}, {b})): every rank of the "
+                        f"partition must save together")
+                name = _leaves.piece_name(key, base + a, base + b)
+                rec["pieces"].append({"rank": writer, "name": name, "start": base + a, "stop": base + b,
+                                      **({"tp": t} if tp else {})})
+                load[writer] += (b - a) * item
+                if writer == me:
+                    mine.append((name, local[key]))
     # Replicated leaves go to the least-loaded rank holding them, largest first (LPT), so
     # writing is spread over the ranks; ties go to the lowest rank, so every rank agrees.
-    for i, nbytes, writers in sorted(replicated, key=lambda t: (-t[1], t[0])):
+    # A slice of a tp-split leaf is replicated over the ranks at its tp coordinate only.
+    for i, nbytes, writers, a, b, t in sorted(replicated, key=lambda e: (-e[1], e[0], e[3])):
         owner = min(writers, key=lambda r: (load[r], r))
         load[owner] += nbytes
         key = records[i]["path"]
-        numel = math.prod(records[i]["shape"])
-        records[i]["pieces"].append({"rank": owner, "name": key, "start": 0, "stop": numel})
+        name = key if t is None else _leaves.piece_name(key, a, b)
+        records[i]["pieces"].append({"rank": owner, "name": name, "start": a, "stop": b,
+                                     **({} if t is None else {"tp": t})})
         if owner == me:
-            mine.append((key, local[key]))
+            mine.append((name, local[key]))
+    for rec in records:
+        if "tp" in rec:
+            rec["pieces"].sort(key=lambda p: p["start"])
     part_list = [{"ranks": ranks, "leaves": len(descs), "treespec": spec} for _, ranks, descs, spec in parts]
     return Plan(records, part_list, _leaves.stages_of(records), mine, parts[0][3])
 
@@ -223,4 +261,5 @@ def _build(parts: list[tuple], positions: list, local: dict[str, torch.Tensor], 
 def _what(d: dict) -> str:
     if d["kind"] == "value":
         return f"the {d['type']} {d['value']!r}"
-    return f"a tensor of {d['dtype']}, shape {tuple(d['shape'])}"
+    split = f", dim {d['tp']['dim']} split over tp={d['tp']['size']}" if d.get("tp") else ""
+    return f"a tensor of {d['dtype']}, shape {tuple(d['shape'])}{split}"

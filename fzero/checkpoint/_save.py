@@ -173,8 +173,9 @@ def save(
         TypeError, ValueError: a leaf that cannot be stored, metadata that is not JSON (named
             by key path), ``keep`` < 1.
         CheckpointError: writing failed on some rank (named); ranks hold different leaves
-            under one key path, or a partitioned leaf has a piece no rank holds (named,
-            with the ranks); nothing was committed.
+            under one key path, or a partitioned leaf has a piece (a split leaf a tp
+            slice) no rank holds (named, with the ranks), or a tensor under a split
+            parameter's name is not its slice; nothing was committed.
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
@@ -353,11 +354,14 @@ def _commit(path, tmp, plan, reports, world, step, metadata, keep, overwrite) ->
         if rec["kind"] == "tensor":
             rec["pieces"] = [{**p, **where[(p["rank"], p["name"])]} for p in rec["pieces"]]
         leaves.append(rec)
+    split = [rec["tp"]["size"] for rec in plan.records if rec.get("tp")]
     manifest = {
-        "format": _format.FORMAT, "version": _format.VERSION,
+        # Version 1 where nothing is split over tp: a reader of version 1 only refuses a split
+        # checkpoint rather than read its slices, one after another, as a whole tensor.
+        "format": _format.FORMAT, "version": _format.VERSION if split else 1,
         "fzero_version": __version__, "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "created_unix": time.time(),
-        "step": step, "world_size": world.size, "stages": plan.stages,
+        "step": step, "world_size": world.size, "stages": plan.stages, "tp": max(split, default=1),
         "block_bytes": _format.BLOCK_BYTES, "treespec": plan.treespec, "parts": plan.parts,
         "leaves": leaves, "files": files, "rng": rng, "metadata": metadata,
     }

@@ -95,8 +95,10 @@ def _inspect(path: str, *, as_json: bool) -> int:
     tensors = [r for r in man["leaves"] if r["kind"] == "tensor"]
     numel = sum(_numel(r["shape"]) for r in tensors)
     print(f"checkpoint {os.path.abspath(path)} (committed)")
+    tp = f" | tp {man['tp']}" if man.get("tp", 1) > 1 else ""
     print(f"  step {man['step']} | saved by {man['world_size']} rank{'s' if man['world_size'] != 1 else ''} | "
-          f"{_stages(man['stages'])} | fzero {man['fzero_version']} | torch {man['torch_version']} | {man['created']}")
+          f"{_stages(man['stages'])}{tp} | fzero {man['fzero_version']} | torch {man['torch_version']} | "
+          f"{man['created']}")
     print(f"  files: {len(man['files'])}, {_size(total)}")
     for name, f in sorted(man["files"].items()):
         print(f"    {name}  {_size(f['bytes'])}  crc32-of-blocks {f['crc32']}")
@@ -119,6 +121,10 @@ def _inspect(path: str, *, as_json: bool) -> int:
         sh = r["sharding"]
         where = (f"replicated, in {r['pieces'][0]['file']}" if sh is None else
                  f"{len(r['pieces'])} piece{'s' if len(r['pieces']) != 1 else ''} over {sh['world']} ranks")
+        if r.get("tp"):  # shape is the whole tensor's; each tp slice replicated or in ZeRO pieces
+            split = f"dim {r['tp']['dim']} split over tp={r['tp']['size']}"
+            where = (f"{split}, in {', '.join(sorted({p['file'] for p in r['pieces']}))}" if sh is None else
+                     f"{split}, each slice over {sh['world']} ranks, {len(r['pieces'])} pieces")
         print(f"    {r['path']:<{width}}  {r['dtype']:<9} {shape:<14} {where}{held}")
     if man.get("metadata") is not None:
         print(f"  metadata: {json.dumps(man['metadata'])}")

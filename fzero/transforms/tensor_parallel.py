@@ -23,7 +23,8 @@ tensor, so ``shard_state`` partitions it over ``dp`` and the optimizer runs on i
 and the model's code runs unchanged (the planned modules' forwards are replaced at ``init``,
 a few lines each) with no per-op dispatch on the step's path. What it does not do yet:
 reductions across parameters (``psum``: global-norm clipping, LAMB's trust ratios, the
-overflow check of ``mixed_precision``) are refused, as are checkpoints of a split state.
+overflow check of ``mixed_precision``) are refused. ``init`` records the split in the state
+(:class:`TensorParallelLayout`), so ``fzero.checkpoint`` saves, reshards and exports it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
 
-__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "auto_plan", "tensor_parallel"]
+__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "auto_plan",
+           "tensor_parallel"]
 
 WHERE = "fzero.tensor_parallel"
 
@@ -195,7 +197,8 @@ class _Split:
 def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
     """A plan for the common Linear layouts, as DeepSpeed's AutoTP finds them.
 
-    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are expansions and their contraction -- some
+    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are
+    expansions and their contraction -- some
     ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and one
     ``h -> d`` layer (``c_proj``, ``down_proj``), ``h > d`` -- the former are split by
     columns and the latter by rows. Attention projections (``d -> d``, or a fused
@@ -219,6 +222,33 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
         plan.update({prefix + n: ColwiseParallel() for n, _ in up})
         plan[prefix + down[0][0]] = RowwiseParallel()
     return plan
+
+
+@tree.dataclass
+class TensorParallelLayout:
+    """How a state is split over the ``tp`` axis; ``init`` keeps it in
+    ``state.extra["tensor_parallel"]``, where ``fzero.checkpoint`` finds it (by type) to
+    save whole tensors' slices and to re-slice them onto another ``tp``.
+
+    Every field is static, so the record has no leaves: a state's key paths and leaves are
+    the same with and without it, and a checkpoint saved at ``tp=2`` loads into a plain
+    state by key path.
+
+    Attributes:
+        size: the ``tp`` degree.
+        rank: this rank's coordinate on ``tp``; it holds ``whole.chunk(size, dim)[rank]`` of
+            every split parameter.
+        splits: ``(name, _Split(dim, whole shape))`` per split parameter, sorted by name.
+
+    A tensor of the state stored under a split parameter's name -- the parameter, its
+    optimizer moments, its fp32 master -- is split as the parameter is: optax-style
+    optimizer states mirror the params dict, and every ``fzero.optim`` state per parameter
+    has the parameter's shape.
+    """
+
+    size: int = tree.field(static=True)
+    rank: int = tree.field(static=True)
+    splits: tuple[tuple[str, _Split], ...] = tree.field(static=True)
 
 
 def check_plan(plan: Any, where: str = WHERE) -> None:
@@ -363,7 +393,8 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{WHERE}: state.apply_fn must come from fzero.functionalize(module): the plan "
                             "names the module's layers")
-        if "master" in state.extra or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
+        if "master" in state.extra or "tensor_parallel" in state.extra \
+                or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
             raise ValueError(f"{WHERE}: this state is already partitioned or cast: make tensor_parallel "
                              "outside mixed_precision and shard_state (it chooses what they compute with)")
         planned = auto_plan(module) if plan == "auto" else plan
@@ -385,7 +416,9 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
                 m.forward = types.MethodType(lambda self, x, style=style: style.forward(self, x, group, timeout_s), m)
         local = {name: _local(state.params[name], s.dim, tp, rank, s.parts) for name, s in splits.items()}
         params = with_values(state.params, local)
-        return state.replace(params=params, opt_state=state.tx.init(trainable(params)))
+        layout = TensorParallelLayout(tp, rank, tuple(sorted(splits.items())))
+        return state.replace(params=params, opt_state=state.tx.init(trainable(params)),
+                             extra={**state.extra, "tensor_parallel": layout})
 
     def call(state, batch):
         if tp == 1:
