@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import fzero
 from fzero import optim
+from fzero.transforms import tp_plans
 from gpt import GPT, GPTConfig, generate
 
 SEPARATOR = b"\n\n"  # between files; the model learns that a file ends with blank lines
@@ -102,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--threads", type=int, help="torch CPU threads per rank (default: cores / ranks)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the ranks")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: the MLPs split over this many ranks")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--ckpt", metavar="DIR", help="save a checkpoint under DIR/step_N at the end")
     p.add_argument("--sample-len", type=int, default=200, help="bytes to generate at the end")
@@ -116,7 +118,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.warmup is None:
         args.warmup = args.steps // 10
-    mesh = fzero.Mesh(dp=-1)
+    mesh = fzero.Mesh(dp=-1, tp=args.tp)
     # Ranks share the machine's cores: one thread each per core, not each rank all of them.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // mesh.world_size))
     torch.manual_seed(args.seed)  # the model's init: identical on every rank
@@ -124,11 +126,13 @@ def main(argv=None) -> dict:
     data, n_files = load_stdlib(args.max_bytes)
     n_val = len(data) // 10  # the last 10% of the (sorted) text: a fixed held-out set
     train_data, val_data = data[:-n_val], data[-n_val:]
-    # Each data-parallel rank draws its own batches, so N ranks see N different batches.
-    g = torch.Generator().manual_seed(args.seed + mesh.rank)
+    # Each data-parallel rank draws its own batches, so N ranks see N different batches; the
+    # tensor-parallel ranks of one dp coordinate compute one batch together, so they draw the same.
+    g = torch.Generator().manual_seed(args.seed + mesh.coords["dp"])
 
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    apply, params = fzero.functionalize(GPT(cfg))
+    model = GPT(cfg)
+    apply, params = fzero.functionalize(model)
     tx = optim.chain(
         optim.clip_by_global_norm(1.0),
         optim.adamw(
@@ -138,7 +142,8 @@ def main(argv=None) -> dict:
         ),
     )
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
-    step = fzero.compile(train_step, mesh, zero=args.zero, precision=args.precision)
+    step = fzero.compile(train_step, mesh, zero=args.zero, precision=args.precision,
+                         tp=tp_plans.gpt(model) if args.tp > 1 else None)
     state = step.init(state)
 
     rank0 = mesh.rank == 0
@@ -165,8 +170,10 @@ def main(argv=None) -> dict:
         fzero.checkpoint.save(path, state, metadata={"args": vars(args)}, overwrite=True)
         if rank0:
             print(f"checkpoint: {path}", file=sys.stderr)
-    # Full (unsharded) fp32 parameters for evaluation and sampling, whatever the step's
-    # partitioning and precision.
+    # Full (unsharded over dp) fp32 parameters for evaluation and sampling, whatever the
+    # step's partitioning and precision. Under tensor parallelism each rank keeps its slice of
+    # the split layers, whose forwards now exchange activations: every rank evaluates and
+    # samples in step, the same tokens.
     params = fzero.gather(state.extra.get("master", state.params))
     val_loss = evaluate(apply, params, val_data, args)
     ctx = torch.tensor([list(b"import ")], dtype=torch.long)
