@@ -1,6 +1,7 @@
 """fzero.tensor_parallel on real gloo ranks: Megatron's column/row split of Linear layers gives
-the plain single-process trajectory, alone and under ZeRO over dp; a plan that does not fit
-the model fails at init naming every parameter and size."""
+the plain single-process trajectory, alone and under ZeRO over dp, with the reductions across
+parameters (global-norm clipping, LAMB's trust ratios, mixed precision's overflow verdict)
+exact; a plan that does not fit the model fails at init naming every parameter and size."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 import fzero
 import fzero.testing as ft
 from fzero import optim
+from fzero.transforms._core import collecting_metrics
 
 
 class Block(torch.nn.Module):
@@ -42,11 +44,23 @@ class Net(torch.nn.Module):
 PLAN = {"blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.proj": fzero.RowwiseParallel()}
 
 
+# Below every step's gradient norm (1.4 to 2.2 on these batches; _tp_equals_plain checks), so
+# the clip acts at every step and its coefficient depends on the norm of the whole model.
+CLIP = 0.5
+
+TXS = {
+    "sgd": lambda: optim.sgd(0.1, momentum=0.9),
+    "adamw": lambda: optim.adamw(1e-2),
+    "clipped": lambda: optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(1e-2)),
+    "clipped sgd": lambda: optim.chain(optim.clip_by_global_norm(CLIP), optim.sgd(0.1, momentum=0.9)),
+    "lamb": lambda: optim.lamb(1e-2, weight_decay=0.01),  # per-leaf norms of split and whole leaves
+}
+
+
 def _state(tx_name: str):
     torch.manual_seed(3)
     apply, params = fzero.functionalize(Net())
-    tx = {"sgd": lambda: optim.sgd(0.1, momentum=0.9), "adamw": lambda: optim.adamw(1e-2)}[tx_name]()
-    return fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS[tx_name]())
 
 
 def _batches(n: int, rows: int):
@@ -54,24 +68,58 @@ def _batches(n: int, rows: int):
     return [{"x": torch.randn(rows, 5, generator=g), "y": torch.randn(rows, 3, generator=g)} for _ in range(n)]
 
 
-def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int):
-    """On every rank: the tp (x dp, ZeRO stage) trajectory equals the plain one."""
+def _wrap(step, precision, accumulate):
+    """``step`` under the transforms tensor_parallel puts inside shard_state, in compile's order."""
+    if accumulate:
+        step = fzero.accumulate(step, accumulate)
+    if precision:
+        step = fzero.mixed_precision(step, precision)
+    return fzero.transforms.as_step(step)
+
+
+def _run(step, state, batches):
+    """The last state, the losses and the ``grad_norm`` each step emitted."""
+    losses, norms = [], []
+    for b in batches:
+        with collecting_metrics() as emitted:
+            state, m = step(state, b)
+        losses.append(m["loss"].float())
+        if "grad_norm" in emitted:
+            norms.append(emitted["grad_norm"].float())
+    return state, torch.stack(losses), norms
+
+
+def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int, *, precision=None, accumulate=None,
+                     fused="off"):
+    """On every rank: the tp (x dp, ZeRO stage) trajectory equals the plain one, under
+    ``mixed_precision(accumulate(...))`` when asked (the plain step under the same two), and
+    so does the ``grad_norm`` a clip reports."""
     world = dist.get_world_size()
     mesh = fzero.Mesh(dp=world // tp, tp=tp)
-    batches = _batches(steps, 4 * mesh.size("dp"))
-    ref, ref_losses = ft.run_steps(ft.mse_step, _state(tx_name), batches)
-    inner = fzero.shard_state(ft.mse_step, mesh, stage) if mesh.size("dp") > 1 or stage else ft.mse_step
-    step = fzero.tensor_parallel(inner, mesh, PLAN)
-    state = step.init(_state(tx_name))
-    # this rank holds its slice of the split layers, whole copies of the rest
-    if stage < 3:
-        assert tuple(state.params["blocks.0.fc.weight"].shape) == (16 // tp, 8)
-    losses = []
-    for b in batches:
-        state, m = step(state, ft.local_batch(b, mesh.size("dp"), mesh.coords["dp"]))
-        losses.append(m["loss"])
-    ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
-    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    batches = _batches(steps, 4 * mesh.size("dp") * (accumulate or 1))
+    with optim.use_fused(fused):
+        ref_step = _wrap(ft.mse_step, precision, accumulate)
+        ref, ref_losses, ref_norms = _run(ref_step, ref_step.init(_state(tx_name)), batches)
+        inner = _wrap(ft.mse_step, precision, accumulate)
+        if mesh.size("dp") > 1 or stage:
+            inner = fzero.shard_state(inner, mesh, stage)
+        step = fzero.tensor_parallel(inner, mesh, PLAN)
+        state = step.init(_state(tx_name))
+        # this rank holds its slice of the split layers, whole copies of the rest
+        if stage < 3:
+            assert tuple(state.params["blocks.0.fc.weight"].shape) == (16 // tp, 8)
+        local = [ft.local_batch(b, mesh.size("dp"), mesh.coords["dp"]) for b in batches]
+        state, losses, norms = _run(step, state, local)
+    tol = precision or "fp32"  # low precision: the row of the compute dtype, as the plain step casts alike
+    ft.assert_trees_close(losses, ref_losses, tol=tol, what="losses")
+    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol=tol, what="parameters")
+    if precision:
+        ft.assert_trees_close(step.gather(state.extra["master"]), dict(ref.extra["master"]), tol=tol,
+                              what="master weights")
+    if "clipped" in tx_name:
+        assert len(norms) == len(ref_norms) == steps
+        assert all(float(n) > CLIP for n in ref_norms)  # the clip acted at every step
+        ft.assert_trees_close(torch.stack(norms), torch.stack(ref_norms), tol=tol, what="grad_norm")
     return fzero.distributed.comm.traffic.bytes(what="tp")
 
 
@@ -87,6 +135,91 @@ def test_tp2_equals_the_plain_step(ranks, tx_name):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_tp2_by_dp2_under_zero_equals_the_plain_step(ranks, stage):
     ranks(4).run(_tp_equals_plain, 2, stage, "adamw", 3)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_tp2_clips_by_the_norm_of_the_whole_model(ranks, fused):
+    """The split layers' slices are summed over tp, the whole layers counted once: the clip
+    coefficient, and the grad_norm reported, are the plain step's (on the fused path too)."""
+    ranks(2).run(_tp_equals_plain, 2, 0, "clipped", 3, fused=fused)
+
+
+@pytest.mark.multirank
+def test_tp2_lamb_trust_ratios_are_the_whole_tensors(ranks):
+    ranks(2).run(_tp_equals_plain, 2, 0, "lamb", 3)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("precision, tx_name", [(None, "clipped"), ("bf16", "clipped sgd")])
+def test_tp2_clips_under_accumulation_and_bf16_as_the_plain_step(ranks, precision, tx_name):
+    """A clip of the accumulated gradient over 2 micro-batches, under mixed_precision's overflow
+    check too. bf16 under SGD: Adam divides by sqrt(v), so one bf16 rounding of a near-zero
+    gradient can flip an update."""
+    ranks(2).run(_tp_equals_plain, 2, 0, tx_name, 3, precision=precision, accumulate=2)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("tx_name", ["clipped", "lamb"])
+def test_tp2_by_dp2_at_stage_2_clips_and_lamb_as_the_plain_step(ranks, tx_name):
+    ranks(4).run(_tp_equals_plain, 2, 2, tx_name, 3)
+
+
+def _leaf_norms_under_tp(flattened: bool):
+    """``optim.leaf_norms`` of the parameters, from inside a tp=2 step (or the error it raises)."""
+    mesh = fzero.Mesh(dp=1, tp=2)
+
+    def norms_step(state, batch):
+        params = list(state.params.values()) if flattened else state.params
+        return state, {"loss": torch.zeros(()), "norms": optim.leaf_norms(params)[0]}
+
+    step = fzero.tensor_parallel(norms_step, mesh, PLAN)
+    try:
+        return step(step.init(_state("sgd")), None)[1]["norms"]
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.multirank
+def test_leaf_norms_under_tp2_are_the_whole_tensors_norms(ranks):
+    """LAMB's trust ratios are ratios of these: a split leaf's slices summed over tp, a whole
+    leaf counted once (counted on both tp ranks, its norm would be sqrt(2) too large)."""
+    params = _state("sgd").params
+    expect = torch.stack([torch.linalg.vector_norm(params[k]) for k in sorted(params)])
+    for got in ranks(2).run(_leaf_norms_under_tp, False):
+        ft.assert_trees_close(got, expect, tol="norm", what="leaf norms")
+
+
+@pytest.mark.multirank
+def test_leaves_not_named_by_parameter_are_refused_under_tp(ranks):
+    for msg in ranks(2).run(_leaf_norms_under_tp, True):
+        assert "named leaves that are not parameters: None" in msg
+        assert "pass the trees keyed by parameter, not their flattened leaves" in msg
+
+
+def _one_tp_rank_overflows():
+    """tp rank 1 alone sees an inf in its slice of a split layer's gradient."""
+    mesh = fzero.Mesh(dp=1, tp=2)
+
+    def poisoned(state, batch):
+        loss, grads = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(
+            state.params)
+        if mesh.coords["tp"] == 1:
+            grads["blocks.0.fc.weight"][0, 0] = float("inf")
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.tensor_parallel(fzero.mixed_precision(poisoned, "bf16"), mesh, PLAN)
+    state = step.init(_state("adamw"))
+    with collecting_metrics() as emitted:
+        new, _ = step(state, _batches(1, 4)[0])
+    same = all(torch.equal(new.params[k], state.params[k]) for k in state.params)
+    return bool(emitted["skipped"]), int(new.step), same
+
+
+@pytest.mark.multirank
+def test_a_non_finite_gradient_on_one_tp_rank_skips_the_update_on_every_rank(ranks):
+    assert ranks(2).run(_one_tp_rank_overflows) == [(True, 0, True)] * 2
 
 
 def _bytes_per_step(tp: int):

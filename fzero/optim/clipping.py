@@ -7,7 +7,7 @@ import torch
 from fzero import tree
 from fzero.optim._checks import check_number
 from fzero.optim.base import GradientTransformation, _multiply, init_empty_state
-from fzero.transforms._core import emit_metric, psum
+from fzero.transforms._core import LeafSums, emit_metric, psum
 
 __all__ = ["clip_by_global_norm", "global_norm", "leaf_norms"]
 
@@ -38,12 +38,14 @@ def leaf_norms(*trees, device: torch.device | None = None) -> tuple[torch.Tensor
     """The L2 norm of each leaf of each tree: one vector per tree, in leaf order.
 
     The local sums of squares of all trees go through one :func:`fzero.transforms.psum`
-    before the square root, so the norm of a leaf that is a shard (under ZeRO) is the whole
-    tensor's. Norms are fp32, or fp64 where a leaf is fp64. Per-leaf trust ratios (LARS,
-    LAMB) are built on it.
+    (as a :class:`~fzero.transforms.LeafSums`) before the square root, so the norm of a leaf
+    that is a piece (a ZeRO shard, a ``tensor_parallel`` slice) is the whole tensor's, and a
+    leaf every ``tp`` rank holds whole is counted once. Norms are fp32, or fp64 where a leaf
+    is fp64. Per-leaf trust ratios (LARS, LAMB) are built on it.
 
     Args:
-        *trees: pytrees of tensors, each with at least one leaf.
+        *trees: pytrees of tensors, each with at least one leaf; keyed as ``state.params``
+            (a leaf is named by its path's first key) where the parameters may be split.
         device: where the vectors are; default: the first leaf's device.
 
     Example:
@@ -55,7 +57,7 @@ def leaf_norms(*trees, device: torch.device | None = None) -> tuple[torch.Tensor
     groups = [tree.leaves(t) for t in trees]
     if device is None:
         device = groups[0][0].device
-    sq = psum(torch.cat([_leaf_norms(xs, device).square() for xs in groups]))
+    sq = psum(LeafSums.of(trees, torch.cat([_leaf_norms(xs, device).square() for xs in groups])))
     return sq.sqrt().split([len(xs) for xs in groups])
 
 
@@ -63,8 +65,11 @@ def global_norm(updates) -> torch.Tensor:
     """The L2 norm of all leaves of ``updates`` together, as a 0-dim tensor (fp32, or fp64
     when a leaf is fp64).
 
-    The local sum of squares goes through :func:`fzero.transforms._core.psum` before the
-    square root, so the norm is exact when the leaves are shards of the full tensors.
+    The local sums of squares, one per leaf, go through :func:`fzero.transforms.psum` (as a
+    :class:`~fzero.transforms.LeafSums` with ``total``) before the square root, so the norm
+    is exact when the leaves are pieces of the full tensors (ZeRO's shards, ``tensor_parallel``'s
+    slices), with a leaf every ``tp`` rank holds whole counted once. ``updates`` is keyed as
+    ``state.params`` (a leaf is named by its path's first key).
 
     Example:
         >>> import torch
@@ -75,10 +80,8 @@ def global_norm(updates) -> torch.Tensor:
     leaves = tree.leaves(updates)
     with torch.no_grad():
         if not leaves:
-            local = torch.zeros((), dtype=torch.float32)
-        else:
-            local = _leaf_norms(leaves, leaves[0].device).square().sum()
-        return psum(local).sqrt()
+            return psum(torch.zeros((), dtype=torch.float32)).sqrt()
+        return psum(LeafSums.of([updates], _leaf_norms(leaves, leaves[0].device).square(), total=True)).sqrt()
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -92,8 +95,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     The ``1e-6`` is torch's choice (optax instead leaves updates untouched below
     ``max_norm`` and divides by ``norm`` exactly above it); the two differ by at most a
     relative 1e-6 / max_norm. The norm before clipping is reported with
-    ``emit_metric("grad_norm", norm)`` (a 0-dim tensor: no device sync), and is computed with
-    a ``psum`` of the local sum of squares, exact when leaves are shards.
+    ``emit_metric("grad_norm", norm)`` (a 0-dim tensor: no device sync), and is
+    :func:`global_norm`'s: exact when leaves are shards or ``tensor_parallel`` slices.
 
     Args:
         max_norm: the largest allowed global norm, > 0.

@@ -123,7 +123,8 @@ def deepspeed_lamb(
         u = torch._foreach_div(mu, denom)
         if weight_decay:
             torch._foreach_add_(u, [x.to(y.dtype) for x, y in zip(p, u)], alpha=weight_decay)
-        w_norm, u_norm = leaf_norms(p, u, device=u[0].device)
+        # trees keyed by parameter, so that tensor_parallel can tell split leaves from whole ones
+        w_norm, u_norm = leaf_norms(params, tree.unflatten(spec, u), device=u[0].device)
         ratio = torch.where((w_norm != 0) & (u_norm != 0),
                             (w_norm / u_norm).clamp(min_coeff, max_coeff), torch.ones_like(w_norm))
         t = int(count)

@@ -106,7 +106,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
         return None
     import fzero_kernels
 
-    from fzero.transforms._core import emit_metric, psum
+    from fzero.transforms._core import LeafSums, emit_metric, psum
 
     node = opt_state
     for i in path:
@@ -120,11 +120,11 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
 
     grad_scale = 1.0
     if spec.clip_norm is not None:
-        # clip_by_global_norm's coefficient, from one psum of the per-shard sums of squares.
-        sq = torch.zeros((), dtype=torch.float64, device=p_leaves[0].device)
-        for g in g_leaves:
-            sq = sq + g.double().pow(2).sum()
-        norm = psum(sq).sqrt().float()
+        # clip_by_global_norm's coefficient, from one psum of the per-leaf sums of squares
+        # (in fp64), each leaf named so that a split one is summed over tp and a whole one
+        # counted once.
+        sq = torch.stack([g.double().pow(2).sum() for g in g_leaves]).to(p_leaves[0].device)
+        norm = psum(LeafSums.of([grads], sq, total=True)).sqrt().float()
         emit_metric("grad_norm", norm)
         coef = min(1.0, spec.clip_norm / (float(norm) + 1e-6))
         grad_scale = 1.0 / coef

@@ -401,12 +401,14 @@ def scale_by_trust_ratio(
 
     def update_fn(updates, state, params=None, *, inplace=False):
         _need_params(where, params)
-        p, spec = tree.flatten(params)
+        spec = tree.structure(params)
         u = _flatten_like(where, spec, params, updates, ("params", "updates"))
         if not u:
             return updates, state
         with torch.no_grad():
-            p_norm, u_norm = leaf_norms(p, u, device=u[0].device)
+            # the trees, not their leaves: leaf_norms names each leaf by parameter (tensor_parallel
+            # sums a split one over tp and counts a whole one once)
+            p_norm, u_norm = leaf_norms(params, updates, device=u[0].device)
             # optax's safe_norm(x, min_norm) is max(norm, min_norm); the ratio falls back to 1
             # where either norm is zero, so zero params or updates are never rescaled.
             p_norm = p_norm.clamp_min(min_norm)

@@ -9,6 +9,9 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
   implementation once every handler of ``apply_gradients`` has had its say, so a handler of
   ``update`` sees exactly the tensors the optimizer will update (this rank's pieces under
   ZeRO, whatever the nesting): ``mixed_precision`` swaps its fp32 masters in there;
+* ``psum`` -- where an optimizer sums a reduction over the leaves across the ranks holding
+  them (a global norm, LAMB's per-leaf norms, the overflow flag); the contract is at
+  :func:`psum`, and ``counted`` is its companion: which leaves this rank counts;
 * ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip);
 * ``micro_batch`` -- which micro-batch of its update the step is running
   (:func:`micro_batch`), so a transform can act once per update rather than once per call.
@@ -48,10 +51,13 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import torch
+
+from fzero import tree
 from fzero.tree import _USER_VIEW, user_view
 
-__all__ = ["Handler", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum",
-           "register_primitive"]
+__all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed",
+           "micro_batch", "psum", "register_primitive"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -81,7 +87,12 @@ class Handler:
         return next(name, value)
 
     def psum(self, value, *, next: Callable):
+        # value: a tensor this rank sums with the other ranks' (see psum's contract)
         return next(value)
+
+    def counted(self, names, *, next: Callable):
+        # names: the parameter of each leaf a LeafSums sums; returns whether this rank counts each
+        return next(names)
 
     def micro_batch(self, *, next: Callable):
         return next()
@@ -151,20 +162,93 @@ def handlers() -> tuple[Handler, ...]:
 # --------------------------------------------------------------------------- psum
 
 
-def psum(value):
-    """Sum a partial reduction over every shard of the training state.
+class LeafSums(NamedTuple):
+    """This rank's partial sums of a reduction over the leaves of the parameters, one per
+    leaf, named by parameter: what :func:`psum` sums exactly however the leaves are held.
 
-    Optimizers call it on per-shard partial sums (sums of squares for a global norm, LAMB's
-    per-tensor norms) so the result is exact however the state is partitioned. With an
-    unpartitioned state it is the identity; under ``shard_state`` at stages 1-3 it is an
-    all-reduce over the ``dp`` axis.
+    Attributes:
+        sums: a vector, this rank's partial sum of each leaf (a sum of squares, say) over
+            what it holds of the leaf.
+        names: the parameter each entry belongs to, as ``state.params`` names it; ``None``
+            for a leaf of a tree that is not keyed by parameter name.
+        total: whether :func:`psum` returns the sum over the leaves (a 0-dim tensor) instead
+            of each leaf's sum (a vector).
+
+    Example:
+        >>> import torch
+        >>> g = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0])}
+        >>> sq = LeafSums.of([g], torch.stack([x.square().sum() for x in tree.leaves(g)]), total=True)
+        >>> sq.names, psum(sq)
+        (('b', 'w'), tensor(169.))
     """
-    return bind("psum", value)
+
+    sums: torch.Tensor
+    names: tuple[str | None, ...]
+    total: bool = False
+
+    @classmethod
+    def of(cls, trees, sums: torch.Tensor, *, total: bool = False) -> "LeafSums":
+        """``sums`` of the leaves of ``trees`` (in order), named by the first key of each
+        leaf's path: a parameter's name in a tree keyed as ``state.params``."""
+        names = []
+        for t in trees:
+            for path in tree.paths(t):
+                key = getattr(path[0], "entry", None) if path else None
+                names.append(key if isinstance(key, str) else None)
+        return cls(sums, tuple(names), total)
+
+
+def psum(value):
+    """Sum a reduction over the leaves across every rank that holds part of the state.
+
+    The contract, for the two kinds of ``value``:
+
+    * a :class:`LeafSums` (a norm, a trust ratio: anything that must count each leaf once).
+      Each leaf's result is the sum of the partial sums of the ranks holding different parts
+      of it, and a leaf held whole by several ranks with the same values (``tensor_parallel``'s
+      unsplit leaves, on every ``tp`` rank) is counted once: the ``counted`` primitive asks the
+      handlers which leaves this rank counts (the transform that makes the copies answers;
+      by default every leaf), the others enter as zero. Returns the vector of per-leaf sums,
+      or with ``total`` their sum, a 0-dim tensor. With every leaf counted this is the psum
+      of ``sums`` (or of ``sums.sum()``), bit for bit.
+    * a bare tensor (mixed precision's overflow flag): summed as it is over every such rank,
+      so a value that depends on how many copies of a leaf were counted is wrong here. Right
+      for an *any*: a count of non-finite leaves, where a copy counted ``tp`` times is still
+      > 0 exactly when one is; and for sums over leaves no two ranks share.
+
+    What the ``psum`` handlers see is always a tensor, every rank's counted once: a 0-dim one
+    is a sum over leaves (or a flag), a vector one entry per leaf of :class:`LeafSums` order.
+    With an unpartitioned state it is the identity; under ``shard_state`` at stages 1-3 an
+    all-reduce over ``dp`` (each element owned by one rank); under ``tensor_parallel`` an
+    all-reduce over ``tp``; under ``pipeline`` 0-dim values are all-reduced over ``pp`` too
+    (a stage's per-leaf vector names its own leaves only).
+
+    Raises:
+        ValueError: a :class:`LeafSums` whose ``sums`` and ``names`` differ in length; under
+            ``tensor_parallel``, names that are not parameters (a handler that cannot tell
+            a split leaf from a whole one refuses to guess).
+    """
+    if not isinstance(value, LeafSums):
+        return bind("psum", value)
+    sums, names = value.sums, tuple(value.names)
+    if sums.dim() != 1 or sums.numel() != len(names):
+        raise ValueError(f"fzero.psum: LeafSums.sums must be a vector with one entry per name; got shape "
+                         f"{tuple(sums.shape)} for {len(names)} names")
+    counted = bind("counted", names)
+    if not all(counted):  # another rank counts these leaves: they enter as zero here
+        keep = torch.tensor(counted, dtype=torch.bool, device=sums.device)
+        sums = torch.where(keep, sums, torch.zeros_like(sums))
+    return bind("psum", sums.sum() if value.total else sums)
 
 
 @register_primitive("psum")
 def _psum_base(value):
     return value
+
+
+@register_primitive("counted")
+def _counted_base(names: tuple) -> tuple[bool, ...]:
+    return (True,) * len(names)
 
 
 # --------------------------------------------------------------------------- micro-batches

@@ -125,7 +125,9 @@ class _PrecisionHandler(Handler):
         # mesh's group (NCCL moves CUDA tensors only), and one read of the verdict below
         # is the only synchronisation. One collective under ZeRO: a rank whose own gradient
         # pieces are finite still skips when another rank's are not (DeepSpeed all-reduces
-        # its overflow flag with MAX).
+        # its overflow flag with MAX). It is an *any*, so a bare tensor in psum's contract:
+        # a leaf held whole by every tp rank is counted tp times, and the count is still
+        # > 0 exactly when some gradient is not finite (no LeafSums, no per-leaf vector).
         leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
         tensors = leaves or [p for p in tree.leaves(state.params) if isinstance(p, torch.Tensor)]
         bad = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)

@@ -21,10 +21,14 @@ update needs no further communication.
 This is the narrow thing rather than DTensor: the state holds each rank's slice as a plain
 tensor, so ``shard_state`` partitions it over ``dp`` and the optimizer runs on it unchanged,
 and the model's code runs unchanged (the planned modules' forwards are replaced at ``init``,
-a few lines each) with no per-op dispatch on the step's path. What it does not do yet:
-reductions across parameters (``psum``: global-norm clipping, LAMB's trust ratios, the
-overflow check of ``mixed_precision``) are refused. ``init`` records the split in the state
-(:class:`TensorParallelLayout`), so ``fzero.checkpoint`` saves, reshards and exports it.
+a few lines each) with no per-op dispatch on the step's path.
+
+Reductions across parameters (``psum``: global-norm clipping, LAMB's trust ratios, the
+overflow check of ``mixed_precision``) are exact: they name each leaf's parameter
+(:class:`fzero.transforms.LeafSums`), and the handler counts a whole leaf on ``tp`` rank 0
+only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counted once.
+``init`` records the split in the state (:class:`TensorParallelLayout`), so
+``fzero.checkpoint`` saves, reshards and exports it (a layer split block by block excepted).
 """
 
 from __future__ import annotations
@@ -78,10 +82,10 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None, None
 
 
-def _all_reduce(x: torch.Tensor, group, timeout_s: float, name: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, timeout_s: float, name: str, what: str = "tp") -> torch.Tensor:
     out = x.contiguous().clone()
     comm.run(f"{name}, {out.numel()} elements",
-             lambda: comm.all_reduce(out, group=group, async_op=True, what="tp"),
+             lambda: comm.all_reduce(out, group=group, async_op=True, what=what),
              timeout_s=timeout_s, where=WHERE)
     return out
 
@@ -341,10 +345,32 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
 
 
 class _TensorParallelHandler(Handler):
+    """Makes ``psum`` exact across ``tp`` (its contract: :func:`fzero.transforms.psum`).
+
+    A split leaf's partial sums differ on every ``tp`` rank and add up to the whole tensor's;
+    a whole leaf's are the same on every ``tp`` rank (same values, same gradients), so only
+    ``tp`` rank 0 counts it (``counted``), and every value is then summed over ``tp``. One
+    all-reduce per ``psum``, of the size the optimizer asked for (a scalar for a global norm).
+    """
+
+    def __init__(self, group, rank: int, timeout_s: float, splits: Mapping[str, _Split]):
+        self.group, self.rank, self.timeout_s = group, rank, timeout_s
+        self.splits = splits  # filled by init: the split parameters by name
+        self.names: frozenset[str] = frozenset()  # every parameter's name, from init
+
+    def counted(self, names, *, next):
+        unknown = sorted({repr(n) for n in names if n not in self.names})
+        if unknown:
+            raise ValueError(
+                f"{WHERE}: a reduction across parameters (psum of LeafSums) named leaves that are not "
+                f"parameters: {', '.join(unknown[:8])}; the leaves must be named as state.params names them "
+                "(pass the trees keyed by parameter, not their flattened leaves), so that a split leaf "
+                "is summed over tp and a whole one counted once")
+        whole_counted_here = self.rank == 0
+        return tuple(c and (n in self.splits or whole_counted_here) for n, c in zip(names, next(names)))
+
     def psum(self, value, *, next):
-        raise NotImplementedError(
-            f"{WHERE}: a reduction across parameters (psum: global-norm clipping, LAMB's trust ratio, "
-            "mixed precision's overflow check) is not exact across tp yet; use an optimizer without one")
+        return next(_all_reduce(value, self.group, self.timeout_s, "all_reduce(tp: psum)", what="psum"))
 
 
 def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None) -> Step:
@@ -385,8 +411,8 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     tp, rank, group = mesh.size("tp"), mesh.coords["tp"], mesh.group("tp")
     inner = as_step(step)
-    handler = _TensorParallelHandler()
     splits: dict[str, _Split] = {}
+    handler = _TensorParallelHandler(group, rank, mesh.timeout_s, splits)
 
     def before(state):
         module = getattr(state.apply_fn, "module", None)
@@ -404,6 +430,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         chosen, found = resolve_plan(module, state.params, planned, tp)
         splits.clear()
         splits.update(found)
+        handler.names = frozenset(state.params)
         timeout_s = mesh.timeout_s
         for name, style in chosen.items():
             if tp == 1:
