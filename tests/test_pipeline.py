@@ -248,6 +248,13 @@ def test_tied_weights_stay_in_sync(ranks, p):
 
 @pytest.mark.multirank
 @pytest.mark.slow
+def test_a_tied_weight_counts_once_in_a_clip_over_stages(ranks):
+    """The global norm a clip takes over pp counts a weight tied across stages once."""
+    ranks(2).run(_same_as_plain, 2, 4, "1f1b", "clipped", tied=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_tied_weights_on_dp_by_pp(ranks):
     ranks(4).run(_same_as_plain, 2, 2, "1f1b", "sgd", tied=True, dp=2, zero=3)
 

@@ -354,6 +354,13 @@ class _PipelineHandler(Handler):
     def __init__(self, pipe: Pipeline):
         self.pipe = pipe
 
+    def counted(self, names, *, next):
+        # A tied weight lives on every stage that uses it, with the same summed gradient:
+        # the first of those stages counts it in a norm, the others not (else a clip over
+        # pp counts it once per stage).
+        tied, stage = self.pipe.tied, self.pipe.stage
+        return tuple(c and (n not in tied or stage == min(tied[n])) for n, c in zip(names, next(names)))
+
     def psum(self, value, *, next):
         pipe = self.pipe
         if pipe.p > 1 and isinstance(value, torch.Tensor) and value.dim() == 0:
