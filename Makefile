@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	touch $(STAMP)
 
+# The example's options: `make demo DEMO="--tp 2"` splits its MLPs over the 2 ranks instead.
+DEMO ?= --zero 2
+
 demo: install
-	$(VENV)/bin/fzero launch --nproc 2 examples/train_gpt.py --zero 2 --ckpt runs/demo
+	$(VENV)/bin/fzero launch --nproc 2 examples/train_gpt.py $(DEMO) --ckpt runs/demo
 
 test: install
 	$(PY) -m pytest -q --timeout=900

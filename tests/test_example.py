@@ -97,3 +97,19 @@ def test_generate_returns_requested_length():
     again = generate(apply, params, idx, 20, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out, again)
     assert len(bytes(out[0].tolist())) == 23
+
+
+def _train_at_tp2(argv):
+    out = train_gpt.main(argv + ["--tp", "2", "--no-progress"])
+    return out["losses"], out["sample"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_example_at_tp2_trains_as_one_process(run, ranks, tmp_path):
+    """``--tp 2`` (the example GPT's MLPs split over 2 ranks, one batch) gives the one-process
+    losses and the same sample."""
+    results = ranks(2).run(_train_at_tp2, _argv(tmp_path))
+    for losses, sample in results:
+        ft.assert_trees_close(torch.tensor(losses), torch.tensor(run[0]["losses"]), tol="fp32", what="losses")
+        assert sample == run[0]["sample"]
