@@ -100,7 +100,11 @@ def test_generate_returns_requested_length():
 
 
 def _train_at_tp2(argv):
-    out = train_gpt.main(argv + ["--tp", "2", "--no-progress"])
+    threads = torch.get_num_threads()
+    try:
+        out = train_gpt.main(argv + ["--tp", "2", "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)  # main() sets it; the rank pool's processes serve later tests
     return out["losses"], out["sample"]
 
 
