@@ -483,8 +483,9 @@ def _lm_batches(n: int):
     return out
 
 
-def _lm_tp_equals_plain(tx_name: str):
-    """The vocab-split trajectory against the plain one, and every tp collective's size."""
+def _lm_tp_equals_plain(tx_name: str, path: str):
+    """The vocab-split trajectory against the plain one, and every tp collective's size; the
+    last state saved to ``path``."""
     mesh = fzero.Mesh(dp=1, tp=2)
     batches = _lm_batches(3)
     ref, ref_losses = ft.run_steps(lm_step, _lm_state(tx_name), batches)
@@ -501,16 +502,24 @@ def _lm_tp_equals_plain(tx_name: str):
         del traffic.add  # the class's method again
     ft.assert_trees_close(losses, ref_losses, tol="fp32", what="losses")
     ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    fzero.checkpoint.save(path, state)
     return shapes, [s for s in sizes if s[1] == "tp"]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("tx_name", ["sgd", "adamw"])
-def test_a_vocab_split_embedding_and_lm_head_equal_the_plain_step(ranks, tx_name):
+def test_a_vocab_split_embedding_and_lm_head_equal_the_plain_step(ranks, tx_name, tmp_path):
     """The user's F.cross_entropy(logits.flatten(0, 1), y.flatten()) runs unchanged on the
     logits split by vocabulary, and the logits are never gathered: the largest tp collective
-    is an activation (tokens x d), the loss's three are tokens long."""
-    for shapes, sizes in ranks(2).run(_lm_tp_equals_plain, tx_name):
+    is an activation (tokens x d), the loss's three are tokens long. The checkpoint of the
+    split state loads whole into a plain one (the embedding is split on dim 0 as any row)."""
+    path = str(tmp_path / "vocab")
+    results = ranks(2).run(_lm_tp_equals_plain, tx_name, path)
+    ref, _ = ft.run_steps(lm_step, _lm_state(tx_name), _lm_batches(3))
+    whole = fzero.checkpoint.load(path, like=_lm_state(tx_name))
+    assert tuple(whole.params["embed.weight"].shape) == (VOCAB, D)
+    ft.assert_trees_close(dict(whole.params), dict(ref.params), tol="fp32", what="parameters loaded at tp=1")
+    for shapes, sizes in results:
         assert shapes == {"embed.weight": (16, D), "lm_head.weight": (16, D), "lm_head.bias": (16,)}
         assert {kind for kind, _, _ in sizes} == {"all_reduce"}  # no all-gather of anything
         tokens, logits_bytes = ROWS * SEQ, ROWS * SEQ * VOCAB * 4

@@ -7,10 +7,17 @@ A *plan* maps module names (globs, as ``fnmatch`` reads them) to a style, named 
   ``tp`` ranks (rows of ``weight``, and ``bias``). Its input is whole on every rank; its
   output is this rank's slice of the features. Megatron's *f* stands in front: identity
   forward, all-reduce of the input's gradient backward (each rank's slice contributes to it).
+  ``ColwiseParallel(output="vocab")`` on a language-model head: the output is a
+  :class:`VocabShardedLogits`, this rank's slice of the vocabulary standing for the whole
+  logits, on which the user's ``F.cross_entropy`` is computed across the ranks (Megatron's
+  vocab-parallel cross-entropy: three all-reduces of ``tokens`` elements) -- the logits are
+  never gathered, and what would need them whole is refused by name.
 * :class:`RowwiseParallel` -- an ``nn.Linear`` whose input features are split (columns of
   ``weight``; ``bias`` whole). Its input is the slice a column-parallel layer produced; the
   partial products are summed by Megatron's *g* -- all-reduce forward, identity backward --
-  and the bias is added once, after the sum.
+  and the bias is added once, after the sum. On an ``nn.Embedding`` (as torch's
+  ``RowwiseParallel``): the vocabulary (``weight`` rows) is split, each rank looks up the ids
+  it holds (zeros for the others) and *g* sums them.
 
 A column-parallel layer followed by a row-parallel one (an MLP, attention's QKV and output
 projection with the heads split) costs one all-reduce of the activation forward and one
@@ -313,7 +320,9 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
 
     Raises:
         ValueError: every problem at once -- a glob that matches no module, a matched module
-            that is not an ``nn.Linear`` (or ``Conv1D``), a parameter whose split dim does not
+            that is not an ``nn.Linear`` (or ``Conv1D``; or an ``nn.Embedding`` under
+            :class:`RowwiseParallel`, without ``max_norm``, ``scale_grad_by_freq`` or
+            ``sparse``), a parameter whose split dim does not
             divide by ``tp`` or would cut a head (named with its size), a split parameter
             tied to another name, an attribute to divide that is missing or indivisible.
     """
@@ -433,7 +442,9 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         step: ``train_step(state, batch) -> (state, metrics)``.
         mesh: the :class:`fzero.Mesh`, with a ``tp`` axis.
         plan: module-name globs to :class:`ColwiseParallel` / :class:`RowwiseParallel`, or
-            ``"auto"`` (:func:`auto_plan`, at ``init``).
+            ``"auto"`` (:func:`auto_plan`, at ``init``). An ``nn.Embedding`` under
+            :class:`RowwiseParallel` is split by vocabulary; an LM head under
+            ``ColwiseParallel(output="vocab")`` returns :class:`VocabShardedLogits`.
 
     Returns:
         A :class:`Step`. ``init`` keeps this rank's slices (before the transforms inside it
