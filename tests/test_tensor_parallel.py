@@ -438,11 +438,12 @@ def test_heads_that_do_not_divide_by_tp_are_named(ranks):
 
 
 class TinyLM(torch.nn.Module):
-    """An embedding, blocks and an untied LM head with a bias: a language model's layout."""
+    """An embedding, blocks and an untied LM head with a bias: a language model's layout. The
+    last id pads (no gradient on its row), and tp rank 1 holds it."""
 
     def __init__(self, vocab: int = 32, d: int = 8, hidden: int = 16, depth: int = 2):
         super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d)
+        self.embed = torch.nn.Embedding(vocab, d, padding_idx=vocab - 1)
         self.blocks = torch.nn.ModuleList(Block(d, hidden) for _ in range(depth))
         self.ln = torch.nn.LayerNorm(d)
         self.lm_head = torch.nn.Linear(d, vocab)
@@ -578,6 +579,22 @@ def test_an_op_that_needs_the_whole_vocabulary_is_refused_by_name(op, name):
         op(_logits())
     msg = str(e.value)
     assert name in msg and "split over tp by vocabulary (this rank holds [16, 32))" in msg
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_of_vocab_split_logits_is_torchs_at_tp1(reduction):
+    """Values and gradients against F.cross_entropy, ignored targets included (tp=2: the
+    trajectories above)."""
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    y = torch.randint(0, 32, (2, 4))
+    y[0, 1] = y[1, 3] = -100
+    split = fzero.transforms.VocabShardedLogits(x, vocab=32, tp=1, rank=0, group=None)
+    got = F.cross_entropy(split[..., :-1, :].flatten(0, 1), y.flatten(), reduction=reduction)
+    want = F.cross_entropy(x[..., :-1, :].flatten(0, 1), y.flatten(), reduction=reduction)
+    g_got, = torch.autograd.grad(got.sum(), x)
+    g_want, = torch.autograd.grad(want.sum(), x)
+    ft.assert_trees_close(got, want, tol="fp32", what="loss")
+    ft.assert_trees_close(g_got, g_want, tol="fp32 small values", what="gradient")
 
 
 def test_vocab_split_logits_slice_and_reshape_over_the_token_dims():
