@@ -310,12 +310,12 @@ def test_compile_builds_the_tp_step_from_a_plan(ranks):
     assert "has a tp axis of 2: pass tp={...}" in msg
 
 
-def _llama():
+def _llama(tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(4)
     cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=32, max_position_embeddings=16)
+                      num_key_value_heads=2, vocab_size=32, max_position_embeddings=16, tie_word_embeddings=tie)
     return LlamaForCausalLM(cfg)
 
 
@@ -332,7 +332,7 @@ def _lm_loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _hf_equals_torch(make: str, plan: str):
+def _hf_equals_torch(make: str, plan: str, hf_loss: bool = False):
     """A Hugging Face model at tp=2 under ``compile(tp=...)`` against the module's own
     forward, backward and torch.optim.SGD with momentum on one process. (SGD, not Adam:
     the split sums partial products in another order, and Adam's normalisation turns that
@@ -340,6 +340,13 @@ def _hf_equals_torch(make: str, plan: str):
     from fzero.transforms import tp_plans
 
     make = {"llama": _llama, "gpt2": _gpt2}[make]
+    plans = {"llama vocab": lambda m: tp_plans.llama(m, vocab=True)}
+
+    def loss_of(model_fn, b):  # the test's loss, or the model's own (labels= shifts them inside)
+        if hf_loss:
+            return model_fn(b, labels=b).loss
+        return _lm_loss(model_fn(b[:, :-1]).logits, b[:, 1:])
+
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(3)]
     ref = make()
@@ -347,7 +354,7 @@ def _hf_equals_torch(make: str, plan: str):
     ref_losses = []
     for b in batches:
         opt.zero_grad()
-        loss = _lm_loss(ref(b[:, :-1]).logits, b[:, 1:])
+        loss = loss_of(ref, b)
         loss.backward()
         opt.step()
         ref_losses.append(loss.detach())
@@ -357,12 +364,12 @@ def _hf_equals_torch(make: str, plan: str):
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
 
     def train_step(state, batch):
-        loss, grads = fzero.value_and_grad(lambda p: _lm_loss(state.apply_fn(p, batch[:, :-1]).logits,
-                                                              batch[:, 1:]))(state.params)
+        loss, grads = fzero.value_and_grad(
+            lambda p: loss_of(lambda *a, **k: state.apply_fn(p, *a, **k), batch))(state.params)
         return state.apply_gradients(grads), {"loss": loss}
 
     step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2),
-                         tp="auto" if plan == "auto" else getattr(tp_plans, plan)(model))
+                         tp="auto" if plan == "auto" else plans.get(plan, getattr(tp_plans, plan, None))(model))
     state = step.init(state)
     shapes = {k: tuple(v.shape) for k, v in state.params.items()}
     losses = []
@@ -427,6 +434,176 @@ def test_heads_that_do_not_divide_by_tp_are_named(ranks):
             "of units of 8 (heads) does not split over tp=4 without cutting one") in msg
 
 
+
+# --------------------------------------------------------------------------- vocab parallelism
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding, blocks and an untied LM head with a bias: a language model's layout. The
+    last id pads (no gradient on its row), and tp rank 1 holds it."""
+
+    def __init__(self, vocab: int = 32, d: int = 8, hidden: int = 16, depth: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d, padding_idx=vocab - 1)
+        self.blocks = torch.nn.ModuleList(Block(d, hidden) for _ in range(depth))
+        self.ln = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln(x))
+
+
+def lm_step(state, batch):
+    """The user's step, written for one process: the plain cross-entropy of the flattened logits."""
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["x"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+LM_PLAN = {"embed": fzero.RowwiseParallel(), "lm_head": fzero.ColwiseParallel(output="vocab"), **PLAN}
+ROWS, SEQ, VOCAB, D, DEPTH = 4, 6, 32, 8, 2
+
+
+def _lm_state(tx_name: str):
+    torch.manual_seed(3)
+    apply, params = fzero.functionalize(TinyLM(VOCAB, D, 16, DEPTH))
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS[tx_name]())
+
+
+def _lm_batches(n: int):
+    g = torch.Generator().manual_seed(12)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+        out.append({"x": ids[:, :-1], "y": ids[:, 1:]})
+    return out
+
+
+def _lm_tp_equals_plain(tx_name: str, path: str):
+    """The vocab-split trajectory against the plain one, and every tp collective's size; the
+    last state saved to ``path``."""
+    mesh = fzero.Mesh(dp=1, tp=2)
+    batches = _lm_batches(3)
+    ref, ref_losses = ft.run_steps(lm_step, _lm_state(tx_name), batches)
+    step = fzero.tensor_parallel(lm_step, mesh, LM_PLAN)
+    state = step.init(_lm_state(tx_name))
+    shapes = {k: tuple(state.params[k].shape) for k in ("embed.weight", "lm_head.weight", "lm_head.bias")}
+    traffic = fzero.distributed.comm.traffic
+    sizes, add = [], traffic.add
+    traffic.add = lambda kind, what, t: (sizes.append((kind, what, t.numel() * t.element_size())),
+                                         add(kind, what, t))[1]
+    try:
+        state, losses, _ = _run(step, state, batches)
+    finally:
+        del traffic.add  # the class's method again
+    ft.assert_trees_close(losses, ref_losses, tol="fp32", what="losses")
+    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    fzero.checkpoint.save(path, state)
+    return shapes, [s for s in sizes if s[1] == "tp"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tx_name", ["sgd", "adamw"])
+def test_a_vocab_split_embedding_and_lm_head_equal_the_plain_step(ranks, tx_name, tmp_path):
+    """The user's F.cross_entropy(logits.flatten(0, 1), y.flatten()) runs unchanged on the
+    logits split by vocabulary, and the logits are never gathered: the largest tp collective
+    is an activation (tokens x d), the loss's three are tokens long. The checkpoint of the
+    split state loads whole into a plain one (the embedding is split on dim 0 as any row)."""
+    path = str(tmp_path / "vocab")
+    results = ranks(2).run(_lm_tp_equals_plain, tx_name, path)
+    ref, _ = ft.run_steps(lm_step, _lm_state(tx_name), _lm_batches(3))
+    whole = fzero.checkpoint.load(path, like=_lm_state(tx_name))
+    assert tuple(whole.params["embed.weight"].shape) == (VOCAB, D)
+    ft.assert_trees_close(dict(whole.params), dict(ref.params), tol="fp32", what="parameters loaded at tp=1")
+    for shapes, sizes in results:
+        assert shapes == {"embed.weight": (16, D), "lm_head.weight": (16, D), "lm_head.bias": (16,)}
+        assert {kind for kind, _, _ in sizes} == {"all_reduce"}  # no all-gather of anything
+        tokens, logits_bytes = ROWS * SEQ, ROWS * SEQ * VOCAB * 4
+        assert max(n for _, _, n in sizes) == tokens * D * 4 < logits_bytes
+        # per step: the embedding's g, each block's g and f, the head's f; the loss's max, then
+        # the sum of exp and the target's logit in one
+        per_step = tokens * D * 4 * (1 + 2 * DEPTH + 1) + tokens * 4 * 3
+        assert sum(n for _, _, n in sizes) == 3 * per_step
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("hf_loss", [False, True])
+def test_hugging_face_llama_split_by_vocabulary_equals_torch(ranks, hf_loss):
+    """tp_plans.llama(model, vocab=True) with the test's loss, or the model's own (labels=)."""
+    shapes = ranks(2).run(_hf_equals_torch, "llama", "llama vocab", hf_loss)[0]
+    assert shapes["model.embed_tokens.weight"] == (16, 16)
+    assert shapes["lm_head.weight"] == (16, 16)
+
+
+def _tied_vocab_split():
+    from fzero.transforms import tp_plans
+
+    model = _llama(tie=True)
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    try:
+        fzero.tensor_parallel(ft.mse_step, fzero.Mesh(dp=1, tp=2), tp_plans.llama(model, vocab=True)).init(state)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_a_tied_embedding_and_lm_head_split_is_refused_at_init(ranks):
+    msg = ranks(2).run(_tied_vocab_split)[0]
+    assert "parameter 'model.embed_tokens.weight' is tied to ['lm_head.weight']: a split parameter cannot be " \
+           "shared (untie them -- Hugging Face: tie_word_embeddings=False -- or leave them whole)" in msg
+
+
+def _logits():
+    return fzero.transforms.VocabShardedLogits(torch.randn(2, 3, 16), vocab=32, tp=2, rank=1, group=None)
+
+
+@pytest.mark.parametrize("op, name", [
+    (lambda x: x.argmax(-1), "argmax"),
+    (lambda x: torch.softmax(x, -1), "softmax"),
+    (lambda x: F.log_softmax(x, -1), "log_softmax"),
+    (lambda x: x @ torch.randn(32, 2), "__matmul__"),
+    (lambda x: x.tolist(), "tolist"),
+    (lambda x: x[..., 0], "indexing with (Ellipsis, 0)"),
+    (lambda x: x.reshape(-1), "reshape(-1,)"),
+    (lambda x: F.cross_entropy(x, torch.zeros(2, 3, dtype=torch.long)), "F.cross_entropy of logits (2, 3, 32)"),
+])
+def test_an_op_that_needs_the_whole_vocabulary_is_refused_by_name(op, name):
+    with pytest.raises(TypeError) as e:
+        op(_logits())
+    msg = str(e.value)
+    assert name in msg and "split over tp by vocabulary (this rank holds [16, 32))" in msg
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_of_vocab_split_logits_is_torchs_at_tp1(reduction):
+    """Values and gradients against F.cross_entropy, ignored targets included (tp=2: the
+    trajectories above)."""
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    y = torch.randint(0, 32, (2, 4))
+    y[0, 1] = y[1, 3] = -100
+    split = fzero.transforms.VocabShardedLogits(x, vocab=32, tp=1, rank=0, group=None)
+    got = F.cross_entropy(split[..., :-1, :].flatten(0, 1), y.flatten(), reduction=reduction)
+    want = F.cross_entropy(x[..., :-1, :].flatten(0, 1), y.flatten(), reduction=reduction)
+    g_got, = torch.autograd.grad(got.sum(), x)
+    g_want, = torch.autograd.grad(want.sum(), x)
+    ft.assert_trees_close(got, want, tol="fp32", what="loss")
+    ft.assert_trees_close(g_got, g_want, tol="fp32 small values", what="gradient")
+
+
+def test_vocab_split_logits_slice_and_reshape_over_the_token_dims():
+    x = _logits()
+    assert x[..., :-1, :].shape == (2, 2, 32) and x[..., :-1, :].local.shape == (2, 2, 16)
+    assert x.float().contiguous().view(-1, 32).shape == (6, 32)
+    assert torch.flatten(x, 0, 1).shape == (6, 32) and x[0].shape == (3, 32) and x.size(-1) == 32
+    assert "VocabShardedLogits(shape=(2, 3, 32)" in repr(x)  # no values: this rank has half of them
 
 
 def _tp_by_pp_equals_plain(dp: int, stage: int):

@@ -7,10 +7,17 @@ A *plan* maps module names (globs, as ``fnmatch`` reads them) to a style, named 
   ``tp`` ranks (rows of ``weight``, and ``bias``). Its input is whole on every rank; its
   output is this rank's slice of the features. Megatron's *f* stands in front: identity
   forward, all-reduce of the input's gradient backward (each rank's slice contributes to it).
+  ``ColwiseParallel(output="vocab")`` on a language-model head: the output is a
+  :class:`VocabShardedLogits`, this rank's slice of the vocabulary standing for the whole
+  logits, on which the user's ``F.cross_entropy`` is computed across the ranks (Megatron's
+  vocab-parallel cross-entropy: three all-reduces of ``tokens`` elements) -- the logits are
+  never gathered, and what would need them whole is refused by name.
 * :class:`RowwiseParallel` -- an ``nn.Linear`` whose input features are split (columns of
   ``weight``; ``bias`` whole). Its input is the slice a column-parallel layer produced; the
   partial products are summed by Megatron's *g* -- all-reduce forward, identity backward --
-  and the bias is added once, after the sum.
+  and the bias is added once, after the sum. On an ``nn.Embedding`` (as torch's
+  ``RowwiseParallel``): the vocabulary (``weight`` rows) is split, each rank looks up the ids
+  it holds (zeros for the others) and *g* sums them.
 
 A column-parallel layer followed by a row-parallel one (an MLP, attention's QKV and output
 projection with the heads split) costs one all-reduce of the activation forward and one
@@ -37,9 +44,10 @@ import dataclasses
 import fnmatch
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fzero import tree
@@ -47,9 +55,10 @@ from fzero._params import trainable, with_values
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.transforms._vocab_parallel import VocabShardedLogits
 
-__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "auto_plan",
-           "tensor_parallel"]
+__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "VocabShardedLogits",
+           "auto_plan", "tensor_parallel"]
 
 WHERE = "fzero.tensor_parallel"
 
@@ -122,23 +131,45 @@ class ColwiseParallel:
         parts: the output is this many equal blocks split one by one (a fused q/k/v
             projection: ``parts=3``), so each rank gets its slice of each block.
         unit: features kept together (an attention head's width): a split never cuts one.
+        output: ``"features"``, this rank's slice as a plain tensor, for the row-parallel
+            layer after it; ``"vocab"``, for a language-model head: the slice wrapped in a
+            :class:`VocabShardedLogits`, which stands for the whole logits in the user's loss
+            code -- ``F.cross_entropy`` on it is computed across the ``tp`` ranks without
+            gathering the logits (Megatron's vocab-parallel cross-entropy).
     """
 
     parts: int = 1
     unit: int = 1
+    output: Literal["features", "vocab"] = "features"
+
+    def __post_init__(self):
+        if self.output not in ("features", "vocab"):
+            raise ValueError(f"{WHERE}: ColwiseParallel(output=...) must be 'features' or 'vocab', got {self.output!r}")
+        if self.output == "vocab" and (self.parts, self.unit) != (1, 1):
+            raise ValueError(f"{WHERE}: ColwiseParallel(output='vocab') splits the vocabulary in one block; got "
+                             f"parts={self.parts}, unit={self.unit}")
 
     def dims(self, module: torch.nn.Module) -> dict[str, int]:
         return {"weight": 1 if _is_conv1d(module) else 0, "bias": 0}
 
-    @staticmethod
-    def forward(module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
-        return _affine(module, _CopyToTP.apply(x, group, timeout_s))
+    def forward(self, module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+        out = _affine(module, _CopyToTP.apply(x, group, timeout_s))
+        if self.output == "features":
+            return out
+        tp = dist.get_world_size(group)
+        return VocabShardedLogits(out, vocab=out.shape[-1] * tp, tp=tp, rank=dist.get_rank(group), group=group,
+                                  timeout_s=timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowwiseParallel:
     """Split a Linear layer's input features over ``tp`` (``bias`` whole, added once after
-    the sum).
+    the sum); or an ``nn.Embedding``'s vocabulary (``weight`` rows), as torch's
+    ``RowwiseParallel`` splits an embedding.
+
+    An embedding rank looks up the ids in its ``[lo, hi)`` of the vocabulary, gives zeros for
+    the others, and Megatron's *g* sums the ranks' rows (one rank holds each id), so the
+    output is whole on every rank and each rank's gradient lands on its own rows only.
 
     Args:
         unit: input features kept together (an attention head's width).
@@ -148,12 +179,24 @@ class RowwiseParallel:
     unit: int = 1
 
     def dims(self, module: torch.nn.Module) -> dict[str, int]:
-        return {"weight": 0 if _is_conv1d(module) else 1}
+        return {"weight": 0 if _is_conv1d(module) or isinstance(module, torch.nn.Embedding) else 1}
 
-    @staticmethod
-    def forward(module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+    def forward(self, module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+        if isinstance(module, torch.nn.Embedding):
+            return _ReduceFromTP.apply(_embed_local(module, x, dist.get_rank(group)), group, timeout_s)
         out = _ReduceFromTP.apply(_affine(module, x, bias=False), group, timeout_s)
         return out if module.bias is None else out + module.bias
+
+
+def _embed_local(module: torch.nn.Embedding, ids: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's part of the lookup: its rows for its ids, zeros for the others'."""
+    rows = module.weight.shape[0]
+    lo = rank * rows
+    here = (ids >= lo) & (ids < lo + rows)
+    pad = module.padding_idx
+    pad = pad - lo if pad is not None and lo <= pad < lo + rows else None
+    out = F.embedding(torch.where(here, ids - lo, torch.zeros_like(ids)), module.weight, pad)
+    return out * here.unsqueeze(-1).to(out.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +320,9 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
 
     Raises:
         ValueError: every problem at once -- a glob that matches no module, a matched module
-            that is not an ``nn.Linear`` (or ``Conv1D``), a parameter whose split dim does not
+            that is not an ``nn.Linear`` (or ``Conv1D``; or an ``nn.Embedding`` under
+            :class:`RowwiseParallel`, without ``max_norm``, ``scale_grad_by_freq`` or
+            ``sparse``), a parameter whose split dim does not
             divide by ``tp`` or would cut a head (named with its size), a split parameter
             tied to another name, an attribute to divide that is missing or indivisible.
     """
@@ -306,12 +351,24 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
                 elif v % tp:
                     problems.append(f"module {name!r}: {attr}={v} does not divide by tp={tp}")
             continue
-        if not (isinstance(m, torch.nn.Linear) or _is_conv1d(m)):
+        embedding = isinstance(m, torch.nn.Embedding)
+        if embedding and not isinstance(style, RowwiseParallel):
+            problems.append(f"module {name!r} is an Embedding; split its vocabulary with RowwiseParallel() "
+                            f"(got {type(style).__name__})")
+            continue
+        if not (isinstance(m, torch.nn.Linear) or _is_conv1d(m) or embedding):
             problems.append(f"module {name!r} is a {type(m).__name__}; {type(style).__name__} splits nn.Linear "
-                            "(or Hugging Face's Conv1D)")
+                            "(or Hugging Face's Conv1D)" + (" or nn.Embedding" if isinstance(style, RowwiseParallel)
+                                                             else ""))
+            continue
+        if embedding and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse):
+            problems.append(f"module {name!r}: an Embedding with max_norm, scale_grad_by_freq or sparse cannot "
+                            "be split by vocabulary (each renormalises or counts over the ids of the whole "
+                            "vocabulary)")
             continue
         own = [f"{name}.{pname}" for pname in style.dims(m) if getattr(m, pname) is not None]
-        if not any(n in params for n in own):  # another pipeline stage's layer: not run here
+        # another pipeline stage's layer: not run here (a tied parameter may be in params by its other name)
+        if not any(a in params for n in own for a in aliases.get(id(getattr(m, n.rsplit(".", 1)[1])), [n])):
             continue
         local[name] = style
         for pname, dim in style.dims(m).items():
@@ -322,7 +379,8 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
             tied = aliases.get(id(p), [full])
             if len(tied) > 1:
                 problems.append(f"parameter {full!r} is tied to {[a for a in tied if a != full]}: a split "
-                                "parameter cannot be shared")
+                                "parameter cannot be shared (untie them -- Hugging Face: "
+                                "tie_word_embeddings=False -- or leave them whole)")
                 continue
             if full not in params:
                 problems.append(f"parameter {full!r} is not in state.params")
@@ -384,7 +442,9 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         step: ``train_step(state, batch) -> (state, metrics)``.
         mesh: the :class:`fzero.Mesh`, with a ``tp`` axis.
         plan: module-name globs to :class:`ColwiseParallel` / :class:`RowwiseParallel`, or
-            ``"auto"`` (:func:`auto_plan`, at ``init``).
+            ``"auto"`` (:func:`auto_plan`, at ``init``). An ``nn.Embedding`` under
+            :class:`RowwiseParallel` is split by vocabulary; an LM head under
+            ``ColwiseParallel(output="vocab")`` returns :class:`VocabShardedLogits`.
 
     Returns:
         A :class:`Step`. ``init`` keeps this rank's slices (before the transforms inside it

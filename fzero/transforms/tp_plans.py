@@ -2,8 +2,9 @@
 
 Each takes the model (its sizes decide the head width) and returns a plan: module-name globs
 to styles. Attention is split by heads (q, k, v by columns, the output projection by rows,
-never cutting a head), the MLP by Megatron's column / row pair; embeddings, norms and the LM
-head stay whole.
+never cutting a head), the MLP by Megatron's column / row pair; norms stay whole, and so do
+the embeddings and the LM head unless asked (``vocab=True``: split by vocabulary, the loss
+then computed across ``tp`` by ``F.cross_entropy`` on :class:`VocabShardedLogits`).
 
 Example:
     >>> import torch
@@ -26,11 +27,20 @@ from fzero.transforms.tensor_parallel import ColwiseParallel, DivideAttributes, 
 __all__ = ["gpt", "gpt2", "llama"]
 
 
-def llama(model: torch.nn.Module) -> dict[str, Any]:
+def llama(model: torch.nn.Module, *, vocab: bool = False) -> dict[str, Any]:
     """Hugging Face Llama (and Mistral/Qwen2-shaped) decoder layers: heads split over ``tp``
     (``num_attention_heads`` and ``num_key_value_heads`` must divide by it), the gated MLP
     by columns then rows. The attention's own code reads the head count from the tensors'
-    shapes, so no attribute changes."""
+    shapes, so no attribute changes.
+
+    Args:
+        vocab: also split ``model.embed_tokens`` (:class:`RowwiseParallel`) and ``lm_head``
+            (``ColwiseParallel(output="vocab")``) by vocabulary (``tie_word_embeddings=False``
+            and ``vocab_size`` divisible by ``tp``). Off by default: the logits are then a
+            :class:`VocabShardedLogits`, which supports the loss (``F.cross_entropy``, Hugging
+            Face's own) but refuses what reads the whole vocabulary (an argmax for accuracy,
+            generation).
+    """
     head = model.config.hidden_size // model.config.num_attention_heads
     head = getattr(model.config, "head_dim", None) or head
     layers = "model.layers.*"
@@ -42,6 +52,7 @@ def llama(model: torch.nn.Module) -> dict[str, Any]:
         f"{layers}.mlp.gate_proj": ColwiseParallel(),
         f"{layers}.mlp.up_proj": ColwiseParallel(),
         f"{layers}.mlp.down_proj": RowwiseParallel(),
+        **({"model.embed_tokens": RowwiseParallel(), "lm_head": ColwiseParallel(output="vocab")} if vocab else {}),
     }
 
 
