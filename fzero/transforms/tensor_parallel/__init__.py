@@ -1,0 +1,48 @@
+"""``tensor_parallel``: Megatron-style tensor parallelism over the mesh's ``tp`` axis.
+
+A *plan* maps module names (globs, as ``fnmatch`` reads them) to a style, named as
+``torch.distributed.tensor.parallel`` names them:
+
+* :class:`ColwiseParallel` -- an ``nn.Linear`` whose output features are split over the
+  ``tp`` ranks (rows of ``weight``, and ``bias``). Its input is whole on every rank; its
+  output is this rank's slice of the features. Megatron's *f* stands in front: identity
+  forward, all-reduce of the input's gradient backward (each rank's slice contributes to it).
+  ``ColwiseParallel(output="vocab")`` on a language-model head: the output is a
+  :class:`VocabShardedLogits`, this rank's slice of the vocabulary standing for the whole
+  logits, on which the user's ``F.cross_entropy`` is computed across the ranks (Megatron's
+  vocab-parallel cross-entropy: three all-reduces of ``tokens`` elements) -- the logits are
+  never gathered, and what would need them whole is refused by name.
+* :class:`RowwiseParallel` -- an ``nn.Linear`` whose input features are split (columns of
+  ``weight``; ``bias`` whole). Its input is the slice a column-parallel layer produced; the
+  partial products are summed by Megatron's *g* -- all-reduce forward, identity backward --
+  and the bias is added once, after the sum. On an ``nn.Embedding`` (as torch's
+  ``RowwiseParallel``): the vocabulary (``weight`` rows) is split, each rank looks up the ids
+  it holds (zeros for the others) and *g* sums them.
+
+A column-parallel layer followed by a row-parallel one (an MLP, attention's QKV and output
+projection with the heads split) costs one all-reduce of the activation forward and one
+backward. Every other tensor stays whole and identical on every ``tp`` rank, and so do its
+gradients (the all-reduces make every activation outside the pairs identical), so the
+update needs no further communication.
+
+This is the narrow thing rather than DTensor: the state holds each rank's slice as a plain
+tensor, so ``shard_state`` partitions it over ``dp`` and the optimizer runs on it unchanged,
+and the model's code runs unchanged (the planned modules' forwards are replaced at ``init``,
+a few lines each) with no per-op dispatch on the step's path.
+
+Reductions across parameters (``psum``: global-norm clipping, LAMB's trust ratios, the
+overflow check of ``mixed_precision``) are exact: they name each leaf's parameter
+(:class:`fzero.transforms.LeafSums`), and the handler counts a whole leaf on ``tp`` rank 0
+only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counted once.
+``init`` records the split in the state (:class:`TensorParallelLayout`), so
+``fzero.checkpoint`` saves, reshards and exports it (a layer split block by block excepted).
+"""
+
+from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
+from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes,
+                                                      RowwiseParallel)
+from fzero.transforms.tensor_parallel._transform import tensor_parallel
+from fzero.transforms.tensor_parallel._vocab import VocabShardedLogits
+
+__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "VocabShardedLogits",
+           "auto_plan", "tensor_parallel"]

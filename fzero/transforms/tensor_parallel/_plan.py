@@ -1,0 +1,186 @@
+"""A tensor-parallel plan: which layers are split, how, and the record a state keeps of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fzero import tree
+from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes, RowwiseParallel,
+                                                      _io, _is_conv1d)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """One split parameter: the dim it is split on, its whole shape, and the blocks split
+    one by one (a fused projection's)."""
+
+    dim: int
+    shape: tuple[int, ...]
+    parts: int = 1
+
+
+def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
+    """A plan for the common Linear layouts, as DeepSpeed's AutoTP finds them.
+
+    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are
+    expansions and their contraction -- some
+    ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and one
+    ``h -> d`` layer (``c_proj``, ``down_proj``), ``h > d`` -- the former are split by
+    columns and the latter by rows. Attention projections (``d -> d``, or a fused
+    ``d -> 3d`` beside a ``d -> d``) are left whole: splitting them needs the heads split.
+
+    Example:
+        >>> import torch
+        >>> from fzero.transforms.tensor_parallel import auto_plan
+        >>> mlp = torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 16), "proj": torch.nn.Linear(16, 4)})
+        >>> sorted((k, type(v).__name__) for k, v in auto_plan(torch.nn.ModuleDict({"mlp": mlp})).items())
+        [('mlp.fc', 'ColwiseParallel'), ('mlp.proj', 'RowwiseParallel')]
+    """
+    plan: dict[str, Any] = {}
+    for name, m in module.named_modules():
+        layers = [(n, _io(c)) for n, c in m.named_children() if isinstance(c, torch.nn.Linear) or _is_conv1d(c)]
+        down = [(n, io) for n, io in layers if io[0] > io[1] and any(o == io[::-1] for _, o in layers)]
+        up = [(n, io) for n, io in layers if (n, io) not in down]
+        if len(down) != 1 or not up or any(io != down[0][1][::-1] for _, io in up):
+            continue
+        prefix = f"{name}." if name else ""
+        plan.update({prefix + n: ColwiseParallel() for n, _ in up})
+        plan[prefix + down[0][0]] = RowwiseParallel()
+    return plan
+
+
+@tree.dataclass
+class TensorParallelLayout:
+    """How a state is split over the ``tp`` axis; ``init`` keeps it in
+    ``state.extra["tensor_parallel"]``, where ``fzero.checkpoint`` finds it (by type) to
+    save whole tensors' slices and to re-slice them onto another ``tp``.
+
+    Every field is static, so the record has no leaves: a state's key paths and leaves are
+    the same with and without it, and a checkpoint saved at ``tp=2`` loads into a plain
+    state by key path.
+
+    Attributes:
+        size: the ``tp`` degree.
+        rank: this rank's coordinate on ``tp``; it holds ``whole.chunk(size, dim)[rank]`` of
+            every split parameter.
+        splits: ``(name, _Split(dim, whole shape))`` per split parameter, sorted by name.
+
+    A tensor of the state stored under a split parameter's name -- the parameter, its
+    optimizer moments, its fp32 master -- is split as the parameter is: optax-style
+    optimizer states mirror the params dict, and every ``fzero.optim`` state per parameter
+    has the parameter's shape.
+    """
+
+    size: int = tree.field(static=True)
+    rank: int = tree.field(static=True)
+    splits: tuple[tuple[str, _Split], ...] = tree.field(static=True)
+
+
+def check_plan(plan: Any, where: str = WHERE) -> None:
+    """``plan`` must map module-name globs (strings) to a style instance, or be ``"auto"``."""
+    if plan == "auto":
+        return
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(f"{where}: the plan must be a non-empty dict of module-name globs to "
+                        f"ColwiseParallel() / RowwiseParallel(), or 'auto', got {plan!r}")
+    bad = [f"{k!r}: {v!r}" for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, STYLES))]
+    if bad:
+        raise TypeError(f"{where}: plan entries must be 'glob': ColwiseParallel(), RowwiseParallel() or "
+                        "DivideAttributes(...); "
+                        f"got {', '.join(bad)}")
+
+
+def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], plan: Mapping[str, Any],
+                 tp: int) -> tuple[dict[str, Any], dict[str, _Split]]:
+    """The planned modules this rank runs, by name, and the split of each of their
+    parameters. A planned layer none of whose parameters are in ``params`` belongs to
+    another pipeline stage and is left alone.
+
+    Raises:
+        ValueError: every problem at once -- a glob that matches no module, a matched module
+            that is not an ``nn.Linear`` (or ``Conv1D``; or an ``nn.Embedding`` under
+            :class:`RowwiseParallel`, without ``max_norm``, ``scale_grad_by_freq`` or
+            ``sparse``), a parameter whose split dim does not
+            divide by ``tp`` or would cut a head (named with its size), a split parameter
+            tied to another name, an attribute to divide that is missing or indivisible.
+    """
+    problems: list[str] = []
+    modules = dict(module.named_modules())
+    chosen: dict[str, Any] = {}
+    for glob, style in plan.items():
+        hits = [name for name in modules if name and fnmatch.fnmatchcase(name, glob)]
+        if not hits:
+            problems.append(f"glob {glob!r} matches no module (modules: {', '.join(list(modules)[1:9])}...)")
+        for name in hits:
+            chosen[name] = style
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    splits: dict[str, _Split] = {}
+    local: dict[str, Any] = {}  # the planned modules this rank runs
+    for name, style in chosen.items():
+        m = modules[name]
+        if isinstance(style, DivideAttributes):
+            local[name] = style
+            for attr in style.names:
+                v = getattr(m, attr, None)
+                if not isinstance(v, int) or isinstance(v, bool):
+                    problems.append(f"module {name!r} has no integer attribute {attr!r} to divide (got {v!r})")
+                elif v % tp:
+                    problems.append(f"module {name!r}: {attr}={v} does not divide by tp={tp}")
+            continue
+        embedding = isinstance(m, torch.nn.Embedding)
+        if embedding and not isinstance(style, RowwiseParallel):
+            problems.append(f"module {name!r} is an Embedding; split its vocabulary with RowwiseParallel() "
+                            f"(got {type(style).__name__})")
+            continue
+        if not (isinstance(m, torch.nn.Linear) or _is_conv1d(m) or embedding):
+            problems.append(f"module {name!r} is a {type(m).__name__}; {type(style).__name__} splits nn.Linear "
+                            "(or Hugging Face's Conv1D)" + (" or nn.Embedding" if isinstance(style, RowwiseParallel)
+                                                             else ""))
+            continue
+        if embedding and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse):
+            problems.append(f"module {name!r}: an Embedding with max_norm, scale_grad_by_freq or sparse cannot "
+                            "be split by vocabulary (each renormalises or counts over the ids of the whole "
+                            "vocabulary)")
+            continue
+        own = [f"{name}.{pname}" for pname in style.dims(m) if getattr(m, pname) is not None]
+        # another pipeline stage's layer: not run here (a tied parameter may be in params by its other name)
+        if not any(a in params for n in own for a in aliases.get(id(getattr(m, n.rsplit(".", 1)[1])), [n])):
+            continue
+        local[name] = style
+        for pname, dim in style.dims(m).items():
+            p = getattr(m, pname)
+            if p is None:
+                continue
+            full = f"{name}.{pname}"
+            tied = aliases.get(id(p), [full])
+            if len(tied) > 1:
+                problems.append(f"parameter {full!r} is tied to {[a for a in tied if a != full]}: a split "
+                                "parameter cannot be shared (untie them -- Hugging Face: "
+                                "tie_word_embeddings=False -- or leave them whole)")
+                continue
+            if full not in params:
+                problems.append(f"parameter {full!r} is not in state.params")
+                continue
+            shape = tuple(params[full].shape)
+            size, parts, unit = shape[dim], style.parts, style.unit
+            if parts == 1 and unit == 1 and size % tp:
+                problems.append(f"parameter {full!r} of shape {shape}: dim {dim} ({size}) does not divide by tp={tp}")
+            elif size % parts or (size // parts) % unit or (size // parts // unit) % tp:
+                problems.append(f"parameter {full!r} of shape {shape}: dim {dim} ({size}) as {parts} block(s) of "
+                                f"units of {unit} (heads) does not split over tp={tp} without cutting one")
+            else:
+                splits[full] = _Split(dim, shape, parts)
+    if problems:
+        raise ValueError(f"{WHERE}: the plan does not fit the model:\n  " + "\n  ".join(problems))
+    return local, splits
+

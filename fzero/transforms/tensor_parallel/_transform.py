@@ -1,0 +1,155 @@
+"""The ``tensor_parallel`` transform: slices the state at ``init``, makes ``psum`` exact over ``tp``."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fzero import tree
+from fzero._params import trainable, with_values
+from fzero.distributed import comm
+from fzero.distributed.mesh import Mesh
+from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
+from fzero.transforms.tensor_parallel._styles import WHERE, DivideAttributes, _all_reduce, _local, _whole
+
+
+# --------------------------------------------------------------------------- the transform
+
+
+class _TensorParallelHandler(Handler):
+    """Makes ``psum`` exact across ``tp`` (its contract: :func:`fzero.transforms.psum`).
+
+    A split leaf's partial sums differ on every ``tp`` rank and add up to the whole tensor's;
+    a whole leaf's are the same on every ``tp`` rank (same values, same gradients), so only
+    ``tp`` rank 0 counts it (``counted``), and every value is then summed over ``tp``. One
+    all-reduce per ``psum``, of the size the optimizer asked for (a scalar for a global norm).
+    """
+
+    def __init__(self, group, rank: int, timeout_s: float, splits: Mapping[str, _Split]):
+        self.group, self.rank, self.timeout_s = group, rank, timeout_s
+        self.splits = splits  # filled by init: the split parameters by name
+        self.names: frozenset[str] = frozenset()  # every parameter's name, from init
+
+    def counted(self, names, *, next):
+        unknown = sorted({repr(n) for n in names if n not in self.names})
+        if unknown:
+            raise ValueError(
+                f"{WHERE}: a reduction across parameters (psum of LeafSums) named leaves that are not "
+                f"parameters: {', '.join(unknown[:8])}; the leaves must be named as state.params names them "
+                "(pass the trees keyed by parameter, not their flattened leaves), so that a split leaf "
+                "is summed over tp and a whole one counted once")
+        whole_counted_here = self.rank == 0
+        return tuple(c and (n in self.splits or whole_counted_here) for n, c in zip(names, next(names)))
+
+    def psum(self, value, *, next):
+        return next(_all_reduce(value, self.group, self.timeout_s, "all_reduce(tp: psum)", what="psum"))
+
+
+def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None) -> Step:
+    """Tensor parallelism over the mesh's ``tp`` axis, as Megatron-LM splits layers.
+
+    Every ``tp`` rank of a ``dp`` coordinate passes the same batch; each holds its slice of
+    the planned layers' parameters (and, under ``shard_state``, ZeRO partitions that slice
+    over ``dp``). The step computes the same update as the plain step.
+
+    Args:
+        step: ``train_step(state, batch) -> (state, metrics)``.
+        mesh: the :class:`fzero.Mesh`, with a ``tp`` axis.
+        plan: module-name globs to :class:`ColwiseParallel` / :class:`RowwiseParallel`, or
+            ``"auto"`` (:func:`auto_plan`, at ``init``). An ``nn.Embedding`` under
+            :class:`RowwiseParallel` is split by vocabulary; an LM head under
+            ``ColwiseParallel(output="vocab")`` returns :class:`VocabShardedLogits`.
+
+    Returns:
+        A :class:`Step`. ``init`` keeps this rank's slices (before the transforms inside it
+        build anything on the parameters: make it the outermost transform but ``pipeline``).
+        ``step.gather(params)`` gives the whole parameters on every rank.
+
+    Raises:
+        TypeError: a plan that is not globs to styles.
+        ValueError: at ``init``, a plan that does not fit the model (every problem named).
+
+    Example (a world of one, ``tp=1``: the plan is checked and the step runs unchanged):
+        >>> import torch, fzero
+        >>> from fzero import optim
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+        >>> apply, params = fzero.functionalize(model)
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        >>> plan = {"0": fzero.ColwiseParallel(), "2": fzero.RowwiseParallel()}
+        >>> step = fzero.tensor_parallel(fzero.testing.mse_step, fzero.Mesh(dp=-1), plan)
+        >>> state, m = step(step.init(state), {"x": torch.randn(3, 4), "y": torch.randn(3, 2)})
+        >>> int(state.step)
+        1
+    """
+    check_plan(plan)
+    mesh = mesh if mesh is not None else Mesh(dp=-1)
+    tp, rank, group = mesh.size("tp"), mesh.coords["tp"], mesh.group("tp")
+    inner = as_step(step)
+    splits: dict[str, _Split] = {}
+    handler = _TensorParallelHandler(group, rank, mesh.timeout_s, splits)
+
+    def before(state):
+        module = getattr(state.apply_fn, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{WHERE}: state.apply_fn must come from fzero.functionalize(module): the plan "
+                            "names the module's layers")
+        if "master" in state.extra or "tensor_parallel" in state.extra \
+                or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
+            raise ValueError(f"{WHERE}: this state is already partitioned or cast: make tensor_parallel "
+                             "outside mixed_precision and shard_state (it chooses what they compute with)")
+        planned = auto_plan(module) if plan == "auto" else plan
+        if not planned:
+            raise ValueError(f"{WHERE}: plan='auto' found no Linear layers to split in {type(module).__name__} "
+                             "(an expansion d -> h beside a contraction h -> d in one module); give a plan")
+        chosen, found = resolve_plan(module, state.params, planned, tp)
+        splits.clear()
+        splits.update(found)
+        handler.names = frozenset(state.params)
+        timeout_s = mesh.timeout_s
+        for name, style in chosen.items():
+            if tp == 1:
+                continue
+            m = module.get_submodule(name)
+            if isinstance(style, DivideAttributes):
+                for attr in style.names:
+                    setattr(m, attr, getattr(m, attr) // tp)
+            else:
+                m.forward = types.MethodType(lambda self, x, style=style: style.forward(self, x, group, timeout_s), m)
+        local = {name: _local(state.params[name], s.dim, tp, rank, s.parts) for name, s in splits.items()}
+        params = with_values(state.params, local)
+        layout = TensorParallelLayout(tp, rank, tuple(sorted(splits.items())))
+        return state.replace(params=params, opt_state=state.tx.init(trainable(params)),
+                             extra={**state.extra, "tensor_parallel": layout})
+
+    def call(state, batch):
+        if tp == 1:
+            return inner(state, batch)
+        with installed(handler):
+            return inner(state, batch)
+
+    def gather(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The whole parameters, on every rank (ZeRO pieces gathered over ``dp`` first)."""
+        from fzero.distributed.gather import gather as gather_dp
+
+        params = gather_dp(params)
+        out = dict(params)
+        for name, s in splits.items():
+            if tp == 1:
+                continue
+            piece = params[name].contiguous()
+            full = torch.empty((tp,) + tuple(piece.shape), dtype=piece.dtype, device=piece.device)
+            comm.run(f"all_gather(tp: {name})",
+                     lambda: comm.all_gather_flat(full.view(-1), piece.view(-1), group=group, async_op=True,
+                                                  what="tp"),
+                     timeout_s=mesh.timeout_s, where=WHERE)
+            out[name] = _whole(list(full.unbind(0)), s.dim, s.parts)
+        return out
+
+    out = Step(call, before=before, name=f"tensor_parallel({inner.__name__}, tp={tp})", inner=inner)
+    out.gather = gather
+    out.splits = splits
+    return out
