@@ -73,9 +73,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     """
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     opts, cfg = _options(config, options, mesh)
-    if mesh.size("pp") > 1:
-        raise NotImplementedError(f"fzero.compile: {mesh} has a pp axis; build the pipeline with "
-                                  "fzero.pipeline(...).transform(step) (compile does not take it yet)")
+    if mesh.size("pp") > 1 and opts.pipeline is None:
+        raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
+                         "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
     if mesh.size("tp") > 1 and opts.tp is None:
         raise ValueError(f"fzero.compile: {mesh} has a tp axis of {mesh.size('tp')}: pass tp={{...}}, a plan "
                          "of module-name globs to fzero.ColwiseParallel() / fzero.RowwiseParallel()")
@@ -111,6 +111,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         from fzero.transforms.tensor_parallel import tensor_parallel
 
         inner = tensor_parallel(inner, mesh, opts.tp)
+    if opts.pipeline is not None:
+        # Outermost: its init keeps this stage's parameters before anything else is built on
+        # them, and its handler turns a norm's psum into an all-reduce over pp too.
+        inner = opts.pipeline.transform(inner)
 
     def before(state):
         if not isinstance(state, TrainState):

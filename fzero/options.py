@@ -71,6 +71,14 @@ def _plan(v) -> str | None:
     return None if ok else "must be None, 'auto' or a dict of module-name globs to ColwiseParallel() / RowwiseParallel()"
 
 
+def _pipeline(v) -> str | None:
+    if v is None:
+        return None
+    from fzero.transforms.pipeline import Pipeline
+
+    return None if isinstance(v, Pipeline) else "must be None or an fzero.pipeline(...) (a Pipeline)"
+
+
 def _loss_scale(v) -> str | None:
     return None if v in ("dynamic", None) or _positive_number(v) is None else \
         "must be 'dynamic', a positive number or None"
@@ -94,6 +102,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "overlap_comm": _bool,
     "buffer_sync": _choice("broadcast", "mean", "local"),
     "tp": _plan,
+    "pipeline": _pipeline,
 }
 
 
@@ -177,6 +186,12 @@ class CompileOptions:
     module-name globs to ``fzero.ColwiseParallel()`` / ``fzero.RowwiseParallel()``, or
     ``"auto"`` (DeepSpeed's AutoTP: the common Linear layouts). Required when the mesh has a
     ``tp`` axis."""
+
+    pipeline: Any = None
+    """The :class:`fzero.transforms.pipeline.Pipeline` over the mesh's ``pp`` axis
+    (``fzero.pipeline(stages, loss_fn, mesh, micro_batches=, schedule=)``), applied outermost
+    as ``pipe.transform``. The train step computes its loss and gradients with
+    ``pipe(params, x, y)``. Required when the mesh has a ``pp`` axis."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -606,7 +606,7 @@ def test_vocab_split_logits_slice_and_reshape_over_the_token_dims():
     assert "VocabShardedLogits(shape=(2, 3, 32)" in repr(x)  # no values: this rank has half of them
 
 
-def _tp_by_pp_equals_plain(dp: int, stage: int):
+def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False):
     """pp=2 x dp x tp=2: each stage's Linear pair split over tp, the stages pipelined, ZeRO
     over dp."""
     mesh = fzero.Mesh(pp=2, dp=dp, tp=2)
@@ -630,9 +630,16 @@ def _tp_by_pp_equals_plain(dp: int, stage: int):
 
     plan = {"0": fzero.ColwiseParallel(), "2": fzero.RowwiseParallel(), "3": fzero.ColwiseParallel(),
             "5": fzero.RowwiseParallel()}
-    inner = fzero.shard_state(train_step, mesh, stage) if dp > 1 else train_step
-    tp_step = fzero.tensor_parallel(inner, mesh, plan)
-    step = pipe.transform(tp_step)
+    if compiled:  # one call: pipeline outermost, then tensor parallelism, then ZeRO
+        with pytest.raises(ValueError, match="has a pp axis of 2: pass pipeline=fzero.pipeline"):
+            fzero.compile(train_step, mesh, zero=stage, tp=plan)
+        step = fzero.compile(train_step, mesh, zero=stage, tp=plan, pipeline=pipe)
+        tp_step = step.inner.inner
+        assert tp_step.__name__.startswith("tensor_parallel(")
+    else:
+        inner = fzero.shard_state(train_step, mesh, stage) if dp > 1 else train_step
+        tp_step = fzero.tensor_parallel(inner, mesh, plan)
+        step = pipe.transform(tp_step)
     state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9)))
     assert sorted(state.params) == sorted(pipe.keys)  # this stage's parameters only, split over tp
     losses = []
@@ -654,3 +661,9 @@ def test_tp2_by_pp2_equals_the_plain_step(ranks):
 @pytest.mark.multirank
 def test_dp2_by_pp2_by_tp2_under_zero_2_equals_the_plain_step(ranks):
     assert ranks(8).run(_tp_by_pp_equals_plain, 2, 2) == [True] * 8
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_compile_builds_dp2_by_pp2_by_tp2_in_one_call(ranks):
+    assert ranks(8).run(_tp_by_pp_equals_plain, 2, 3, True) == [True] * 8
