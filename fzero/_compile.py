@@ -171,6 +171,12 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[Compile
                  if decided.get(SPELLINGS.get(key, key), value) != value]
         if clash:
             raise ValueError("fzero.compile: option " + "; ".join(clash) + "; set each in one place")
+        if cfg.pipeline_stages is not None and keywords.get("pipeline") is None:
+            raise ValueError("fzero.compile: the config has a pipeline section: pass pipeline=fzero.pipeline(stages, "
+                             "loss_fn, mesh, ...), the stages the step computes its loss and gradients with")
+        if cfg.pipeline_stages and cfg.pipeline_stages != mesh.size("pp"):
+            raise ValueError(f"fzero.compile: the config's pipeline.stages={cfg.pipeline_stages} but {mesh} has "
+                             f"pp={mesh.size('pp')}: make the mesh's pp axis that size")
         if cfg.autotp_size > 1 and cfg.autotp_size != mesh.size("tp"):
             raise ValueError(f"fzero.compile: the config's tensor_parallel.autotp_size={cfg.autotp_size} but "
                              f"{mesh} has tp={mesh.size('tp')}: make the mesh's tp axis that size")

@@ -487,7 +487,6 @@ def test_unknown_keys_name_the_key_and_the_nearest_valid_one(d, path, nearest):
 @pytest.mark.parametrize("d, key", [
     (base(amp={"enabled": True, "opt_level": "O1"}), "amp"),
     (base(torch_autocast={"enabled": True}), "torch_autocast"),
-    (base(pipeline={"stages": 2}), "pipeline"),
     (base(elasticity={"enabled": True}), "elasticity"),
     (base(data_efficiency={"enabled": True}), "data_efficiency"),
     (base(sparse_attention={"mode": "fixed"}), "sparse_attention"),
@@ -778,3 +777,16 @@ def test_autotp_size_asks_compile_for_the_automatic_plan():
     # the mesh of this process has no tp axis: compile names both sizes
     with pytest.raises(ValueError, match=r"autotp_size=2 but Mesh\(pp=1, dp=1, tp=1.*has tp=1"):
         fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(tensor_parallel={"autotp_size": 2}))
+
+
+def test_the_pipeline_section_is_read_and_checked_against_the_mesh():
+    with pytest.warns(UserWarning, match="pipeline.partition"):
+        cfg = Config.load(base(pipeline={"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 1}))
+    assert cfg.pipeline_stages == 2
+    assert [e.split(" (")[0] for e in cfg.ignored] == ["pipeline.partition", "pipeline.activation_checkpoint_interval"]
+    assert load(base(pipeline={"stages": "auto"})).pipeline_stages == 0
+    assert load(base()).pipeline_stages is None
+    with pytest.raises(ConfigKeyError, match=r"unknown key 'pipeline.stage'; did you mean 'pipeline.stages'\?"):
+        load(base(pipeline={"stage": 2}))
+    with pytest.raises(ValueError, match=r"the config has a pipeline section: pass pipeline=fzero.pipeline"):
+        fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(pipeline={"stages": 2}))

@@ -633,7 +633,11 @@ def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False):
     if compiled:  # one call: pipeline outermost, then tensor parallelism, then ZeRO
         with pytest.raises(ValueError, match="has a pp axis of 2: pass pipeline=fzero.pipeline"):
             fzero.compile(train_step, mesh, zero=stage, tp=plan)
-        step = fzero.compile(train_step, mesh, zero=stage, tp=plan, pipeline=pipe)
+        # the DeepSpeed config's way: its pipeline and ZeRO sections, checked against the mesh
+        config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
+                  "pipeline": {"stages": 2}, "zero_optimization": {"stage": stage}}
+        step = fzero.compile(train_step, mesh, config=config, tp=plan, pipeline=pipe)
+        assert step.options.stage == stage
         tp_step = step.inner.inner
         assert tp_step.__name__.startswith("tensor_parallel(")
     else:

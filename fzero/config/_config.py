@@ -127,6 +127,11 @@ class Config:
     communication_data_type: Literal["fp32", "fp16", "bfp16", "bf16"] | None = None
     """dtype gradients are reduced in (``None``/``"fp32"``: fp32, fzero's default)."""
 
+    pipeline_stages: int | None = None
+    """The ``pipeline`` section: ``None`` when the config has none; else ``pipeline.stages``
+    (0 for DeepSpeed's ``"auto"``). A config with the section needs
+    ``compile(pipeline=fzero.pipeline(...))``, on a mesh whose ``pp`` axis has that many ranks."""
+
     autotp_size: int = 1
     """``tensor_parallel.autotp_size``: DeepSpeed's AutoTP degree. Above 1 the compiled step
     splits the common Linear layouts over the mesh's ``tp`` axis, which must have this size

@@ -171,7 +171,7 @@ _TOP: dict[str, _Rule] = {
     "compression_training": _reject("the compression library", _present),
     "sparse_attention": _reject("sparse attention kernels", _present),
     "weight_quantization": _reject("weight quantization", _present),
-    "pipeline": _reject("DeepSpeed's pipeline engine; use fzero.pipeline", _present),
+    "pipeline": _USE,
     "hybrid_engine": _reject("the RLHF hybrid engine", _enabled),
     "nebula": _reject("Nebula checkpointing; use fzero.checkpoint", _enabled),
     "tensor_parallel": _USE,
@@ -329,3 +329,16 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 
 # communication_data_type -> (compile's reduce_in, bytes per reduced element)
 _COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}
+
+
+# DeepSpeed's ``pipeline`` section (deepspeed.runtime.config's pipeline defaults). The stages
+# themselves are the ``fzero.pipeline`` given to ``compile(pipeline=...)``; ``stages`` is
+# checked against it, the rest tune how DeepSpeed cuts and moves, not what is computed.
+_PIPELINE: dict[str, _Rule] = {
+    "stages": _USE,
+    "partition": _noop("fzero's stages are the ones fzero.pipeline(...) was given", _differs("best")),
+    "seed_layers": _noop("the layers are built by your code, seeded as you seed it"),
+    "activation_checkpoint_interval": _noop("use fzero.remat inside the stage functions", _differs(0)),
+    "pipe_partitioned": _noop(_PERF, _differs(True)),
+    "grad_partitioned": _noop(_PERF, _differs(True)),
+}

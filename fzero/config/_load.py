@@ -22,6 +22,7 @@ from fzero.config._keys import (
     _check_keys,
     _noop,
     _Rule,
+    _PIPELINE,
 )
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from fzero.config._values import WHERE, _int, _section
@@ -128,6 +129,11 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                                                        _section("zero_optimization", zero), _ZERO, noted))
     if top.get("gradient_clipping") is not None:
         kw["gradient_clipping"] = top["gradient_clipping"]
+    pipe = top.get("pipeline")
+    if pipe is not None:
+        section = _fields("pipeline.", _section("pipeline", pipe), _PIPELINE, noted)
+        stages = section.get("stages", "auto")
+        kw["pipeline_stages"] = 0 if stages == "auto" else _int("pipeline.stages", stages, minimum=1)
     tp = top.get("tensor_parallel")
     if tp is not None:
         section = _section("tensor_parallel", tp)
