@@ -30,12 +30,15 @@ class _Split:
 def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
     """A plan for the common Linear layouts, as DeepSpeed's AutoTP finds them.
 
-    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are
-    expansions and their contraction -- some
-    ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and one
+    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are,
+    in the order the module registers them, expansions and then their contraction -- some
+    ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and last one
     ``h -> d`` layer (``c_proj``, ``down_proj``), ``h > d`` -- the former are split by
     columns and the latter by rows. Attention projections (``d -> d``, or a fused
     ``d -> 3d`` beside a ``d -> d``) are left whole: splitting them needs the heads split.
+    The module must hold nothing else with parameters but a norm layer (activations,
+    dropout, a pre-norm): a model's input and output layers around its blocks are not a
+    pair.
 
     Example:
         >>> import torch
@@ -47,10 +50,14 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     for name, m in module.named_modules():
         layers = [(n, _io(c)) for n, c in m.named_children() if isinstance(c, torch.nn.Linear) or _is_conv1d(c)]
-        down = [(n, io) for n, io in layers if io[0] > io[1] and any(o == io[::-1] for _, o in layers)]
-        up = [(n, io) for n, io in layers if (n, io) not in down]
-        if len(down) != 1 or not up or any(io != down[0][1][::-1] for _, io in up):
+        others = [c for c in m.children() if not (isinstance(c, torch.nn.Linear) or _is_conv1d(c))]
+        if len(layers) < 2 or any("Norm" not in type(c).__name__ and any(True for _ in c.parameters())
+                                  for c in others):
+            continue  # an MLP holds its Linear layers, activations and perhaps a norm: nothing else
+        (last, (h, d)), up = layers[-1], layers[:-1]
+        if not h > d or any(io != (d, h) for _, io in up):
             continue
+        down = [(last, (h, d))]
         prefix = f"{name}." if name else ""
         plan.update({prefix + n: ColwiseParallel() for n, _ in up})
         plan[prefix + down[0][0]] = RowwiseParallel()
