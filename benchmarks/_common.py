@@ -165,6 +165,29 @@ def timed(fn: Callable, *args) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
+def paired_rounds(steps: dict, batches: list, warmup: int) -> tuple[dict, dict, dict]:
+    """Every contestant's ``step(batch, probe) -> loss`` once per round, interleaved
+    (:func:`interleaved`), each timed (:func:`timed`, the loss read inside the timing).
+
+    Returns ``(times, losses, probes)``: the step times of the rounds from ``warmup`` on, every
+    round's loss, and what each contestant's step put in its ``probe`` in round 1 (the memory
+    probe: the step sees ``probe["on"]`` set there).
+    """
+    names = tuple(steps)
+    times = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    probes = {}
+    for i, n, batch in interleaved(names, batches):
+        probe = {"on": True} if i == 1 else {}
+        dt, loss = timed(lambda: steps[n](batch, probe).item())
+        losses[n].append(loss)
+        if i >= warmup:
+            times[n].append(dt)
+        if i == 1:
+            probes[n] = {k: v for k, v in probe.items() if k != "on"}
+    return times, losses, probes
+
+
 def mean_over_ranks(losses: dict[str, list[float]], names) -> torch.Tensor:
     """``[contestant, step]`` float64 losses averaged over the ranks (fzero's are already
     global means: unchanged)."""

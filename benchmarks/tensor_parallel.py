@@ -90,8 +90,8 @@ from fzero import optim  # noqa: E402
 from fzero.distributed import comm  # noqa: E402
 from fzero.testing import storage_bytes  # noqa: E402
 from fzero.transforms.shard_state import release_parameters  # noqa: E402
-from _common import BETAS, EPS, LR, MIB, WEIGHT_DECAY, cpu_model, interleaved, loadavg, loss_of, \
-    make_torch_optimizer, mean_over_ranks, time_stats, timed, torch_state_bytes  # noqa: E402
+from _common import BETAS, EPS, LR, MIB, WEIGHT_DECAY, cpu_model, loadavg, loss_of, make_torch_optimizer, \
+    mean_over_ranks, paired_rounds, time_stats, torch_state_bytes  # noqa: E402
 
 CONTESTANTS = ("torch", "fzero")
 # torch 2.13 deprecates the *_tensor collectives fzero calls; say it once, not per rank per step.
@@ -324,17 +324,7 @@ def run(args, argv) -> dict | None:
 
     warmup = max(args.warmup, 2)
     batches = dp_batches(args, mesh.coords["dp"], warmup + args.steps)
-    times = {n: [] for n in names}
-    losses = {n: [] for n in names}
-    probes = {}
-    for i, n, batch in interleaved(names, batches):
-        probe = {"on": True} if i == 1 else {}
-        dt, loss = timed(lambda: steps[n](batch, probe).item())
-        losses[n].append(loss)
-        if i >= warmup:
-            times[n].append(dt)
-        if i == 1:
-            probes[n] = {k: probe[k] for k in ("bytes", "tp", "dp")}
+    times, losses, probes = paired_rounds(steps, batches, warmup)
 
     every = [None] * world
     dist.all_gather_object(every, {"times": times, "probes": probes})

@@ -70,8 +70,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fzero  # noqa: E402
-from _common import MIB, add_gpt_options, contestants, cpu_model, fzero_contestant, interleaved, loadavg, loss_of, \
-    make_torch_optimizer, mean_over_ranks, rank_batches, run_under_torchrun, time_stats, timed, \
+from _common import MIB, add_gpt_options, contestants, cpu_model, fzero_contestant, loadavg, loss_of, \
+    make_torch_optimizer, mean_over_ranks, paired_rounds, rank_batches, run_under_torchrun, time_stats, \
     torch_state_bytes, torchrun_command  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -211,17 +211,8 @@ def run(args, argv) -> dict | None:
     warmup = max(args.warmup, 2)
     batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch_size // world, warmup + args.steps)
 
-    times = {n: [] for n in names}
-    losses = {n: [] for n in names}
-    mem = {}
-    for i, n, batch in interleaved(names, batches):
-        probe = {"on": True} if i == 1 else {}
-        dt, loss = timed(lambda: steps[n](batch, probe).item())
-        losses[n].append(loss)
-        if i >= warmup:
-            times[n].append(dt)
-        if i == 1:
-            mem[n] = probe["bytes"]
+    times, losses, probes = paired_rounds(steps, batches, warmup)
+    mem = {n: p["bytes"] for n, p in probes.items()}
 
     # The slowest rank's time per step; model state of the larger rank; global mean losses.
     all_times = [None] * world
