@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import trainable, with_values
@@ -93,6 +94,11 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
     handler = _TensorParallelHandler(group, rank, mesh.timeout_s, splits)
 
     def before(state):
+        if tp > 1 and dist.get_rank(group) != rank:
+            # Slices are cut by the mesh coordinate, forwards find their vocabulary range by
+            # the group's rank: they must be one number.
+            raise RuntimeError(f"{WHERE}: this rank is tp rank {dist.get_rank(group)} of its process group but "
+                               f"tp coordinate {rank} of {mesh}; the tp group must list its ranks in mesh order")
         module = getattr(state.apply_fn, "module", None)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{WHERE}: state.apply_fn must come from fzero.functionalize(module): the plan "
