@@ -106,14 +106,42 @@ class TPSlice(NamedTuple):
     size: int
     rank: int
     shape: tuple[int, ...]  # the whole tensor's
+    # A fused projection split block by block (``ColwiseParallel(parts=p)``): ``(d, p)``, and
+    # then ``shape`` and ``dim`` are those of the whole viewed with dim ``d`` as ``(p, block)``,
+    # split on the block axis ``d + 1``: a plain split of that view, whose row-major order is
+    # the tensor's own.
+    fused: tuple[int, int] | None = None
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         return slice_shape(self.shape, self.dim, self.size)
 
     @property
+    def real_local_shape(self) -> tuple[int, ...]:
+        """The slice's own shape (``local_shape`` with a fused view's two axes merged back)."""
+        return unfuse(self.local_shape, self.fused)
+
+    @property
+    def real_shape(self) -> tuple[int, ...]:
+        return unfuse(self.shape, self.fused)
+
+    @property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
+
+
+def unfuse(shape, fused) -> tuple[int, ...]:
+    """``shape`` with a fused view's axes ``d`` and ``d + 1`` merged back (``fused = (d, p)``)."""
+    shape = tuple(int(n) for n in shape)
+    if not fused:
+        return shape
+    d = int(fused[0])
+    return shape[:d] + (shape[d] * shape[d + 1],) + shape[d + 2:]
+
+
+def whole_shape(rec: dict) -> tuple[int, ...]:
+    """A saved tensor leaf's own shape (its record keeps a fused projection's view)."""
+    return unfuse(rec["shape"], (rec.get("tp") or {}).get("fused"))
 
 
 def slice_shape(shape, dim: int, size: int) -> tuple[int, ...]:
@@ -148,12 +176,14 @@ def tp_slices(paths: list, leaves: list, layout: TensorParallelLayout | None) ->
     for path, x in zip(paths, leaves):
         last = json_entries(path[-1:])[0] if path else None
         split = splits.get(last[1]) if last and last[0] == "key" and isinstance(last[1], str) else None
-        if split is not None and getattr(split, "parts", 1) > 1:
-            raise CheckpointError(f"fzero.checkpoint: parameter {last[1]!r} is split over tp as {split.parts} "
-                                  "blocks (a fused projection, ColwiseParallel(parts=...)); checkpoints of such a "
-                                  "split are not supported yet")
-        out.append(None if split is None or global_shape(x) is None else
-                   TPSlice(last[1], split.dim, layout.size, layout.rank, tuple(split.shape)))
+        if split is None or global_shape(x) is None:
+            out.append(None)
+        elif split.parts > 1:
+            d, p, shape = split.dim, split.parts, tuple(split.shape)
+            view = shape[:d] + (p, shape[d] // p) + shape[d + 1:]
+            out.append(TPSlice(last[1], d + 1, layout.size, layout.rank, view, (d, p)))
+        else:
+            out.append(TPSlice(last[1], split.dim, layout.size, layout.rank, tuple(split.shape)))
     return out
 
 
@@ -163,7 +193,7 @@ def slice_problem(key: str, x: Any, sl: TPSlice) -> str | None:
     if sl.shape[sl.dim] % sl.size:
         return (f"parameter {name!r} of shape {sl.shape}: dim {sl.dim} ({sl.shape[sl.dim]}) does not divide by "
                 f"tp={sl.size}")
-    if global_shape(x) != sl.local_shape:
+    if global_shape(x) != sl.real_local_shape:
         return (f"leaf {key} is stored under the split parameter {name!r} (shape {sl.shape}, dim {sl.dim} split "
                 f"over tp={sl.size}: slices of {sl.local_shape}) but has shape {global_shape(x)}: a tensor stored "
                 f"under a split parameter's name must be its slice")

@@ -83,8 +83,8 @@ def _match(path: str, man: dict, keys: list[str], leaves: list[Any], slices: lis
             continue
         if isinstance(x, (Shard, torch.Tensor)):
             t = x.local if isinstance(x, Shard) else x
-            whole = sl.shape if sl is not None else _leaves.global_shape(x)  # a tp slice matches its whole
-            ok = rec["kind"] == "tensor" and tuple(rec["shape"]) == whole
+            whole = sl.real_shape if sl is not None else _leaves.global_shape(x)  # a tp slice matches its whole
+            ok = rec["kind"] == "tensor" and _leaves.whole_shape(rec) == whole
             if ok and rec["dtype"] != _format.DTYPE_NAME.get(t.dtype):
                 saved_dt = _format.DTYPE_OF.get(rec["dtype"])
                 ok = saved_dt is not None and saved_dt.is_floating_point and t.dtype.is_floating_point
@@ -266,8 +266,9 @@ def _read_rows(reader: _Reader, rec: dict, dim: int, lo: int, hi: int) -> torch.
 def read_whole(reader: _Reader, rec: dict) -> torch.Tensor:
     """The whole tensor leaf ``rec``, in its saved dtype (its tp slices put together)."""
     split = rec.get("tp")
-    if split is not None:
-        return _read_rows(reader, rec, split["dim"], 0, rec["shape"][split["dim"]]).contiguous()
+    if split is not None:  # (a fused projection's view merged back: the same row-major order)
+        whole = _read_rows(reader, rec, split["dim"], 0, rec["shape"][split["dim"]]).contiguous()
+        return whole.view(_leaves.whole_shape(rec))
     t = torch.empty(math.prod(rec["shape"]), dtype=_format.dtype_of(rec["dtype"], reader.files.path(_format.MANIFEST)))
     _fill(reader, rec, 0, t.numel(), t)
     reader.flush()
@@ -285,13 +286,21 @@ def _load_leaf(reader: _Reader, rec: dict, x: Any, sl: _leaves.TPSlice | None, i
               and target.is_contiguous())
     flat = target.detach().view(-1) if direct else torch.empty(b - a, dtype=saved_dtype)
     saved = rec.get("tp")
+    fused = [list(sl.fused) if sl.fused else None] if sl is not None else []
     if (saved is None and sl is None) or (saved is not None and sl is not None
-                                          and (saved["dim"], saved["size"]) == (sl.dim, sl.size)):
+                                          and (saved["dim"], saved["size"], saved.get("fused")) ==
+                                          (sl.dim, sl.size, fused[0])):
         base = sl.rank * sl.local_numel if sl is not None else 0  # slice sl.rank's elements on disk
         _fill(reader, rec, base + a, base + b, flat)
     else:  # re-sliced: this rank's tp slice (or the whole leaf), then its ZeRO piece
-        part = read_whole(reader, rec) if sl is None else _read_rows(
-            reader, rec, sl.dim, sl.rank * sl.local_shape[sl.dim], (sl.rank + 1) * sl.local_shape[sl.dim])
+        if sl is None:
+            part = read_whole(reader, rec)
+        elif sl.fused or (saved or {}).get("fused"):  # a fused projection on either side: cut from the whole
+            n = sl.local_shape[sl.dim]
+            part = read_whole(reader, rec).view(sl.shape).narrow(sl.dim, sl.rank * n, n)
+        else:
+            part = _read_rows(reader, rec, sl.dim, sl.rank * sl.local_shape[sl.dim],
+                              (sl.rank + 1) * sl.local_shape[sl.dim])
         flat.copy_(part.reshape(-1)[a:b])
     reader.flush()
     if direct:

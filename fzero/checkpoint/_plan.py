@@ -112,7 +112,8 @@ def _describe(state: Any, world: _comm.World):
             raise TypeError(f"{WHERE}: leaf {key} is a {type(x).__name__}; a checkpoint stores tensors, "
                             f"fzero Shards and Python scalars (int, float, bool, str)")
         if sl is not None:  # the whole tensor's shape; ``sharding`` stays the slice's
-            d.update(shape=list(sl.shape), tp={"dim": sl.dim, "size": sl.size})
+            d.update(shape=list(sl.shape), tp={"dim": sl.dim, "size": sl.size,
+                                               **({"fused": list(sl.fused)} if sl.fused else {})})
         descs.append(d)
     return descs, local, position, str(spec), None if layout is None else layout.rank
 

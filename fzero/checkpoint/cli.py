@@ -82,7 +82,7 @@ def _stages(stages) -> str:
 
 
 def _inspect(path: str, *, as_json: bool) -> int:
-    from fzero.checkpoint import _format, manifest
+    from fzero.checkpoint import _format, _leaves, manifest
 
     if not os.path.exists(os.path.join(path, _format.MARKER)) and not os.path.exists(
             os.path.join(path, _format.MANIFEST)) and os.path.isdir(path):
@@ -117,7 +117,8 @@ def _inspect(path: str, *, as_json: bool) -> int:
         if r["kind"] == "value":
             print(f"    {r['path']:<{width}}  {r['type']:<9} {r['value']!r}{held}")
             continue
-        shape = "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")"
+        real = _leaves.whole_shape(r)
+        shape = "(" + ", ".join(map(str, real)) + ("," if len(real) == 1 else "") + ")"
         sh = r["sharding"]
         where = (f"replicated, in {r['pieces'][0]['file']}" if sh is None else
                  f"{len(r['pieces'])} piece{'s' if len(r['pieces']) != 1 else ''} over {sh['world']} ranks")
