@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	touch $(STAMP)
 
-# The example's options: `make demo DEMO="--tp 2"` splits its MLPs over the 2 ranks instead.
+# The example's options: `make demo DEMO="--tp 2"` splits its heads and MLPs over the 2 ranks instead.
 DEMO ?= --zero 2
 
 demo: install

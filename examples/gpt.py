@@ -64,19 +64,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         # One matmul makes q, k and v for every head at once: fewer, larger kernels.
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim): heads become a batch dim for the attention kernel.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # Sizes come from the tensors, not the config: under tensor parallelism a rank's c_attn
+        # makes q, k and v for its own heads only, and this code runs unchanged.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim): heads become a batch dim for the attention kernel.
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # is_causal=True lets torch pick a fused kernel (flash / memory-efficient) and never
         # materialise the T x T mask that nanoGPT's fallback path keeps as a buffer.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--threads", type=int, help="torch CPU threads per rank (default: cores / ranks)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the ranks")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: the MLPs split over this many ranks")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: attention heads and MLPs split over this many ranks")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--ckpt", metavar="DIR", help="save a checkpoint under DIR/step_N at the end")
     p.add_argument("--sample-len", type=int, default=200, help="bytes to generate at the end")

@@ -111,7 +111,7 @@ def _train_at_tp2(argv):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_the_example_at_tp2_trains_as_one_process(run, ranks, tmp_path):
-    """``--tp 2`` (the example GPT's MLPs split over 2 ranks, one batch) gives the one-process
+    """``--tp 2`` (the example GPT's heads and MLPs split over 2 ranks, one batch) gives the one-process
     losses and the same sample."""
     results = ranks(2).run(_train_at_tp2, _argv(tmp_path))
     for losses, sample in results:

@@ -72,8 +72,14 @@ def gpt2(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def gpt(model: torch.nn.Module) -> dict[str, Any]:
-    """The example GPT (``examples/gpt.py``): its MLPs by columns then rows. Its attention
-    stays whole: its forward cuts the fused q/k/v output at the input's width, which a
-    per-rank slice does not have (Hugging Face's models read a size attribute instead, which
-    :class:`DivideAttributes` adjusts)."""
-    return {"blocks.*.mlp.c_fc": ColwiseParallel(), "blocks.*.mlp.c_proj": RowwiseParallel()}
+    """The example GPT (``examples/gpt.py``): the fused q/k/v projection as three blocks by
+    heads (``n_head`` must divide by ``tp``) and the output projection by rows, the MLPs by
+    columns then rows. Its attention reads the head count from the tensors' shapes, so
+    nothing else changes."""
+    head = model.cfg.n_embd // model.cfg.n_head
+    return {
+        "blocks.*.attn.c_attn": ColwiseParallel(parts=3, unit=head),
+        "blocks.*.attn.c_proj": RowwiseParallel(unit=head),
+        "blocks.*.mlp.c_fc": ColwiseParallel(),
+        "blocks.*.mlp.c_proj": RowwiseParallel(),
+    }
