@@ -619,20 +619,26 @@ def test_vocab_split_logits_slice_and_reshape_over_the_token_dims():
     assert "VocabShardedLogits(shape=(2, 3, 32)" in repr(x)  # no values: this rank has half of them
 
 
-def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False):
+def _pp_model():
+    torch.manual_seed(6)
+    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                               torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+
+
+def _pp_plain(dp: int):
+    """The plain one-process state of ``_pp_model`` after the batches the pp tests train on."""
+    apply, params = fzero.functionalize(_pp_model())
+    return ft.run_steps(ft.mse_step, fzero.TrainState.create(apply_fn=apply, params=params,
+                                                             tx=optim.sgd(0.1, momentum=0.9)), _batches(3, 8 * dp))
+
+
+def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False, save_to: str | None = None):
     """pp=2 x dp x tp=2: each stage's Linear pair split over tp, the stages pipelined, ZeRO
     over dp."""
     mesh = fzero.Mesh(pp=2, dp=dp, tp=2)
-
-    def make():
-        torch.manual_seed(6)
-        return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
-                                   torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
-
+    make = _pp_model
     batches = _batches(3, 8 * dp)
-    apply, params = fzero.functionalize(make())
-    ref, ref_losses = ft.run_steps(ft.mse_step, fzero.TrainState.create(apply_fn=apply, params=params,
-                                                                         tx=optim.sgd(0.1, momentum=0.9)), batches)
+    ref, ref_losses = _pp_plain(dp)
     model = make()
     apply, params = fzero.functionalize(model)
     pipe = fzero.pipeline(fzero.pipeline.split(model, [3]), F.mse_loss, mesh, micro_batches=2)
@@ -665,13 +671,24 @@ def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False):
         losses.append(m["loss"])
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
     ft.assert_trees_close(pipe.gather(tp_step.gather(state.params)), dict(ref.params), tol="fp32", what="parameters")
+    if save_to is not None:
+        fzero.checkpoint.save(save_to, state)
     return True
 
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_tp2_by_pp2_equals_the_plain_step(ranks):
-    assert ranks(4).run(_tp_by_pp_equals_plain, 1, 0) == [True] * 4
+def test_tp2_by_pp2_equals_the_plain_step_and_checkpoints_onto_one_process(ranks, tmp_path):
+    path = str(tmp_path / "pp2-tp2")
+    assert ranks(4).run(_tp_by_pp_equals_plain, 1, 0, False, path) == [True] * 4
+    # every stage's tp slices, put back together in one process: the plain run's state
+    ref, _ = _pp_plain(1)
+    apply, params = fzero.functionalize(_pp_model())
+    like = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
+    loaded = fzero.checkpoint.load(path, like=like)
+    ft.assert_trees_close(dict(loaded.params), dict(ref.params), tol="fp32", what="parameters")
+    ft.assert_trees_close(loaded.opt_state, ref.opt_state, tol="fp32", what="momentum")
+    assert int(loaded.step) == int(ref.step) == 3
 
 
 @pytest.mark.slow
