@@ -158,20 +158,20 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[CompileOptions, Any]:
     """The options from ``config`` (if any) and the keywords; a keyword may add to the
     config, never contradict it."""
-    cfg, base = None, None
+    cfg = None
     if config is not None:
         from fzero.config import Config
 
         cfg = Config.load(config, world_size=mesh.size("dp"))
-        base = cfg.compile_options()
-        CompileOptions.from_keywords("fzero.compile", keywords)  # unknown names first
+    opts = CompileOptions.from_keywords("fzero.compile", keywords, cfg.compile_options() if cfg else None)
+    if cfg is not None:
         decided = cfg.decided_options()
-        clash = [f"{key}={value!r} contradicts the config's {SPELLINGS.get(key, key)}="
-                 f"{decided[SPELLINGS.get(key, key)]!r}" for key, value in keywords.items()
-                 if decided.get(SPELLINGS.get(key, key), value) != value]
+        fields = {key: SPELLINGS.get(key, key) for key in keywords}
+        clash = [f"{key}={keywords[key]!r} contradicts the config's {f}={decided[f]!r}"
+                 for key, f in fields.items() if f in decided and decided[f] != getattr(opts, f)]
         if clash:
             raise ValueError("fzero.compile: option " + "; ".join(clash) + "; set each in one place")
-        if cfg.pipeline_stages is not None and keywords.get("pipeline") is None:
+        if cfg.pipeline_stages is not None and opts.pipeline is None:
             raise ValueError("fzero.compile: the config has a pipeline section: pass pipeline=fzero.pipeline(stages, "
                              "loss_fn, mesh, ...), the stages the step computes its loss and gradients with")
         if cfg.pipeline_stages and cfg.pipeline_stages != mesh.size("pp"):
@@ -180,9 +180,7 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[Compile
         if cfg.autotp_size > 1 and cfg.autotp_size != mesh.size("tp"):
             raise ValueError(f"fzero.compile: the config's tensor_parallel.autotp_size={cfg.autotp_size} but "
                              f"{mesh} has tp={mesh.size('tp')}: make the mesh's tp axis that size")
-    opts = CompileOptions.from_keywords("fzero.compile", keywords, base)
     if not opts.overlap_comm:
         raise NotImplementedError("fzero.compile: option overlap_comm=False: turning off overlapped "
                                   "communication is not supported yet")
     return opts, cfg
-

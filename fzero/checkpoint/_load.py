@@ -286,10 +286,9 @@ def _load_leaf(reader: _Reader, rec: dict, x: Any, sl: _leaves.TPSlice | None, i
               and target.is_contiguous())
     flat = target.detach().view(-1) if direct else torch.empty(b - a, dtype=saved_dtype)
     saved = rec.get("tp")
-    fused = [list(sl.fused) if sl.fused else None] if sl is not None else []
     if (saved is None and sl is None) or (saved is not None and sl is not None
                                           and (saved["dim"], saved["size"], saved.get("fused")) ==
-                                          (sl.dim, sl.size, fused[0])):
+                                          (sl.dim, sl.size, list(sl.fused) if sl.fused else None)):
         base = sl.rank * sl.local_numel if sl is not None else 0  # slice sl.rank's elements on disk
         _fill(reader, rec, base + a, base + b, flat)
     else:  # re-sliced: this rank's tp slice (or the whole leaf), then its ZeRO piece
