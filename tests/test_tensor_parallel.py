@@ -57,9 +57,12 @@ TXS = {
 }
 
 
-def _state(tx_name: str):
+def _state(tx_name: str, frozen: tuple[str, ...] = ()):
     torch.manual_seed(3)
-    apply, params = fzero.functionalize(Net())
+    net = Net()
+    for name, p in net.named_parameters():
+        p.requires_grad_(name not in frozen)
+    apply, params = fzero.functionalize(net)
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS[tx_name]())
 
 
@@ -90,7 +93,7 @@ def _run(step, state, batches):
 
 
 def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int, *, precision=None, accumulate=None,
-                     fused="off"):
+                     fused="off", frozen: tuple[str, ...] = ()):
     """On every rank: the tp (x dp, ZeRO stage) trajectory equals the plain one, under
     ``mixed_precision(accumulate(...))`` when asked (the plain step under the same two), and
     so does the ``grad_norm`` a clip reports."""
@@ -99,12 +102,12 @@ def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int, *, precision
     batches = _batches(steps, 4 * mesh.size("dp") * (accumulate or 1))
     with optim.use_fused(fused):
         ref_step = _wrap(ft.mse_step, precision, accumulate)
-        ref, ref_losses, ref_norms = _run(ref_step, ref_step.init(_state(tx_name)), batches)
+        ref, ref_losses, ref_norms = _run(ref_step, ref_step.init(_state(tx_name, frozen)), batches)
         inner = _wrap(ft.mse_step, precision, accumulate)
         if mesh.size("dp") > 1 or stage:
             inner = fzero.shard_state(inner, mesh, stage)
         step = fzero.tensor_parallel(inner, mesh, PLAN)
-        state = step.init(_state(tx_name))
+        state = step.init(_state(tx_name, frozen))
         # this rank holds its slice of the split layers, whole copies of the rest
         if stage < 3:
             assert tuple(state.params["blocks.0.fc.weight"].shape) == (16 // tp, 8)
@@ -116,11 +119,21 @@ def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int, *, precision
     if precision:
         ft.assert_trees_close(step.gather(state.extra["master"]), dict(ref.extra["master"]), tol=tol,
                               what="master weights")
+    start = _state(tx_name, frozen).params
+    for name in frozen:  # frozen, split or whole: bit-identical
+        assert torch.equal(step.gather(state.params)[name], start[name]), name
     if "clipped" in tx_name:
         assert len(norms) == len(ref_norms) == steps
         assert all(float(n) > CLIP for n in ref_norms)  # the clip acted at every step
         ft.assert_trees_close(torch.stack(norms), torch.stack(ref_norms), tol=tol, what="grad_norm")
     return fzero.distributed.comm.traffic.bytes(what="tp")
+
+
+@pytest.mark.multirank
+def test_frozen_parameters_split_or_whole_stay_frozen_under_tp(ranks):
+    """A frozen split layer and a frozen whole norm, with a clip (whose norm names the
+    trainable leaves only): tp=2 gives the plain step, the frozen ones bit-identical."""
+    ranks(2).run(_tp_equals_plain, 2, 0, "clipped", 3, frozen=("blocks.0.fc.weight", "blocks.1.ln.weight"))
 
 
 @pytest.mark.multirank
