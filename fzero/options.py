@@ -63,12 +63,15 @@ def _bool(v) -> str | None:
 
 
 def _plan(v) -> str | None:
-    if v is None or v == "auto":
+    if v is None:
         return None
-    from fzero.transforms.tensor_parallel import STYLES
+    from fzero.transforms.tensor_parallel import check_plan  # the transform's own check, once
 
-    ok = isinstance(v, Mapping) and v and all(isinstance(k, str) and isinstance(s, STYLES) for k, s in v.items())
-    return None if ok else "must be None, 'auto' or a dict of module-name globs to ColwiseParallel() / RowwiseParallel()"
+    try:
+        check_plan(v)
+    except TypeError:
+        return "must be None, 'auto' or a dict of module-name globs to ColwiseParallel() / RowwiseParallel()"
+    return None
 
 
 def _pipeline(v) -> str | None:
