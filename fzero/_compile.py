@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from fzero.distributed.mesh import Mesh
 from fzero.options import SPELLINGS, CompileOptions
 from fzero.train_state import TrainState
-from fzero.transforms._core import Step, as_step, collecting_metrics
+from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, installed
 
 __all__ = ["compile"]
 
@@ -28,6 +29,51 @@ def _with_clipping(step: Step, max_norm: float) -> Step:
     return Step(step, after=after, name=f"clip({step.__name__})", inner=step)
 
 
+class _Donating(Handler):
+    """``compile(..., donate=True)``: the step owns the state it is given."""
+
+    def donating(self, *, next):
+        return True
+
+
+class Donated:
+    """What a donated state's ``params``, ``opt_state`` and ``extra`` become once the step
+    has written the next state into their tensors: any use is an error that says why."""
+
+    __slots__ = ("field", "step")
+
+    def __init__(self, field: str, step: int):
+        self.field, self.step = field, step
+
+    def error(self) -> RuntimeError:
+        return RuntimeError(
+            f"fzero.compile: this state's {self.field} was donated to the step (donate=True) that "
+            f"returned the state at step {self.step}, and its tensors now hold that state's values: "
+            "use the state the step returned (state, metrics = step(state, batch)), or compile "
+            "with donate=False to keep every input state intact")
+
+    def __getattr__(self, name):
+        raise self.error()
+
+    def __getitem__(self, key):
+        raise self.error()
+
+    def __iter__(self):
+        raise self.error()
+
+    def __len__(self):
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<donated to the step that returned step {self.step}>"
+
+
+def donated(state: TrainState, step: int) -> None:
+    """Mark ``state`` as given up: its tensors were written into by the step."""
+    for field in ("params", "opt_state", "extra"):
+        object.__setattr__(state, field, Donated(field, step))
+
+
 def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, **options) -> Step:  # noqa: A001
     """Compose fzero's transforms around ``train_step`` from keyword options.
 
@@ -42,7 +88,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
             ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
-            ``buffer_sync``.
+            ``buffer_sync``, ``donate``.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
     (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
@@ -137,16 +183,22 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             release_parameters(module)
         return state
 
+    donating = _Donating() if opts.donate else None
+
     def call(state, batch):
-        with collecting_metrics() as emitted:
+        if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
+            raise state.params.error()
+        with collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
             out = inner(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise TypeError(
                 f"fzero.compile: {getattr(train_step, '__name__', 'train_step')} must return "
                 f"(state, metrics) with metrics a dict, got {type(out).__name__}"
             )
-        state, metrics = out
-        return state, {**metrics, **emitted}
+        new, metrics = out
+        if donating is not None and isinstance(state, TrainState) and new is not state:
+            donated(state, int(new.step))
+        return new, {**metrics, **emitted}
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
     step.mesh = mesh

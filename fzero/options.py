@@ -104,6 +104,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "bucket_bytes": _positive_int,
     "overlap_comm": _bool,
     "buffer_sync": _choice("broadcast", "mean", "local"),
+    "donate": _bool,
     "tp": _plan,
     "pipeline": _pipeline,
 }
@@ -183,6 +184,14 @@ class CompileOptions:
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast"
     """How ``state.buffers`` agree across ``dp`` ranks after a step: dp-rank 0's (DDP's),
     the mean of floating-point ones, or each rank's own."""
+
+    donate: bool = True
+    """The step owns the state it is given (JAX's ``donate_argnums``): the update writes the
+    new parameters, moments and (under ZeRO-1/2) gathered parameters into the input state's
+    tensors instead of allocating new ones each step, and the input state can no longer be
+    used (the step marks it, so passing it again is an error). Write
+    ``state, metrics = step(state, batch)``; ``False`` keeps every input state intact (a
+    pure step, a new state each call)."""
 
     tp: Mapping[str, Any] | Literal["auto"] | None = None
     """The tensor-parallel plan over the mesh's ``tp`` axis (:func:`fzero.tensor_parallel`):

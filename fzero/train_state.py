@@ -143,18 +143,20 @@ def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
 
 @register_primitive("update")
 def _update_base(state: TrainState, grads: Any) -> TrainState:
-    new, opt_state = _update(state.tx, grads, state.opt_state, trainable(state.params))
+    new, opt_state = _update(state.tx, grads, state.opt_state, trainable(state.params), donate=bind("donating"))
     return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
 
 
-def _update(tx, grads, opt_state, params):
+def _update(tx, grads, opt_state, params, *, donate: bool = False):
     """One optimizer update: the fused kernels where they apply (see fzero.optim.fused),
-    else the transformation chain."""
+    else the transformation chain; written into ``params`` and ``opt_state`` when the step
+    owns them (``donate``)."""
     from fzero import optim
     from fzero.optim.fused import fused_update
 
     fused = fused_update(tx, grads, opt_state, params)
     if fused is not None:
         return fused
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optim.apply_updates(params, updates), opt_state
+    updates, opt_state = tx.update(grads, opt_state, params, donate=True) if donate and tx.donates \
+        else tx.update(grads, opt_state, params)
+    return optim.apply_updates(params, updates, donate=donate), opt_state

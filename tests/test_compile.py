@@ -163,3 +163,85 @@ def test_the_transforms_check_their_keywords_as_compile_does():
         fzero.accumulate(ft.mse_step, 0)
     with pytest.raises(ValueError, match=r"fzero.mixed_precision: loss_scale_window=0 must be a positive int"):
         fzero.mixed_precision(ft.mse_step, "fp16", loss_scale_window=0)
+
+
+# --------------------------------------------------------------------------- donation
+
+DONATING_TXS = {
+    "sgd": lambda: optim.sgd(0.05, momentum=0.9),
+    "nesterov": lambda: optim.sgd(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: optim.adam(1e-2),
+    "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: optim.lion(1e-3),
+    "lamb": lambda: optim.lamb(1e-2, weight_decay=0.01),
+    "masked": lambda: optim.adamw(1e-2, weight_decay=0.1, mask=lambda p: tree.map(lambda x: x.dim() > 1, p)),
+}
+
+
+def _storages(state):
+    return [x.data_ptr() for x in tree.leaves((state.params, state.opt_state)) if x.numel() > 1]
+
+
+@pytest.mark.parametrize("tx_name", sorted(DONATING_TXS))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_donated_step_writes_into_its_input_and_computes_the_same_bits(tx_name, precision):
+    torch.manual_seed(0)
+    make_model = lambda: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(6, 5, generator=g), "y": torch.randn(6, 3, generator=g)} for _ in range(4)]
+    runs = {}
+    for donate in (False, True):
+        torch.manual_seed(0)
+        apply, params = fzero.functionalize(make_model())
+        step = fzero.compile(ft.mse_step, dtype=precision, donate=donate)
+        state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=DONATING_TXS[tx_name]()))
+        first, losses = _storages(state), []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        runs[donate] = (state, losses, first == _storages(state))
+    (plain, plain_losses, _), (donated, donated_losses, in_place) = runs[False], runs[True]
+    # The same arithmetic in place: the same bits, not merely close ones.
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, donated_losses))
+    for a, b in zip(tree.leaves((plain.params, plain.opt_state, plain.extra)),
+                    tree.leaves((donated.params, donated.opt_state, donated.extra))):
+        assert torch.equal(a, b)
+    assert in_place, "a donated step allocated new parameters or moments"
+    assert not runs[False][2], "the undonated step is pure: it must not write into its input"
+
+
+def test_a_donated_adamw_step_is_torch_adamw():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(ft.mse_step, donate=True)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        b = {"x": torch.randn(6, 5, generator=g), "y": torch.randn(6, 3, generator=g)}
+        state, m = step(state, b)
+        opt.zero_grad()
+        loss = F.mse_loss(ref(b["x"]), b["y"])
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(m["loss"], loss.detach())
+    ft.assert_trees_close(state.params, dict(ref.named_parameters()), what="params")
+
+
+def test_a_donated_state_cannot_be_used_again():
+    apply, params = fzero.functionalize(torch.nn.Linear(3, 2))
+    step = fzero.compile(ft.mse_step, donate=True)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    batch = {"x": torch.ones(4, 3), "y": torch.zeros(4, 2)}
+    new, _ = step(state, batch)
+    with pytest.raises(RuntimeError, match=r"donated to the step \(donate=True\) that returned the state at step 1"):
+        step(state, batch)
+    with pytest.raises(RuntimeError, match="params was donated"):
+        state.params["weight"]
+    with pytest.raises(TypeError, match=r"leaf .params is a Donated \(<donated to the step that returned step 1>\)"):
+        fzero.checkpoint.save("/nonexistent/never-written", state)
+    new, _ = step(new, batch)  # the returned state goes on
+    assert int(new.step) == 2

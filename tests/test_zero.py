@@ -450,3 +450,42 @@ def test_a_gradient_held_back_for_the_last_micro_batch_cannot_be_computed_with(r
             r"fzero\.value_and_grad: Tensor\.pow on the gradient of '[\w.]+', which no rank has in this "
             r"micro-batch: under accumulate, shard_state stages 0-1 .* pass the gradients to "
             r"state\.apply_gradients unchanged", msg), msg
+
+
+# --------------------------------------------------------------------------- donation
+
+
+def _donated(stage, precision):
+    """compile(donate=True) at ``stage``: the plain trajectory, with the parameters' (gathered)
+    buffers and the optimizer state written in place step after step."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    make_model, batches = _model_and_batches((5, 8, 2, 3), 3, 4, 4 * n)
+    tx_name = "adamw" if precision == "fp32" else "sgd"
+    ref_step = ft.mse_step if precision == "fp32" else _autocast_step(torch.bfloat16)
+    ref, ref_losses = _state(make_model, tx_name), []
+    for b in batches:
+        ref, m = ref_step(ref, b)
+        ref_losses.append(m["loss"])
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, dtype=precision, donate=True)
+    state = step.init(_state(make_model, tx_name))
+
+    def storages(s):
+        leaves = fzero.tree.leaves((s.params, s.opt_state, s.extra))
+        return [(x.local if fzero.distributed.flat.is_shard(x) else x).data_ptr() for x in leaves if x.numel() > 1]
+
+    first, losses = storages(state), []
+    for b in batches:
+        state, m = step(state, ft.local_batch(b, n, r))
+        losses.append(m["loss"])
+    assert storages(state) == first, f"rank {r}: a donated step at stage {stage} allocated new state tensors"
+    tol = "fp32" if precision == "fp32" else "bf16 vs fp32"
+    ft.assert_trees_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), tol=tol, what="losses")
+    params = state.params if precision == "fp32" else state.extra["master"]
+    ft.assert_trees_close(fzero.gather(params), ref.params, tol=tol, what=f"params on rank {r}")
+    return True
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_donated_step_updates_in_place_at_every_stage(ranks, stage, precision):
+    ranks(2).run(_donated, stage, precision)

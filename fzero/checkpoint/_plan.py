@@ -109,7 +109,9 @@ def _describe(state: Any, world: _comm.World):
             else:
                 d.update(kind="value", type=type(x).__name__, value=x)
         else:
-            raise TypeError(f"{WHERE}: leaf {key} is a {type(x).__name__}; a checkpoint stores tensors, "
+            what = repr(x)
+            what = f" ({what})" if len(what) <= 100 else ""
+            raise TypeError(f"{WHERE}: leaf {key} is a {type(x).__name__}{what}; a checkpoint stores tensors, "
                             f"fzero Shards and Python scalars (int, float, bool, str)")
         if sl is not None:  # the whole tensor's shape; ``sharding`` stays the slice's
             d.update(shape=list(sl.shape), tp={"dim": sl.dim, "size": sl.size,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fzero.distributed import comm
 from fzero.distributed.flat import Group, Layout, Shard
 
-__all__ = ["all_gather_params", "start_all_gather", "sync_buffers"]
+__all__ = ["all_gather_params", "all_gather_params_into", "start_all_gather", "sync_buffers"]
 
 WHERE = "fzero.shard_state"
 
@@ -53,6 +53,50 @@ def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world:
         start_all_gather(g, own, full, group=group, world=world).wait(timeout_s)
         out.update(zip(g.names, g.views(full)))
     return out
+
+
+def all_gather_params_into(layout: Layout, full: dict[str, torch.Tensor], pieces: dict[str, Shard], *, group,
+                           world: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
+    """:func:`all_gather_params` into the flat buffers ``full`` already views (stages 1-2,
+    when the step owns its input state): no fresh parameter-sized buffer a step. Each
+    group's own slice is written from ``pieces`` where they are not views of it already (an
+    update in place wrote them there), then gathered in place.
+
+    Returns ``None`` (nothing gathered) when ``full`` is not laid out as one flat buffer per
+    group (parameters a user or a loader put in the state): the caller gathers into fresh
+    buffers then.
+
+    Example (a world of one):
+        >>> from fzero.distributed.flat import build_layout
+        >>> layout = build_layout({"w": torch.zeros(4)}, world=1, rank=0)
+        >>> full = layout.regroup({"w": torch.zeros(4)})
+        >>> out = all_gather_params_into(layout, full, layout.shard_params({"w": torch.arange(4.)}), group=None,
+        ...                              world=1, timeout_s=1.0)
+        >>> out["w"].tolist(), out["w"] is full["w"]
+        ([0.0, 1.0, 2.0, 3.0], True)
+    """
+    flats = []
+    for g in layout.groups:
+        views = [full[n] for n in g.names]
+        base = views[0]._base
+        if base is None or base.numel() != g.padded or base.dtype != g.dtype or base._base is not None \
+                or any(v._base is not base for v in views):
+            return None
+        flats.append(base)
+    works = []
+    for g, flat in zip(layout.groups, flats):
+        lo, hi = g.owned
+        own = flat[lo:hi]
+        for i, name in enumerate(g.names):
+            piece = pieces[name].local.reshape(-1)
+            target = own[g._in_owned(g.info(i))]
+            if piece.data_ptr() != target.data_ptr():
+                target.copy_(piece)
+        works.append((start_all_gather(g, own, flat, group=group, world=world) if world > 1 else None, own))
+    for work, _ in works:
+        if work is not None:
+            work.wait(timeout_s)
+    return full
 
 
 def sync_buffers(buffers: dict[str, torch.Tensor], *, mode: Literal["broadcast", "mean", "local"], group,

@@ -118,7 +118,8 @@ class GradientTransformation(NamedTuple):
     Attributes:
         init: ``params -> state``.
         update: ``(updates, state, params=None) -> (updates, state)``; never writes into its
-            arguments, unless called with ``inplace=True`` (see ``inplace``).
+            arguments, unless called with ``inplace=True`` (see ``inplace``) or
+            ``donate=True`` (see ``donates``).
         fused: which optimizer this is, with its hyperparameters, for a fused-kernel back end
             (:class:`FusedSpec`): set by the aliases ``adam``, ``adamw``, ``sgd``, ``lamb``,
             ``lion``; ``None`` elsewhere, a chain included.
@@ -126,6 +127,11 @@ class GradientTransformation(NamedTuple):
             update tensors. :func:`chain` passes it only for tensors its previous member just
             made: on a CPU, allocating and page-faulting a fresh parameter-sized tensor costs
             more than the arithmetic.
+        donates: ``update`` also takes ``donate=True``: the caller gives ``state`` up, and the
+            returned state may be it, written in place (its moments updated where they are:
+            no fresh state-sized tensors, and the same arithmetic, so the same bits). A
+            compiled step whose state is donated (``fzero.compile(..., donate=True)``)
+            passes it; :func:`chain` passes it to the members that declare it.
         output: the update tensors ``update`` returns: ``"new"``, made by this call and held by
             nothing else; ``"passthrough"``, the incoming ones wherever it made none (so new
             exactly when those were); ``"shared"``, possibly held elsewhere (by the state, say),
@@ -140,6 +146,7 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[Updates, OptState]]
     fused: FusedSpec | None = None
     inplace: bool = False
+    donates: bool = False
     output: Output = "shared"
     clip_norm: float | None = None
     fusable: FusedSpec | None = None
@@ -187,12 +194,15 @@ def _increment(count: torch.Tensor) -> torch.Tensor:
     return count + 1
 
 
-def _update(tx: GradientTransformation, updates, state, params, new: bool):
-    """``tx.update(updates, state, params)``, in place when ``updates`` are ``new`` and
-    ``tx`` declares it can."""
+def _update(tx: GradientTransformation, updates, state, params, new: bool, donate: bool = False):
+    """``tx.update(updates, state, params)``, writing into ``updates`` when they are ``new``
+    and into ``state`` when it is donated, each where ``tx`` declares it can."""
+    kwargs = {}
     if new and tx.inplace:
-        return tx.update(updates, state, params, inplace=True)
-    return tx.update(updates, state, params)
+        kwargs["inplace"] = True
+    if donate and tx.donates:
+        kwargs["donate"] = True
+    return tx.update(updates, state, params, **kwargs)
 
 
 def _multiply(updates: Updates, factor: Any, inplace: bool) -> Updates:
@@ -285,7 +295,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init_fn(params):
         return tuple(t.init(params) for t in txs)
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, donate=False):
         if not isinstance(state, tuple) or len(state) != len(txs):
             raise ValueError(
                 f"fzero.optim.chain: the state must be the tuple of {len(txs)} states that init "
@@ -295,13 +305,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_states = []
         new = inplace
         for t, s in zip(txs, state):
-            updates, s = _update(t, updates, s, params, new)
+            updates, s = _update(t, updates, s, params, new, donate)
             new = _still_new(t.output, new)
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init_fn, update_fn, inplace=True, output=_chain_output(txs),
-                                  fusable=_chain_fusable(txs))
+    return GradientTransformation(init_fn, update_fn, inplace=True, donates=any(t.donates for t in txs),
+                                  output=_chain_output(txs), fusable=_chain_fusable(txs))
 
 
 def fused_spec_of(tx: GradientTransformation) -> FusedSpec | None:
@@ -330,10 +340,12 @@ def fused_spec_of(tx: GradientTransformation) -> FusedSpec | None:
 # --------------------------------------------------------------------------- apply
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
+def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> Params:
     """``params + updates``, leafwise, as new tensors in each parameter's dtype.
 
-    Pure: ``params`` and ``updates`` are left untouched. Where an update's dtype differs from
+    Pure: ``params`` and ``updates`` are left untouched, unless ``donate``: then the sums are
+    written into ``params`` (the same arithmetic, so the same bits) and ``params`` is
+    returned. Where an update's dtype differs from
     its parameter's, the sum is formed in the promoted dtype and rounded once to the
     parameter's dtype (as optax's ``apply_updates`` and torch's in-place ``p.add_(u)`` do), so
     a bf16 parameter takes an fp32 update with a single rounding.
@@ -341,6 +353,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     Args:
         params: a pytree of tensors.
         updates: a pytree of tensors with the structure of ``params``.
+        donate: the caller gives ``params`` up: update them in place.
 
     Returns:
         A pytree like ``params``; each leaf has its parameter's dtype and device.
@@ -360,6 +373,14 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     if not p_leaves:
         return params
     with torch.no_grad():
+        if donate:
+            # In place: on a CPU a fresh parameter-sized tensor a step costs page faults.
+            if all(p.dtype == u.dtype for p, u in zip(p_leaves, u_leaves)):
+                torch._foreach_add_(p_leaves, u_leaves)
+            else:
+                for p, u in zip(p_leaves, u_leaves):
+                    p.add_(u)  # in the promoted dtype, rounded once to the parameter's
+            return params
         if all(p.dtype == u.dtype for p, u in zip(p_leaves, u_leaves)):
             return tree.unflatten(spec, torch._foreach_add(p_leaves, u_leaves))
         out = []

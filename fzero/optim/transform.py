@@ -266,7 +266,7 @@ def scale_by_adam(
     def init_fn(params):
         return ScaleByAdamState(count=_new_count(), mu=_zeros_like(params), nu=_zeros_like(params))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, *, donate=False):
         del params
         g, mu, spec, count = _moment_leaves(where, state, updates)
         if not g:
@@ -279,8 +279,12 @@ def scale_by_adam(
         bc1 = 1.0 - b1**step
         bc2 = 1.0 - b2**step
         with torch.no_grad():
-            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-            nu = torch._foreach_mul(nu, b2)
+            if donate:  # the moments are updated where they are (the same arithmetic)
+                torch._foreach_lerp_(mu, g, 1.0 - b1)
+                torch._foreach_mul_(nu, b2)
+            else:
+                mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+                nu = torch._foreach_mul(nu, b2)
             torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
             if eps_root == 0.0:
                 denom = torch._foreach_sqrt(nu)
@@ -300,7 +304,7 @@ def scale_by_adam(
             count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu)
         )
 
-    return GradientTransformation(init_fn, update_fn, output="new")
+    return GradientTransformation(init_fn, update_fn, donates=True, output="new")
 
 
 # --------------------------------------------------------------------------- lion
@@ -343,7 +347,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, where: str = "fzero.opti
     def init_fn(params):
         return ScaleByLionState(count=_new_count(), mu=_zeros_like(params))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, *, donate=False):
         del params
         g, mu, spec, count = _moment_leaves(where, state, updates)
         if not g:
@@ -351,10 +355,14 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, where: str = "fzero.opti
         with torch.no_grad():
             out = torch._foreach_lerp(mu, g, 1.0 - b1)  # b1 * mu + (1 - b1) * g
             torch._foreach_sign_(out)
-            new_mu = torch._foreach_lerp(mu, g, 1.0 - b2)
+            if donate:
+                torch._foreach_lerp_(mu, g, 1.0 - b2)
+                new_mu = mu
+            else:
+                new_mu = torch._foreach_lerp(mu, g, 1.0 - b2)
         return tree.unflatten(spec, out), ScaleByLionState(count=count, mu=tree.unflatten(spec, new_mu))
 
-    return GradientTransformation(init_fn, update_fn, output="new")
+    return GradientTransformation(init_fn, update_fn, donates=True, output="new")
 
 
 # --------------------------------------------------------------------------- trust ratio
@@ -520,7 +528,7 @@ def masked(inner: GradientTransformation, mask: Any, *, where: str = "fzero.opti
         leaves, spec = tree.flatten(params)
         return MaskedState(inner_state=inner.init(_select(spec, leaves, flags)))
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, donate=False):
         flags = _resolve_mask(where, mask, params if params is not None else updates)
         u_leaves, spec = tree.flatten(updates)
         if len(u_leaves) != len(flags) or (params is not None and spec != tree.structure(params)):
@@ -528,14 +536,14 @@ def masked(inner: GradientTransformation, mask: Any, *, where: str = "fzero.opti
                                        names=("params", "updates"))
         sub_params = None if params is None else _select(spec, tree.leaves(params), flags)
         sub = _select(spec, u_leaves, flags)
-        new_sub, inner_state = _update(inner, sub, state.inner_state, sub_params, inplace)
+        new_sub, inner_state = _update(inner, sub, state.inner_state, sub_params, inplace, donate)
         it = iter(tree.leaves(new_sub))
         out = [next(it) if f else u for u, f in zip(u_leaves, flags)]
         return tree.unflatten(spec, out), MaskedState(inner_state=inner_state)
 
     # Masked-out leaves pass through: the output is new only where the input was too.
     output = "shared" if inner.output == "shared" else "passthrough"
-    return GradientTransformation(init_fn, update_fn, inplace=True, output=output)
+    return GradientTransformation(init_fn, update_fn, inplace=True, donates=inner.donates, output=output)
 
 
 # --------------------------------------------------------------------------- weight decay
@@ -627,7 +635,7 @@ def trace(decay: float, nesterov: bool = False, *, where: str = "fzero.optim.tra
     def init_fn(params):
         return TraceState(trace=_zeros_like(params))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, *, donate=False):
         del params
         g, t, spec = _state_leaves(where, state.trace, updates, "trace")
         if not g:
@@ -635,11 +643,15 @@ def trace(decay: float, nesterov: bool = False, *, where: str = "fzero.optim.tra
         with torch.no_grad():
             # torch.optim.SGD (dampening 0): buf = momentum * buf + g, in torch's two
             # roundings (mul, then add); the first buffer is g, as from a zero trace.
-            new_t = torch._foreach_mul(t, decay)
+            if donate:
+                torch._foreach_mul_(t, decay)
+                new_t = t
+            else:
+                new_t = torch._foreach_mul(t, decay)
             torch._foreach_add_(new_t, g)
             out = torch._foreach_add(g, new_t, alpha=decay) if nesterov else new_t
         return tree.unflatten(spec, out), TraceState(trace=tree.unflatten(spec, new_t))
 
     # Without nesterov the update is the new trace itself: shared with the state, not fresh.
-    return GradientTransformation(init_fn, update_fn, output="new" if nesterov else "shared")
+    return GradientTransformation(init_fn, update_fn, donates=True, output="new" if nesterov else "shared")
 

@@ -14,7 +14,10 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
   :func:`psum`, and ``counted`` is its companion: which leaves this rank counts;
 * ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip);
 * ``micro_batch`` -- which micro-batch of its update the step is running
-  (:func:`micro_batch`), so a transform can act once per update rather than once per call.
+  (:func:`micro_batch`), so a transform can act once per update rather than once per call;
+* ``donating`` -- whether the running step owns its input state (:func:`donating`:
+  ``fzero.compile(..., donate=True)``), so the update may write into it instead of making
+  a new one.
 
 A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
 runs, the innermost installed handler sees it first and decides what to do; it passes the
@@ -56,8 +59,8 @@ import torch
 from fzero import tree
 from fzero.tree import _USER_VIEW, user_view
 
-__all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed",
-           "micro_batch", "psum", "register_primitive"]
+__all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "donating", "emit_metric",
+           "installed", "micro_batch", "psum", "register_primitive"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -95,6 +98,9 @@ class Handler:
         return next(names)
 
     def micro_batch(self, *, next: Callable):
+        return next()
+
+    def donating(self, *, next: Callable):
         return next()
 
 
@@ -249,6 +255,27 @@ def _psum_base(value):
 @register_primitive("counted")
 def _counted_base(names: tuple) -> tuple[bool, ...]:
     return (True,) * len(names)
+
+
+# --------------------------------------------------------------------------- donation
+
+
+def donating() -> bool:
+    """Whether the running step owns its input state: the caller gave it up (JAX's
+    ``donate_argnums``; ``fzero.compile(..., donate=True)``), so the optimizer's update, the
+    low-precision copies and ZeRO's parameter all-gathers may write into the input's tensors
+    instead of allocating new ones. ``False`` outside such a step.
+
+    Example:
+        >>> donating()
+        False
+    """
+    return bind("donating")
+
+
+@register_primitive("donating")
+def _donating_base() -> bool:
+    return False
 
 
 # --------------------------------------------------------------------------- micro-batches

@@ -11,8 +11,10 @@ import torch
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
+from fzero.distributed.flat import is_shard
 from fzero.options import check_option
-from fzero.transforms._core import Handler, NotApplied, Step, as_step, collecting_metrics, emit_metric, installed, psum
+from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
+                                    installed, psum)
 from fzero.transforms._deferred import is_deferred
 
 __all__ = ["LossScaler", "mixed_precision"]
@@ -92,6 +94,7 @@ class _PrecisionHandler(Handler):
         self.check = loss_scale is not None or check_grad_overflow
         self.scale = 1.0  # the scale of the step running now
         self.pending_overflow = False  # overflow seen in micro-batches whose update was deferred
+        self.discarding = False  # an update running now will be discarded (an overflow)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         has_aux, scale, dtype = options.get("has_aux", False), self.scale, self.dtype
@@ -141,7 +144,13 @@ class _PrecisionHandler(Handler):
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
         # accumulated gradient.
-        new = next(state, unscaled)
+        # An update that will be discarded must not write into the state it is given: while
+        # it runs, this handler answers that the step does not own its input.
+        self.discarding = overflow or self.pending_overflow
+        try:
+            new = next(state, unscaled)
+        finally:
+            self.discarding = False
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside:
             self.pending_overflow |= overflow  # remember, decide at the update's last micro-batch
             return new
@@ -162,6 +171,9 @@ class _PrecisionHandler(Handler):
                               new.reason)
         return new.replace(extra={**new.extra, **extra}) if extra else new
 
+    def donating(self, *, next):
+        return False if self.discarding else next()
+
     def update(self, state, grads, *, next):
         # The optimizer steps the fp32 masters, whatever partitioned them (under ZeRO these
         # are this rank's pieces, as are the parameters); the model computes with their
@@ -170,8 +182,18 @@ class _PrecisionHandler(Handler):
         grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
         new = next(state.replace(params=merge_trainable(state.params, master)), grads)
         master = trainable(new.params)
-        low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
+        if donating():  # the low-precision copies are this step's: round the masters into them
+            low = tree.map(_round_into, trainable(state.params), master)
+        else:
+            low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
         return new.replace(params=merge_trainable(state.params, low), extra={**new.extra, "master": master})
+
+
+def _round_into(p, m):
+    """``m`` (an fp32 master, or this rank's piece of one) rounded into ``p`` in place."""
+    with torch.no_grad():
+        (p.local if is_shard(p) else p).copy_(m.local if is_shard(m) else m)
+    return p
 
 
 def next_device(params) -> str:
