@@ -104,6 +104,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "bucket_bytes": _positive_int,
     "overlap_comm": _bool,
     "buffer_sync": _choice("broadcast", "mean", "local"),
+    "comm_bytes": _bool,
     "tp": _plan,
     "pipeline": _pipeline,
 }
@@ -183,6 +184,17 @@ class CompileOptions:
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast"
     """How ``state.buffers`` agree across ``dp`` ranks after a step: dp-rank 0's (DDP's),
     the mean of floating-point ones, or each rank's own."""
+
+    comm_bytes: bool = False
+    """Report this rank's communication in the step's ``metrics["comm_bytes"]``: a dict of
+    the bytes it sent on the wire in that step, by kind (``"all_reduce"``,
+    ``"reduce_scatter"``, ``"all_gather"``, ``"broadcast"``, ``"send"``, each present, 0
+    when none) and their ``"total"``, as exact :class:`fractions.Fraction` values (``float()``
+    them to log). Bytes sent are the ring algorithms' (:func:`fzero.distributed.comm.sent_bytes`:
+    an all-reduce of ``S`` bytes over ``N`` ranks sends ``2 S (N - 1) / N``), counted from
+    the step's first collective to its last, every micro-batch of an update included.
+    Counting only reads sizes, so the step computes the same; off, ``metrics`` has no such
+    key. DeepSpeed's config spells it ``"comms_logger": {"enabled": true}``."""
 
     tp: Mapping[str, Any] | Literal["auto"] | None = None
     """The tensor-parallel plan over the mesh's ``tp`` axis (:func:`fzero.tensor_parallel`):
