@@ -81,13 +81,13 @@ def _by_what(spent: comm.Traffic) -> dict:
 
 def test_sent_bytes_per_kind_is_exact_for_any_group_size():
     s = 12
-    assert [comm.sent_bytes(k, s, 3) for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")] == \
+    assert [comm.sent_bytes(k, s, world=3) for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")] == \
         [16, 8, 24, 8]
-    assert comm.sent_bytes("broadcast", 4, 3) == Fraction(8, 3)  # a ring's average: the root and one rank send 4
-    assert comm.sent_bytes("send", s, 5) == s and comm.sent_bytes("recv", s, 5) == 0
-    assert all(comm.sent_bytes(k, s, 1) == 0 for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"))
+    assert comm.sent_bytes("broadcast", 4, world=3) == Fraction(8, 3)  # a ring's average: the root and one rank send 4
+    assert comm.sent_bytes("send", s, world=5) == s and comm.sent_bytes("recv", s, world=5) == 0
+    assert all(comm.sent_bytes(k, s, world=1) == 0 for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"))
     with pytest.raises(ValueError, match="unknown kind 'allreduce'"):
-        comm.sent_bytes("allreduce", s, 2)
+        comm.sent_bytes("allreduce", s, world=2)
 
 
 def test_a_difference_of_traffic_is_what_was_added_in_between():
@@ -175,7 +175,8 @@ def test_the_formulas_padding_by_hand():
     assert _psi(0, "one") == (0, 104)  # 103 padded to 104
     assert _psi(0, "each") == (0, 20 + 6 + 2 * (26 + 6) + 16 + 4)  # 20, 5, 25, 5, 25, 5, 15, 3 each padded
     assert _psi(3, "one") == (60, 44)  # two units of 30; inp and out, 43, padded to 44
-    assert _expected(2)[("reduce_scatter", "gradients")] + _expected(2)[("all_gather", "parameters")] == 2 * 104 * 4 // 2
+    stage2 = _expected(2)
+    assert stage2[("reduce_scatter", "gradients")] + stage2[("all_gather", "parameters")] == 2 * 104 * 4 // 2
 
 
 # --------------------------------------------------------------------------- ZeRO stages

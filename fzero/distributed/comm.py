@@ -30,7 +30,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
 
 
-def sent_bytes(kind: str, payload: int, world: int) -> Fraction:
+def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
     """Bytes one rank sends on the wire when it hands ``payload`` bytes to a collective of
     ``kind`` over a group of ``world`` ranks, under the bandwidth-optimal ring algorithms.
 
@@ -51,8 +51,8 @@ def sent_bytes(kind: str, payload: int, world: int) -> Fraction:
     =================  ===================  ==============================================
 
     The result is exact (a :class:`fractions.Fraction`; whole whenever ``N`` divides
-    ``S``, as it does for every flat ZeRO group, padded to a multiple of ``N``). A group of
-    one sends nothing. This is the algorithms' bandwidth term, what NCCL's ring moves and
+    ``S``, as it does for every flat ZeRO group, padded to a multiple of ``N``). A collective
+    over a group of one sends nothing. This is the algorithms' bandwidth term, what NCCL's ring moves and
     what the ZeRO paper counts (2Ψ per step for data parallelism, 3Ψ at stage 3); a tree or
     a different chunking moves other bytes, and latency is not counted.
 
@@ -60,9 +60,9 @@ def sent_bytes(kind: str, payload: int, world: int) -> Fraction:
         ValueError: an unknown ``kind``, a negative ``payload`` or a ``world`` below 1.
 
     Example:
-        >>> sent_bytes("all_reduce", 1000, 4), sent_bytes("all_gather", 250, 4)
+        >>> sent_bytes("all_reduce", 1000, world=4), sent_bytes("all_gather", 250, world=4)
         (Fraction(1500, 1), Fraction(750, 1))
-        >>> sent_bytes("broadcast", 4, 3), sent_bytes("send", 12, 2), sent_bytes("all_reduce", 8, 1)
+        >>> sent_bytes("broadcast", 4, world=3), sent_bytes("send", 12, world=2), sent_bytes("all_reduce", 8, world=1)
         (Fraction(8, 3), Fraction(12, 1), Fraction(0, 1))
     """
     if payload < 0 or world < 1:
@@ -130,7 +130,7 @@ class Traffic:
         ``world`` the size of the group (1: a collective sends nothing; a send its payload)."""
         n = tensor.numel() * tensor.element_size()
         self._bytes[(kind, what)] += n
-        self._sent[(kind, what)] += sent_bytes(kind, n, world)
+        self._sent[(kind, what)] += sent_bytes(kind, n, world=world)
 
     def bytes(self, kind: str | None = None, what: str | None = None) -> int:
         """Bytes of collectives of ``kind`` carrying ``what`` (``None``: any) since the last reset."""
@@ -178,36 +178,32 @@ class Traffic:
 traffic = Traffic()
 
 
-def _world(group) -> int:
-    return dist.get_world_size(group)
-
-
 def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what: str = "other",
                op=dist.ReduceOp.SUM):
     """``dist.all_reduce`` of ``tensor`` in place (a sum unless ``op`` says otherwise),
     counted in :data:`traffic` (payload: ``tensor``'s bytes)."""
-    traffic.add("all_reduce", what, tensor, world=_world(group))
+    traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = False, what: str = "other"):
     """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`
     (payload: ``tensor``'s bytes, on every rank)."""
-    traffic.add("broadcast", what, tensor, world=_world(group))
+    traffic.add("broadcast", what, tensor, world=dist.get_world_size(group))
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                     what: str = "other"):
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
-    traffic.add("all_gather", what, input, world=_world(group))
+    traffic.add("all_gather", what, input, world=dist.get_world_size(group))
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                         what: str = "other"):
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""
-    traffic.add("reduce_scatter", what, input, world=_world(group))
+    traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group))
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
 
 
