@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.options import SPELLINGS, CompileOptions
 from fzero.train_state import TrainState
@@ -88,7 +89,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
             ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
-            ``buffer_sync``, ``donate``.
+            ``buffer_sync``, ``donate``, ``comm_bytes``, ``tp``, ``pipeline``.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
     (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
@@ -96,7 +97,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
-        Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...).
+        Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...; with
+        ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind).
 
     Raises:
         TypeError: unknown options (the message names each, with the nearest valid one).
@@ -111,11 +113,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         >>> def train_step(state, batch):
         ...     loss, g = fzero.value_and_grad(lambda p: state.apply_fn(p, batch).pow(2).mean())(state.params)
         ...     return state.apply_gradients(g), {"loss": loss}
-        >>> step = fzero.compile(train_step, clip_norm=1.0)
+        >>> step = fzero.compile(train_step, clip_norm=1.0, comm_bytes=True)
         >>> state = step.init(state)
         >>> state, metrics = step(state, torch.ones(4, 2))
         >>> sorted(metrics)
-        ['grad_norm', 'loss']
+        ['comm_bytes', 'grad_norm', 'loss']
+        >>> metrics["comm_bytes"]["total"]      # one process: nothing sent
+        Fraction(0, 1)
     """
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     opts, cfg = _options(config, options, mesh)
@@ -188,6 +192,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     def call(state, batch):
         if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
             raise state.params.error()
+        # The traffic counter only grows; the step's share is the difference, so a caller
+        # counting over several steps (comm.traffic itself) is not disturbed.
+        before = comm.traffic.copy() if opts.comm_bytes else None
         with collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
             out = inner(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
@@ -198,7 +205,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         new, metrics = out
         if donating is not None and isinstance(state, TrainState) and new is not state:
             donated(state, int(new.step))
-        return new, {**metrics, **emitted}
+        metrics = {**metrics, **emitted}
+        if before is not None:
+            metrics["comm_bytes"] = (comm.traffic - before).comm_bytes()
+        return new, metrics
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
     step.mesh = mesh

@@ -105,6 +105,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "overlap_comm": _bool,
     "buffer_sync": _choice("broadcast", "mean", "local"),
     "donate": _bool,
+    "comm_bytes": _bool,
     "tp": _plan,
     "pipeline": _pipeline,
 }
@@ -192,6 +193,17 @@ class CompileOptions:
     used (the step marks it, so passing it again is an error). Write
     ``state, metrics = step(state, batch)``; ``False`` keeps every input state intact (a
     pure step, a new state each call)."""
+
+    comm_bytes: bool = False
+    """Report this rank's communication in the step's ``metrics["comm_bytes"]``: a dict of
+    the bytes it sent on the wire in that step, by kind (``"all_reduce"``,
+    ``"reduce_scatter"``, ``"all_gather"``, ``"broadcast"``, ``"send"``, each present, 0
+    when none) and their ``"total"``, as exact :class:`fractions.Fraction` values (``float()``
+    them to log). Bytes sent are the ring algorithms' (:func:`fzero.distributed.comm.sent_bytes`:
+    an all-reduce of ``S`` bytes over ``N`` ranks sends ``2 S (N - 1) / N``), counted from
+    the step's first collective to its last, every micro-batch of an update included.
+    Counting only reads sizes, so the step computes the same; off, ``metrics`` has no such
+    key. DeepSpeed's config spells it ``"comms_logger": {"enabled": true}``."""
 
     tp: Mapping[str, Any] | Literal["auto"] | None = None
     """The tensor-parallel plan over the mesh's ``tp`` axis (:func:`fzero.tensor_parallel`):

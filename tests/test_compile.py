@@ -76,6 +76,29 @@ def test_bad_option_values():
         fzero.compile(ft.mse_step, clip_norm=-1)
 
 
+def test_comm_bytes_is_opt_in_and_adds_one_metric_without_changing_the_step():
+    """Off (the default), metrics are the user's and fzero's as before; on, one more key. The
+    multi-rank byte counts are in tests/test_comm.py."""
+    torch.manual_seed(0)
+    batches = [{"x": torch.randn(8, 4), "y": torch.randn(8, 2)} for _ in range(3)]
+    runs = {}
+    for on in (False, True):
+        apply, params = fzero.functionalize(torch.nn.Linear(4, 2))
+        params = {k: torch.full_like(v, 0.1) for k, v in params.items()}
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+        step = fzero.compile(ft.mse_step, clip_norm=1.0, comm_bytes=on)
+        state = step.init(state)
+        for b in batches:
+            state, metrics = step(state, b)
+        runs[on] = (state, metrics)
+    assert sorted(runs[False][1]) == ["grad_norm", "loss"]
+    assert sorted(runs[True][1]) == ["comm_bytes", "grad_norm", "loss"]
+    assert runs[True][1]["comm_bytes"]["total"] == 0
+    ft.assert_trees_close(runs[True][0].params, runs[False][0].params, tol="exact", what="params")
+    with pytest.raises(ValueError, match=r"comm_bytes='yes' must be True or False"):
+        fzero.compile(ft.mse_step, comm_bytes="yes")
+
+
 def test_step_output_and_init_checked():
     step = fzero.compile(lambda s, b: s)
     with pytest.raises(TypeError, match=r"must return \(state, metrics\)"):

@@ -790,3 +790,41 @@ def test_the_pipeline_section_is_read_and_checked_against_the_mesh():
         load(base(pipeline={"stage": 2}))
     with pytest.raises(ValueError, match=r"the config has a pipeline section: pass pipeline=fzero.pipeline"):
         fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(pipeline={"stages": 2}))
+
+
+def test_comms_logger_enabled_is_compile_comm_bytes():
+    """DeepSpeed's comms_logger.enabled asks each step's metrics for the bytes this rank sent
+    (compile(comm_bytes=)); its printing knobs are accepted with no effect."""
+    cfg = load(base(comms_logger={"enabled": True}))
+    assert cfg.comms_logger is True and cfg.compile_options().comm_bytes is True
+    assert cfg.decided_options()["comm_bytes"] is True
+    assert load(base(comms_logger={"enabled": False})).decided_options()["comm_bytes"] is False
+    assert load(base(comms_logger={})).compile_options().comm_bytes is False  # DeepSpeed's default
+    assert load(base()).comms_logger is None and "comm_bytes" not in load(base()).decided_options()
+    # DeepSpeed's defaults of the other keys are quiet; other values are listed, as every no-op key
+    assert load(base(comms_logger={"enabled": True, "verbose": False, "prof_all": True, "prof_ops": [],
+                                   "debug": False})).ignored == ()
+    with pytest.warns(UserWarning, match="comms_logger.verbose"):
+        cfg = Config.load(base(comms_logger={"enabled": True, "verbose": True, "prof_all": False,
+                                             "prof_ops": ["all_reduce"], "debug": True}))
+    assert [e.split(" (")[0] for e in cfg.ignored] == [
+        "comms_logger.verbose", "comms_logger.prof_all", "comms_logger.prof_ops", "comms_logger.debug"]
+    with pytest.raises(ConfigKeyError, match=r"unknown key 'comms_logger.enable'; did you mean 'comms_logger.enabled'"):
+        load(base(comms_logger={"enable": True}))
+    with pytest.raises(TypeError, match=r"comms_logger.enabled must be true or false, got 1"):
+        load(base(comms_logger={"enabled": 1}))
+    with pytest.raises(TypeError, match=r"comms_logger must be a JSON object"):
+        load(base(comms_logger=True))
+
+
+def test_comms_logger_reaches_the_compiled_step_and_a_keyword_may_not_contradict_it():
+    apply, params = fzero.functionalize(torch.nn.Linear(4, 2))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.sgd(0.1))
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(comms_logger={"enabled": True}))
+    assert step.options.comm_bytes is True
+    _, metrics = step(step.init(state), {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
+    assert list(metrics["comm_bytes"]) == ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "total"]
+    assert metrics["comm_bytes"]["total"] == 0  # one process sends nothing
+    assert fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(), comm_bytes=True).options.comm_bytes
+    with pytest.raises(ValueError, match=r"comm_bytes=False contradicts the config's comm_bytes=True"):
+        fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(comms_logger={"enabled": True}), comm_bytes=False)

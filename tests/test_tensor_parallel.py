@@ -522,8 +522,8 @@ def _lm_tp_equals_plain(tx_name: str, path: str):
     shapes = {k: tuple(state.params[k].shape) for k in ("embed.weight", "lm_head.weight", "lm_head.bias")}
     traffic = fzero.distributed.comm.traffic
     sizes, add = [], traffic.add
-    traffic.add = lambda kind, what, t: (sizes.append((kind, what, t.numel() * t.element_size())),
-                                         add(kind, what, t))[1]
+    traffic.add = lambda kind, what, t, **kw: (sizes.append((kind, what, t.numel() * t.element_size())),
+                                               add(kind, what, t, **kw))[1]
     try:
         state, losses, _ = _run(step, state, batches)
     finally:

@@ -16,7 +16,7 @@ import torch
 from fzero.config import _load
 from fzero.config._keys import _COMM_DTYPES, GRADIENT_CLIPPING_DEFAULT
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
-from fzero.config._values import WHERE, _int, _num
+from fzero.config._values import WHERE, _bool, _int, _num
 from fzero.optim import GradientTransformation, schedules
 
 __all__ = ["Config"]
@@ -137,6 +137,12 @@ class Config:
     splits the common Linear layouts over the mesh's ``tp`` axis, which must have this size
     (``compile(tp="auto")``, :func:`fzero.transforms.tensor_parallel.auto_plan`)."""
 
+    comms_logger: bool | None = None
+    """``comms_logger.enabled``: each step's ``metrics["comm_bytes"]`` says the bytes this
+    rank sent, by collective kind (``fzero.compile(comm_bytes=)``); ``None`` when the config
+    has no ``comms_logger`` section. Its other keys (``verbose``, ``prof_all``,
+    ``prof_ops``, ``debug``) choose what DeepSpeed prints and are accepted with no effect."""
+
     ignored: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
     (only those whose value differs from DeepSpeed's default)."""
@@ -170,6 +176,8 @@ class Config:
         if self.communication_data_type is not None and self.communication_data_type not in _COMM_DTYPES:
             raise ValueError(f"{WHERE}: communication_data_type must be one of "
                              f"{', '.join(map(repr, _COMM_DTYPES))}, got {self.communication_data_type!r}")
+        if self.comms_logger is not None:
+            _bool("comms_logger.enabled", self.comms_logger)
         object.__setattr__(self, "ignored", tuple(self.ignored))
 
     # ------------------------------------------------------------------ reading
@@ -235,8 +243,9 @@ class Config:
         true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
         (gradient_accumulation_steps) and ``clip_norm`` (gradient_clipping, ``None`` for 0);
         ``bucket_bytes`` (reduce_bucket_size in bytes) and ``overlap_comm`` when the config
-        writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type. A
-        keyword of ``fzero.compile`` may set the others, never contradict these.
+        writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type,
+        ``comm_bytes`` (``comms_logger.enabled``) when the config has a ``comms_logger``
+        section. A keyword of ``fzero.compile`` may set the others, never contradict these.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
@@ -264,6 +273,8 @@ class Config:
             opts["reduce_in"] = comm_dtype
         if self.autotp_size > 1:
             opts["tp"] = "auto"
+        if self.comms_logger is not None:
+            opts["comm_bytes"] = self.comms_logger
         return opts
 
     def compile_options(self) -> "CompileOptions":

@@ -128,7 +128,7 @@ _TOP: dict[str, _Rule] = {
     "csv_monitor": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
     "comet": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
     "flops_profiler": _noop("fzero has no FLOPs profiler", _enabled),
-    "comms_logger": _noop("fzero does not log collectives", _enabled),
+    "comms_logger": _USE,
     "timers": _noop("DeepSpeed's throughput timers", _never),
     "autotuning": _noop("autotuning is a DeepSpeed launcher feature", _enabled),
     "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
@@ -329,6 +329,18 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 
 # communication_data_type -> (compile's reduce_in, bytes per reduced element)
 _COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}
+
+
+# DeepSpeed's ``comms_logger`` section (deepspeed/comm/config.py, DeepSpeedCommsConfig). Its
+# ``enabled`` is ``compile(comm_bytes=)``: each step's metrics carry the bytes this rank sent,
+# by collective kind. The rest choose what DeepSpeed prints and times, which fzero does not.
+_COMMS_LOGGER: dict[str, _Rule] = {
+    "enabled": _USE,
+    "verbose": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]"),
+    "prof_all": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs(True)),
+    "prof_ops": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs([])),
+    "debug": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]"),
+}
 
 
 # DeepSpeed's ``pipeline`` section (deepspeed.runtime.config's pipeline defaults). The stages

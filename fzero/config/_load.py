@@ -13,6 +13,7 @@ from fzero.config._keys import (
     _BF16,
     _CANONICAL,
     _COMM_DTYPES,
+    _COMMS_LOGGER,
     _FP16,
     _SCHEDULERS,
     _TOP,
@@ -25,7 +26,7 @@ from fzero.config._keys import (
     _PIPELINE,
 )
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
-from fzero.config._values import WHERE, _int, _section
+from fzero.config._values import WHERE, _bool, _int, _section
 
 if TYPE_CHECKING:
     from fzero.config._config import Config
@@ -144,6 +145,10 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                                  + (f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""))
         if section.get("autotp_size") is not None:
             kw["autotp_size"] = _int("tensor_parallel.autotp_size", section["autotp_size"], minimum=1)
+    logger = top.get("comms_logger")
+    if logger is not None:
+        section = _fields("comms_logger.", _section("comms_logger", logger), _COMMS_LOGGER, noted)
+        kw["comms_logger"] = _bool("comms_logger.enabled", section.get("enabled", False))
     comm = top.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:

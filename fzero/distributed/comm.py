@@ -1,8 +1,10 @@
 """Collectives with names: a failure or a timeout says which collective, on which rank.
 
-The data collectives (:func:`all_reduce`, :func:`all_gather_flat`,
-:func:`reduce_scatter_flat`) are counted in :data:`traffic`, so a test or a benchmark can
-say how many bytes a step handed to each kind of collective.
+The data collectives (:func:`all_reduce`, :func:`broadcast`, :func:`all_gather_flat`,
+:func:`reduce_scatter_flat`) and the pipeline's point-to-point sends and receives
+(:class:`fzero.distributed.p2p.Channel`) are counted in :data:`traffic`, so a test, a
+benchmark or a step's metrics (``fzero.compile(comm_bytes=True)``) can say how many bytes
+a step handed to each kind of collective, and how many it sent on the wire.
 """
 
 from __future__ import annotations
@@ -10,82 +12,198 @@ from __future__ import annotations
 import collections
 import datetime
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "reduce_scatter_flat", "run",
-           "start", "traffic"]
+__all__ = ["KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
+           "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on
 # the GPU machines) has only the old ones. Same arguments either way.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+#: The kinds of communication that send bytes, in the order :meth:`Traffic.comm_bytes` lists
+#: them. A receive (kind ``"recv"``) is counted as payload but sends nothing.
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
+
+
+def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
+    """Bytes one rank sends on the wire when it hands ``payload`` bytes to a collective of
+    ``kind`` over a group of ``world`` ranks, under the bandwidth-optimal ring algorithms.
+
+    With ``S`` the payload and ``N`` the group size:
+
+    =================  ===================  ==============================================
+    kind               payload ``S``        bytes sent by each rank
+    =================  ===================  ==============================================
+    ``all_reduce``     the tensor           ``2 S (N - 1) / N`` (reduce-scatter, then
+                                            all-gather, each ``N - 1`` chunks of ``S / N``)
+    ``reduce_scatter`` the whole input      ``S (N - 1) / N``
+    ``all_gather``     this rank's input    ``S (N - 1)`` (the output is ``N S``)
+    ``broadcast``      the tensor           ``S (N - 1) / N``: a pipelined ring, where the
+                                            root and every rank but the last forward ``S``
+                                            (``S (N - 1)`` in all), averaged over the ranks
+    ``send``           the tensor           ``S`` (point to point)
+    ``recv``           the buffer           0
+    =================  ===================  ==============================================
+
+    The result is exact (a :class:`fractions.Fraction`; whole whenever ``N`` divides
+    ``S``, as it does for every flat ZeRO group, padded to a multiple of ``N``). A collective
+    over a group of one sends nothing. This is the algorithms' bandwidth term, what NCCL's ring moves and
+    what the ZeRO paper counts (2Ψ per step for data parallelism, 3Ψ at stage 3); a tree or
+    a different chunking moves other bytes, and latency is not counted.
+
+    Raises:
+        ValueError: an unknown ``kind``, a negative ``payload`` or a ``world`` below 1.
+
+    Example:
+        >>> sent_bytes("all_reduce", 1000, world=4), sent_bytes("all_gather", 250, world=4)
+        (Fraction(1500, 1), Fraction(750, 1))
+        >>> sent_bytes("broadcast", 4, world=3), sent_bytes("send", 12, world=2), sent_bytes("all_reduce", 8, world=1)
+        (Fraction(8, 3), Fraction(12, 1), Fraction(0, 1))
+    """
+    if payload < 0 or world < 1:
+        raise ValueError(f"fzero.distributed.comm.sent_bytes: payload={payload!r} must be >= 0 and world={world!r} "
+                         ">= 1")
+    n = world
+    if kind == "all_reduce":
+        return Fraction(2 * payload * (n - 1), n)
+    if kind in ("reduce_scatter", "broadcast"):
+        return Fraction(payload * (n - 1), n)
+    if kind == "all_gather":
+        return Fraction(payload * (n - 1))
+    if kind == "send":
+        return Fraction(payload)
+    if kind == "recv":
+        return Fraction(0)
+    raise ValueError(f"fzero.distributed.comm.sent_bytes: unknown kind {kind!r}; expected one of "
+                     f"{', '.join(KINDS)} or recv")
+
 
 class Traffic:
-    """Bytes this rank handed to collectives, by kind and by what they carried.
+    """Bytes this rank handed to collectives and sent on the wire, by kind and by what
+    they carried.
 
-    A count is the payload this rank contributes, ``numel * itemsize`` of the flat tensor
-    given to the collective: the padded group buffer of a gradient all-reduce or
-    reduce-scatter, the owned slice of an all-gather. It is not the bytes on the wire,
-    which the algorithm multiplies (a ring all-reduce sends ``2 (N - 1) / N`` of it), so
-    counts compare across settings of one world size.
+    Two measures of each call, both per rank:
+
+    * :meth:`bytes`, the *payload*: ``numel * itemsize`` of the tensor this rank hands to
+      the collective (the padded group buffer of a gradient all-reduce or reduce-scatter,
+      the owned slice of an all-gather, the tensor sent or the buffer received). It
+      compares across settings of one world size.
+    * :meth:`sent`, the bytes this rank *sends on the wire* for it under the ring
+      algorithms, by :func:`sent_bytes` of the payload and the size of the group passed
+      (``dist.get_world_size(group)``); exact, a :class:`fractions.Fraction`.
+
+    ``what`` says what a call carried: ``"gradients"``, ``"parameters"`` (ZeRO),
+    ``"loss"``, ``"psum"``, ``"metadata"`` (batch sizes, shapes), ``"buffers"``,
+    ``"gather"`` (:func:`fzero.gather`), ``"user"`` (a reduction over a partitioned
+    tensor), ``"tp"``, ``"activations"``, ``"activation_gradients"``,
+    ``"tied_gradients"`` (pipelines) or ``"other"``.
+
+    The counts only grow; a step's share is a difference (``traffic - before``, with
+    ``before = traffic.copy()``), or :meth:`reset` clears them.
 
     Example:
         >>> import torch
         >>> t = Traffic()
-        >>> t.add("all_reduce", "gradients", torch.zeros(10))
+        >>> t.add("all_reduce", "gradients", torch.zeros(10), world=4)
         >>> t.bytes("all_reduce", "gradients"), t.bytes("all_gather")
         (40, 0)
+        >>> t.sent("all_reduce")                      # 2 * 40 * (4 - 1) / 4
+        Fraction(60, 1)
+        >>> before = t.copy()
+        >>> t.add("send", "activations", torch.zeros(3, dtype=torch.bfloat16))
+        >>> step = t - before
+        >>> step.bytes(), step.comm_bytes()["send"], step.comm_bytes()["total"]
+        (6, Fraction(6, 1), Fraction(6, 1))
     """
 
     def __init__(self) -> None:
         self._bytes: collections.Counter = collections.Counter()
+        self._sent: collections.Counter = collections.Counter()
 
-    def add(self, kind: str, what: str, tensor: torch.Tensor) -> None:
-        self._bytes[(kind, what)] += tensor.numel() * tensor.element_size()
+    def add(self, kind: str, what: str, tensor: torch.Tensor, *, world: int = 1) -> None:
+        """Count a call of ``kind`` carrying ``what``: ``tensor`` is this rank's payload,
+        ``world`` the size of the group (1: a collective sends nothing; a send its payload)."""
+        n = tensor.numel() * tensor.element_size()
+        self._bytes[(kind, what)] += n
+        self._sent[(kind, what)] += sent_bytes(kind, n, world=world)
 
     def bytes(self, kind: str | None = None, what: str | None = None) -> int:
         """Bytes of collectives of ``kind`` carrying ``what`` (``None``: any) since the last reset."""
         return sum(n for (k, w), n in self._bytes.items() if kind in (None, k) and what in (None, w))
 
+    def sent(self, kind: str | None = None, what: str | None = None) -> Fraction:
+        """Bytes this rank sent on the wire in calls of ``kind`` carrying ``what`` (``None``:
+        any) since the last reset (:func:`sent_bytes` of each call)."""
+        return sum((n for (k, w), n in self._sent.items() if kind in (None, k) and what in (None, w)), Fraction(0))
+
+    def comm_bytes(self) -> dict[str, Fraction]:
+        """Bytes sent on the wire by kind, every kind of :data:`KINDS` present (0 if none),
+        and their ``"total"``: what ``fzero.compile(comm_bytes=True)`` puts in a step's
+        ``metrics["comm_bytes"]``."""
+        out = {kind: self.sent(kind) for kind in KINDS}
+        out["total"] = sum(out.values(), Fraction(0))
+        return out
+
+    def copy(self) -> "Traffic":
+        """An independent copy of the counts (to take a difference with later)."""
+        out = Traffic()
+        out._bytes.update(self._bytes)
+        out._sent.update(self._sent)
+        return out
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        """The counts since ``other`` (an earlier :meth:`copy` of this one)."""
+        out = Traffic()
+        for mine, theirs, into in ((self._bytes, other._bytes, out._bytes), (self._sent, other._sent, out._sent)):
+            for key in mine.keys() | theirs.keys():
+                if mine[key] != theirs[key]:
+                    into[key] = mine[key] - theirs[key]
+        return out
+
     def reset(self) -> None:
         self._bytes.clear()
+        self._sent.clear()
 
     def __repr__(self) -> str:
         return f"Traffic({dict(self._bytes)})"
 
 
-#: This process's (so this rank's) count of every collective made through this module.
+#: This process's (so this rank's) count of every collective made through this module and
+#: every send and receive of :class:`fzero.distributed.p2p.Channel`.
 traffic = Traffic()
 
 
 def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what: str = "other",
                op=dist.ReduceOp.SUM):
     """``dist.all_reduce`` of ``tensor`` in place (a sum unless ``op`` says otherwise),
-    counted in :data:`traffic`."""
-    traffic.add("all_reduce", what, tensor)
+    counted in :data:`traffic` (payload: ``tensor``'s bytes)."""
+    traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = False, what: str = "other"):
-    """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`."""
-    traffic.add("broadcast", what, tensor)
+    """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`
+    (payload: ``tensor``'s bytes, on every rank)."""
+    traffic.add("broadcast", what, tensor, world=dist.get_world_size(group))
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                     what: str = "other"):
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
-    traffic.add("all_gather", what, input)
+    traffic.add("all_gather", what, input, world=dist.get_world_size(group))
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                         what: str = "other"):
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""
-    traffic.add("reduce_scatter", what, input)
+    traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group))
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
 
 

@@ -9,6 +9,10 @@ rank, instead of a hang.
 
 Ranks are given as positions on the axis (``0 .. size-1``); the global rank of a position is
 looked up once.
+
+Every send and receive is counted in :data:`fzero.distributed.comm.traffic` (kinds
+``"send"`` and ``"recv"``, by what they carry): a send of ``S`` bytes sends ``S``, a
+receive sends nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fzero.distributed import device_check
-from fzero.distributed.comm import CollectiveError
+from fzero.distributed.comm import CollectiveError, traffic
 
 __all__ = ["Channel"]
 
@@ -29,10 +33,10 @@ def _rank() -> int:
 
 
 class _Send:
-    __slots__ = ("work", "tensor", "what")
+    __slots__ = ("work", "tensor", "name")
 
-    def __init__(self, work, tensor, what):
-        self.work, self.tensor, self.what = work, tensor, what
+    def __init__(self, work, tensor, name):
+        self.work, self.tensor, self.name = work, tensor, name
 
 
 class Channel:
@@ -42,6 +46,11 @@ class Channel:
         group: the process group of the axis (``mesh.group(axis)``).
         timeout_s: how long a receive (or the wait for a send) may take.
         where: the public function to name in errors (``"fzero.pipeline"``).
+
+    Each call takes a ``name`` (what it moves, in words, for errors: ``"the activation of
+    micro-batch 3"``) and ``what``, the label it is counted under in
+    :data:`fzero.distributed.comm.traffic` (``"activations"``, ``"activation_gradients"``,
+    ``"tied_gradients"``; default ``"other"``).
     """
 
     def __init__(self, group, *, timeout_s: float, where: str):
@@ -53,34 +62,38 @@ class Channel:
     def global_rank(self, position: int) -> int:
         return self._global[position]
 
-    def isend(self, tensor: torch.Tensor, to: int, what: str, *, tag: int = 0) -> None:
-        """Start sending ``tensor`` to position ``to``; it is kept alive until :meth:`flush`."""
+    def isend(self, tensor: torch.Tensor, to: int, name: str, *, what: str = "other", tag: int = 0) -> None:
+        """Start sending ``tensor`` to position ``to``; it is kept alive until :meth:`flush`.
+        Counted as a ``"send"`` of ``what``: ``tensor``'s bytes."""
         tensor = tensor.contiguous()
+        traffic.add("send", what, tensor)
         try:
-            with device_check.guard(f"send of {what}", self.where):
+            with device_check.guard(f"send of {name}", self.where):
                 work = dist.isend(tensor, dst=self._global[to], group=self.group, tag=tag)
         except device_check.DeviceMismatchError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CollectiveError(f"{self.where}: send of {what} to rank {self._global[to]} failed to start "
+            raise CollectiveError(f"{self.where}: send of {name} to rank {self._global[to]} failed to start "
                                   f"on rank {_rank()}: {e}") from e
-        self._sends.append(_Send(work, tensor, what))
+        self._sends.append(_Send(work, tensor, name))
         # Drop the sends that are already done, so what they keep alive can go.
         if len(self._sends) > 8:
             self._sends = [s for s in self._sends if not s.work.is_completed()]
 
-    def recv(self, buf: torch.Tensor, frm: int, what: str, *, tag: int = 0) -> torch.Tensor:
-        """Receive ``what`` from position ``frm`` into ``buf`` (waits at most ``timeout_s``)."""
+    def recv(self, buf: torch.Tensor, frm: int, name: str, *, what: str = "other", tag: int = 0) -> torch.Tensor:
+        """Receive ``name`` from position ``frm`` into ``buf`` (waits at most ``timeout_s``).
+        Counted as a ``"recv"`` of ``what``: ``buf``'s bytes, none sent."""
         src = self._global[frm]
+        traffic.add("recv", what, buf)
         try:
-            with device_check.guard(f"receive of {what}", self.where):
+            with device_check.guard(f"receive of {name}", self.where):
                 work = dist.irecv(buf, src=src, group=self.group, tag=tag)
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except device_check.DeviceMismatchError:
             raise
         except Exception as e:  # noqa: BLE001
             raise CollectiveError(
-                f"{self.where}: rank {_rank()} waited for {what} from rank {src} and got nothing within "
+                f"{self.where}: rank {_rank()} waited for {name} from rank {src} and got nothing within "
                 f"{self.timeout_s:g} s (that rank may have raised, died or taken another path): {e}") from e
         return buf
 
@@ -91,5 +104,5 @@ class Channel:
             try:
                 s.work.wait(datetime.timedelta(seconds=self.timeout_s))
             except Exception as e:  # noqa: BLE001
-                raise CollectiveError(f"{self.where}: send of {s.what} from rank {_rank()} did not complete "
+                raise CollectiveError(f"{self.where}: send of {s.name} from rank {_rank()} did not complete "
                                       f"within {self.timeout_s:g} s: {e}") from e

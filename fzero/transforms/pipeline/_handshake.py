@@ -44,10 +44,12 @@ def _signature(x) -> tuple:
     return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in tree.leaves(x))
 
 
-def broadcast(t: torch.Tensor, src_stage: int, name: str, *, group, timeout_s: float) -> torch.Tensor:
-    """``t`` from the rank running ``src_stage`` to every stage, in place; named and timed."""
+def broadcast(t: torch.Tensor, src_stage: int, name: str, *, group, timeout_s: float,
+              what: str = "metadata") -> torch.Tensor:
+    """``t`` from the rank running ``src_stage`` to every stage, in place; named, timed and
+    counted in ``comm.traffic`` as ``what``."""
     src = dist.get_global_rank(group, src_stage)
-    comm.run(name, lambda: dist.broadcast(t, src=src, group=group, async_op=True),
+    comm.run(name, lambda: comm.broadcast(t, src=src, group=group, async_op=True, what=what),
              timeout_s=timeout_s, where=WHERE)
     return t
 

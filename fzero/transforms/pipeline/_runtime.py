@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import Params, frozen_names, trainable
@@ -171,11 +170,11 @@ class Pipeline:
             if k == self.stage:
                 for i, n in enumerate(names):
                     hdr[i] = torch.tensor(_encode(full[n].shape, full[n].dtype))
-            self._broadcast(hdr, k, f"broadcast(parameter shapes of stage {k})")
+            self._broadcast(hdr, k, f"broadcast(parameter shapes of stage {k})", "metadata")
             for i, n in enumerate(names):
                 shape, dtype = _decode(hdr[i])
                 t = full[n] if k == self.stage else torch.empty(shape, dtype=dtype, device=self.device)
-                self._broadcast(t, k, f"broadcast(parameter {n!r} of stage {k})")
+                self._broadcast(t, k, f"broadcast(parameter {n!r} of stage {k})", "gather")
                 out[n] = t
         return out
 
@@ -222,8 +221,8 @@ class Pipeline:
             self._channel = Channel(self.group, timeout_s=self.timeout_s, where=WHERE)
         return self._channel
 
-    def _broadcast(self, t: torch.Tensor, src_stage: int, name: str) -> torch.Tensor:
-        return broadcast(t, src_stage, name, group=self.group, timeout_s=self.timeout_s)
+    def _broadcast(self, t: torch.Tensor, src_stage: int, name: str, what: str) -> torch.Tensor:
+        return broadcast(t, src_stage, name, group=self.group, timeout_s=self.timeout_s, what=what)
 
     # ---------------------------------------------------------------- the schedule
 
@@ -258,7 +257,8 @@ class Pipeline:
                     inp = xs[j]
                 else:
                     inp = torch.empty(in_meta[0], dtype=in_meta[1], device=self.device)
-                    self.channel.recv(inp, s - 1, f"the activation of micro-batch {j} (stage {s - 1} -> {s})")
+                    self.channel.recv(inp, s - 1, f"the activation of micro-batch {j} (stage {s - 1} -> {s})",
+                                      what="activations")
                     if grads_in:
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
@@ -275,7 +275,7 @@ class Pipeline:
                         raise StageError(f"{WHERE}: stage {s} gave {_fmt(out.shape, out.dtype)} on micro-batch "
                                          f"{j}, but {_fmt(*out_meta)} on micro-batch 0 of the first step: "
                                          "shapes must not change between micro-batches")
-                    self.channel.isend(out.detach(), s + 1, f"the activation of micro-batch {j}")
+                    self.channel.isend(out.detach(), s + 1, f"the activation of micro-batch {j}", what="activations")
                 saved[j] = (inp, out)
                 in_flight += 1
                 max_in_flight = max(max_in_flight, in_flight)
@@ -285,7 +285,8 @@ class Pipeline:
                 out, seed = out.float(), torch.tensor(scale, dtype=torch.float32, device=out.device)
             elif grads_out:
                 seed = torch.empty(out_meta[0], dtype=out_meta[1], device=self.device)
-                self.channel.recv(seed, s + 1, f"the gradient of micro-batch {j} (stage {s + 1} -> {s})")
+                self.channel.recv(seed, s + 1, f"the gradient of micro-batch {j} (stage {s + 1} -> {s})",
+                                  what="activation_gradients")
             else:
                 seed = None
             send_grad = not first and grads_in
@@ -308,7 +309,8 @@ class Pipeline:
             compute += time.perf_counter() - t0
             if send_grad:
                 g_in = gs[-1] if gs[-1] is not None else torch.zeros_like(inp)
-                self.channel.isend(g_in.detach(), s - 1, f"the gradient of micro-batch {j}")
+                self.channel.isend(g_in.detach(), s - 1, f"the gradient of micro-batch {j}",
+                                   what="activation_gradients")
             del inp, out, gs
             in_flight -= 1
         if p > 1:
@@ -346,7 +348,7 @@ class Pipeline:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.p > 1:
             total = total.reshape(1)
-            self._broadcast(total, self.p - 1, "broadcast(loss from the last stage)")
+            self._broadcast(total, self.p - 1, "broadcast(loss from the last stage)", "loss")
             total = total.reshape(())
         return total
 
@@ -366,7 +368,7 @@ class _PipelineHandler(Handler):
         if pipe.p > 1 and isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.reshape(1).clone()
             comm.run("all_reduce(psum over pp)",
-                     lambda: dist.all_reduce(value, group=pipe.group, async_op=True),
+                     lambda: comm.all_reduce(value, group=pipe.group, async_op=True, what="psum"),
                      timeout_s=pipe.timeout_s, where=WHERE)
             value = value.reshape(())
         return next(value)

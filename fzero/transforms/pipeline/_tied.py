@@ -46,11 +46,11 @@ def sum_tied_grads(params: dict, targets: list, acc: list, *, tied: dict[str, tu
             mine[n] = _grad_of(params[n], targets, acc)
     for h, ns in shared.items():
         channel.isend(torch.cat([mine[n].float().reshape(-1) for n in ns]), h,
-                      f"the gradients of tied weights {ns}", tag=1)
+                      f"the gradients of tied weights {ns}", what="tied_gradients", tag=1)
     received: dict[int, dict[str, torch.Tensor]] = {}
     for h, ns in shared.items():
         buf = torch.empty(sum(mine[n].numel() for n in ns), dtype=torch.float32, device=device)
-        channel.recv(buf, h, f"the gradients of tied weights {ns} (stage {h} -> {s})", tag=1)
+        channel.recv(buf, h, f"the gradients of tied weights {ns} (stage {h} -> {s})", what="tied_gradients", tag=1)
         parts = buf.split([mine[n].numel() for n in ns])
         received[h] = {n: t.view(mine[n].shape) for n, t in zip(ns, parts)}
     channel.flush()

@@ -1,0 +1,313 @@
+"""comm's traffic on real ranks: the bytes each rank sends per step, by collective kind and by
+what it carried, against the formulas of docs/zero.md.
+
+Every expected count is computed here, from the model's parameter shapes and the world size
+by the documented layout rule (below), never from fzero's layout or counter. A rank's count
+is what it sends on the wire under the ring algorithms (``comm.sent_bytes``): with a payload
+of ``S`` bytes over ``N`` ranks, an all-reduce sends ``2 S (N-1)/N``, a reduce-scatter of an
+``S``-byte input ``S (N-1)/N``, an all-gather of an ``s``-byte input ``s (N-1)``, a
+broadcast ``S (N-1)/N`` and a send ``S``.
+
+The layout rule (docs/zero.md): parameters are packed into flat groups, each padded to a
+multiple of N. At stages 0-2 the groups are buckets of consecutive parameters up to
+``bucket_bytes``: one group for the whole model with a large bucket, one group per parameter
+with ``bucket_bytes=1``. At stage 3 each element of an ``nn.ModuleList`` (a *unit*) is a
+group of its own and the other parameters are bucketed as above. ``Ψp`` below is the sum of
+the padded group sizes, in elements.
+"""
+
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fzero
+import fzero.testing as ft
+from fzero import optim
+from fzero.distributed import comm
+
+
+def multirank(test):
+    """Spawns real ranks: left out of ``make test-fast``."""
+    return pytest.mark.slow(pytest.mark.multirank(test))
+
+
+N = 2  # ranks
+MODEL = (4, 5, 2, 3)  # d_in, width, depth, d_out: odd sizes, so padding shows
+BUCKETS = {"one": 2**20, "each": 1}  # bucket_bytes: one group for every loose parameter, or one group each
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
+WHATS = ("gradients", "parameters", "loss", "psum", "metadata", "buffers", "activations", "activation_gradients")
+
+
+class Blocks(nn.Module):
+    """An MLP whose hidden layers sit in a ModuleList: ZeRO-3's units."""
+
+    def __init__(self, d_in, width, depth, d_out):
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _make_model():
+    torch.manual_seed(0)
+    return Blocks(*MODEL)
+
+
+def _batches(steps, rows):
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(rows, MODEL[0], generator=g), "y": torch.randn(rows, MODEL[3], generator=g)}
+            for _ in range(steps)]
+
+
+def _by_what(spent: comm.Traffic) -> dict:
+    """What a step's traffic sent, by (kind, what), the zero entries left out."""
+    out = {(k, w): spent.sent(k, w) for k in KINDS for w in WHATS if spent.sent(k, w)}
+    assert sum(out.values()) == spent.sent(), f"a what outside {WHATS}: {spent!r}"  # nothing else was sent
+    return out
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_sent_bytes_per_kind_is_exact_for_any_group_size():
+    s = 12
+    assert [comm.sent_bytes(k, s, world=3) for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")] == \
+        [16, 8, 24, 8]
+    assert comm.sent_bytes("broadcast", 4, world=3) == Fraction(8, 3)  # a ring's average: the root and one rank send 4
+    assert comm.sent_bytes("send", s, world=5) == s and comm.sent_bytes("recv", s, world=5) == 0
+    assert all(comm.sent_bytes(k, s, world=1) == 0 for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"))
+    with pytest.raises(ValueError, match="unknown kind 'allreduce'"):
+        comm.sent_bytes("allreduce", s, world=2)
+
+
+def test_a_difference_of_traffic_is_what_was_added_in_between():
+    t = comm.Traffic()
+    t.add("all_reduce", "loss", torch.zeros(()), world=3)
+    before = t.copy()
+    t.add("all_gather", "parameters", torch.zeros(5, dtype=torch.bfloat16), world=3)
+    t.add("recv", "activations", torch.zeros(4))
+    step = t - before
+    assert (step.bytes(), step.bytes("recv"), step.sent(), step.sent("all_reduce")) == (26, 16, 20, 0)
+    assert step.comm_bytes() == {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 20, "broadcast": 0, "send": 0,
+                                 "total": 20}
+    assert t.sent() == Fraction(8 * 2, 3) + 20 and before.sent() == Fraction(16, 3)  # neither is changed
+
+
+# --------------------------------------------------------------------------- the formulas
+
+
+def _padded(numel: int) -> int:
+    return -(-numel // N) * N
+
+
+def _psi(stage: int, bucket: str) -> tuple[int, int]:
+    """``(Ψp of the units, Ψp of every other parameter)`` by the layout rule, in elements."""
+    model = Blocks(*MODEL)
+    units = [list(b.parameters()) for b in model.blocks] if stage == 3 else []
+    in_units = {id(p) for u in units for p in u}
+    loose = [p.numel() for p in model.parameters() if id(p) not in in_units]
+    loose_groups = [sum(loose)] if bucket == "one" else loose
+    return sum(_padded(sum(p.numel() for p in u)) for u in units), sum(_padded(g) for g in loose_groups)
+
+
+def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int = 4, bucket: str = "one",
+              overflow_check: bool = False) -> dict:
+    """Bytes one rank sends in one update of ``k`` micro-batches, by (kind, what).
+
+    Gradients and parameters (``f = (N-1)/N``, ``g``/``p`` the bytes per element of the
+    reduced gradient and of the gathered parameter):
+
+    * stage 0: all-reduce of the gradients, ``2 Ψp g f``, once per update (the micro-batches'
+      sum is held and reduced at the last);
+    * stage 1: the same all-reduce, then the updated parameters all-gathered from the owned
+      slices, ``Ψp p f``: ``3 Ψp f`` in all with ``g = p``. (The ZeRO paper's stage 1
+      reduce-scatters, ``2 Ψp``; fzero's all-reduces the full gradient at stage 1, as at
+      stage 0, and keeps the owned slice of it.)
+    * stage 2: reduce-scatter of the gradients every micro-batch, ``k Ψp g f``, and the
+      all-gather of the parameters once, ``Ψp p f``: the paper's ``2 Ψp f`` at ``k = 1``;
+    * stage 3, every micro-batch: a unit is gathered before its forward and again when
+      backward first needs it (a prefetch only starts that same gather earlier), and its
+      gradient reduce-scattered: ``3 Ψu f``; the parameters outside every unit are gathered
+      once for the whole micro-batch and reduce-scattered: ``2 Ψo f``.
+
+    And the small collectives of every step: the loss, all-reduced every micro-batch (one
+    fp32 scalar, ``2·4 f``); the batch-size check, one int64 all-gathered per step
+    (``8 (N-1)``); under mixed precision at stages 1-3 the overflow flag, one fp32 scalar
+    all-reduced through ``psum`` per update.
+    """
+    units, other = _psi(stage, bucket)
+    psi = units + other
+    f = Fraction(N - 1, N)
+    out = {("all_reduce", "loss"): k * 2 * 4 * f, ("all_gather", "metadata"): Fraction(8 * (N - 1))}
+    if stage in (0, 1):
+        out[("all_reduce", "gradients")] = 2 * psi * grad_bytes * f
+    elif stage == 2:
+        out[("reduce_scatter", "gradients")] = k * psi * grad_bytes * f
+    else:
+        out[("reduce_scatter", "gradients")] = k * (units + other) * grad_bytes * f
+        out[("all_gather", "parameters")] = k * (2 * units + other) * param_bytes * f
+    if stage in (1, 2):
+        out[("all_gather", "parameters")] = psi * param_bytes * f
+    if overflow_check and stage >= 1:
+        out[("all_reduce", "psum")] = 2 * 4 * f
+    return out
+
+
+def _by_kind(by_what: dict) -> dict:
+    out = {kind: sum((v for (k, _), v in by_what.items() if k == kind), Fraction(0)) for kind in KINDS[:-1]}
+    out["total"] = sum(out.values(), Fraction(0))
+    return out
+
+
+def test_the_formulas_padding_by_hand():
+    """The rule above on MODEL = Blocks(4, 5, 2, 3): inp 4·5+5 = 25, each block 5·5+5 = 30,
+    out 5·3+3 = 18 elements."""
+    assert _psi(0, "one") == (0, 104)  # 103 padded to 104
+    assert _psi(0, "each") == (0, 20 + 6 + 2 * (26 + 6) + 16 + 4)  # 20, 5, 25, 5, 25, 5, 15, 3 each padded
+    assert _psi(3, "one") == (60, 44)  # two units of 30; inp and out, 43, padded to 44
+    stage2 = _expected(2)
+    assert stage2[("reduce_scatter", "gradients")] + stage2[("all_gather", "parameters")] == 2 * 104 * 4 // 2
+
+
+# --------------------------------------------------------------------------- ZeRO stages
+
+
+def _zero_traffic(stage, bucket, k, dtype, reduce_in, steps=2):
+    """Each step's bytes sent by this rank, by (kind, what) and as the step's
+    ``metrics["comm_bytes"]``; the counted run's parameters equal the uncounted run's."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    batches = _batches(steps, 2 * k * n)
+    out, params = [], {}
+    for on in (True, False):
+        apply, p = fzero.functionalize(_make_model())
+        state = fzero.TrainState.create(apply_fn=apply, params=p, tx=optim.adamw(1e-2))
+        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, accumulate=k, precision=dtype,
+                             reduce_in=reduce_in, bucket_bytes=BUCKETS[bucket], comm_bytes=on)
+        state = step.init(state)
+        for b in batches:
+            before = comm.traffic.copy()
+            state, metrics = step(state, ft.local_batch(b, n, r))
+            if on:
+                out.append((_by_what(comm.traffic - before), metrics["comm_bytes"]))
+            else:
+                assert "comm_bytes" not in metrics
+        params[on] = fzero.gather(state.params)
+    ft.assert_trees_close(params[True], params[False], tol="exact", what=f"params counted or not, rank {r}")
+    return out
+
+
+def _check(results, expected):
+    for r, steps in enumerate(results):
+        for i, (by_what, metric) in enumerate(steps):
+            assert by_what == expected, f"rank {r}, step {i}: {by_what} != {expected}"
+            assert metric == _by_kind(expected), f"rank {r}, step {i}: metrics {metric}"
+
+
+@multirank
+@pytest.mark.parametrize("bucket", ["one", "each"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_stage_sends_the_zero_formula_per_step_and_rank(ranks, stage, bucket):
+    _check(ranks(N).run(_zero_traffic, stage, bucket, 1, "fp32", None), _expected(stage, bucket=bucket))
+
+
+@multirank
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_reduces_once_per_update_at_stages_0_1_and_every_micro_batch_at_2_3(ranks, stage):
+    k = 3
+    _check(ranks(N).run(_zero_traffic, stage, "one", k, "fp32", None), _expected(stage, k=k))
+
+
+@multirank
+@pytest.mark.parametrize("reduce_in, grad_bytes", [(None, 4), ("bf16", 2)])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_gradient_bytes_follow_the_reduce_dtype(ranks, stage, reduce_in, grad_bytes):
+    """bf16 parameters are gathered in bf16 (2 bytes); gradients are summed in fp32 unless
+    ``reduce_in="bf16"``."""
+    expected = _expected(stage, grad_bytes=grad_bytes, param_bytes=2, overflow_check=True)
+    _check(ranks(N).run(_zero_traffic, stage, "one", 1, "bf16", reduce_in), expected)
+
+
+def _stage3_traffic(prefetch, steps=2):
+    n, r = dist.get_world_size(), dist.get_rank()
+    apply, p = fzero.functionalize(_make_model())
+    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 3, bucket_bytes=BUCKETS["one"], prefetch=prefetch)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=p, tx=optim.adamw(1e-2)))
+    out = []
+    for b in _batches(steps, 2 * n):
+        before = comm.traffic.copy()
+        state, _ = step(state, ft.local_batch(b, n, r))
+        out.append(_by_what(comm.traffic - before))
+    return out
+
+
+@multirank
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_prefetched_unit_is_gathered_once_for_its_use(ranks, prefetch):
+    """Prefetching starts the next unit's gather early; it is not a second gather."""
+    for r, steps in enumerate(ranks(N).run(_stage3_traffic, prefetch)):
+        assert steps == [_expected(3)] * 2, (r, steps)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _pipeline_traffic(schedule, m, rows, steps=3):
+    """Each step's bytes by (kind, what) on this rank of a 2-stage pipeline, its
+    ``metrics["comm_bytes"]``, the payload it received, and its stage."""
+    from fzero.transforms.pipeline import pipeline, split
+
+    mesh = fzero.Mesh(pp=2, dp=1)
+    model = _mlp()
+    apply, params = fzero.functionalize(model)
+    pipe = pipeline(split(model, [2]), F.mse_loss, mesh, micro_batches=m, schedule=schedule)
+
+    def train_step(state, batch):
+        loss, grads = pipe(state.params, batch["x"], batch["y"])
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, mesh, pipeline=pipe, comm_bytes=True)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        before = comm.traffic.copy()
+        state, metrics = step(state, {"x": torch.randn(rows, 3, generator=g), "y": torch.randn(rows, 2, generator=g)})
+        spent = comm.traffic - before
+        out.append((_by_what(spent), metrics["comm_bytes"], spent.bytes("recv")))
+    return mesh.coords["pp"], out
+
+
+@multirank
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_two_stage_pipeline_sends_one_boundary_tensor_per_micro_batch_each_way(ranks, schedule):
+    """Stage 0 sends each micro-batch's activation (rows/m × 6 fp32, the output of
+    Linear(3, 6) + Tanh) forward, stage 1 its gradient back; each receives the other's. The
+    last stage broadcasts the loss (one fp32 of shape (1,), ``4 (N-1)/N`` over the 2 stages).
+    The first step also agrees on the stages' shapes (a few metadata broadcasts, once per
+    input signature)."""
+    m, rows = 3, 12
+    boundary = (rows // m) * 6 * 4
+    for stage, steps in ranks(2).run(_pipeline_traffic, schedule, m, rows):
+        sends = {("send", "activations" if stage == 0 else "activation_gradients"): Fraction(m * boundary)}
+        expected = {**sends, ("broadcast", "loss"): Fraction(4 * 1, 2)}
+        for i, (by_what, metric, received) in enumerate(steps):
+            first = {key: v for key, v in by_what.items() if key != ("broadcast", "metadata")}
+            assert (first if i == 0 else by_what) == expected, (stage, i, by_what)
+            assert metric == _by_kind(by_what), (stage, i, metric)
+            assert received == m * boundary, (stage, i, received)
+        assert ("broadcast", "metadata") in steps[0][0]
