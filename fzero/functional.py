@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -95,12 +97,20 @@ class Apply:
         tensors = {**params, **self.buffers}
         bindings = _BINDINGS.get()
         if bindings is None:
-            with _reparametrize_module(self.module, tensors, tie_weights=True, strict=True):
+            with self._bound(tensors):
                 return self.module(*args, **kwargs)
         # Under value_and_grad: released when its backward is done (LIFO, so a nested or
         # repeated call restores correctly).
-        bindings.enter_context(_reparametrize_module(self.module, tensors, tie_weights=True, strict=True))
+        bindings.enter_context(self._bound(tensors))
         return self.module(*args, **kwargs)
+
+    def _bound(self, tensors: dict[str, torch.Tensor]):
+        """The module running with ``tensors`` (parameters and buffers by name; a tied
+        alias follows its name), restored on exit."""
+        slots = _slots(self.module)
+        if slots is None or tensors.keys() != slots.keys():  # parametrized modules, new buffers: torch's way
+            return _reparametrize_module(self.module, tensors, tie_weights=True, strict=True)
+        return _Bound(slots, tensors)
 
     def _key_error(self, params):
         got = set(params)
@@ -123,6 +133,57 @@ class Apply:
 
     def __hash__(self):
         return id(self.module)
+
+
+# Where each parameter and buffer of a module is held: ``name -> [(owner's dict, key), ...]``,
+# one entry per alias of a tied tensor. Computed once per module: torch's own
+# ``functional_call`` walks every submodule and re-derives the ties on each call (about a
+# millisecond a step on a small GPT, as much as its optimizer update).
+_SLOTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict | None]" = weakref.WeakKeyDictionary()
+
+
+def _slots(module: torch.nn.Module) -> dict[str, list[tuple[dict, str]]] | None:
+    if module in _SLOTS:
+        return _SLOTS[module]
+    slots: dict[str, list[tuple[dict, str]]] | None = {}
+    first: dict[int, str] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        if torch.nn.utils.parametrize.is_parametrized(mod):
+            slots = None
+            break
+        prefix = mod_name + "." if mod_name else ""
+        for store in (mod._parameters, mod._buffers):
+            for key, t in store.items():
+                if t is None:
+                    continue
+                name = first.setdefault(id(t), prefix + key)  # a tied alias binds to its first name
+                slots.setdefault(name, []).append((store, key))
+    _SLOTS[module] = slots
+    return slots
+
+
+class _Bound:
+    """Binds tensors into their slots on enter; puts the module's own back on exit."""
+
+    __slots__ = ("slots", "tensors", "saved")
+
+    def __init__(self, slots: dict[str, list[tuple[dict, str]]], tensors: dict[str, torch.Tensor]):
+        self.slots, self.tensors, self.saved = slots, tensors, []
+
+    def __enter__(self):
+        saved = self.saved
+        for name, places in self.slots.items():
+            t = self.tensors[name]
+            for store, key in places:
+                saved.append((store, key, store[key]))
+                store[key] = t
+        return self
+
+    def __exit__(self, *exc):
+        for store, key, t in reversed(self.saved):
+            store[key] = t
+        self.saved = []
+        return False
 
 
 def functionalize(module: torch.nn.Module) -> tuple[Apply, dict[str, torch.Tensor]]:

@@ -1,5 +1,6 @@
 """functionalize, value_and_grad, grad, remat against torch's own autograd on the module."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -74,6 +75,37 @@ def test_tied_weights_stay_tied_and_get_both_gradients():
     # New values for the tied parameter reach both uses.
     zeros = {"emb.weight": torch.zeros(7, 4)}
     assert torch.count_nonzero(apply(zeros, idx)) == 0
+
+
+def test_apply_restores_the_modules_own_tensors_and_binds_shared_submodules():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared)  # one submodule reached by two names
+    apply, params = fzero.functionalize(model)
+    own = {n: p for n, p in model.named_parameters()}
+    x = torch.randn(2, 3)
+    new = {k: torch.randn_like(v) for k, v in params.items()}
+    out = apply(new, x)
+    assert all(p is own[n] for n, p in model.named_parameters())  # the module's own are back
+    # torch's functional_call on a copy (on a module holding one submodule twice it does
+    # not put the module's own tensors back, so it runs last here)
+    torch.testing.assert_close(out, torch.func.functional_call(copy.deepcopy(model), new, (x,)))
+    torch.testing.assert_close(apply(params, x), model(x))
+
+
+def test_a_parametrized_module_runs_with_the_given_parameters():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", _Doubled())
+    apply, params = fzero.functionalize(model)
+    assert "2.parametrizations.weight.original" in params
+    x = torch.randn(5, 3)
+    new = {k: v + 1 for k, v in params.items()}
+    torch.testing.assert_close(apply(new, x), torch.func.functional_call(model, new, (x,)))
+    torch.testing.assert_close(apply(params, x), model(x))
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
 
 
 def test_buffers_are_carried_and_kwargs_pass():
