@@ -175,6 +175,119 @@ def test_mixed_precision_memory_matches_the_zero_formula(ranks, stage):
             assert abs(res["after_backward"] - expected) <= 0.02 * expected, (stage, res, expected)
 
 
+# --------------------------------------------------------------------------- reduce order (ZeRO-3)
+
+
+class MLPBlock(nn.Module):
+    """A pre-norm residual MLP block, a transformer block's shape without the attention."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT's parameter layout: a token embedding tied to the LM head (registered first, its
+    gradient complete last), a position embedding, blocks in a ModuleList, a final norm."""
+
+    def __init__(self, vocab=16, width=16, depth=4, context=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+
+def _lm_step(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["idx"])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["y"].reshape(-1))
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
+    """Runs on every rank: a stage-3 TinyGPT's trajectory against the plain step's, with the
+    order reductions start in, the order units are gathered in, and the reduce buffers' peak."""
+    from fzero.distributed.reduce import ReduceSink
+
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def make_model():
+        torch.manual_seed(3)
+        return TinyGPT()
+
+    g = torch.Generator().manual_seed(4)
+    batches = [{"idx": torch.randint(0, 16, (per_rank * n, 8), generator=g),
+                "y": torch.randint(0, 16, (per_rank * n, 8), generator=g)} for _ in range(steps)]
+    ref, ref_losses = _state(make_model, "adamw"), []
+    for b in batches:
+        ref, m = _lm_step(ref, b)
+        ref_losses.append(m["loss"])
+    step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=bucket_bytes)
+    state = step.init(_state(make_model, "adamw"))
+    units = step.handler.units
+    launched, gathered = [], []
+    gather, launch = units.gather, ReduceSink._launch
+
+    def recording_gather(gi, **kw):
+        if gi in units.unit_groups:
+            gathered.append((gi, "forward" if torch._C._current_graph_task_id() == -1 else "backward"))
+        return gather(gi, **kw)
+
+    def recording_launch(sink, gi):
+        launched.append(gi)
+        return launch(sink, gi)
+
+    units.gather, ReduceSink._launch = recording_gather, recording_launch
+    losses = []
+    try:
+        for b in batches:
+            launched.clear(), gathered.clear()
+            state, m = step(state, ft.local_batch(b, n, r))
+            losses.append(m["loss"])
+    finally:
+        ReduceSink._launch = launch
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses on rank {r}")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params on rank {r}")
+    layout = step.handler.layout
+    return {"launched": launched, "gathered": gathered, "units": [gi for _, gi in units.modules],
+            "names": [g.names for g in layout.groups], "peak": step.handler.peak_reduce_bytes,
+            "unit_bytes": max(layout.groups[gi].padded * 4 for gi in units.unit_groups),
+            "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 2**20])
+def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bucket_bytes):
+    for res in ranks(2).run(_stage3_reduce_order, bucket_bytes):
+        units, names, launched = res["units"], res["names"], res["launched"]
+        assert len(units) == 4 and sorted(launched) == list(range(len(names))), res
+        # Backward's order: the last block's reduce-scatter starts first, the tied embedding's last.
+        assert [gi for gi in launched if gi in units] == units[::-1], res
+        assert names[launched[-1]][-1] == "wte.weight", res
+        if bucket_bytes == 64:  # every loose parameter a group of its own: the final norm's come first
+            assert names[launched[0]] == ["ln_f.bias"], res
+        # Forward gathers the units in forward order, backward in reverse.
+        assert [gi for gi, when in res["gathered"] if when == "forward"] == units, res
+        assert [gi for gi, when in res["gathered"] if when == "backward"] == units[::-1], res
+        # The unit being filled and the one sent before it; a loose group whose first gradient
+        # comes before its turn (one holding the final norm and the embeddings) stays too.
+        limit = 2 * res["unit_bytes"] + (res["loose_bytes"] if bucket_bytes > 64 else 0)
+        assert 0 < res["peak"] <= limit, (res["peak"], limit, res)
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -85,6 +85,12 @@ class _ShardHandler(Handler):
         """Stage 3: the most parameter bytes gathered at once so far (0 at stages 0-2)."""
         return self.units.peak_gathered_bytes if self.units is not None else 0
 
+    @property
+    def peak_reduce_bytes(self) -> int:
+        """Stages 2-3: the most gradient reduce-buffer bytes in use at once so far (being
+        filled or in flight; not the reduced slices), ``BufferPool.peak_bytes``."""
+        return self.pool.peak_bytes
+
     # ---------------------------------------------------------------- init
 
     def init(self, state):
