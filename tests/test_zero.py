@@ -328,6 +328,71 @@ def test_uneven_local_batches_are_an_error_naming_ranks(ranks):
         assert m is not None and "rank 0: 2, rank 1: 3" in m
 
 
+def _aux_step(state, batch):
+    def loss_fn(p):
+        out = state.apply_fn(p, batch["x"])
+        return F.mse_loss(out, batch["y"]), out.detach().mean()
+
+    (loss, _), grads = fzero.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _bf16_loss_step(state, batch):
+    loss_fn = lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]).bfloat16()  # noqa: E731
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _argnums_step(state, batch):
+    loss_fn = lambda p, x: F.mse_loss(state.apply_fn(p, x), batch["y"])  # noqa: E731
+    loss, (grads, _) = fzero.value_and_grad(loss_fn, argnums=(0, 1))(state.params, batch["x"])
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+UNEVEN_STEPS = {"plain": ft.mse_step, "has_aux": _aux_step, "bf16 loss": _bf16_loss_step, "argnums": _argnums_step,
+                "accumulate": fzero.accumulate(ft.mse_step, 2)}
+
+
+def _uneven_then_even(stage, how):
+    """Runs on every rank: a step on local batches of 4 and 6 rows is refused and changes
+    nothing (the next step on equal batches is the plain step from the initial state);
+    returns the error and the metadata all-gather bytes of the equal step."""
+    from fzero.distributed import comm
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    make_model, batches = _model_and_batches((3, 4, 2, 2), 9, 1, 4 * n)
+    ref, ref_metrics = ft.mse_step(_state(make_model, "sgd"), batches[0])
+    step = fzero.shard_state(UNEVEN_STEPS[how], fzero.Mesh(dp=-1), stage)
+    state = step.init(_state(make_model, "sgd"))
+    g = torch.Generator().manual_seed(r)
+    rows = 4 + 2 * r  # both cut into accumulate's 2 micro-batches
+    msg = None
+    try:
+        step(state, {"x": torch.randn(rows, 3, generator=g), "y": torch.randn(rows, 2, generator=g)})
+    except ValueError as e:
+        msg = str(e)
+    comm.traffic.reset()
+    state, metrics = step(state, ft.local_batch(batches[0], n, r))
+    metadata = comm.traffic.bytes("all_gather", "metadata")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params after the refused step, {how}")
+    tol = "bf16 vs fp32" if how == "bf16 loss" else "fp32"
+    ft.assert_trees_close(metrics["loss"].float(), ref_metrics["loss"], tol=tol, what=f"loss, {how}")
+    assert metrics["loss"].dtype == (torch.bfloat16 if how == "bf16 loss" else torch.float32), metrics
+    assert int(state.step) == 1
+    return msg, metadata
+
+
+@pytest.mark.parametrize("how", sorted(UNEVEN_STEPS))
+@pytest.mark.parametrize("stage", [0, 3])
+def test_uneven_batches_are_refused_before_the_update_without_a_collective_of_their_own(ranks, stage, how):
+    for msg, metadata in ranks(2).run(_uneven_then_even, stage, how):
+        assert msg == ("fzero.shard_state: local batches must have the same leading size on every rank, "
+                       "got rank 0: 4, rank 1: 6"), msg
+        # The sizes travel with the loss's all-reduce; argnums' own check all-gathers two fp64
+        # checksums of the argument.
+        assert metadata == (0 if how != "argnums" else 2 * 8), (how, metadata)
+
+
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage=4"):
         fzero.shard_state(ft.mse_step, stage=4)
@@ -338,7 +403,7 @@ def _one_rank_walks_away():
     torch.manual_seed(0)
     apply, params = fzero.functionalize(nn.Linear(3, 2))
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
-    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 2, timeout_s=3)
+    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 1, timeout_s=3)
     state = step.init(state)
     if r == 1:
         return None  # rank 1 never joins the step's collectives
@@ -353,7 +418,8 @@ def test_a_collective_that_never_completes_times_out_with_its_name(ranks):
     pool = ranks(2)
     msg = pool.run(_one_rank_walks_away)[0]
     pool.restart()  # rank 0's process group saw a timed-out collective: start afresh next time
-    assert msg is not None and "all_gather(batch sizes)" in msg and "rank 0" in msg and "3 s" in msg, msg
+    # The step's first collective: its gradient all-reduce (gloo honours the timeout there).
+    assert msg is not None and "all_reduce(gradient group 0" in msg and "rank 0" in msg and "3 s" in msg, msg
 
 
 # --------------------------------------------------------------------------- compositions
