@@ -2,21 +2,21 @@
 
 What each stage keeps on a rank between steps (Ψ parameters, N ranks, fp32 Adam):
 
-=====  ==========================  =====================  ==================================
+=====  ==========================  =====================  ===============================================
 stage  parameters                  optimizer state        gradients (inside the step)
-=====  ==========================  =====================  ==================================
+=====  ==========================  =====================  ===============================================
 0      full (4Ψ)                   full (8Ψ)              full, all-reduced (4Ψ)
 1      full (4Ψ)                   own slice (8Ψ/N)       full, all-reduced (4Ψ)
-2      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (4Ψ/N + a bucket)
-3      own slice (4Ψ/N)            own slice (8Ψ/N)       own slice (4Ψ/N + a unit)
-=====  ==========================  =====================  ==================================
+2      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (4Ψ/N + 2 buckets)
+3      own slice (4Ψ/N)            own slice (8Ψ/N)       own slice (4Ψ/N + 2 units)
+=====  ==========================  =====================  ===============================================
 
 How the step is rewritten (see docs/zero.md): the handler of ``value_and_grad`` asks the
 autograd engine for each gradient the moment it is complete and starts its bucket's
-collective then, so communication overlaps the rest of backward; the handler of
-``apply_gradients`` runs the unchanged optimizer on this rank's slices (optimizers reduce
-across slices through ``psum``, which becomes an all-reduce), then all-gathers the new
-parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
+collective then (buckets in backward's order), so communication overlaps the rest of
+backward; the handler of ``apply_gradients`` runs the unchanged optimizer on this rank's
+slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
+then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
 first needs them.
 
