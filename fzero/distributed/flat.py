@@ -475,12 +475,15 @@ def build_layout(
     index order; units, first in the index order (forward order, which their gathers
     follow), are reduced last block first.
 
-    Example (ZeRO-3: two blocks as units, loose parameters around them):
+    Example (ZeRO-3: two blocks as units, loose parameters around them; then every
+    parameter loose, as at stages 0-2):
         >>> names = ["emb", "h.0.w", "h.1.w", "head"]
         >>> layout = build_layout({n: torch.zeros(2) for n in names}, world=1, rank=0,
         ...                       units=[["h.0.w"], ["h.1.w"]], bucket_bytes=8)
         >>> [g.names for g in layout.groups], layout.reduce_order
         ([['h.0.w'], ['h.1.w'], ['head'], ['emb']], [2, 1, 0, 3])
+        >>> build_layout({n: torch.zeros(2) for n in names}, world=1, rank=0, bucket_bytes=8).reduce_order
+        [0, 1, 2, 3]
 
     Raises:
         ValueError: a unit names a parameter that does not exist, or names one twice.
