@@ -54,9 +54,11 @@ OPTIMIZER_STATES = {
 }
 # Bytes of the parameters (and gradients) a step computes with.
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2) reduce-scatters
-# outstanding, one bucket filling, one more in its pool (fzero/distributed/reduce.py).
-REDUCE_BUFFERS = 4
+# Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2), the bucket being
+# filled and the one sent before it; a bucket's buffer is taken only once fewer reduce-scatters
+# are outstanding, and the pool allocates only when none of its buffers fits
+# (fzero/distributed/reduce.py).
+REDUCE_BUFFERS = 2
 
 
 def _positive(name: str, arg: str, value) -> None:
@@ -160,8 +162,9 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     * Stages 0-1 all-reduce the gradients in their flat groups, in fp32 for bf16/fp16
       gradients (2 bytes per parameter more than the formula's 2-byte gradients).
     * Stages 2-3 copy each bucket into a reduce buffer (fp32 for bf16/fp16) and
-      reduce-scatter it; up to :data:`REDUCE_BUFFERS` are alive at once and kept between
-      steps, never more than the whole gradient. The reduced partition stays in fp32 until
+      reduce-scatter it; up to :data:`REDUCE_BUFFERS` are in use at once and kept between
+      steps, never more than the whole gradient (a group of another size, such as the
+      loose parameters beside stage 3's units, adds its own buffer). The reduced partition stays in fp32 until
       the last bucket is in (2 bytes per partitioned parameter more than the formula's).
     * Stage 3 holds the unit being computed and the one prefetched, gathered.
 
@@ -171,8 +174,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     reduced over dp.
 
     Example:
-        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 4 buckets of 25 MiB
-        104857600
+        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB
+        52428800
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2)  # a small model: its whole gradient, once
         4000
     """

@@ -238,7 +238,7 @@ def _two_steps(step, mesh):
     (".cpu() of a device tensor", "all_reduce(x.cpu())"),
     ("ints made on the host", "all_gather(batch sizes)"),
     ("a host psum under ZeRO", "all_reduce(psum)"),
-    ("a state step.init does not place", "all_reduce(loss)"),
+    ("a state step.init does not place", "all_reduce(loss and batch sizes)"),
     ("a host send", "send of an activation"),
 ])
 def test_a_host_tensor_handed_to_a_collective_is_named(ranks, case, collective):

@@ -175,6 +175,119 @@ def test_mixed_precision_memory_matches_the_zero_formula(ranks, stage):
             assert abs(res["after_backward"] - expected) <= 0.02 * expected, (stage, res, expected)
 
 
+# --------------------------------------------------------------------------- reduce order (ZeRO-3)
+
+
+class MLPBlock(nn.Module):
+    """A pre-norm residual MLP block, a transformer block's shape without the attention."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT's parameter layout: a token embedding tied to the LM head (registered first, its
+    gradient complete last), a position embedding, blocks in a ModuleList, a final norm."""
+
+    def __init__(self, vocab=16, width=16, depth=4, context=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+
+def _lm_step(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["idx"])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["y"].reshape(-1))
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
+    """Runs on every rank: a stage-3 TinyGPT's trajectory against the plain step's, with the
+    order reductions start in, the order units are gathered in, and the reduce buffers' peak."""
+    from fzero.distributed.reduce import ReduceSink
+
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def make_model():
+        torch.manual_seed(3)
+        return TinyGPT()
+
+    g = torch.Generator().manual_seed(4)
+    batches = [{"idx": torch.randint(0, 16, (per_rank * n, 8), generator=g),
+                "y": torch.randint(0, 16, (per_rank * n, 8), generator=g)} for _ in range(steps)]
+    ref, ref_losses = _state(make_model, "adamw"), []
+    for b in batches:
+        ref, m = _lm_step(ref, b)
+        ref_losses.append(m["loss"])
+    step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=bucket_bytes)
+    state = step.init(_state(make_model, "adamw"))
+    units = step.handler.units
+    launched, gathered = [], []
+    gather, launch = units.gather, ReduceSink._launch
+
+    def recording_gather(gi, **kw):
+        if gi in units.unit_groups:
+            gathered.append((gi, "forward" if torch._C._current_graph_task_id() == -1 else "backward"))
+        return gather(gi, **kw)
+
+    def recording_launch(sink, gi):
+        launched.append(gi)
+        return launch(sink, gi)
+
+    units.gather, ReduceSink._launch = recording_gather, recording_launch
+    losses = []
+    try:
+        for b in batches:
+            launched.clear(), gathered.clear()
+            state, m = step(state, ft.local_batch(b, n, r))
+            losses.append(m["loss"])
+    finally:
+        ReduceSink._launch = launch
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses on rank {r}")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params on rank {r}")
+    layout = step.handler.layout
+    return {"launched": launched, "gathered": gathered, "units": [gi for _, gi in units.modules],
+            "names": [g.names for g in layout.groups], "peak": step.handler.peak_reduce_bytes,
+            "unit_bytes": max(layout.groups[gi].padded * 4 for gi in units.unit_groups),
+            "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 2**20])
+def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bucket_bytes):
+    for res in ranks(2).run(_stage3_reduce_order, bucket_bytes):
+        units, names, launched = res["units"], res["names"], res["launched"]
+        assert len(units) == 4 and sorted(launched) == list(range(len(names))), res
+        # Backward's order: the last block's reduce-scatter starts first, the tied embedding's last.
+        assert [gi for gi in launched if gi in units] == units[::-1], res
+        assert names[launched[-1]][-1] == "wte.weight", res
+        if bucket_bytes == 64:  # every loose parameter a group of its own: the final norm's come first
+            assert names[launched[0]] == ["ln_f.bias"], res
+        # Forward gathers the units in forward order, backward in reverse.
+        assert [gi for gi, when in res["gathered"] if when == "forward"] == units, res
+        assert [gi for gi, when in res["gathered"] if when == "backward"] == units[::-1], res
+        # The unit being filled and the one sent before it; a loose group whose first gradient
+        # comes before its turn (one holding the final norm and the embeddings) stays too.
+        limit = 2 * res["unit_bytes"] + (res["loose_bytes"] if bucket_bytes > 64 else 0)
+        assert 0 < res["peak"] <= limit, (res["peak"], limit, res)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -215,6 +328,71 @@ def test_uneven_local_batches_are_an_error_naming_ranks(ranks):
         assert m is not None and "rank 0: 2, rank 1: 3" in m
 
 
+def _aux_step(state, batch):
+    def loss_fn(p):
+        out = state.apply_fn(p, batch["x"])
+        return F.mse_loss(out, batch["y"]), out.detach().mean()
+
+    (loss, _), grads = fzero.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _bf16_loss_step(state, batch):
+    loss_fn = lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]).bfloat16()  # noqa: E731
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _argnums_step(state, batch):
+    loss_fn = lambda p, x: F.mse_loss(state.apply_fn(p, x), batch["y"])  # noqa: E731
+    loss, (grads, _) = fzero.value_and_grad(loss_fn, argnums=(0, 1))(state.params, batch["x"])
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+UNEVEN_STEPS = {"plain": ft.mse_step, "has_aux": _aux_step, "bf16 loss": _bf16_loss_step, "argnums": _argnums_step,
+                "accumulate": fzero.accumulate(ft.mse_step, 2)}
+
+
+def _uneven_then_even(stage, how):
+    """Runs on every rank: a step on local batches of 4 and 6 rows is refused and changes
+    nothing (the next step on equal batches is the plain step from the initial state);
+    returns the error and the metadata all-gather bytes of the equal step."""
+    from fzero.distributed import comm
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    make_model, batches = _model_and_batches((3, 4, 2, 2), 9, 1, 4 * n)
+    ref, ref_metrics = ft.mse_step(_state(make_model, "sgd"), batches[0])
+    step = fzero.shard_state(UNEVEN_STEPS[how], fzero.Mesh(dp=-1), stage)
+    state = step.init(_state(make_model, "sgd"))
+    g = torch.Generator().manual_seed(r)
+    rows = 4 + 2 * r  # both cut into accumulate's 2 micro-batches
+    msg = None
+    try:
+        step(state, {"x": torch.randn(rows, 3, generator=g), "y": torch.randn(rows, 2, generator=g)})
+    except ValueError as e:
+        msg = str(e)
+    comm.traffic.reset()
+    state, metrics = step(state, ft.local_batch(batches[0], n, r))
+    metadata = comm.traffic.bytes("all_gather", "metadata")
+    ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params after the refused step, {how}")
+    tol = "bf16 vs fp32" if how == "bf16 loss" else "fp32"
+    ft.assert_trees_close(metrics["loss"].float(), ref_metrics["loss"], tol=tol, what=f"loss, {how}")
+    assert metrics["loss"].dtype == (torch.bfloat16 if how == "bf16 loss" else torch.float32), metrics
+    assert int(state.step) == 1
+    return msg, metadata
+
+
+@pytest.mark.parametrize("how", sorted(UNEVEN_STEPS))
+@pytest.mark.parametrize("stage", [0, 3])
+def test_uneven_batches_are_refused_before_the_update_without_a_collective_of_their_own(ranks, stage, how):
+    for msg, metadata in ranks(2).run(_uneven_then_even, stage, how):
+        assert msg == ("fzero.shard_state: local batches must have the same leading size on every rank, "
+                       "got rank 0: 4, rank 1: 6"), msg
+        # The sizes travel with the loss's all-reduce; argnums' own check all-gathers two fp64
+        # checksums of the argument.
+        assert metadata == (0 if how != "argnums" else 2 * 8), (how, metadata)
+
+
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage=4"):
         fzero.shard_state(ft.mse_step, stage=4)
@@ -225,7 +403,7 @@ def _one_rank_walks_away():
     torch.manual_seed(0)
     apply, params = fzero.functionalize(nn.Linear(3, 2))
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
-    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 2, timeout_s=3)
+    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 1, timeout_s=3)
     state = step.init(state)
     if r == 1:
         return None  # rank 1 never joins the step's collectives
@@ -240,7 +418,8 @@ def test_a_collective_that_never_completes_times_out_with_its_name(ranks):
     pool = ranks(2)
     msg = pool.run(_one_rank_walks_away)[0]
     pool.restart()  # rank 0's process group saw a timed-out collective: start afresh next time
-    assert msg is not None and "all_gather(batch sizes)" in msg and "rank 0" in msg and "3 s" in msg, msg
+    # The step's first collective: its gradient all-reduce (gloo honours the timeout there).
+    assert msg is not None and "all_reduce(gradient group 0" in msg and "rank 0" in msg and "3 s" in msg, msg
 
 
 # --------------------------------------------------------------------------- compositions

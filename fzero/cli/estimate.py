@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from decimal import Decimal, InvalidOperation
 
-from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, coefficients, model_state_bytes, rank_share,
-                          reduce_buffer_bytes)
+from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, REDUCE_BUFFERS, coefficients, model_state_bytes,
+                          rank_share, reduce_buffer_bytes)
 
 __all__ = ["add_parser", "parse_count", "format_bytes", "render", "run"]
 
@@ -111,7 +111,7 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
     lines += [
         "",
         "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",
-        "them at the step's peak: gradient reduce buffers in fp32 (stages 2-3: up to 4 buckets of",
+        f"them at the step's peak: gradient reduce buffers in fp32 (stages 2-3: up to {REDUCE_BUFFERS} buckets of",
         f"{format_bytes(bucket_bytes)} of parameters, a bucket being a unit at stage 3) and at stage 3",
         "two gathered units. Not counted: activations, the CUDA context and allocator",
         "fragmentation. Partitioned buffers are padded to a multiple of N. 1 GiB = 2^30 bytes.",

@@ -408,10 +408,12 @@ class Group:
 
 @dataclasses.dataclass
 class Layout:
-    """All groups of a params dict, and where each name lives."""
+    """All groups of a params dict, where each name lives, and the order the groups'
+    gradients are reduced in (see :func:`build_layout`)."""
 
     groups: list[Group]
     where: dict[str, tuple[int, int]]  # name -> (group index, position in group)
+    reduce_order: list[int]  # group indices, in the order their gradient collectives start
 
     def flatten_full(self, params: dict[str, torch.Tensor], g: Group) -> torch.Tensor:
         dtype = params[g.names[0]].dtype  # the group's own dtype, or its masters' (fp32)
@@ -463,6 +465,26 @@ def build_layout(
             any unit form further groups by ``bucket_bytes``.
         bucket_bytes: the size budget of a group formed from loose parameters.
 
+    The layout's ``reduce_order`` (the order the groups' gradients are reduced in) is
+    backward's: groups by the registration position of their earliest parameter, latest
+    first. Backward runs the model from its last layer to its first, so a group is complete
+    about when its earliest-registered parameter's gradient arrives (a tied embedding that
+    the head uses too is registered early and completes last). It follows from the
+    parameters' order alone, the same on every rank, so every rank starts the collectives
+    in the same order. Loose buckets, cut from the reversed registration order, keep their
+    index order; units, first in the index order (forward order, which their gathers
+    follow), are reduced last block first.
+
+    Example (ZeRO-3: two blocks as units, loose parameters around them; then every
+    parameter loose, as at stages 0-2):
+        >>> names = ["emb", "h.0.w", "h.1.w", "head"]
+        >>> layout = build_layout({n: torch.zeros(2) for n in names}, world=1, rank=0,
+        ...                       units=[["h.0.w"], ["h.1.w"]], bucket_bytes=8)
+        >>> [g.names for g in layout.groups], layout.reduce_order
+        ([['h.0.w'], ['h.1.w'], ['head'], ['emb']], [2, 1, 0, 3])
+        >>> build_layout({n: torch.zeros(2) for n in names}, world=1, rank=0, bucket_bytes=8).reduce_order
+        [0, 1, 2, 3]
+
     Raises:
         ValueError: a unit names a parameter that does not exist, or names one twice.
     """
@@ -493,6 +515,9 @@ def build_layout(
     if cur:
         groups_names.append(cur)
 
+    position = {n: i for i, n in enumerate(names)}
+    earliest = [min(position[n] for n in gnames) for gnames in groups_names]
+    reduce_order = sorted(range(len(groups_names)), key=lambda gi: earliest[gi], reverse=True)
     groups, where = [], {}
     for gi, gnames in enumerate(groups_names):
         dtypes = {params[n].dtype for n in gnames}
@@ -508,4 +533,4 @@ def build_layout(
                             world, rank, first.dtype, first.device))
         for i, n in enumerate(gnames):
             where[n] = (gi, i)
-    return Layout(groups, where)
+    return Layout(groups, where, reduce_order)

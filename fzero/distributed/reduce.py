@@ -22,7 +22,12 @@ from fzero.distributed.flat import Layout
 __all__ = ["MAX_IN_FLIGHT", "BufferPool", "ReduceSink", "gradients", "reduce_dtype"]
 
 WHERE = "fzero.shard_state"
-MAX_IN_FLIGHT = 2  # reduce-scatters outstanding at once (stages 2-3)
+# Stages 2-3: reduce-scatters outstanding at once. A group's buffer is taken only once fewer
+# are outstanding, so the buffers in use are the group being filled and MAX_IN_FLIGHT - 1
+# sent before it: two units at ZeRO-3, as FSDP2 (which keeps a reduce-scatter's input until
+# the next one is issued). Each reduce-scatter still has the next group's whole backward to
+# complete in before its buffer is waited for.
+MAX_IN_FLIGHT = 2
 
 
 def reduce_dtype(dtype: torch.dtype, asked: torch.dtype | None = None) -> torch.dtype:
@@ -43,11 +48,23 @@ class BufferPool:
 
     Fresh multi-megabyte buffers cost page faults on every step (measured: 26-48 ms a step on
     the 10.8M GPT); at most ``limit`` buffers are kept, about ``MAX_IN_FLIGHT + 1`` buckets.
+
+    Attributes:
+        in_use_bytes: bytes of the buffers taken and not given back yet.
+        peak_bytes: the most ``in_use_bytes`` has been, over every step so far.
+
+    Example:
+        >>> pool = BufferPool()
+        >>> a = pool.take(4, torch.float32, torch.device("cpu")); b = pool.take(2, torch.float32, torch.device("cpu"))
+        >>> pool.give(a); pool.give(b); pool.in_use_bytes, pool.peak_bytes
+        (0, 24)
     """
 
     def __init__(self, limit: int = MAX_IN_FLIGHT + 2):
         self.limit = limit
         self.free: list[torch.Tensor] = []
+        self.in_use_bytes = 0
+        self.peak_bytes = 0
 
     def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         fits = [i for i, t in enumerate(self.free) if t.numel() >= n and t.dtype == dtype and t.device == device]
@@ -55,10 +72,15 @@ class BufferPool:
             t = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
             view = t[:n]
             view.zero_()
-            return view
-        return torch.zeros(n, dtype=dtype, device=device)
+        else:
+            view = torch.zeros(n, dtype=dtype, device=device)
+        self.in_use_bytes += n * view.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        return view
 
     def give(self, t: torch.Tensor) -> None:
+        """Take back a buffer :meth:`take` gave (the same view)."""
+        self.in_use_bytes -= t.numel() * t.element_size()
         base = t._base if t._base is not None else t
         self.free.append(base)
         if len(self.free) > self.limit:
@@ -68,8 +90,10 @@ class BufferPool:
 class ReduceSink:
     """Receives gradients during backward and reduces them group by group.
 
-    Groups are launched strictly in index order (the order is the same on every rank, so
-    the collectives match), each as soon as it and every group before it is complete.
+    Groups are launched in the layout's ``reduce_order`` (backward's order, the same on
+    every rank, so the collectives match), each as soon as it and every group before it in
+    that order is complete: at ZeRO-3 the last block's reduce-scatter starts while the
+    blocks before it are still in backward.
 
     Under accumulation at stages 0-1 a sink may hold instead of reduce (``hold`` given): it
     only adds the gradients into its buffers, which the next micro-batch's sink starts from
@@ -107,14 +131,17 @@ class ReduceSink:
         self.on_complete = on_complete
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
-        self.next = 0
-        self.sending: dict[int, torch.Tensor] = {}  # stage 2-3: send buffers of collectives in flight
+        self.order = layout.reduce_order
+        self.next = 0  # position in ``order`` of the next group to launch
+        self.sending: dict[int, torch.Tensor] = {}  # stage 2-3: send buffers in flight, oldest first
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
 
     def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed reduce buffer for ``group``: at stages 2-3 from the small pool (reusing
         resident memory instead of faulting in fresh pages every step)."""
         if self.stage >= 2:
+            while len(self.sending) >= MAX_IN_FLIGHT:  # see MAX_IN_FLIGHT
+                self._complete(next(iter(self.sending)))
             return self.pool.take(group.padded, dtype, group.device)
         return torch.zeros(group.padded, dtype=dtype, device=group.device)
 
@@ -139,9 +166,8 @@ class ReduceSink:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        groups = self.layout.groups
-        while self.next < len(groups) and (force or not self.missing[self.next]):
-            self._launch(self.next)
+        while self.next < len(self.order) and (force or not self.missing[self.order[self.next]]):
+            self._launch(self.order[self.next])
             self.next += 1
 
     def _launch(self, gi: int) -> None:
@@ -169,7 +195,7 @@ class ReduceSink:
             # Bound what is in flight: beyond MAX_IN_FLIGHT buckets, wait for the oldest, so
             # a rank holds its gradient partition plus a few buckets, never the full gradient.
             while len(self.sending) > MAX_IN_FLIGHT:
-                self._complete(min(self.sending))
+                self._complete(next(iter(self.sending)))
 
     def _complete(self, gi: int) -> None:
         self.results[gi] = self.pending.pop(gi).wait(self.timeout_s)
@@ -182,7 +208,7 @@ class ReduceSink:
             grads = self.hold
         else:
             self._launch_ready(force=True)
-            for gi in sorted(self.pending):
+            for gi in list(self.pending):
                 if gi in self.sending:
                     self._complete(gi)
                 else:

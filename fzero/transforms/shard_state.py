@@ -2,21 +2,21 @@
 
 What each stage keeps on a rank between steps (Ψ parameters, N ranks, fp32 Adam):
 
-=====  ==========================  =====================  ==================================
+=====  ==========================  =====================  ===============================================
 stage  parameters                  optimizer state        gradients (inside the step)
-=====  ==========================  =====================  ==================================
+=====  ==========================  =====================  ===============================================
 0      full (4Ψ)                   full (8Ψ)              full, all-reduced (4Ψ)
 1      full (4Ψ)                   own slice (8Ψ/N)       full, all-reduced (4Ψ)
-2      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (4Ψ/N + a bucket)
-3      own slice (4Ψ/N)            own slice (8Ψ/N)       own slice (4Ψ/N + a unit)
-=====  ==========================  =====================  ==================================
+2      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (4Ψ/N + 2 buckets)
+3      own slice (4Ψ/N)            own slice (8Ψ/N)       own slice (4Ψ/N + 2 units)
+=====  ==========================  =====================  ===============================================
 
 How the step is rewritten (see docs/zero.md): the handler of ``value_and_grad`` asks the
 autograd engine for each gradient the moment it is complete and starts its bucket's
-collective then, so communication overlaps the rest of backward; the handler of
-``apply_gradients`` runs the unchanged optimizer on this rank's slices (optimizers reduce
-across slices through ``psum``, which becomes an all-reduce), then all-gathers the new
-parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
+collective then (buckets in backward's order), so communication overlaps the rest of
+backward; the handler of ``apply_gradients`` runs the unchanged optimizer on this rank's
+slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
+then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
 first needs them.
 
@@ -79,11 +79,18 @@ class _ShardHandler(Handler):
         self.units: Units | None = None  # stage 3
         self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
+        self.rows = -1  # the leading size of this step's local batch (-1: no batched tensor)
 
     @property
     def peak_gathered_bytes(self) -> int:
         """Stage 3: the most parameter bytes gathered at once so far (0 at stages 0-2)."""
         return self.units.peak_gathered_bytes if self.units is not None else 0
+
+    @property
+    def peak_reduce_bytes(self) -> int:
+        """Stages 2-3: the most gradient reduce-buffer bytes in use at once so far (being
+        filled or in flight; not the reduced slices), ``BufferPool.peak_bytes``."""
+        return self.pool.peak_bytes
 
     # ---------------------------------------------------------------- init
 
@@ -207,14 +214,35 @@ class _ShardHandler(Handler):
                           reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s, **options)
 
     def _mean_value(self, out, has_aux):
+        """The loss averaged over ranks, and the check that every rank's local batch has the
+        same leading size (or the gradient average is wrong), in one all-reduce: the loss and
+        ``n``, ``n²`` of this rank's batch size. The sizes are all equal exactly when
+        ``N·Σn² = (Σn)²`` (Cauchy-Schwarz); only then is an all-gather needed, to name them.
+        Sums in fp64 (exact for the counts, and no bf16/fp16 rounding of the loss across
+        ranks). The counts are read on the host (the step's one synchronisation, as the
+        all-gather of sizes before it was), so the error is raised before ``apply_gradients``
+        can run, on every rank alike."""
         (value, grads) = out
         loss = value[0] if has_aux else value
         if self.world > 1:
-            loss = loss.clone()
-            comm.run("all_reduce(loss)", lambda: comm.all_reduce(loss, group=self.group, async_op=True, what="loss"),
+            n, f64 = self.rows, torch.float64
+            # Made from the loss (a fill, not a copy from the host: no synchronisation on a GPU).
+            sums = torch.stack([loss.detach().reshape(()).to(f64), loss.new_full((), n, dtype=f64),
+                                loss.new_full((), n * n, dtype=f64)])
+            comm.run("all_reduce(loss and batch sizes)",
+                     lambda: comm.all_reduce(sums, group=self.group, async_op=True, what="loss"),
                      timeout_s=self.timeout_s, where=WHERE)
-            loss = loss / self.world
+            total, squares = (int(x) for x in sums[1:].tolist())
+            if self.world * squares != total * total:
+                self._batch_sizes_differ()
+            loss = (sums[0] / self.world).to(loss.dtype).reshape(loss.shape)
         return ((loss, value[1]) if has_aux else loss), grads
+
+    def _batch_sizes_differ(self) -> None:
+        sizes = comm.all_gather_ints("all_gather(batch sizes)", [self.rows], self.group, timeout_s=self.timeout_s,
+                                     where=WHERE, device=self.mesh.device)[:, 0]
+        per_rank = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(sizes))
+        raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank}")
 
     def held_back(self) -> dict:
         """Placeholders for the gradients a micro-batch adds into the held sums, in the
@@ -334,7 +362,7 @@ def shard_state(
     def call(state, batch):
         if handler.layout is None:
             raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
-        _check_batch(batch, handler)
+        handler.rows = _leading_size(batch)  # checked across ranks with the loss: see _mean_value
         with installed(handler):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
@@ -347,14 +375,7 @@ def shard_state(
     return out
 
 
-def _check_batch(batch: Any, h: _ShardHandler) -> None:
-    """Every rank's batch must have the same leading size (or the average is wrong)."""
-    if h.world == 1:
-        return
+def _leading_size(batch: Any) -> int:
+    """The leading size of ``batch``'s first tensor with a dimension (``-1`` if none)."""
     leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
-    n = int(leaves[0].shape[0]) if leaves else -1
-    sizes = comm.all_gather_ints("all_gather(batch sizes)", [n], h.group, timeout_s=h.timeout_s, where=WHERE,
-                                 device=h.mesh.device)[:, 0]
-    if not bool((sizes == sizes[0]).all()):
-        per_rank = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(sizes))
-        raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank}")
+    return int(leaves[0].shape[0]) if leaves else -1
