@@ -159,8 +159,11 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
     buffers, and at stage 3 the gathered parameters.
 
-    * Stages 0-1 all-reduce the gradients in their flat groups, in fp32 for bf16/fp16
+    * Stage 0 all-reduces the gradients in their flat groups, in fp32 for bf16/fp16
       gradients (2 bytes per parameter more than the formula's 2-byte gradients).
+    * Stage 1 reduce-scatters them from the same buffers (the formula's whole gradient, as
+      under accumulation, where stage 1 holds the whole sum until the update's last
+      micro-batch) into this rank's fp32 partition, which is alive beside them at the peak.
     * Stages 2-3 copy each bucket into a reduce buffer (fp32 for bf16/fp16) and
       reduce-scatter it; up to :data:`REDUCE_BUFFERS` are in use at once and kept between
       steps, never more than the whole gradient (a group of another size, such as the
@@ -181,8 +184,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     """
     num_params, world_size = _rank_share("reduce_buffer_bytes", num_params, world_size, tp, pp)
     p = PRECISIONS[precision]
-    if stage < 2:
+    if stage == 0:
         return (4 - p) * num_params
+    if stage == 1:
+        return (4 - p) * num_params + 4 * -(-num_params // world_size)
     per_bucket = -(-bucket_bytes // p)
     total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
     if stage == 3:

@@ -129,10 +129,9 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
 
     * stage 0: all-reduce of the gradients, ``2 Ψp g f``, once per update (the micro-batches'
       sum is held and reduced at the last);
-    * stage 1: the same all-reduce, then the updated parameters all-gathered from the owned
-      slices, ``Ψp p f``: ``3 Ψp f`` in all with ``g = p``. (The ZeRO paper's stage 1
-      reduce-scatters, ``2 Ψp``; fzero's all-reduces the full gradient at stage 1, as at
-      stage 0, and keeps the owned slice of it.)
+    * stage 1: reduce-scatter of the gradients, ``Ψp g f``, once per update (the sum is held
+      whole, as at stage 0), then the updated parameters all-gathered from the owned slices,
+      ``Ψp p f``: the paper's ``2 Ψp f`` with ``g = p``;
     * stage 2: reduce-scatter of the gradients every micro-batch, ``k Ψp g f``, and the
       all-gather of the parameters once, ``Ψp p f``: the paper's ``2 Ψp f`` at ``k = 1``;
     * stage 3, every micro-batch: a unit is gathered before its forward and again when
@@ -140,17 +139,19 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
       gradient reduce-scattered: ``3 Ψu f``; the parameters outside every unit are gathered
       once for the whole micro-batch and reduce-scattered: ``2 Ψo f``.
 
-    And the small collectives of every step: the loss, all-reduced every micro-batch (one
-    fp32 scalar, ``2·4 f``); the batch-size check, one int64 all-gathered per step
-    (``8 (N-1)``); under mixed precision at stages 1-3 the overflow flag, one fp32 scalar
+    And the small collectives of every step: the loss with the batch-size check, all-reduced
+    every micro-batch (three fp64 scalars: the loss, ``n`` and ``n²``, ``2·24 f``); under
+    mixed precision at stages 1-3 the overflow flag, one fp32 scalar
     all-reduced through ``psum`` per update.
     """
     units, other = _psi(stage, bucket)
     psi = units + other
     f = Fraction(N - 1, N)
-    out = {("all_reduce", "loss"): k * 2 * 4 * f, ("all_gather", "metadata"): Fraction(8 * (N - 1))}
-    if stage in (0, 1):
+    out = {("all_reduce", "loss"): k * 2 * 24 * f}
+    if stage == 0:
         out[("all_reduce", "gradients")] = 2 * psi * grad_bytes * f
+    elif stage == 1:
+        out[("reduce_scatter", "gradients")] = psi * grad_bytes * f
     elif stage == 2:
         out[("reduce_scatter", "gradients")] = k * psi * grad_bytes * f
     else:

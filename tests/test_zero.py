@@ -403,7 +403,7 @@ def _one_rank_walks_away():
     torch.manual_seed(0)
     apply, params = fzero.functionalize(nn.Linear(3, 2))
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
-    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 1, timeout_s=3)
+    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 0, timeout_s=3)
     state = step.init(state)
     if r == 1:
         return None  # rank 1 never joins the step's collectives
@@ -599,9 +599,12 @@ def _gradient_traffic(stage, order, k, updates=2):
 def test_accumulation_reduces_gradients_once_per_update_at_stages_0_1(ranks, stage, order):
     k = 4
     for traffic, full in ranks(2).run(_gradient_traffic, stage, order, k):
-        if stage < 2:
-            # DDP's no_sync / DeepSpeed stages 0-1: one all-reduce of the summed gradient.
+        if stage == 0:
+            # DDP's no_sync / DeepSpeed stage 0: one all-reduce of the summed gradient.
             assert traffic == [(full, 0)] * 2, (traffic, full)
+        elif stage == 1:
+            # Stage 1 holds the whole sum and reduce-scatters it once, at the last micro-batch.
+            assert traffic == [(0, full)] * 2, (traffic, full)
         else:
             # Stage 2 reduce-scatters every micro-batch, keeping memory at the partition.
             assert traffic == [(0, k * full)] * 2, (traffic, full)

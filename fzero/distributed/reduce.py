@@ -3,7 +3,7 @@
 :class:`ReduceSink` is the ``grad_sink`` of ``fzero.functional._value_and_grad_base``: the
 autograd engine hands it each parameter's gradient the moment it is complete; it copies the
 gradient into its group's flat buffer and, once a group is complete, starts the group's
-collective (all-reduce at stages 0-1, reduce-scatter at stages 2-3) while backward goes on.
+collective (all-reduce at stage 0, reduce-scatter at stages 1-3) while backward goes on.
 Everything it needs is passed in: the layout, the ``dp`` group, the stage, the reduction
 dtype, the buffer pool and the timeout (see ``fzero.transforms.shard_state`` for the
 handler that builds one per ``value_and_grad``).
@@ -44,7 +44,7 @@ def reduce_dtype(dtype: torch.dtype, asked: torch.dtype | None = None) -> torch.
 
 
 class BufferPool:
-    """A few reduce buffers kept between steps (stages 2-3), reused largest-fit.
+    """A few reduce buffers kept between steps (stages 1-3), reused largest-fit.
 
     Fresh multi-megabyte buffers cost page faults on every step (measured: 26-48 ms a step on
     the 10.8M GPT); at most ``limit`` buffers are kept, about ``MAX_IN_FLIGHT + 1`` buckets.
@@ -106,7 +106,7 @@ class ReduceSink:
             layout is an argument beside the parameters (its gradient is kept local).
         group, world, stage: the ``dp`` process group, its size and the ZeRO stage.
         reduce_in: the reduction dtype asked for (``None``: see :func:`reduce_dtype`).
-        pool: where stage 2-3 send buffers come from and go back to.
+        pool: where stage 1-3 send buffers come from and go back to.
         timeout_s: of every collective.
         held: stages 0-1: group buffers holding earlier micro-batches' sum.
         hold: placeholders by name, to return instead of reducing.
@@ -133,13 +133,13 @@ class ReduceSink:
         self.results: dict[int, torch.Tensor] = {}
         self.order = layout.reduce_order
         self.next = 0  # position in ``order`` of the next group to launch
-        self.sending: dict[int, torch.Tensor] = {}  # stage 2-3: send buffers in flight, oldest first
+        self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
 
     def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed reduce buffer for ``group``: at stages 2-3 from the small pool (reusing
+        """A zeroed reduce buffer for ``group``: at stages 1-3 from the small pool (reusing
         resident memory instead of faulting in fresh pages every step)."""
-        if self.stage >= 2:
+        if self.stage >= 1:
             while len(self.sending) >= MAX_IN_FLIGHT:  # see MAX_IN_FLIGHT
                 self._complete(next(iter(self.sending)))
             return self.pool.take(group.padded, dtype, group.device)
@@ -176,11 +176,11 @@ class ReduceSink:
         if buf is None:  # no parameter of this group reached the loss
             buf = self._buffer(group, reduce_dtype(group.dtype, self.reduce_in))
         if self.world == 1:
-            self.results[gi] = buf if self.stage < 2 else buf[: group.chunk].clone()
-            if self.stage >= 2:
+            self.results[gi] = buf if self.stage == 0 else buf[: group.chunk].clone()
+            if self.stage >= 1:
                 self.pool.give(buf)
             return
-        if self.stage < 2:
+        if self.stage == 0:
             self.pending[gi] = comm.start(
                 f"all_reduce(gradient group {gi}, {group.padded} elements)",
                 lambda: comm.all_reduce(buf, group=self.group, async_op=True, what="gradients"),
@@ -234,8 +234,5 @@ def gradients(layout: Layout, results: dict[int, torch.Tensor], *, stage: int, g
         if stage == 0:
             out.update(zip(g.names, g.views(r)))
             continue
-        if stage == 1:
-            lo, hi = g.owned
-            r = r[lo:hi].clone()  # keep the owned slice, let the full gradient go
         out.update(zip(g.names, g.pieces(r, group)))
     return out

@@ -6,7 +6,8 @@ What each stage keeps on a rank between steps (Ψ parameters, N ranks, fp32 Adam
 stage  parameters                  optimizer state        gradients (inside the step)
 =====  ==========================  =====================  ===============================================
 0      full (4Ψ)                   full (8Ψ)              full, all-reduced (4Ψ)
-1      full (4Ψ)                   own slice (8Ψ/N)       full, all-reduced (4Ψ)
+1      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (as stage 2; whole
+                                                          sums under accumulation, 4Ψ)
 2      full (4Ψ)                   own slice (8Ψ/N)       own slice, reduce-scattered (4Ψ/N + 2 buckets)
 3      own slice (4Ψ/N)            own slice (8Ψ/N)       own slice (4Ψ/N + 2 units)
 =====  ==========================  =====================  ===============================================
@@ -195,10 +196,10 @@ class _ShardHandler(Handler):
                 sink = self._sink(views, on_complete=units.post_backward)
                 out = next(regathering, views, args, kwargs, grad_sink=sink, **options)
         else:
-            # Under accumulation every rank holds whole gradients at stages 0-1 anyway, so
+            # Under accumulation stages 0-1 hold whole gradients, as DDP and DeepSpeed do:
             # the micro-batches before the last only add into the reduce buffers and the sum
-            # is all-reduced once, at the last: one k-th of the traffic (DDP's no_sync;
-            # DeepSpeed stages 0-1). Stage 2 reduce-scatters each micro-batch instead, so
+            # is reduced once, at the last (all-reduced at stage 0, reduce-scattered at 1):
+            # one k-th of the traffic (DDP's no_sync; DeepSpeed stages 0-1). Stage 2 reduce-scatters each micro-batch instead, so
             # that its gradient memory stays at the partition.
             mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
             held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
