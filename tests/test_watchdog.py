@@ -152,7 +152,8 @@ with comm._watchdog_for_cpu():
         comm.run("all_reduce(a test's value)", lambda: comm.all_reduce(t, async_op=True), timeout_s=3,
                  where="test")
     else:
-        p2p.Channel(dist.group.WORLD, timeout_s=3, where="test").recv(torch.empty(3), 1, "the activation of micro-batch 0")
+        channel = p2p.Channel(dist.group.WORLD, timeout_s=3, where="test")
+        channel.recv(torch.empty(3), 1, "the activation of micro-batch 0")
 print("not reached", flush=True)
 """
 
