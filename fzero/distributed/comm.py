@@ -5,17 +5,31 @@ The data collectives (:func:`all_reduce`, :func:`broadcast`, :func:`all_gather_f
 (:class:`fzero.distributed.p2p.Channel`) are counted in :data:`traffic`, so a test, a
 benchmark or a step's metrics (``fzero.compile(comm_bytes=True)``) can say how many bytes
 a step handed to each kind of collective, and how many it sent on the wire.
+
+Waiting: a collective of CPU tensors (gloo) is waited on with its timeout, and one that does
+not complete raises a :class:`CollectiveError` naming it and the rank. A collective of
+device tensors (CUDA: NCCL) is waited on without a timeout, because on NCCL a timed wait
+blocks the host thread until the collective completes, while an untimed one only makes the
+current stream wait and the host goes on launching the kernels the collective overlaps; the
+per-process watchdog (:mod:`fzero.distributed.watchdog`) then reports a hang by name and
+ends the process. Which path a collective takes is read from the tensors the helpers below
+hand to torch.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
+
+from fzero.distributed import watchdog
 
 __all__ = ["KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
            "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
@@ -178,11 +192,44 @@ class Traffic:
 traffic = Traffic()
 
 
+# The device type of the tensor the last helper below handed to torch on this thread, read
+# by :func:`start` to choose how the collective is waited on. Per thread: the checkpoint's
+# background thread starts collectives while training does.
+_LAUNCH = threading.local()
+# Depth of _watchdog_for_cpu() blocks: CPU collectives take the device path too (tests).
+_WATCH_CPU = 0
+
+
+def _launching(tensor: torch.Tensor) -> None:
+    _LAUNCH.device = tensor.device.type
+
+
+def _watched(device_type: str | None) -> bool:
+    """Whether a collective on tensors of ``device_type`` is waited on without a timeout,
+    under the watchdog: device tensors, and CPU ones inside :func:`_watchdog_for_cpu`.
+    ``None`` (a collective started without these helpers) keeps the timed wait."""
+    return device_type is not None and (device_type != "cpu" or _WATCH_CPU > 0)
+
+
+@contextlib.contextmanager
+def _watchdog_for_cpu() -> Iterator[None]:
+    """Collectives of CPU tensors waited on in this block take the device path: an untimed
+    wait under the watchdog, which ends the process on a hang. For tests on gloo, where
+    NCCL's path cannot otherwise be seen."""
+    global _WATCH_CPU
+    _WATCH_CPU += 1
+    try:
+        yield
+    finally:
+        _WATCH_CPU -= 1
+
+
 def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what: str = "other",
                op=dist.ReduceOp.SUM):
     """``dist.all_reduce`` of ``tensor`` in place (a sum unless ``op`` says otherwise),
     counted in :data:`traffic` (payload: ``tensor``'s bytes)."""
     traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group))
+    _launching(tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -190,6 +237,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = Fa
     """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`
     (payload: ``tensor``'s bytes, on every rank)."""
     traffic.add("broadcast", what, tensor, world=dist.get_world_size(group))
+    _launching(tensor)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -197,6 +245,7 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, as
                     what: str = "other"):
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
     traffic.add("all_gather", what, input, world=dist.get_world_size(group))
+    _launching(input)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
@@ -204,6 +253,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None
                         what: str = "other"):
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""
     traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group))
+    _launching(input)
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
 
 
@@ -219,28 +269,54 @@ def run(name: str, fn: Callable[[], object], *, timeout_s: float, where: str = "
     """Run a collective to completion within ``timeout_s``.
 
     ``fn`` starts it with ``async_op=True`` and returns the work; a failure or a timeout is
-    a :class:`CollectiveError` naming ``name`` and this rank.
+    a :class:`CollectiveError` naming ``name`` and this rank (on a device, a hang is the
+    watchdog's: see :meth:`Pending.wait`).
     """
     return start(name, fn, where=where).wait(timeout_s)
 
 
 class Pending:
-    """An asynchronous collective and what to do with its result."""
+    """An asynchronous collective and what to do with its result.
 
-    __slots__ = ("name", "work", "done", "where")
+    ``device`` is the device type of the tensors it moves (``None``: not known), and
+    ``launched`` when it started (``time.monotonic()``).
+    """
 
-    def __init__(self, name: str, work, done: Callable[[], object] | None, where: str):
+    __slots__ = ("name", "work", "done", "where", "device", "launched")
+
+    def __init__(self, name: str, work, done: Callable[[], object] | None, where: str, *,
+                 device: str | None = None, launched: float | None = None):
         self.name, self.work, self.done, self.where = name, work, done, where
+        self.device = device
+        self.launched = time.monotonic() if launched is None else launched
 
     def wait(self, timeout_s: float):
-        try:
-            if self.work is not None:
-                self.work.wait(datetime.timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001
-            raise CollectiveError(
-                f"{self.where}: collective {self.name} did not complete on rank {_rank()} "
-                f"within {timeout_s:g} s (a rank may have died or taken another path): {e}"
-            ) from e
+        """Complete the collective and return ``done()``'s result.
+
+        On the CPU this blocks until the collective completes, at most ``timeout_s``. On a
+        device it returns once the current stream is made to wait for the collective (the
+        host goes on), and the watchdog (:mod:`fzero.distributed.watchdog`) ends the process
+        with a report naming it if it is still outstanding ``timeout_s`` after its launch.
+
+        Raises:
+            CollectiveError: the collective failed, or (on the CPU) did not complete in time.
+        """
+        if self.work is not None:
+            if _watched(self.device):
+                watchdog.watch(f"collective {self.name}", self.work, where=self.where, timeout_s=timeout_s,
+                               since=self.launched)
+                try:
+                    self.work.wait()
+                except Exception as e:  # noqa: BLE001
+                    raise CollectiveError(f"{self.where}: collective {self.name} failed on rank {_rank()}: {e}") from e
+            else:
+                try:
+                    self.work.wait(datetime.timedelta(seconds=timeout_s))
+                except Exception as e:  # noqa: BLE001
+                    raise CollectiveError(
+                        f"{self.where}: collective {self.name} did not complete on rank {_rank()} "
+                        f"within {timeout_s:g} s (a rank may have died or taken another path): {e}"
+                    ) from e
         return self.done() if self.done is not None else None
 
 
@@ -248,12 +324,17 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
           where: str = "fzero") -> Pending:
     """Start an asynchronous collective (``fn`` passes ``async_op=True``).
 
+    ``fn`` starts it through this module's helpers (:func:`all_reduce`, ...), which say what
+    device its tensors are on, and so how it is waited on (:meth:`Pending.wait`).
+
     Under a device check (``$FZERO_CHECK_DEVICE``, or ``device_check.pretend()`` in tests)
     every tensor ``fn`` hands to torch's collectives is checked first: see
     :mod:`fzero.distributed.device_check`.
     """
     from fzero.distributed import device_check
 
+    _LAUNCH.device = None
+    launched = time.monotonic()
     try:
         with device_check.guard(name, where):
             work = fn()
@@ -261,7 +342,7 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
         raise  # it names the collective and the rank already
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(f"{where}: collective {name} failed to start on rank {_rank()}: {e}") from e
-    return Pending(name, work, done, where)
+    return Pending(name, work, done, where, device=_LAUNCH.device, launched=launched)
 
 
 def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero",

@@ -23,6 +23,11 @@ AXES = ("pp", "dp", "tp")
 Axis = Literal["pp", "dp", "tp"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FZERO_TIMEOUT", "300"))
+# NCCL's own watchdog aborts a process whose collective is outstanding past the group's
+# timeout, naming an op type and a sequence number; fzero's (fzero.distributed.watchdog)
+# counts the same time from the same launch and names the collective. An NCCL group made
+# here gets this much longer, so fzero's report comes first and NCCL's abort is the backstop.
+NCCL_BACKSTOP_S = 30.0
 
 # DeviceMeshes by (device type, shape): building one creates process groups (a collective),
 # so meshes of one shape in one process share it.
@@ -50,7 +55,9 @@ class Mesh:
         dp, tp, pp: axis sizes; one of them may be ``-1``, "the rest of the world".
         backend: force ``"gloo"`` or ``"nccl"``.
         timeout_s: collective timeout; a collective that does not return in time raises
-            instead of hanging (default ``$FZERO_TIMEOUT`` or 300 s).
+            instead of hanging (default ``$FZERO_TIMEOUT`` or 300 s). On a device, where
+            collectives are waited on without a timeout, the watchdog reports it and ends the
+            process instead (:mod:`fzero.distributed.watchdog`).
 
     Raises:
         ValueError: the sizes do not multiply to the world size, or more than one is -1.
@@ -71,7 +78,8 @@ class Mesh:
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+            pg_timeout_s = self.timeout_s + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s))
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0

@@ -5,7 +5,11 @@ stages. Sends are asynchronous (``isend``; the tensor is kept alive until the se
 waited on), so the only blocking operation is a receive, and each receive waits at most
 ``timeout_s``: a peer that raised, died or took another path ends in a
 :class:`~fzero.distributed.comm.CollectiveError` that names what was expected, from which
-rank, instead of a hang.
+rank, instead of a hang. Receives and sends of device tensors follow
+:meth:`fzero.distributed.comm.Pending.wait`'s rule: waited on without a timeout (the current
+stream waits, the host goes on), and the watchdog (:mod:`fzero.distributed.watchdog`) ends
+the process with a report naming what was expected if it is still outstanding after
+``timeout_s``.
 
 Ranks are given as positions on the axis (``0 .. size-1``); the global rank of a position is
 looked up once.
@@ -18,11 +22,12 @@ receive sends nothing.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import device_check
+from fzero.distributed import comm, device_check, watchdog
 from fzero.distributed.comm import CollectiveError, traffic
 
 __all__ = ["Channel"]
@@ -33,10 +38,10 @@ def _rank() -> int:
 
 
 class _Send:
-    __slots__ = ("work", "tensor", "name")
+    __slots__ = ("work", "tensor", "name", "launched")
 
-    def __init__(self, work, tensor, name):
-        self.work, self.tensor, self.name = work, tensor, name
+    def __init__(self, work, tensor, name, launched):
+        self.work, self.tensor, self.name, self.launched = work, tensor, name, launched
 
 
 class Channel:
@@ -67,6 +72,7 @@ class Channel:
         Counted as a ``"send"`` of ``what``: ``tensor``'s bytes."""
         tensor = tensor.contiguous()
         traffic.add("send", what, tensor)
+        launched = time.monotonic()
         try:
             with device_check.guard(f"send of {name}", self.where):
                 work = dist.isend(tensor, dst=self._global[to], group=self.group, tag=tag)
@@ -75,7 +81,7 @@ class Channel:
         except Exception as e:  # noqa: BLE001
             raise CollectiveError(f"{self.where}: send of {name} to rank {self._global[to]} failed to start "
                                   f"on rank {_rank()}: {e}") from e
-        self._sends.append(_Send(work, tensor, name))
+        self._sends.append(_Send(work, tensor, name, launched))
         # Drop the sends that are already done, so what they keep alive can go.
         if len(self._sends) > 8:
             self._sends = [s for s in self._sends if not s.work.is_completed()]
@@ -85,10 +91,16 @@ class Channel:
         Counted as a ``"recv"`` of ``what``: ``buf``'s bytes, none sent."""
         src = self._global[frm]
         traffic.add("recv", what, buf)
+        launched = time.monotonic()
         try:
             with device_check.guard(f"receive of {name}", self.where):
                 work = dist.irecv(buf, src=src, group=self.group, tag=tag)
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            if comm._watched(buf.device.type):
+                watchdog.watch(f"receive of {name} from rank {src}", work, where=self.where,
+                               timeout_s=self.timeout_s, since=launched)
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
         except device_check.DeviceMismatchError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -102,7 +114,12 @@ class Channel:
         sends, self._sends = self._sends, []
         for s in sends:
             try:
-                s.work.wait(datetime.timedelta(seconds=self.timeout_s))
+                if comm._watched(s.tensor.device.type):
+                    watchdog.watch(f"send of {s.name}", s.work, where=self.where, timeout_s=self.timeout_s,
+                                   since=s.launched)
+                    s.work.wait()
+                else:
+                    s.work.wait(datetime.timedelta(seconds=self.timeout_s))
             except Exception as e:  # noqa: BLE001
                 raise CollectiveError(f"{self.where}: send of {s.name} from rank {_rank()} did not complete "
                                       f"within {self.timeout_s:g} s: {e}") from e
