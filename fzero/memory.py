@@ -159,8 +159,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
     buffers, and at stage 3 the gathered parameters.
 
-    * Stage 0 all-reduces the gradients in their flat groups, in fp32 for bf16/fp16
-      gradients (2 bytes per parameter more than the formula's 2-byte gradients).
+    * Stage 0 all-reduces the gradients in their flat groups and keeps the groups between
+      steps (as DDP keeps its buckets): the fp32 gradients are views of them; bf16/fp16
+      gradients are reduced in fp32 there and copied out (4 bytes per parameter beside the
+      formula's 2-byte gradients).
     * Stage 1 reduce-scatters them from the same buffers (the formula's whole gradient, as
       under accumulation, where stage 1 holds the whole sum until the update's last
       micro-batch) into this rank's fp32 partition, which is alive beside them at the peak.
@@ -185,7 +187,7 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     num_params, world_size = _rank_share("reduce_buffer_bytes", num_params, world_size, tp, pp)
     p = PRECISIONS[precision]
     if stage == 0:
-        return (4 - p) * num_params
+        return 0 if p == 4 else 4 * num_params
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
     per_bucket = -(-bucket_bytes // p)

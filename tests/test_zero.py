@@ -671,3 +671,33 @@ def _donated(stage, precision):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_donated_step_updates_in_place_at_every_stage(ranks, stage, precision):
     ranks(2).run(_donated, stage, precision)
+
+
+def _stage_0_buffers():
+    """Stage 0's gradients are views of its reduce buffers: reused step after step, unless a
+    view of them is still held (a gradient kept past its step is never overwritten)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    make_model, batches = _model_and_batches((5, 8, 2, 3), 5, 4, 4 * n)
+
+    def keeping_step(state, batch):
+        loss, grads = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(
+            state.params)
+        return state.apply_gradients(grads), {"loss": loss, "grads": grads}
+
+    step = fzero.shard_state(keeping_step, fzero.Mesh(dp=-1), 0)
+    state = step.init(_state(make_model, "sgd"))
+    ptrs, kept = [], []
+    for i, b in enumerate(batches):
+        state, m = step(state, ft.local_batch(b, n, r))
+        ptrs.append(m["grads"]["inp.weight"].data_ptr())
+        if i == 1:
+            kept = (m["grads"], fzero.tree.map(torch.clone, m["grads"]))
+        del m
+    reused = ptrs[0] == ptrs[1]  # step 0's gradients were dropped before step 1
+    fresh = ptrs[2] != ptrs[1]  # step 1's are kept: step 2 must not write into them
+    same = all(torch.equal(a, b) for a, b in zip(fzero.tree.leaves(kept[0]), fzero.tree.leaves(kept[1])))
+    return reused, fresh, same
+
+
+def test_stage_0_reuses_its_reduce_buffers_unless_a_gradient_is_kept(ranks):
+    assert ranks(2).run(_stage_0_buffers) == [(True, True, True)] * 2

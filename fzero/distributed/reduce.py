@@ -63,10 +63,13 @@ class BufferPool:
     def __init__(self, limit: int = MAX_IN_FLIGHT + 2):
         self.limit = limit
         self.free: list[torch.Tensor] = []
+        self.lent: list[torch.Tensor] = []  # buffers the step's gradients view (stage 0)
         self.in_use_bytes = 0
         self.peak_bytes = 0
 
     def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.lent:
+            self._reclaim()
         fits = [i for i, t in enumerate(self.free) if t.numel() >= n and t.dtype == dtype and t.device == device]
         if fits:
             t = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
@@ -85,6 +88,33 @@ class BufferPool:
         self.free.append(base)
         if len(self.free) > self.limit:
             self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+
+    def lend(self, t: torch.Tensor) -> None:
+        """Take back a buffer whose views went out as gradients (stage 0's reduced groups,
+        DDP's ``gradient_as_bucket_view``): it is reused only once nothing else holds a view
+        of it, so a gradient a user kept past the step is never overwritten."""
+        self.in_use_bytes -= t.numel() * t.element_size()
+        self.lent.append(t._base if t._base is not None else t)
+
+    def _reclaim(self) -> None:
+        still = []
+        for base in self.lent:
+            (self.free if _only_holder(base) else still).append(base)
+        self.lent = still
+        while len(self.free) > self.limit:
+            self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_SOLE = _storage_uses(torch.empty(1)) if hasattr(torch._C, "_storage_Use_Count") else None
+
+
+def _only_holder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor using its storage (no view of it is alive)."""
+    return _SOLE is not None and _storage_uses(t) == _SOLE
 
 
 class ReduceSink:
@@ -137,13 +167,11 @@ class ReduceSink:
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
 
     def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed reduce buffer for ``group``: at stages 1-3 from the small pool (reusing
+        """A zeroed reduce buffer for ``group``, from the pool (reusing
         resident memory instead of faulting in fresh pages every step)."""
-        if self.stage >= 1:
-            while len(self.sending) >= MAX_IN_FLIGHT:  # see MAX_IN_FLIGHT
-                self._complete(next(iter(self.sending)))
-            return self.pool.take(group.padded, dtype, group.device)
-        return torch.zeros(group.padded, dtype=dtype, device=group.device)
+        while len(self.sending) >= MAX_IN_FLIGHT:  # see MAX_IN_FLIGHT (stages 1-3)
+            self._complete(next(iter(self.sending)))
+        return self.pool.take(group.padded, dtype, group.device)
 
     def on_grad(self, i: int, g: torch.Tensor) -> None:
         if self.leaf_groups[i] is None:  # a differentiated argument beside the parameters: this
@@ -216,6 +244,9 @@ class ReduceSink:
             for r in self.results.values():
                 r.div_(self.world)
             grads = gradients(self.layout, self.results, stage=self.stage, group=self.group, keep_fp32=self.summed)
+            if self.stage == 0:  # the gradients are views of the reduced buffers
+                for r in self.results.values():
+                    self.pool.lend(r)
         return [self.local[n] if n in self.local else grads.get(n) for n in self.leaf_names]  # frozen: None
 
 

@@ -41,7 +41,7 @@ from fzero.distributed import comm
 from fzero.distributed.collectives import all_gather_params, all_gather_params_into, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
-from fzero.distributed.reduce import BufferPool, ReduceSink
+from fzero.distributed.reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
 from fzero.distributed.units import Units, find_units
 from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
@@ -116,6 +116,8 @@ class _ShardHandler(Handler):
             found = find_units(module, train, self.units_spec)
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket_bytes)
+        if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
+            self.pool = BufferPool(limit=len(self.layout.groups) + MAX_IN_FLIGHT)
         if isinstance(module, torch.nn.Module):
             # The module is only code from here on: its parameters come from the state
             # (fzero.load_into writes trained weights back), so its own storage can go.
