@@ -173,6 +173,22 @@ def _tensors(x) -> list[torch.Tensor]:
     return [t for item in x for t in _tensors(item)]
 
 
+def counted(step: Callable, script: str) -> Callable:
+    """``step(batch, probe)`` whose probed round (``probe["on"]`` set) runs under
+    :class:`CountCollectives`, storing the ring bytes it sent in probe["c10d_sent"] and the
+    payload in probe["c10d_payload"]."""
+
+    def run(batch, probe):
+        if not probe.get("on"):
+            return step(batch, probe)
+        with CountCollectives(script) as counter:
+            out = step(batch, probe)
+        probe.update(c10d_sent=counter.sent(), c10d_payload=counter.bytes())
+        return out
+
+    return run
+
+
 def fzero_sent() -> tuple[float, str]:
     """Bytes this rank sent since ``comm.traffic``'s last reset, and how they were counted:
     ``"ring"`` from ``traffic.sent()`` where fzero counts the bytes its algorithms send, else
@@ -228,12 +244,14 @@ def fzero_contestant(module: torch.nn.Module, mesh, held: Callable, **compile_op
 # --------------------------------------------------------------------------- the run
 
 
-def add_gpt_options(p: argparse.ArgumentParser, *, n_layer: int, n_head: int, n_embd: int) -> None:
-    """The options of the benchmarked GPT's shape (``examples/gpt.py``)."""
+def add_gpt_options(p: argparse.ArgumentParser, *, n_layer: int | None, n_head: int | None, n_embd: int | None,
+                    vocab_size: int | None = 256) -> None:
+    """The options of the benchmarked GPT's shape (``examples/gpt.py``); a default of None
+    leaves the value to the script (a preset)."""
     p.add_argument("--n-layer", type=int, default=n_layer)
     p.add_argument("--n-head", type=int, default=n_head)
     p.add_argument("--n-embd", type=int, default=n_embd)
-    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=vocab_size)
 
 
 def contestants(only: str | None, known: tuple[str, ...], script: str) -> tuple[str, ...]:
