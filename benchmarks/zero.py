@@ -300,7 +300,7 @@ def run(args, argv) -> dict | None:
     base = GPT(cfg)
     psi = sum(p.numel() for p in base.parameters())  # tied head counted once
     steps, failed = build_all(names, base, args, mesh)
-    names = tuple(steps)
+    chosen_names, names = names, tuple(steps)
     del base
     gc.collect()
 
@@ -350,8 +350,8 @@ def run(args, argv) -> dict | None:
             "final_loss": float(loss_t[j, -1]),
             "losses": [float(v) for v in loss_t[j]],
         }
-    for n, why in failed.items():
-        res[n] = {"failed": why}
+    res |= {n: {"failed": why} for n, why in failed.items()}
+    res = {n: res[n] for n in chosen_names}  # the table's order, failures in their place
     return {
         "command": command_line(argv),
         "preset": args.preset,
@@ -412,7 +412,7 @@ def report(result: dict, rss: dict) -> None:
           f"(Ψ = {psi}), fp32, global batch {b}x{s} ({b // world} per rank); "
           f"{result['steps']} timed rounds after {result['warmup']} warmup, contestants interleaved; "
           f"load average at start {result['loadavg_start']}, at end {result['loadavg_end']}\n")
-    print("| contestant | median step s | ×DDP | model-state MiB/rank | ×formula | MiB sent/rank/step | ×formula "
+    print("| contestant | median step s | ×DDP | model-state MiB/rank | ×formula | MiB sent/rank/step | ×sent formula "
           "| peak RSS MiB | final loss | loss vs DDP |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, r in res.items():
@@ -447,12 +447,15 @@ def report(result: dict, rss: dict) -> None:
           "DDP, FSDP2 and DeepSpeed: what the ring algorithm sends for the c10d ops of one step")
     fz = {n: r for n, r in ran.items() if n.startswith("zero")}
     if fz:
-        how = ("comm.traffic.sent(), the ring bytes" if all(r["sent_as"] == "ring" for r in fz.values())
-               else "comm.traffic.bytes(), the payload handed to collectives (this fzero has no traffic.sent())")
-        print(f"fzero's bytes: {how}; the c10d ops of the same step carry "
-              + ", ".join(f"{n} {r['c10d_payload_bytes']} B payload "
-                          f"({'=' if r['c10d_payload_bytes'] == r['traffic_payload_bytes'] else '≠'} comm.traffic's), "
-                          f"{r['c10d_sent_bytes'] / MIB:.2f} MiB by the ring" for n, r in fz.items()))
+        print("fzero's bytes: " + ("comm.traffic.sent()" if all(r["sent_as"] == "ring" for r in fz.values()) else
+                                   "comm.traffic.bytes(), the payload handed to collectives (this fzero has no "
+                                   "traffic.sent())") + "; the c10d ops of the same step:")
+        for n, r in fz.items():
+            same = "=" if r["c10d_payload_bytes"] == r["traffic_payload_bytes"] else "≠"
+            print(f"- {n}: payload {r['c10d_payload_bytes']} B ({same} comm.traffic.bytes() {r['traffic_payload_bytes']} B), "
+                  f"by the ring {r['c10d_sent_bytes'] / MIB:.2f} MiB = "
+                  f"{r['c10d_sent_bytes'] / r['sent_formula_bytes']:.3f} × {SENT[stage_of(n)]}Ψ(N-1)/N × 4 B"
+                  + (f" (comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
             print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit once per step, not twice: "
                   "it sends less than 3Ψ(N-1)/N")
