@@ -14,10 +14,14 @@ torch.optim.AdamW(foreach=True) as DDP's>, config=...)``, then ``engine.backward
 no accumulation and no clipping (``gradient_clipping: 0.0``: DeepSpeed 0.19 clips to norm 1.0
 when the key is absent, and no other contestant clips), so the engine trains the math DDP
 trains. Its gradient buckets (``reduce_bucket_size``, ``allgather_bucket_size``) hold
-``--bucket-mb``, as DDP's and fzero's do (DeepSpeed's default is 5e8 elements), and at stage 3
+``--bucket-mb``, as DDP's and fzero's do (DeepSpeed's default is 5e8 elements). At stage 3,
 ``stage3_param_persistence_threshold`` is 0: DeepSpeed keeps every parameter below 1e5
 elements whole on every rank by default, which in a width-128 GPT is every parameter, and the
-ZeRO-3 formula partitions them all.
+ZeRO-3 formula partitions them all; and ``memory_efficient_linear`` is off: left on, it
+replaces ``torch.nn.functional.linear`` for the whole process ("This will persist unless
+manually reset", DeepSpeed 0.19's ``zero.Init``), so every other contestant's ``nn.Linear``
+would run through DeepSpeed's autograd function. :func:`build` checks that building an engine
+changed no function of ``torch``, ``torch.nn.functional`` or ``torch.Tensor``.
 
 Model state per rank (:func:`state_bytes`), counted as for the other contestants: the
 distinct storages, views once, of the parameters, the gradients and the optimizer state that
@@ -47,7 +51,9 @@ import logging
 import os
 from typing import Callable
 
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from _common import MIB, loss_of, make_torch_optimizer
 from fzero.testing import storage_bytes
@@ -80,7 +86,7 @@ def config(stage: int, *, micro_batch: int, bucket_elements: int) -> dict:
     """The DeepSpeed config of a contestant (see the module docstring for each choice)."""
     zero = {"stage": stage, "reduce_bucket_size": bucket_elements, "allgather_bucket_size": bucket_elements}
     if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0
+        zero.update(stage3_param_persistence_threshold=0, memory_efficient_linear=False)
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -114,7 +120,12 @@ def build(stage: int) -> Callable:
         model = copy.deepcopy(base)
         cfg = config(stage, micro_batch=args.batch_size // dist.get_world_size(),
                      bucket_elements=int(args.bucket_mb * MIB) // 4)  # fp32 elements
+        before = _torch_functions()
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_torch_optimizer(model.parameters()), config=cfg)
+        changed = sorted(k for k, f in _torch_functions().items() if before.get(k) is not f)
+        if changed:
+            raise RuntimeError(f"deepspeed.initialize replaced {', '.join(changed)}: the other contestants would "
+                               "run DeepSpeed's versions")
 
         def step(batch, probe):
             loss = loss_of(engine(batch["x"]), batch["y"])
@@ -127,3 +138,11 @@ def build(stage: int) -> Callable:
         return step
 
     return build_stage
+
+
+def _torch_functions() -> dict:
+    """What the other contestants call through module attributes, by qualified name. (Importing
+    ``torch._dynamo`` wraps a few of ``torch``'s, ``manual_seed`` among them: benchmarks/zero.py
+    imports it first, so that is not taken for DeepSpeed's doing.)"""
+    spaces = (("torch", torch), ("torch.nn.functional", F), ("torch.Tensor", torch.Tensor))
+    return {f"{name}.{k}": v for name, ns in spaces for k, v in vars(ns).items() if callable(v)}

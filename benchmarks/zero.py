@@ -115,8 +115,10 @@ from gpt import GPT, GPTConfig  # noqa: E402
 SCRIPT = "benchmarks/zero.py"
 DEEPSPEED = tuple(f"deepspeed{s}" for s in _deepspeed.STAGES)
 CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3") + DEEPSPEED
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)",
-          **{f"zero{s}": f"fzero stage {s}" for s in range(4)}, **{f"deepspeed{s}": f"DeepSpeed stage {s}" for s in range(4)}}
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
+          **{f"deepspeed{s}": f"DeepSpeed stage {s}" for s in range(4)}}
+# The ZeRO stage whose formulas a contestant is held to: DDP's is 0, FSDP2's 3.
+STAGE = {"ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
 # Bytes per parameter after backward, fp32 Adam, N ranks (ZeRO paper, fig. 1), by ZeRO stage
 # (DDP's is stage 0's, FSDP2's stage 3's).
 FORMULA = {0: lambda n: 16.0, 1: lambda n: 8 + 8 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
@@ -132,13 +134,6 @@ PRESETS = {
 TARGETS = {"default": {"zero0": 1.02, "zero1": 1.02, "zero2": 1.02, "zero3": 1.10}, "tiny": {"zero2": 1.10}}
 # torch 2.13 deprecates the *_tensor collectives fzero calls; say it once, not per rank per step.
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)")
-
-
-def stage_of(name: str) -> int:
-    """The ZeRO stage a contestant's formulas are those of: DDP's is 0, FSDP2's 3."""
-    if name in ("ddp", "fsdp2"):
-        return 0 if name == "ddp" else 3
-    return int(name[-1])
 
 
 # --------------------------------------------------------------------------- helpers
@@ -326,7 +321,7 @@ def run(args, argv) -> dict | None:
     res = {}
     slowest = {n: [max(r[n][k] for r in all_times) for k in range(len(times[n]))] for n in names}
     for j, n in enumerate(names):
-        t, stage = slowest[n], stage_of(n)
+        t, stage = slowest[n], STAGE[n]
         largest = {k: max(p[n][k] for p in all_probes) for k in all_probes[0][n] if k != "sent_as"}
         # Paired: this contestant's time over DDP's in the same round, median over rounds.
         paired = [a / b for a, b in zip(t, slowest["ddp"])] if "ddp" in slowest and t else []
@@ -412,14 +407,14 @@ def report(result: dict, rss: dict) -> None:
           f"(Ψ = {psi}), fp32, global batch {b}x{s} ({b // world} per rank); "
           f"{result['steps']} timed rounds after {result['warmup']} warmup, contestants interleaved; "
           f"load average at start {result['loadavg_start']}, at end {result['loadavg_end']}\n")
-    print("| contestant | median step s | ×DDP | model-state MiB/rank | ×formula | MiB sent/rank/step | ×sent formula "
-          "| peak RSS MiB | final loss | loss vs DDP |")
+    print("| contestant | median step s | ×DDP | model-state MiB/rank | ×formula | MiB sent/rank/step "
+          "| ×sent formula | peak RSS MiB | final loss | loss vs DDP |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, r in res.items():
         if "failed" in r:
             print(f"| {LABELS[n]} | did not run: {r['failed']} | | | | | | | | |")
             continue
-        stage = stage_of(n)
+        stage = STAGE[n]
         x = f"{r['median_s'] / ddp:.3f}" if ddp else "–"
         target = f" (≤ {result['targets'][n]:.2f})" if n in result["targets"] else ""
         peak = rss.get(n)
@@ -439,7 +434,8 @@ def report(result: dict, rss: dict) -> None:
               f"{' + DeepSpeed' if result['deepspeed']['available'] else ''}) ≈ {statistics.median(base):.0f} MiB")
     if ref:
         worst = max(abs(a - c) / abs(c) for r in ran.values() for a, c in zip(r["losses"], ref))
-        print(f"loss parity: max relative difference from DDP over all {len(ref)} steps of every contestant: {worst:.1e}")
+        print(f"loss parity: max relative difference from DDP over all {len(ref)} steps of every contestant: "
+              f"{worst:.1e}")
         print("×DDP paired (median over rounds of the contestant's step time / DDP's in the same round): "
               + ", ".join(f"{n} {r['x_ddp_paired']:.3f}" for n, r in ran.items() if r["x_ddp_paired"] is not None))
     print(f"bytes sent, ZeRO formula in fp32: 2Ψ(N-1)/N × 4 B = {2 * psi * (world - 1) / world * 4 / MIB:.2f} MiB "
@@ -452,9 +448,10 @@ def report(result: dict, rss: dict) -> None:
                                    "traffic.sent())") + "; the c10d ops of the same step:")
         for n, r in fz.items():
             same = "=" if r["c10d_payload_bytes"] == r["traffic_payload_bytes"] else "≠"
-            print(f"- {n}: payload {r['c10d_payload_bytes']} B ({same} comm.traffic.bytes() {r['traffic_payload_bytes']} B), "
+            print(f"- {n}: payload {r['c10d_payload_bytes']} B ({same} comm.traffic.bytes() "
+                  f"{r['traffic_payload_bytes']} B), "
                   f"by the ring {r['c10d_sent_bytes'] / MIB:.2f} MiB = "
-                  f"{r['c10d_sent_bytes'] / r['sent_formula_bytes']:.3f} × {SENT[stage_of(n)]}Ψ(N-1)/N × 4 B"
+                  f"{r['c10d_sent_bytes'] / r['sent_formula_bytes']:.3f} × {SENT[STAGE[n]]}Ψ(N-1)/N × 4 B"
                   + (f" (comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
             print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit once per step, not twice: "
