@@ -65,6 +65,8 @@ HELD = ("bit16_groups_flat", "single_partition_of_fp32_groups", "averaged_gradie
         "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer")
 # The fp32 master partitions the AdamW updates: their .grad is set for the update.
 MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+# Where a library can replace the functions every contestant calls (DeepSpeed's zero.Init does).
+SPACES = {"torch": torch, "torch.nn.functional": F, "torch.Tensor": torch.Tensor}
 
 
 def available() -> tuple[bool, str]:
@@ -122,10 +124,12 @@ def build(stage: int) -> Callable:
                      bucket_elements=int(args.bucket_mb * MIB) // 4)  # fp32 elements
         before = _torch_functions()
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_torch_optimizer(model.parameters()), config=cfg)
-        changed = sorted(k for k, f in _torch_functions().items() if before.get(k) is not f)
+        changed = sorted(k for k, f in _torch_functions().items() if k in before and before[k] is not f)
         if changed:
-            raise RuntimeError(f"deepspeed.initialize replaced {', '.join(changed)}: the other contestants would "
-                               "run DeepSpeed's versions")
+            for space, name in changed:  # put torch's back, so that the other contestants run it
+                setattr(SPACES[space], name, before[space, name])
+            raise RuntimeError(f"deepspeed.initialize replaced {', '.join(f'{s}.{n}' for s, n in changed)}, "
+                               "which every other contestant calls too")
 
         def step(batch, probe):
             loss = loss_of(engine(batch["x"]), batch["y"])
@@ -141,8 +145,8 @@ def build(stage: int) -> Callable:
 
 
 def _torch_functions() -> dict:
-    """What the other contestants call through module attributes, by qualified name. (Importing
-    ``torch._dynamo`` wraps a few of ``torch``'s, ``manual_seed`` among them: benchmarks/zero.py
-    imports it first, so that is not taken for DeepSpeed's doing.)"""
-    spaces = (("torch", torch), ("torch.nn.functional", F), ("torch.Tensor", torch.Tensor))
-    return {f"{name}.{k}": v for name, ns in spaces for k, v in vars(ns).items() if callable(v)}
+    """The functions of :data:`SPACES`, by ``(space, name)``: what the other contestants call
+    through module attributes. (Importing ``torch._dynamo`` wraps a few of ``torch``'s,
+    ``manual_seed`` among them: benchmarks/zero.py imports it first, so that is not taken for
+    DeepSpeed's doing.)"""
+    return {(space, k): v for space, ns in SPACES.items() for k, v in vars(ns).items() if callable(v)}
