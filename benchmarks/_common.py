@@ -161,6 +161,13 @@ class CountCollectives(TorchDispatchMode):
         """Payload bytes handed to collectives (of the process group named ``group``: any if None)."""
         return sum(b for (_, g, _), b in self.payload.items() if group in (None, g))
 
+    def kinds(self) -> dict[str, int]:
+        """Payload bytes by kind of collective (``all_reduce``, ``all_gather``, ...)."""
+        out = collections.Counter()
+        for (kind, _, _), b in self.payload.items():
+            out[kind] += b
+        return dict(out)
+
     def sent(self) -> float:
         """Bytes this rank sends under the ring algorithm (:data:`RING`)."""
         return sum(b * RING[kind](n) for (kind, _, n), b in self.payload.items())
@@ -175,15 +182,16 @@ def _tensors(x) -> list[torch.Tensor]:
 
 def counted(step: Callable, script: str) -> Callable:
     """``step(batch, probe)`` whose probed round (``probe["on"]`` set) runs under
-    :class:`CountCollectives`, storing the ring bytes it sent in probe["c10d_sent"] and the
-    payload in probe["c10d_payload"]."""
+    :class:`CountCollectives`, storing the ring bytes it sent in probe["c10d_sent"], the
+    payload in probe["c10d_payload"] and the payload by kind of collective in
+    probe["c10d_kinds"]."""
 
     def run(batch, probe):
         if not probe.get("on"):
             return step(batch, probe)
         with CountCollectives(script) as counter:
             out = step(batch, probe)
-        probe.update(c10d_sent=counter.sent(), c10d_payload=counter.bytes())
+        probe.update(c10d_sent=counter.sent(), c10d_payload=counter.bytes(), c10d_kinds=counter.kinds())
         return out
 
     return run

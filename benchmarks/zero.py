@@ -322,7 +322,7 @@ def run(args, argv) -> dict | None:
     slowest = {n: [max(r[n][k] for r in all_times) for k in range(len(times[n]))] for n in names}
     for j, n in enumerate(names):
         t, stage = slowest[n], STAGE[n]
-        largest = {k: max(p[n][k] for p in all_probes) for k in all_probes[0][n] if k != "sent_as"}
+        largest = {k: max(p[n][k] for p in all_probes) for k in all_probes[0][n] if k not in ("sent_as", "c10d_kinds")}
         # Paired: this contestant's time over DDP's in the same round, median over rounds.
         paired = [a / b for a, b in zip(t, slowest["ddp"])] if "ddp" in slowest and t else []
         formula = FORMULA[stage](world) * psi
@@ -341,6 +341,7 @@ def run(args, argv) -> dict | None:
             "x_sent_formula": sent / sent_formula if sent_as == "ring" else None,
             "c10d_sent_bytes": largest["c10d_sent"],
             "c10d_payload_bytes": largest["c10d_payload"],
+            "c10d_payload_by_kind_rank0": probes[n]["c10d_kinds"],
             "traffic_payload_bytes": largest.get("payload"),
             "final_loss": float(loss_t[j, -1]),
             "losses": [float(v) for v in loss_t[j]],
