@@ -90,8 +90,8 @@ def torch_state_bytes(params: list, opt: torch.optim.Optimizer) -> int:
 # counts: an all-reduce its tensor, a reduce-scatter its whole input, an all-gather its own
 # piece. What a rank sends is the payload times the algorithm's factor; the ring's, N ranks
 # (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication operations
-# in MPICH", sec. 4), with broadcast and reduce pipelined along the ring, whose N - 1 copies of
-# the tensor are averaged over the N ranks.
+# in MPICH"), with broadcast and reduce pipelined along the ring, whose N - 1 copies of the
+# tensor are averaged over the N ranks.
 RING = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
