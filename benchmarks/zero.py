@@ -8,9 +8,9 @@ line (``--n-layer``, ``--batch-size``, ...) wins over the preset's:
 * ``--preset tiny``: 4 layers of width 128, 4 heads, vocabulary 512 -- 0.88M parameters; global
   batch 2 x 128 tokens (1 sequence per rank): a step whose fixed costs (Python dispatch, the
   optimizer's work per tensor, collective latency) weigh more than its arithmetic, so what a
-  framework adds per step shows. One rank of it alone, plain PyTorch, 1 thread on the 2-core
-  EPYC at load average 6: forward + backward 15 ms at 128 tokens and 4.6 ms at 1 token,
-  ``AdamW.step`` 4 ms.
+  framework adds per step shows. Measured with one process's plain PyTorch loop (1 thread,
+  median of 10 steps after 2, the 2-core EPYC at load average 6): forward + backward 15 ms at
+  128 tokens and 4.6 ms at 1 token, ``AdamW.step`` 4 ms.
 
 Every contestant trains a copy of one seeded initialisation on the same batches, fp32, AdamW
 (lr 3e-4, betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.1 on every parameter, no
@@ -54,7 +54,7 @@ issues from C++ included -- and counts what the ring algorithm sends for it: all
 2(N-1)/N of its tensor, reduce-scatter (N-1)/N of its input, all-gather N-1 times this rank's
 piece. DDP's count in that step includes its one-time broadcast of the rebuilt bucket order
 (a few hundred bytes). The same mode watches fzero's step: a line under the table gives its
-count beside ``comm.traffic``'s. ``×formula`` divides by the ZeRO paper's volume (Rajbhandari
+count beside ``comm.traffic``'s. ``×sent formula`` divides by the ZeRO paper's volume (Rajbhandari
 et al. 2020, sec. 7), in fp32: 2Psi(N-1)/N x 4 B at stages 0-2 (one all-reduce of the
 gradients, or a reduce-scatter and an all-gather) and 3Psi(N-1)/N x 4 B at stage 3 and for
 FSDP2 (the parameters gathered in forward and again in backward). fzero gathers the
@@ -67,8 +67,8 @@ RSS is the larger of the two ranks'. Every process imports ``torch._dynamo`` up 
 torch, fzero and the process group before any model exists, printed under the table -- is
 the same for all contestants of a run. ``--rss off`` skips this.
 
-Run (either form; the second re-executes itself under torchrun with 2 processes; the third
-adds DeepSpeed's contestants from a scratch environment that has it)::
+Run (under torchrun, or with python, which re-executes the script under torchrun with 2
+processes; the interpreter of a scratch environment that has DeepSpeed adds its contestants)::
 
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/zero.py --steps 20 --warmup 3 --threads 1
     .venv/bin/python benchmarks/zero.py --preset tiny --steps 20 --warmup 3 --threads 1
