@@ -453,7 +453,8 @@ def report(result: dict, rss: dict) -> None:
                   f"{r['traffic_payload_bytes']} B), "
                   f"by the ring {r['c10d_sent_bytes'] / MIB:.2f} MiB = "
                   f"{r['c10d_sent_bytes'] / r['sent_formula_bytes']:.3f} × {SENT[STAGE[n]]}Ψ(N-1)/N × 4 B"
-                  + (f" (comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
+                  + (f" ({'=' if round(r['sent_bytes']) == round(r['c10d_sent_bytes']) else '≠'} "
+                     f"comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
             print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit once per step, not twice: "
                   "it sends less than 3Ψ(N-1)/N")
