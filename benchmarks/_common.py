@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the machine's description, the AdamW every contestant
-uses, model-state bytes, the loss, the timed rounds and the run under torchrun.
+uses, model-state bytes, bytes sent, the loss, the timed rounds and the run under torchrun.
 
 Each script puts the repository (and ``examples/``) on ``sys.path`` first, then imports this
 module from its own folder (a script's folder is on ``sys.path`` when it runs).
@@ -8,6 +8,7 @@ module from its own folder (a script's folder is on ``sys.path`` when it runs).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import platform
 import statistics
@@ -18,9 +19,12 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
 from fzero import optim
+from fzero.distributed import comm
 from fzero.testing import storage_bytes  # the bytes a rank holds: the same count the tests check
 
 # The AdamW of every contestant of benchmarks/zero.py and benchmarks/precision.py.
@@ -80,13 +84,138 @@ def torch_state_bytes(params: list, opt: torch.optim.Optimizer) -> int:
                          [dict(s) for s in opt.state.values()])
 
 
+# --------------------------------------------------------------------------- bytes sent
+#
+# A collective's payload is what one rank hands to it, the way fzero.distributed.comm.traffic
+# counts: an all-reduce its tensor, a reduce-scatter its whole input, an all-gather its own
+# piece. What a rank sends is the payload times the algorithm's factor; the ring's, N ranks
+# (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication operations
+# in MPICH"), with broadcast and reduce pipelined along the ring, whose N - 1 copies of the
+# tensor are averaged over the N ranks.
+RING = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "reduce": lambda n: (n - 1) / n,
+}
+# The c10d ops (the process group's, as DDP's reducer, FSDP2 and torch.distributed issue them)
+# and the functional ones (DTensor's), by kind, with the argument that holds the payload.
+C10D_OPS = {
+    "allreduce_": ("all_reduce", "tensors"), "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "all_reduce": ("all_reduce", "input"), "all_reduce_": ("all_reduce", "input"),
+    "all_reduce_coalesced": ("all_reduce", "inputs"), "all_reduce_coalesced_": ("all_reduce", "inputs"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"), "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"), "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
+    "allgather_": ("all_gather", "input_tensors"), "_allgather_base_": ("all_gather", "input_tensor"),
+    "allgather_coalesced_": ("all_gather", "input_list"), "allgather_into_tensor_coalesced_": ("all_gather", "inputs"),
+    "all_gather_into_tensor": ("all_gather", "input"), "all_gather_into_tensor_out": ("all_gather", "input"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
+    "alltoall_": ("all_to_all", "input_tensors"), "alltoall_base_": ("all_to_all", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "broadcast_": ("broadcast", "tensors"), "broadcast": ("broadcast", "input"), "reduce_": ("reduce", "tensors"),
+}
+# Ops that carry no payload of the step: waits, autograd wrappers, and barriers (a sync).
+NOT_SENT = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_", "check_for_nan"}
+
+
+class CountCollectives(TorchDispatchMode):
+    """The collectives this rank issues while active: payload bytes by kind and process group.
+
+    A dispatch mode sees every c10d op dispatched from this thread: the ones DDP's reducer
+    issues from C++ during backward, FSDP2's, those of ``torch.distributed``'s functions
+    (which DeepSpeed's ``deepspeed.comm`` calls) and DTensor's functional collectives. A mode
+    runs before tensor subclasses; returning ``NotImplemented`` for a DTensor op lets DTensor
+    desugar it first (as torch's ``CommDebugMode`` does), so the mode sees the plain
+    collectives it issues. An op it does not know stops the run: a count is never a guess.
+    """
+
+    def __init__(self, script: str):
+        super().__init__()
+        self.script = script
+        self.payload: collections.Counter = collections.Counter()  # (kind, group name, group size) -> bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        name = func._schema.name.split("::")[-1]
+        if func.namespace in ("_c10d_functional", "c10d") and name not in NOT_SENT:
+            if name not in C10D_OPS:
+                raise SystemExit(f"{self.script}: cannot count {func._schema}: add it to _common.C10D_OPS")
+            kind, arg = C10D_OPS[name]
+            named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+            group = named.get("group_name", named.get("process_group"))
+            if isinstance(group, str):
+                size = dist.distributed_c10d._resolve_process_group(group).size()
+            else:
+                pg = torch._C._distributed_c10d.ProcessGroup.unbox(group)
+                group, size = pg.group_name, pg.size()
+            self.payload[(kind, group, size)] += sum(t.numel() * t.element_size() for t in _tensors(named[arg]))
+        return func(*args, **kwargs)
+
+    def bytes(self, group: str | None = None) -> int:
+        """Payload bytes handed to collectives (of the process group named ``group``: any if None)."""
+        return sum(b for (_, g, _), b in self.payload.items() if group in (None, g))
+
+    def kinds(self) -> dict[str, int]:
+        """Payload bytes by kind of collective (``all_reduce``, ``all_gather``, ...)."""
+        out = collections.Counter()
+        for (kind, _, _), b in self.payload.items():
+            out[kind] += b
+        return dict(out)
+
+    def sent(self) -> float:
+        """Bytes this rank sends under the ring algorithm (:data:`RING`)."""
+        return sum(b * RING[kind](n) for (kind, _, n), b in self.payload.items())
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    """The tensors of a c10d argument: a tensor, a list of them, or a list of lists."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _tensors(item)]
+
+
+def counted(step: Callable, script: str) -> Callable:
+    """``step(batch, probe)`` whose probed round (``probe["on"]`` set) runs under
+    :class:`CountCollectives`, storing the ring bytes it sent in probe["c10d_sent"], the
+    payload in probe["c10d_payload"] and the payload by kind of collective in
+    probe["c10d_kinds"]."""
+
+    def run(batch, probe):
+        if not probe.get("on"):
+            return step(batch, probe)
+        with CountCollectives(script) as counter:
+            out = step(batch, probe)
+        probe.update(c10d_sent=counter.sent(), c10d_payload=counter.bytes(), c10d_kinds=counter.kinds())
+        return out
+
+    return run
+
+
+def fzero_sent() -> tuple[float, str]:
+    """Bytes this rank sent since ``comm.traffic``'s last reset, and how they were counted:
+    ``"ring"`` from ``traffic.sent()`` where fzero counts the bytes its algorithms send, else
+    ``traffic.bytes()``, the payload handed to collectives, labelled ``"payload"``."""
+    sent = getattr(comm.traffic, "sent", None)
+    if callable(sent):
+        return float(sent()), "ring"
+    return float(comm.traffic.bytes()), "payload"
+
+
 def fzero_contestant(module: torch.nn.Module, mesh, held: Callable, **compile_options) -> Callable:
     """fzero's contestant: the pure ``train_step`` (``fzero.optim.adamw``) under
     ``fzero.compile(train_step, mesh, **compile_options)``, started from ``module``'s weights.
 
     Returns ``step(batch, probe) -> metrics``. When ``probe`` has key "on" set, the step
     stores ``storage_bytes(*held(state, grads))`` in probe["bytes"], read inside the train
-    step, after backward and before the update.
+    step, after backward and before the update; what the step sent in probe["sent"] and how
+    it was counted in probe["sent_as"] (:func:`fzero_sent`); the payload ``comm.traffic``
+    counted in probe["payload"].
     """
     apply, params = fzero.functionalize(module)
     tx = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -108,8 +237,13 @@ def fzero_contestant(module: torch.nn.Module, mesh, held: Callable, **compile_op
     def step(batch, probe):
         probe_box.clear()
         probe_box.update(probe)
+        if probe.get("on"):
+            comm.traffic.reset()
         box["state"], metrics = compiled(box["state"], batch)
         probe.update(probe_box)
+        if probe.get("on"):
+            probe["sent"], probe["sent_as"] = fzero_sent()
+            probe["payload"] = comm.traffic.bytes()
         return metrics
 
     return step
@@ -118,12 +252,14 @@ def fzero_contestant(module: torch.nn.Module, mesh, held: Callable, **compile_op
 # --------------------------------------------------------------------------- the run
 
 
-def add_gpt_options(p: argparse.ArgumentParser, *, n_layer: int, n_head: int, n_embd: int) -> None:
-    """The options of the benchmarked GPT's shape (``examples/gpt.py``)."""
+def add_gpt_options(p: argparse.ArgumentParser, *, n_layer: int | None, n_head: int | None, n_embd: int | None,
+                    vocab_size: int | None = 256) -> None:
+    """The options of the benchmarked GPT's shape (``examples/gpt.py``); a default of None
+    leaves the value to the script (a preset)."""
     p.add_argument("--n-layer", type=int, default=n_layer)
     p.add_argument("--n-head", type=int, default=n_head)
     p.add_argument("--n-embd", type=int, default=n_embd)
-    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=vocab_size)
 
 
 def contestants(only: str | None, known: tuple[str, ...], script: str) -> tuple[str, ...]:

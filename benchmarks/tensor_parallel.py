@@ -30,10 +30,11 @@ Bytes sent per rank per step, counted (not timed), in warmup round 2 on every ra
 largest is printed; they agree), as the bytes handed to each collective: all-reduce its
 tensor, all-gather this rank's piece, reduce-scatter the whole input (how
 ``fzero.distributed.comm.traffic`` counts). fzero's: ``comm.traffic.bytes(what="tp")``, and
-everything else it sent as the dp column. PyTorch's: a ``TorchDispatchMode`` active for that
-one step sees each c10d op -- DTensor's functional collectives (``_c10d_functional.*``) and
-FSDP2's ``c10d.*`` ops, forward and backward -- and files its bytes under ``tp`` when its
-process group is the mesh's ``tp`` group, else ``dp``. Megatron's formula (Shoeybi et al.
+everything else it sent as the dp column. PyTorch's: a ``TorchDispatchMode``
+(``_common.CountCollectives``) active for that one step sees each c10d op -- DTensor's
+functional collectives (``_c10d_functional.*``) and FSDP2's ``c10d.*`` ops, forward and
+backward -- and files its bytes under ``tp`` when its process group is the mesh's ``tp``
+group, else ``dp``. Megatron's formula (Shoeybi et al.
 2019, sec. 3): per MLP block, forward one all-reduce of the (tokens x width) activation after
 the row-parallel layer (*g*), backward one of the same size for the column-parallel layer's
 input gradient (*f*): ``2 * tokens * width * 4`` bytes per block per step in fp32, tokens
@@ -80,7 +81,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as torch_tp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -90,8 +90,8 @@ from fzero import optim  # noqa: E402
 from fzero.distributed import comm  # noqa: E402
 from fzero.testing import storage_bytes  # noqa: E402
 from fzero.transforms.shard_state import release_parameters  # noqa: E402
-from _common import BETAS, EPS, LR, MIB, WEIGHT_DECAY, cpu_model, loadavg, loss_of, make_torch_optimizer, \
-    mean_over_ranks, paired_rounds, time_stats, torch_state_bytes  # noqa: E402
+from _common import BETAS, EPS, LR, MIB, WEIGHT_DECAY, CountCollectives, cpu_model, loadavg, loss_of, \
+    make_torch_optimizer, mean_over_ranks, paired_rounds, time_stats, torch_state_bytes  # noqa: E402
 
 CONTESTANTS = ("torch", "fzero")
 # torch 2.13 deprecates the *_tensor collectives fzero calls; say it once, not per rank per step.
@@ -144,43 +144,6 @@ def megatron_bytes(tokens: int, d: int, n_layer: int, itemsize: int = 4) -> int:
     return n_layer * 2 * tokens * d * itemsize
 
 
-# --------------------------------------------------------------------------- counting PyTorch's bytes
-
-
-class CountCollectives(TorchDispatchMode):
-    """Bytes this rank hands to c10d collectives while active, by ``tp`` / ``dp``.
-
-    A mode runs before tensor subclasses; returning ``NotImplemented`` for a DTensor op lets
-    DTensor desugar it first (as torch's ``CommDebugMode`` does), so the mode sees the plain
-    collectives DTensor and FSDP2 issue, in forward and in backward.
-    """
-
-    INPUTS = ("input", "input_tensor", "inputs", "tensors", "tensor")
-    NOT_SENT = {"wait_tensor", "_wrap_tensor_autograd"}
-
-    def __init__(self, tp_group_name: str):
-        super().__init__()
-        self.tp = tp_group_name
-        self.bytes = {"tp": 0, "dp": 0}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if func.namespace in ("_c10d_functional", "c10d") and func._schema.name.split("::")[1] not in self.NOT_SENT:
-            named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
-            sent = next((named[k] for k in self.INPUTS if k in named), None)
-            group = named.get("group_name", named.get("process_group"))
-            if sent is None or group is None:
-                raise SystemExit(f"benchmarks/tensor_parallel.py: cannot count {func._schema}: add it to "
-                                 "CountCollectives")
-            if not isinstance(group, str):
-                group = torch._C._distributed_c10d.ProcessGroup.unbox(group).group_name
-            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
-            self.bytes["tp" if group == self.tp else "dp"] += sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **kwargs)
-
-
 # --------------------------------------------------------------------------- contestants
 #
 # Each builder returns ``step(batch, probe) -> loss``. When ``probe`` has key "on" set, the
@@ -202,7 +165,7 @@ def build_torch(base, dmesh, dp):
     tp_name = dmesh["tp"].get_group().group_name
 
     def step(batch, probe):
-        counter = CountCollectives(tp_name) if probe.get("on") else None
+        counter = CountCollectives("benchmarks/tensor_parallel.py") if probe.get("on") else None
         with counter or contextlib.nullcontext():
             opt.zero_grad(set_to_none=True)
             loss = loss_of(model(batch["x"]), batch["y"])
@@ -211,7 +174,8 @@ def build_torch(base, dmesh, dp):
                 probe["bytes"] = torch_state_bytes(params, opt)
             opt.step()
         if counter is not None:
-            probe.update(counter.bytes)
+            tp = counter.bytes(group=tp_name)
+            probe.update(tp=tp, dp=counter.bytes() - tp)
         return loss.detach()
 
     return step

@@ -1,13 +1,30 @@
-"""ZeRO on 2 ranks: DDP, FSDP2 and fzero stages 0-3, side by side, on a ~10.7M-parameter GPT.
+"""ZeRO on 2 ranks: DDP, FSDP2, fzero stages 0-3 and DeepSpeed stages 0-3, side by side, on a GPT.
 
-Every contestant trains a copy of one seeded initialisation on the same batches (global
-batch 16 x 128 tokens, 8 sequences per rank), fp32, AdamW (lr 3e-4, betas (0.9, 0.999),
-eps 1e-8, decoupled weight decay 0.1 on every parameter, no clipping):
+Two presets of the example GPT (``examples/gpt.py``, fp32); an option given on the command
+line (``--n-layer``, ``--batch-size``, ...) wins over the preset's:
+
+* ``--preset default``: 6 layers of width 384, 6 heads, vocabulary 256 -- 10.80M parameters;
+  global batch 16 x 128 tokens (8 sequences per rank).
+* ``--preset tiny``: 4 layers of width 128, 4 heads, vocabulary 512 -- 0.88M parameters; global
+  batch 2 x 128 tokens (1 sequence per rank): a step whose fixed costs (Python dispatch, the
+  optimizer's work per tensor, collective latency) weigh more than its arithmetic, so what a
+  framework adds per step shows. Measured with one process's plain PyTorch loop (1 thread,
+  median of 10 steps after 2, the 2-core EPYC at load average 6): forward + backward 15 ms at
+  128 tokens and 4.6 ms at 1 token, ``AdamW.step`` 4 ms.
+
+Every contestant trains a copy of one seeded initialisation on the same batches, fp32, AdamW
+(lr 3e-4, betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.1 on every parameter, no
+clipping):
 
 * ``ddp``    -- ``DistributedDataParallel(gradient_as_bucket_view=True)`` + ``torch.optim.AdamW(foreach=True)``
 * ``fsdp2``  -- ``fully_shard`` on each block, then on the root + ``torch.optim.AdamW(foreach=True)``
 * ``zero0``..``zero3`` -- the pure ``train_step`` under ``fzero.compile(train_step, mesh, zero=s)``
   with ``fzero.optim.adamw``
+* ``deepspeed0``..``deepspeed3`` -- DeepSpeed's engine at ZeRO stage s around the same
+  ``torch.optim.AdamW(foreach=True)``, ``engine.backward(loss)``, ``engine.step()``
+  (``benchmarks/_deepspeed.py`` gives its config and what its model state counts). They run
+  when ``import deepspeed`` works in the interpreter running this script and are skipped with
+  a printed line otherwise; a stage whose engine cannot be built here is listed with the error.
 
 Timing: all contestants are built first, then run in rounds -- one step of each per round,
 the order rotated every round -- so drift in a shared machine hits all alike. Each step
@@ -22,21 +39,40 @@ gradients and optimizer state right after backward, before the update, on the se
 (when every optimizer has its state): DDP's module parameters, their ``.grad`` (views into
 DDP's buckets) and ``optimizer.state``; FSDP2's local shards of the same; fzero's
 ``state.params``, ``state.opt_state`` and the gradients ``fzero.value_and_grad`` returned,
-read inside the train step. ``x formula`` divides by the ZeRO paper's count for fp32 Adam
-(Psi parameters, N ranks): DDP / stage 0 16Psi, stage 1 8Psi + 8Psi/N, stage 2 4Psi + 12Psi/N,
-stage 3 and FSDP2 16Psi/N.
+read inside the train step; DeepSpeed's flat buffers, fp32 master partitions, gradient
+partitions and AdamW state (``benchmarks/_deepspeed.py``). ``x formula`` divides by the ZeRO
+paper's count for fp32 Adam (Psi parameters, N ranks): DDP / stage 0 16Psi, stage 1
+8Psi + 8Psi/N, stage 2 4Psi + 12Psi/N, stage 3 and FSDP2 16Psi/N.
+
+Bytes sent per rank per step, counted (not timed) in that same second step, the larger
+rank's. fzero's: ``fzero.distributed.comm.traffic.sent()``, the bytes its collectives' algorithms
+send, where fzero has it; else ``traffic.bytes()``, the payload it handed to collectives,
+printed as ``payload`` and not compared with the formula (an all-reduce of a tensor sends
+2(N-1)/N of it). DDP's, FSDP2's and DeepSpeed's: a ``TorchDispatchMode``
+(``_common.CountCollectives``) sees every c10d op of the step -- the all-reduces DDP's reducer
+issues from C++ included -- and counts what the ring algorithm sends for it: all-reduce
+2(N-1)/N of its tensor, reduce-scatter (N-1)/N of its input, all-gather N-1 times this rank's
+piece. DDP's count in that step includes its one-time broadcast of the rebuilt bucket order
+(a few hundred bytes). The same mode watches fzero's step: a line under the table gives its
+count beside ``comm.traffic``'s. ``×sent formula`` divides by the ZeRO paper's volume (Rajbhandari
+et al. 2020, sec. 7), in fp32: 2Psi(N-1)/N x 4 B at stages 0-2 (one all-reduce of the
+gradients, or a reduce-scatter and an all-gather) and 3Psi(N-1)/N x 4 B at stage 3 and for
+FSDP2 (the parameters gathered in forward and again in backward). fzero gathers the
+parameters outside every ZeRO-3 unit once per step, so its stage 3 sends less than 3Psi.
 
 Peak RSS: ``ru_maxrss`` is a lifetime maximum, so after the timed run each contestant is
 run again alone in a fresh pair of processes (``--only NAME``, a few steps) and its peak
 RSS is the larger of the two ranks'. Every process imports ``torch._dynamo`` up front
-(DDP and FSDP2 import it when built), so the baseline -- torch, fzero and the process group
-before any model exists, printed under the table -- is the same for all contestants.
-``--rss off`` skips this.
+(DDP and FSDP2 import it when built), and DeepSpeed where it imports, so the baseline --
+torch, fzero and the process group before any model exists, printed under the table -- is
+the same for all contestants of a run. ``--rss off`` skips this.
 
-Run (either form; the second re-executes itself under torchrun with 2 processes)::
+Run (under torchrun, or with python, which re-executes the script under torchrun with 2
+processes; the interpreter of a scratch environment that has DeepSpeed adds its contestants)::
 
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/zero.py --steps 20 --warmup 3 --threads 1
-    .venv/bin/python benchmarks/zero.py --steps 20 --warmup 3 --threads 1
+    .venv/bin/python benchmarks/zero.py --preset tiny --steps 20 --warmup 3 --threads 1
+    PYTHONPATH=$PWD /tmp/dsvenv/bin/python benchmarks/zero.py --steps 20 --warmup 3 --threads 1
 """
 
 from __future__ import annotations
@@ -70,23 +106,32 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fzero  # noqa: E402
-from _common import MIB, add_gpt_options, contestants, cpu_model, fzero_contestant, loadavg, loss_of, \
+import _deepspeed  # noqa: E402
+from _common import MIB, add_gpt_options, contestants, counted, cpu_model, fzero_contestant, loadavg, loss_of, \
     make_torch_optimizer, mean_over_ranks, paired_rounds, rank_batches, run_under_torchrun, time_stats, \
     torch_state_bytes, torchrun_command  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", "zero0": "fzero stage 0",
-          "zero1": "fzero stage 1", "zero2": "fzero stage 2", "zero3": "fzero stage 3"}
-# Bytes per parameter after backward, fp32 Adam, N ranks (ZeRO paper, fig. 1).
-FORMULA = {
-    "ddp": lambda n: 16.0, "zero0": lambda n: 16.0,
-    "zero1": lambda n: 8 + 8 / n, "zero2": lambda n: 4 + 12 / n,
-    "zero3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n,
+SCRIPT = "benchmarks/zero.py"
+DEEPSPEED = tuple(f"deepspeed{s}" for s in _deepspeed.STAGES)
+CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3") + DEEPSPEED
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
+          **{f"deepspeed{s}": f"DeepSpeed stage {s}" for s in range(4)}}
+# The ZeRO stage whose formulas a contestant is held to: DDP's is 0, FSDP2's 3.
+STAGE = {"ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
+# Bytes per parameter after backward, fp32 Adam, N ranks (ZeRO paper, fig. 1), by ZeRO stage
+# (DDP's is stage 0's, FSDP2's stage 3's).
+FORMULA = {0: lambda n: 16.0, 1: lambda n: 8 + 8 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
+FORMULA_TEXT = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}
+# Parameters' worth of elements a rank sends per step, times (N-1)/N (ZeRO paper, sec. 7).
+SENT = {0: 2, 1: 2, 2: 2, 3: 3}
+# The benchmarked GPTs and their global batches (sequences x tokens); a command-line option wins.
+PRESETS = {
+    "default": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=256, batch_size=16, block_size=128),  # 10.80M
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, vocab_size=512, batch_size=2, block_size=128),  # 0.88M
 }
-FORMULA_TEXT = {"ddp": "16Ψ", "zero0": "16Ψ", "zero1": "8Ψ+8Ψ/N", "zero2": "4Ψ+12Ψ/N",
-                "zero3": "16Ψ/N", "fsdp2": "16Ψ/N"}
-TARGET = {"zero0": 1.02, "zero1": 1.02, "zero2": 1.02, "zero3": 1.10}
+# The speed targets, ×DDP, by preset.
+TARGETS = {"default": {"zero0": 1.02, "zero1": 1.02, "zero2": 1.02, "zero3": 1.10}, "tiny": {"zero2": 1.10}}
 # torch 2.13 deprecates the *_tensor collectives fzero calls; say it once, not per rank per step.
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)")
 
@@ -111,7 +156,9 @@ def rss_mib() -> tuple[float, float]:
 #
 # Each builder returns ``step(batch, probe) -> loss``: one full training step (forward,
 # backward, gradient communication, update). ``probe`` is a dict; when it has key "on"
-# set, the step stores the model-state bytes after backward in probe["bytes"].
+# set, the step stores the model-state bytes after backward in probe["bytes"] (and fzero's
+# step what comm.traffic counted); run() wraps every step in ``_common.counted``, which
+# counts the c10d ops of that step.
 
 
 def torch_step(model, forward, opt):
@@ -158,7 +205,8 @@ def build_fzero(stage):
     return build
 
 
-BUILDERS = {"ddp": build_ddp, "fsdp2": build_fsdp2, **{f"zero{s}": build_fzero(s) for s in range(4)}}
+BUILDERS = {"ddp": build_ddp, "fsdp2": build_fsdp2, **{f"zero{s}": build_fzero(s) for s in range(4)},
+            **{f"deepspeed{s}": _deepspeed.build(s) for s in _deepspeed.STAGES}}
 
 
 # --------------------------------------------------------------------------- the run
@@ -166,34 +214,78 @@ BUILDERS = {"ddp": build_ddp, "fsdp2": build_fsdp2, **{f"zero{s}": build_fzero(s
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="the GPT and batch: default 10.80M parameters, 16x128; tiny 0.88M, 2x128")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each contestant per round)")
     p.add_argument("--warmup", type=int, default=3,
-                   help="untimed rounds first (at least 2: round 2 is the memory probe)")
+                   help="untimed rounds first (at least 2: round 2 is the memory and bytes probe)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences), split over the ranks")
-    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    add_gpt_options(p, n_layer=6, n_head=6, n_embd=384)
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size of DDP and fzero (MiB)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch (sequences), split over the ranks (default: the preset's)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    add_gpt_options(p, n_layer=None, n_head=None, n_embd=None, vocab_size=None)
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient bucket size of DDP, fzero and DeepSpeed (MiB)")
     p.add_argument("--only", default=None,
-                   help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS) + ")")
+                   help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS)
+                        + "; DeepSpeed's where it imports)")
     p.add_argument("--rss", choices=("isolated", "off"), default="isolated",
                    help="isolated: measure each contestant's peak RSS in a fresh process pair afterwards")
     p.add_argument("--rss-steps", type=int, default=3, help="steps of each isolated peak-RSS run")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 
 def command_line(argv) -> str:
-    return ".venv/bin/torchrun --nproc_per_node 2 benchmarks/zero.py " + " ".join(argv)
+    """The command that reruns this one, with the interpreter that ran it (it decides whether
+    DeepSpeed runs): relative to the repository when the interpreter is inside it."""
+    python = sys.executable
+    repo = os.path.dirname(HERE)
+    if python.startswith(repo + os.sep):
+        python = os.path.relpath(python, repo)
+    return f"{python} -m torch.distributed.run --nproc_per_node 2 {SCRIPT} " + " ".join(argv)
+
+
+def chosen(only: str | None, deepspeed: tuple[bool, str]) -> tuple[str, ...]:
+    """The contestants to run: ``--only``'s, or all of them, DeepSpeed's where it imports."""
+    ok, why = deepspeed
+    if only is None:
+        return CONTESTANTS if ok else tuple(n for n in CONTESTANTS if n not in DEEPSPEED)
+    asked = [n for n in only.split(",") if n in DEEPSPEED]
+    if asked and not ok:
+        raise SystemExit(f"{SCRIPT}: --only {only}: {asked[0]} needs DeepSpeed, and import deepspeed failed ({why})")
+    return contestants(only, CONTESTANTS, SCRIPT)
+
+
+def build_all(names, base, args, mesh) -> tuple[dict, dict]:
+    """Every contestant's step (wrapped to count its collectives in the probed round), and the
+    DeepSpeed stages whose engine could not be built here, with why (on any rank)."""
+    steps, failed = {}, {}
+    for n in names:
+        try:
+            steps[n] = counted(BUILDERS[n](base, args, mesh), SCRIPT)
+        except Exception as e:  # only DeepSpeed's: ours and torch's must build, or the run stops
+            if n not in DEEPSPEED:
+                raise
+            failed[n] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failed)
+    failed = {n: why for f in every for n, why in f.items()}
+    return {n: s for n, s in steps.items() if n not in failed}, failed
 
 
 def run(args, argv) -> dict | None:
     torch.set_num_threads(args.threads)
+    deepspeed = _deepspeed.available()  # imported before the baseline, in every process alike
     mesh = fzero.Mesh(dp=-1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    names = contestants(args.only, CONTESTANTS, "benchmarks/zero.py")
+    names = chosen(args.only, deepspeed)
     if args.batch_size % world:
-        raise SystemExit(f"benchmarks/zero.py: --batch-size {args.batch_size} does not split over {world} ranks")
+        raise SystemExit(f"{SCRIPT}: --batch-size {args.batch_size} does not split over {world} ranks")
     baseline_rss = rss_mib()[0]
     t_start = time.perf_counter()
 
@@ -202,9 +294,8 @@ def run(args, argv) -> dict | None:
     torch.manual_seed(0)
     base = GPT(cfg)
     psi = sum(p.numel() for p in base.parameters())  # tied head counted once
-    steps = {}
-    for n in names:
-        steps[n] = BUILDERS[n](base, args, mesh)
+    steps, failed = build_all(names, base, args, mesh)
+    chosen_names, names = names, tuple(steps)
     del base
     gc.collect()
 
@@ -212,13 +303,12 @@ def run(args, argv) -> dict | None:
     batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch_size // world, warmup + args.steps)
 
     times, losses, probes = paired_rounds(steps, batches, warmup)
-    mem = {n: p["bytes"] for n, p in probes.items()}
 
-    # The slowest rank's time per step; model state of the larger rank; global mean losses.
+    # The slowest rank's time per step; model state and bytes of the larger rank; global mean losses.
     all_times = [None] * world
     dist.all_gather_object(all_times, times)
-    all_mem = [None] * world
-    dist.all_gather_object(all_mem, mem)
+    all_probes = [None] * world
+    dist.all_gather_object(all_probes, probes)
     loss_t = mean_over_ranks(losses, names)
     peak_rss = torch.tensor([rss_mib()[1]], dtype=torch.float64)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
@@ -231,30 +321,48 @@ def run(args, argv) -> dict | None:
     res = {}
     slowest = {n: [max(r[n][k] for r in all_times) for k in range(len(times[n]))] for n in names}
     for j, n in enumerate(names):
-        t = slowest[n]
+        t, stage = slowest[n], STAGE[n]
+        largest = {k: max(p[n][k] for p in all_probes) for k in all_probes[0][n] if k not in ("sent_as", "c10d_kinds")}
         # Paired: this contestant's time over DDP's in the same round, median over rounds.
         paired = [a / b for a, b in zip(t, slowest["ddp"])] if "ddp" in slowest and t else []
-        b = max(m[n] for m in all_mem)
+        formula = FORMULA[stage](world) * psi
+        sent_formula = SENT[stage] * psi * (world - 1) / world * 4
+        # fzero's step reads its own count from comm.traffic; every step has the c10d count.
+        sent, sent_as = (largest["sent"], probes[n]["sent_as"]) if "sent" in largest else (largest["c10d_sent"], "ring")
         res[n] = {
             **time_stats(t),
             "x_ddp_paired": statistics.median(paired) if paired else None,
-            "state_bytes": b,
-            "formula_bytes": FORMULA[n](world) * psi,
-            "x_formula": b / (FORMULA[n](world) * psi),
+            "state_bytes": largest["bytes"],
+            "formula_bytes": formula,
+            "x_formula": largest["bytes"] / formula,
+            "sent_bytes": sent,
+            "sent_as": sent_as,
+            "sent_formula_bytes": sent_formula,
+            "x_sent_formula": sent / sent_formula if sent_as == "ring" else None,
+            "c10d_sent_bytes": largest["c10d_sent"],
+            "c10d_payload_bytes": largest["c10d_payload"],
+            "c10d_payload_by_kind_rank0": probes[n]["c10d_kinds"],
+            "traffic_payload_bytes": largest.get("payload"),
             "final_loss": float(loss_t[j, -1]),
             "losses": [float(v) for v in loss_t[j]],
         }
+    res |= {n: {"failed": why} for n, why in failed.items()}
+    res = {n: res[n] for n in chosen_names}  # the table's order, failures in their place
     return {
         "command": command_line(argv),
+        "preset": args.preset,
         "world": world,
         "psi": psi,
+        "gpt": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
         "threads": args.threads,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu": cpu_model(),
+        "deepspeed": {"available": deepspeed[0], ("version" if deepspeed[0] else "why"): deepspeed[1]},
         "batch": [args.batch_size, args.block_size],
         "steps": args.steps,
         "warmup": warmup,
+        "targets": TARGETS[args.preset],
         "baseline_rss_mib": baseline_rss,
         "peak_rss_all_contestants_mib": float(peak_rss),
         "loadavg_start": None,
@@ -271,7 +379,7 @@ def isolated_rss(args, names) -> dict[str, float]:
             path = os.path.join(d, "r.json")
             cmd = torchrun_command(__file__, [
                 "--only", n, "--rss", "off", "--steps", str(max(args.rss_steps - 2, 0)), "--warmup", "2",
-                "--threads", str(args.threads), "--batch-size", str(args.batch_size),
+                "--preset", args.preset, "--threads", str(args.threads), "--batch-size", str(args.batch_size),
                 "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
                 "--n-embd", str(args.n_embd), "--vocab-size", str(args.vocab_size), "--bucket-mb", str(args.bucket_mb),
                 "--json", path, "--quiet"])
@@ -289,35 +397,75 @@ def isolated_rss(args, names) -> dict[str, float]:
 
 def report(result: dict, rss: dict) -> None:
     res, world, psi = result["results"], result["world"], result["psi"]
-    ddp = res.get("ddp", {}).get("median_s")
+    ran = {n: r for n, r in res.items() if "failed" not in r}
+    ddp = ran.get("ddp", {}).get("median_s")
+    ref = ran["ddp"]["losses"] if "ddp" in ran else None
+    g, (b, s) = result["gpt"], result["batch"]
     print(f"`{result['command']}`\n")
     print(f"machine: {result['cpu']}, {world} ranks (gloo) x {result['threads']} torch thread(s), "
-          f"torch {result['torch']}, Python {result['python']}; GPT {psi / 1e6:.2f}M params (Ψ = {psi}), fp32, "
-          f"global batch {result['batch'][0]}x{result['batch'][1]} ({result['batch'][0] // world} per rank); "
+          f"torch {result['torch']}, Python {result['python']}; preset {result['preset']}: GPT {g['n_layer']} layers "
+          f"of width {g['n_embd']}, {g['n_head']} heads, vocabulary {g['vocab_size']}, {psi / 1e6:.2f}M params "
+          f"(Ψ = {psi}), fp32, global batch {b}x{s} ({b // world} per rank); "
           f"{result['steps']} timed rounds after {result['warmup']} warmup, contestants interleaved; "
           f"load average at start {result['loadavg_start']}, at end {result['loadavg_end']}\n")
-    print("| contestant | median step s | ×DDP | model-state MiB/rank | ×formula | peak RSS MiB | final loss |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| contestant | median step s | ×DDP | model-state MiB/rank | ×formula | MiB sent/rank/step "
+          "| ×sent formula | peak RSS MiB | final loss | loss vs DDP |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, r in res.items():
+        if "failed" in r:
+            print(f"| {LABELS[n]} | did not run: {r['failed']} | | | | | | | | |")
+            continue
+        stage = STAGE[n]
         x = f"{r['median_s'] / ddp:.3f}" if ddp else "–"
-        target = f" (≤ {TARGET[n]:.2f})" if n in TARGET else ""
+        target = f" (≤ {result['targets'][n]:.2f})" if n in result["targets"] else ""
         peak = rss.get(n)
         peak_s = f"{peak:.0f}" if peak is not None and peak == peak else "–"
+        sent_f = f"{SENT[stage]}Ψ(N-1)/N"
+        sent = f"{r['sent_bytes'] / MIB:.2f}" + (" payload" if r["sent_as"] == "payload" else "")
+        x_sent = f"{r['x_sent_formula']:.3f} ({sent_f})" if r["x_sent_formula"] is not None else f"– ({sent_f})"
+        parity = f"{max(abs(a - c) / abs(c) for a, c in zip(r['losses'], ref)):.1e}" if ref else "–"
         print(f"| {LABELS[n]} | {r['median_s']:.3f} | {x}{target} | {r['state_bytes'] / MIB:.1f} | "
-              f"{r['x_formula']:.3f} ({FORMULA_TEXT[n]}) | {peak_s} | {r['final_loss']:.5f} |")
+              f"{r['x_formula']:.3f} ({FORMULA_TEXT[stage]}) | {sent} | {x_sent} | {peak_s} | "
+              f"{r['final_loss']:.5f} | {parity} |")
     base = [v for k, v in rss.items() if k.endswith(":baseline")]
     print()
     if base:
         print(f"peak RSS: each contestant alone in a fresh process pair ({result['rss_steps']} steps), larger rank; "
-              f"baseline before the model (torch + fzero + gloo) ≈ {statistics.median(base):.0f} MiB")
-    if "ddp" in res:
-        ref = res["ddp"]["losses"]
-        worst = max(abs(a - b) / abs(b) for r in res.values() for a, b in zip(r["losses"], ref))
-        print(f"loss parity: max relative difference from DDP over all {len(ref)} steps of every contestant: {worst:.1e}")
-    if "ddp" in res:
+              f"baseline before the model (torch + fzero + gloo"
+              f"{' + DeepSpeed' if result['deepspeed']['available'] else ''}) ≈ {statistics.median(base):.0f} MiB")
+    if ref:
+        worst = max(abs(a - c) / abs(c) for r in ran.values() for a, c in zip(r["losses"], ref))
+        print(f"loss parity: max relative difference from DDP over all {len(ref)} steps of every contestant: "
+              f"{worst:.1e}")
         print("×DDP paired (median over rounds of the contestant's step time / DDP's in the same round): "
-              + ", ".join(f"{n} {r['x_ddp_paired']:.3f}" for n, r in res.items() if r["x_ddp_paired"] is not None))
-    print("min / max step s: " + ", ".join(f"{n} {r['min_s']:.3f}/{r['max_s']:.3f}" for n, r in res.items()))
+              + ", ".join(f"{n} {r['x_ddp_paired']:.3f}" for n, r in ran.items() if r["x_ddp_paired"] is not None))
+    print(f"bytes sent, ZeRO formula in fp32: 2Ψ(N-1)/N × 4 B = {2 * psi * (world - 1) / world * 4 / MIB:.2f} MiB "
+          f"(stages 0-2), 3Ψ(N-1)/N × 4 B = {3 * psi * (world - 1) / world * 4 / MIB:.2f} MiB (stage 3, FSDP2); "
+          "DDP, FSDP2 and DeepSpeed: what the ring algorithm sends for the c10d ops of one step")
+    fz = {n: r for n, r in ran.items() if n.startswith("zero")}
+    if fz:
+        print("fzero's bytes: " + ("comm.traffic.sent()" if all(r["sent_as"] == "ring" for r in fz.values()) else
+                                   "comm.traffic.bytes(), the payload handed to collectives (this fzero has no "
+                                   "traffic.sent())") + "; the c10d ops of the same step:")
+        for n, r in fz.items():
+            same = "=" if r["c10d_payload_bytes"] == r["traffic_payload_bytes"] else "≠"
+            print(f"- {n}: payload {r['c10d_payload_bytes']} B ({same} comm.traffic.bytes() "
+                  f"{r['traffic_payload_bytes']} B), "
+                  f"by the ring {r['c10d_sent_bytes'] / MIB:.2f} MiB = "
+                  f"{r['c10d_sent_bytes'] / r['sent_formula_bytes']:.3f} × {SENT[STAGE[n]]}Ψ(N-1)/N × 4 B"
+                  + (f" ({'=' if round(r['sent_bytes']) == round(r['c10d_sent_bytes']) else '≠'} "
+                     f"comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
+        if "zero3" in fz:
+            print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit once per step, not twice: "
+                  "it sends less than 3Ψ(N-1)/N")
+    ds = result["deepspeed"]
+    if not ds["available"]:
+        print(f"DeepSpeed: skipped, import deepspeed failed in this interpreter ({ds['why']})")
+    else:
+        ran_ds = [n for n in DEEPSPEED if n in ran]
+        print(f"DeepSpeed {ds['version']}: ran at stages {', '.join(n[-1] for n in ran_ds) or 'none'}"
+              + "".join(f"; stage {n[-1]} did not run ({r['failed']})" for n, r in res.items() if "failed" in r))
+    print("min / max step s: " + ", ".join(f"{n} {r['min_s']:.3f}/{r['max_s']:.3f}" for n, r in ran.items()))
     print(f"wall: timed run {result['timing_wall_s']:.0f} s, isolated RSS runs {result['rss_wall_s']:.0f} s")
 
 
@@ -335,11 +483,12 @@ def main(argv=None) -> None:
     result["loadavg_start"], result["rss_steps"] = start_load, max(args.rss_steps, 2)
     dist.destroy_process_group()
     t_rss = time.perf_counter()
-    rss = isolated_rss(args, list(result["results"])) if args.rss == "isolated" else {}
+    ran = [n for n, r in result["results"].items() if "failed" not in r]
+    rss = isolated_rss(args, ran) if args.rss == "isolated" else {}
     result["rss_wall_s"] = time.perf_counter() - t_rss
     result["loadavg_end"] = loadavg()
-    for n, r in result["results"].items():
-        r["peak_rss_mib"] = rss.get(n)
+    for n in ran:
+        result["results"][n]["peak_rss_mib"] = rss.get(n)
     result["isolated_baseline_rss_mib"] = {k.split(":")[0]: v for k, v in rss.items() if k.endswith(":baseline")}
     if not quiet:
         report(result, rss)
