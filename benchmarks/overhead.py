@@ -1,16 +1,19 @@
 """What does fzero cost on one device? A ~10.7M-parameter GPT, plain PyTorch vs ``fzero.compile``.
 
-Both programs do the same math on the same batches from the same initial weights: AdamW
+The programs do the same math on the same batches from the same initial weights: AdamW
 (decoupled weight decay 0.1 on the Linear weight matrices only, warmup-cosine learning rate),
 gradients clipped to global norm 1.0. The plain one is the loop everyone writes -- the module,
-``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``; the fzero one is
-the pure ``train_step`` of ``examples/train_gpt.py``, clipped by ``fzero.compile(..., clip_norm=1.0)``.
+``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``; the fzero ones
+are the pure ``train_step`` of ``examples/train_gpt.py``, clipped by
+``fzero.compile(..., clip_norm=1.0)``, once with ``donate=False`` (a new state each step) and
+once with the default ``donate=True`` (the update written into the state it was given).
 
-They run alternately, one step each, in one process after a warmup, so drift in the machine
-(turbo, other tenants) hits both alike; the order within a pair flips every step so neither
-always runs on a cache the other warmed. We report median step times (wall and CPU), their
-ratio fzero/plain, the median of the per-pair ratios, and the load average: on shared cores a
-run with a load above the core count measures the neighbours more than the programs::
+They run in rounds, one step of each, in one process after a warmup, so drift in the machine
+(turbo, other tenants) hits all alike; the order within a round rotates every step so none
+always runs on a cache (or a heap) another warmed. We report median step times (wall and
+CPU), their ratios to plain, the median of the per-round ratios, the minor page faults a step
+took (fresh memory touched: counted, not timed), and the load average: on shared cores a run
+with a load above the core count measures the neighbours more than the programs::
 
     python benchmarks/overhead.py --steps 12 --threads 2
 """
@@ -74,7 +77,7 @@ def make_plain(model: torch.nn.Module):
     return step
 
 
-def make_fzero(model: torch.nn.Module, donate: bool = False):
+def make_fzero(model: torch.nn.Module, donate: bool = True):
     apply, params = fzero.functionalize(model)
     tx = optim.adamw(
         optim.schedules.warmup_cosine(LR, warmup=WARMUP, total=TOTAL, end=END_LR),
@@ -125,10 +128,10 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     # Copies of one initialisation: functionalize shares storage with its module, so each
     # program must own separate tensors. deepcopy keeps the tied head tied.
-    programs = {"plain": make_plain(copy.deepcopy(model)), "fzero": make_fzero(copy.deepcopy(model)),
+    programs = {"plain": make_plain(copy.deepcopy(model)), "fzero": make_fzero(copy.deepcopy(model), donate=False),
                 "donated": make_fzero(model, donate=True)}
-    labels = {"plain": "plain PyTorch (AdamW foreach)", "fzero": "fzero.compile",
-              "donated": "fzero.compile(donate=True)"}
+    labels = {"plain": "plain PyTorch (AdamW foreach)", "fzero": "fzero.compile(donate=False)",
+              "donated": "fzero.compile (donate=True, the default)"}
     load_before = os.getloadavg()[0]
 
     g = torch.Generator().manual_seed(0)

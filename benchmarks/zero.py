@@ -131,7 +131,7 @@ PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, vocab_size=512, batch_size=2, block_size=128),  # 0.88M
 }
 # The speed targets, ×DDP, by preset.
-TARGETS = {"default": {"zero0": 1.02, "zero1": 1.02, "zero2": 1.02, "zero3": 1.10}, "tiny": {"zero2": 1.10}}
+TARGETS = {"default": {"zero0": 1.02, "zero1": 1.02, "zero2": 1.02, "zero3": 1.05}, "tiny": {"zero2": 1.10}}
 # torch 2.13 deprecates the *_tensor collectives fzero calls; say it once, not per rank per step.
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)")
 
