@@ -42,20 +42,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "rec
 WHATS = ("gradients", "parameters", "loss", "psum", "metadata", "buffers", "activations", "activation_gradients")
 
 
-class Blocks(nn.Module):
-    """An MLP whose hidden layers sit in a ModuleList: ZeRO-3's units."""
-
-    def __init__(self, d_in, width, depth, d_out):
-        super().__init__()
-        self.inp = nn.Linear(d_in, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
-        self.out = nn.Linear(width, d_out)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
+Blocks = ft.Blocks
 
 
 def _make_model():

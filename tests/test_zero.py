@@ -30,20 +30,7 @@ TXS = {
 }
 
 
-class Blocks(nn.Module):
-    """An MLP whose hidden layers sit in a ModuleList: ZeRO-3 gathers them one by one."""
-
-    def __init__(self, d_in, width, depth, d_out):
-        super().__init__()
-        self.inp = nn.Linear(d_in, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
-        self.out = nn.Linear(width, d_out)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
+Blocks = ft.Blocks
 
 
 def _state(make_model, tx_name):

@@ -1,5 +1,5 @@
 """The plain train step that tests hold transforms to, the loop that runs a step over
-batches, and a rank's rows of a global batch.
+batches, a rank's rows of a global batch, and a small model with ZeRO-3 units.
 
 Example:
     >>> import torch
@@ -25,7 +25,30 @@ import torch.nn.functional as F
 
 import fzero
 
-__all__ = ["local_batch", "mse_step", "run_steps"]
+__all__ = ["Blocks", "local_batch", "mse_step", "run_steps"]
+
+
+class Blocks(torch.nn.Module):
+    """An MLP whose hidden layers sit in a ModuleList: ZeRO-3 gathers them one by one (its
+    units), and the input and output layers stay outside every unit.
+
+    Example:
+        >>> [n for n, _ in Blocks(2, 3, 1, 1).named_parameters()]
+        ['inp.weight', 'inp.bias', 'blocks.0.0.weight', 'blocks.0.0.bias', 'out.weight', 'out.bias']
+    """
+
+    def __init__(self, d_in: int, width: int, depth: int, d_out: int):
+        super().__init__()
+        self.inp = torch.nn.Linear(d_in, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                          for _ in range(depth))
+        self.out = torch.nn.Linear(width, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
 
 
 def mse_step(state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
