@@ -89,7 +89,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
             ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
-            ``buffer_sync``, ``donate``, ``comm_bytes``, ``tp``, ``pipeline``.
+            ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``, ``pin_memory``,
+            ``tp``, ``pipeline``.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
     (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
@@ -98,7 +99,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
         Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...; with
-        ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind).
+        ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind; and
+        with ``offload_optimizer="cpu"`` too, ``offload_bytes``: its bytes copied device→host
+        and host→device).
 
     Raises:
         TypeError: unknown options (the message names each, with the nearest valid one).
@@ -155,6 +158,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 
         inner = shard_state(inner, mesh, opts.stage, bucket_bytes=opts.bucket_bytes,
                             reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync)
+    if opts.offload_optimizer != "none":
+        # Outside ZeRO: its init moves to the host what shard_state partitioned and placed on
+        # the device (this rank's masters and optimizer state), and its update handler, the
+        # last before the optimizer's, steps exactly those pieces there.
+        from fzero.transforms.offload import offload_optimizer
+
+        inner = offload_optimizer(inner, pin_memory=opts.pin_memory, make_masters=opts.dtype == "fp32")
     if opts.tp is not None:
         # Outside ZeRO and mixed precision: its init keeps this rank's slice of each split
         # layer before they cast, partition and build optimizer state on it (Ψ/tp per rank).
@@ -207,7 +217,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             donated(state, int(new.step))
         metrics = {**metrics, **emitted}
         if before is not None:
-            metrics["comm_bytes"] = (comm.traffic - before).comm_bytes()
+            spent = comm.traffic - before
+            metrics["comm_bytes"] = spent.comm_bytes()
+            if opts.offload_optimizer != "none":
+                metrics["offload_bytes"] = spent.copy_bytes()
         return new, metrics
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
@@ -242,6 +255,10 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[Compile
         if cfg.autotp_size > 1 and cfg.autotp_size != mesh.size("tp"):
             raise ValueError(f"fzero.compile: the config's tensor_parallel.autotp_size={cfg.autotp_size} but "
                              f"{mesh} has tp={mesh.size('tp')}: make the mesh's tp axis that size")
+    if opts.offload_optimizer != "none" and opts.stage == 0:
+        raise ValueError(f"fzero.compile: offload_optimizer={opts.offload_optimizer!r} needs ZeRO stage 1, 2 or 3 "
+                         "(it moves this rank's partition of the optimizer state to the host, as DeepSpeed's "
+                         "ZeRO-Offload does); got stage=0")
     if not opts.overlap_comm:
         raise NotImplementedError("fzero.compile: option overlap_comm=False: turning off overlapped "
                                   "communication is not supported yet")

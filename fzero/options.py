@@ -106,6 +106,8 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "buffer_sync": _choice("broadcast", "mean", "local"),
     "donate": _bool,
     "comm_bytes": _bool,
+    "offload_optimizer": _choice("none", "cpu"),
+    "pin_memory": _bool,
     "tp": _plan,
     "pipeline": _pipeline,
 }
@@ -204,6 +206,18 @@ class CompileOptions:
     the step's first collective to its last, every micro-batch of an update included.
     Counting only reads sizes, so the step computes the same; off, ``metrics`` has no such
     key. DeepSpeed's config spells it ``"comms_logger": {"enabled": true}``."""
+
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """ZeRO-Offload (:func:`fzero.transforms.offload.offload_optimizer`): ``"cpu"`` keeps the
+    fp32 master weights and the optimizer state of this rank's pieces in host memory and runs
+    the update there; each update copies the gradient pieces to the host and the new
+    parameter pieces back. Needs ``stage`` 1, 2 or 3 (as DeepSpeed's). With ``comm_bytes``,
+    ``metrics["offload_bytes"]`` holds the step's bytes copied, ``{"d2h": n, "h2d": n}``.
+    DeepSpeed's config spells it ``zero_optimization.offload_optimizer: {"device": "cpu"}``."""
+
+    pin_memory: bool = False
+    """With ``offload_optimizer="cpu"``: page-lock the host buffers (faster copies to and from
+    a GPU; ignored without CUDA). DeepSpeed's ``offload_optimizer.pin_memory``."""
 
     tp: Mapping[str, Any] | Literal["auto"] | None = None
     """The tensor-parallel plan over the mesh's ``tp`` axis (:func:`fzero.tensor_parallel`):

@@ -495,7 +495,7 @@ def test_unknown_keys_name_the_key_and_the_nearest_valid_one(d, path, nearest):
     (base(gradient_allreduce_op="sum"), "gradient_allreduce_op"),
     (base(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}), "zero_optimization.offload_param"),
     (base(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
-     "zero_optimization.offload_optimizer"),
+     "zero_optimization.offload_optimizer.device"),
     (base(zero_optimization={"stage": 2, "cpu_offload": True}), "zero_optimization.cpu_offload"),
     (base(zero_optimization={"stage": 3, "zero_quantized_gradients": True}),
      "zero_optimization.zero_quantized_gradients"),
@@ -828,3 +828,43 @@ def test_comms_logger_reaches_the_compiled_step_and_a_keyword_may_not_contradict
     assert fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(), comm_bytes=True).options.comm_bytes
     with pytest.raises(ValueError, match=r"comm_bytes=False contradicts the config's comm_bytes=True"):
         fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(comms_logger={"enabled": True}), comm_bytes=False)
+
+
+def test_offload_optimizer_to_the_cpu_is_compile_offload_optimizer():
+    """zero_optimization.offload_optimizer {"device": "cpu", "pin_memory": ...} decides
+    compile(offload_optimizer="cpu", pin_memory=...); "none" or no section offloads nothing."""
+    cfg = load(base(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}))
+    assert cfg.decided_options()["offload_optimizer"] == "cpu" and cfg.decided_options()["pin_memory"] is True
+    assert cfg.compile_options().offload_optimizer == "cpu" and cfg.compile_options().pin_memory is True
+    off = load(base(zero_optimization={"stage": 1, "offload_optimizer": {"device": "none"}})).compile_options()
+    assert off.offload_optimizer == "none"
+    assert "offload_optimizer" not in load(base(zero_optimization={"stage": 1})).decided_options()
+
+
+@pytest.mark.parametrize("offload, error, message", [
+    ({"device": "nvme", "nvme_path": "/local"}, NotImplementedError,
+     r"zero_optimization\.offload_optimizer\.device='nvme': NVMe offload is not supported"),
+    ({"device": "gpu"}, ValueError, r"zero_optimization\.offload_optimizer\.device must be"),
+    ({"device": "cpu", "ratio": 0.5}, NotImplementedError, r"zero_optimization\.offload_optimizer\.ratio=0\.5"),
+    ({"device": "cpu", "pin_memroy": True}, ConfigKeyError,
+     r"did you mean 'zero_optimization\.offload_optimizer\.pin_memory'"),
+])
+def test_offload_optimizer_settings_fzero_does_not_run_are_named_by_key_path(offload, error, message):
+    with pytest.raises(error, match=message):
+        load(base(zero_optimization={"stage": 2, "offload_optimizer": offload}))
+
+
+def test_parameter_offload_is_refused_as_not_built_yet():
+    with pytest.raises(NotImplementedError, match=r"zero_optimization\.offload_param=.*parameter offload at "
+                                                  r"stage 3 .* not built yet"):
+        load(base(zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}))
+
+
+def test_offload_optimizer_needs_a_zero_stage():
+    with pytest.raises(ValueError, match=r"offload_optimizer\.device=\"cpu\" needs zero_optimization\.stage 1, 2 "
+                                         r"or 3.*got stage 0"):
+        load(base(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match=r"fzero\.compile: offload_optimizer='cpu' needs ZeRO stage 1, 2 or 3"):
+        fzero.compile(lambda s, b: (s, {}), offload_optimizer="cpu")
+    with pytest.raises(ValueError, match=r"offload_optimizer='disk' must be 'none' or 'cpu'"):
+        fzero.compile(lambda s, b: (s, {}), zero=1, offload_optimizer="disk")

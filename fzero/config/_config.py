@@ -245,7 +245,8 @@ class Config:
         ``bucket_bytes`` (reduce_bucket_size in bytes) and ``overlap_comm`` when the config
         writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type,
         ``comm_bytes`` (``comms_logger.enabled``) when the config has a ``comms_logger``
-        section. A keyword of ``fzero.compile`` may set the others, never contradict these.
+        section, ``offload_optimizer`` and ``pin_memory`` when it has
+        ``zero_optimization.offload_optimizer``. A keyword of ``fzero.compile`` may set the others, never contradict these.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
@@ -269,6 +270,9 @@ class Config:
             opts["bucket_bytes"] = zero.reduce_bucket_size * itemsize
         if zero.overlap_comm is not None:
             opts["overlap_comm"] = zero.overlap_comm
+        if zero.offload_optimizer is not None:
+            opts["offload_optimizer"] = zero.offload_optimizer
+            opts["pin_memory"] = zero.pin_memory
         if comm_dtype is not None:
             opts["reduce_in"] = comm_dtype
         if self.autotp_size > 1:

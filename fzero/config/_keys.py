@@ -215,6 +215,20 @@ def _offloaded(value: Any) -> bool:
     return True
 
 
+# zero_optimization.offload_optimizer (DeepSpeed's DeepSpeedZeroOffloadOptimizerConfig).
+_OFFLOAD_OPTIMIZER: dict[str, _Rule] = {
+    "device": _USE,
+    "pin_memory": _USE,
+    "nvme_path": _noop("NVMe offload only", _never),
+    "buffer_count": _noop("NVMe offload only", _never),
+    "pipeline_read": _noop("NVMe offload only", _never),
+    "pipeline_write": _noop("NVMe offload only", _never),
+    "pipeline": _noop("NVMe offload only", _never),
+    "fast_init": _noop(_PERF, _never),
+    "ratio": _reject("partial optimizer offload (a ratio below 1)", lambda v: v != 1 and v is not None),
+}
+
+
 def _zero_perf(default: Any) -> _Rule:
     return _noop(_PERF, _differs(default))
 
@@ -246,10 +260,12 @@ _ZERO: dict[str, _Rule] = {
     "save_muon_momentum_buffer_in_memory": _zero_perf(False),
     "leaf_module": _zero_perf({}),
     "cpu_offload_use_pin_memory": _noop(_PERF, _never),
-    "offload_optimizer": _reject("fzero keeps optimizer state on the device", _offloaded),
-    "offload_param": _reject("fzero keeps parameters on the device", _offloaded),
-    "cpu_offload": _reject("fzero keeps optimizer state on the device", _truthy),
-    "cpu_offload_param": _reject("fzero keeps parameters on the device", _truthy),
+    "offload_optimizer": _USE,  # its own keys: _OFFLOAD_OPTIMIZER
+    "offload_param": _reject("parameter offload at stage 3 (parameters kept on the host) is not built yet; "
+                             "offload_optimizer with device \"cpu\" is built", _offloaded),
+    "cpu_offload": _reject("DeepSpeed's older spelling: write offload_optimizer: {\"device\": \"cpu\"}", _truthy),
+    "cpu_offload_param": _reject("parameter offload at stage 3 (parameters kept on the host) is not built yet",
+                                 _truthy),
     "zenflow": _reject("ZenFlow offload", _present),
     "zero_hpz_partition_size": _reject("ZeRO++ hierarchical partitioning",
                                        lambda v: v not in (0, 1)),

@@ -15,6 +15,7 @@ from fzero.config._keys import (
     _COMM_DTYPES,
     _COMMS_LOGGER,
     _FP16,
+    _OFFLOAD_OPTIMIZER,
     _SCHEDULERS,
     _TOP,
     _USE,
@@ -126,8 +127,14 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true is stage 1
         kw["zero_optimization"] = ZeroConfig(stage=1 if zero else 0)
     elif zero is not None:
-        kw["zero_optimization"] = ZeroConfig(**_fields("zero_optimization.",
-                                                       _section("zero_optimization", zero), _ZERO, noted))
+        fields = _fields("zero_optimization.", _section("zero_optimization", zero), _ZERO, noted)
+        offload = fields.pop("offload_optimizer", None)
+        if offload is not None:  # DeepSpeed's default is None: no offload
+            p = "zero_optimization.offload_optimizer"
+            offload = _fields(p + ".", _section(p, offload), _OFFLOAD_OPTIMIZER, noted)
+            fields["offload_optimizer"] = offload.get("device", "none")
+            fields["pin_memory"] = _bool(p + ".pin_memory", offload.get("pin_memory", False))
+        kw["zero_optimization"] = ZeroConfig(**fields)
     if top.get("gradient_clipping") is not None:
         kw["gradient_clipping"] = top["gradient_clipping"]
     pipe = top.get("pipeline")

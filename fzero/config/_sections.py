@@ -272,6 +272,14 @@ class ZeroConfig:
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; ``None`` when not written (fzero overlaps)."""
 
+    offload_optimizer: Literal["none", "cpu"] | None = None
+    """``offload_optimizer.device``: ``"cpu"`` keeps the masters and optimizer state on the
+    host (``fzero.compile(offload_optimizer="cpu")``, stages 1-3); ``None`` when the config
+    has no ``offload_optimizer``. ``"nvme"`` is refused: NVMe offload is not supported."""
+
+    pin_memory: bool = False
+    """``offload_optimizer.pin_memory``: page-lock the host buffers (``fzero.compile(pin_memory=)``)."""
+
     def __post_init__(self) -> None:
         p = "zero_optimization."
         if _int(p + "stage", self.stage) not in (0, 1, 2, 3):
@@ -282,3 +290,17 @@ class ZeroConfig:
                                _int(p + "reduce_bucket_size", self.reduce_bucket_size, minimum=1))
         if self.overlap_comm is not None:
             _bool(p + "overlap_comm", self.overlap_comm)
+        if self.offload_optimizer is not None:
+            key = p + "offload_optimizer.device"
+            device = str(self.offload_optimizer).lower()
+            if device == "nvme":
+                raise NotImplementedError(f"{WHERE}: {key}={self.offload_optimizer!r}: NVMe offload is not "
+                                          "supported; use \"cpu\" (host memory) or \"none\"")
+            if device not in ("none", "cpu"):
+                raise ValueError(f"{WHERE}: {key} must be \"none\", \"cpu\" or \"nvme\", got "
+                                 f"{self.offload_optimizer!r}")
+            if device == "cpu" and self.stage == 0:
+                raise ValueError(f"{WHERE}: {key}=\"cpu\" needs {p}stage 1, 2 or 3 (DeepSpeed's ZeRO-Offload "
+                                 "offloads the partitioned optimizer state); got stage 0")
+            object.__setattr__(self, "offload_optimizer", device)
+        _bool(p + "offload_optimizer.pin_memory", self.pin_memory)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from fzero.distributed import watchdog
 
-__all__ = ["KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
-           "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
+__all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
+           "copy_", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on
 # the GPU machines) has only the old ones. Same arguments either way.
@@ -42,6 +42,9 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 #: The kinds of communication that send bytes, in the order :meth:`Traffic.comm_bytes` lists
 #: them. A receive (kind ``"recv"``) is counted as payload but sends nothing.
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
+#: The copies between a rank's device and its host (ZeRO-Offload's), counted as payload in
+#: :data:`traffic` and listed by :meth:`Traffic.copy_bytes`; they send nothing on the wire.
+COPY_KINDS = ("d2h", "h2d")
 
 
 def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
@@ -62,6 +65,9 @@ def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
                                             (``S (N - 1)`` in all), averaged over the ranks
     ``send``           the tensor           ``S`` (point to point)
     ``recv``           the buffer           0
+    ``d2h``, ``h2d``   the tensor copied    0: a copy between this rank's device and its
+                                            host (ZeRO-Offload, :func:`copy_`) crosses
+                                            no network
     =================  ===================  ==============================================
 
     The result is exact (a :class:`fractions.Fraction`; whole whenever ``N`` divides
@@ -91,10 +97,10 @@ def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
         return Fraction(payload * (n - 1))
     if kind == "send":
         return Fraction(payload)
-    if kind == "recv":
+    if kind in ("recv",) + COPY_KINDS:
         return Fraction(0)
     raise ValueError(f"fzero.distributed.comm.sent_bytes: unknown kind {kind!r}; expected one of "
-                     f"{', '.join(KINDS)} or recv")
+                     f"{', '.join(KINDS + COPY_KINDS)} or recv")
 
 
 class Traffic:
@@ -115,7 +121,8 @@ class Traffic:
     ``"loss"``, ``"psum"``, ``"metadata"`` (batch sizes, shapes), ``"buffers"``,
     ``"gather"`` (:func:`fzero.gather`), ``"user"`` (a reduction over a partitioned
     tensor), ``"tp"``, ``"activations"``, ``"activation_gradients"``,
-    ``"tied_gradients"`` (pipelines) or ``"other"``.
+    ``"tied_gradients"`` (pipelines), ``"offload"`` (the ``d2h``/``h2d`` copies of
+    :func:`copy_`) or ``"other"``.
 
     The counts only grow; a step's share is a difference (``traffic - before``, with
     ``before = traffic.copy()``), or :meth:`reset` clears them.
@@ -163,6 +170,12 @@ class Traffic:
         out["total"] = sum(out.values(), Fraction(0))
         return out
 
+    def copy_bytes(self) -> dict[str, int]:
+        """Bytes copied between the device and the host by kind (:data:`COPY_KINDS`, each
+        present, 0 if none): what ``fzero.compile(comm_bytes=True)`` puts in an offloaded
+        step's ``metrics["offload_bytes"]``."""
+        return {kind: self.bytes(kind) for kind in COPY_KINDS}
+
     def copy(self) -> "Traffic":
         """An independent copy of the counts (to take a difference with later)."""
         out = Traffic()
@@ -187,9 +200,38 @@ class Traffic:
         return f"Traffic({dict(self._bytes)})"
 
 
-#: This process's (so this rank's) count of every collective made through this module and
-#: every send and receive of :class:`fzero.distributed.p2p.Channel`.
+#: This process's (so this rank's) count of every collective made through this module,
+#: every send and receive of :class:`fzero.distributed.p2p.Channel` and every host/device
+#: copy of :func:`copy_`.
 traffic = Traffic()
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor, *, kind: str) -> torch.Tensor:
+    """``dst.copy_(src)``, a copy between this rank's device and its host (``kind``
+    ``"d2h"`` or ``"h2d"``), counted in :data:`traffic` as ``what="offload"`` (payload:
+    ``src``'s bytes). Both must have one dtype, so the bytes counted are the bytes moved:
+    cast on the side where the cast belongs first. The copy is synchronous (the host reads
+    what it copied next, and a pinned buffer is refilled every step).
+
+    Raises:
+        ValueError: an unknown ``kind``, or dtypes or sizes that differ.
+
+    Example:
+        >>> import torch
+        >>> before = traffic.copy()
+        >>> _ = copy_(torch.empty(3), torch.ones(3), kind="d2h")
+        >>> (traffic - before).copy_bytes()
+        {'d2h': 12, 'h2d': 0}
+    """
+    if kind not in COPY_KINDS:
+        raise ValueError(f"fzero.distributed.comm.copy_: kind={kind!r} must be 'd2h' or 'h2d'")
+    if dst.dtype != src.dtype or dst.numel() != src.numel():
+        raise ValueError(f"fzero.distributed.comm.copy_: {kind} copy of {src.dtype}[{src.numel()}] into "
+                         f"{dst.dtype}[{dst.numel()}]: dtypes and sizes must match")
+    traffic.add(kind, "offload", src)
+    with torch.no_grad():
+        dst.copy_(src.view_as(dst))
+    return dst
 
 
 # The device type of the tensor the last helper below handed to torch on this thread, read

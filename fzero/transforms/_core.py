@@ -17,7 +17,10 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
   (:func:`micro_batch`), so a transform can act once per update rather than once per call;
 * ``donating`` -- whether the running step owns its input state (:func:`donating`:
   ``fzero.compile(..., donate=True)``), so the update may write into it instead of making
-  a new one.
+  a new one;
+* ``offloaded`` -- whether the optimizer's update runs on the host (:func:`offloaded`:
+  ZeRO-Offload, ``fzero.compile(..., offload_optimizer="cpu")``), so a transform that makes
+  device copies of what the update wrote copies them from there.
 
 A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
 runs, the innermost installed handler sees it first and decides what to do; it passes the
@@ -60,7 +63,8 @@ from fzero import tree
 from fzero.tree import _USER_VIEW, user_view
 
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "donating", "emit_metric",
-           "installed", "micro_batch", "psum", "register_primitive"]
+           "installed", "micro_batch", "offloaded", "psum",
+           "register_primitive"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -101,6 +105,9 @@ class Handler:
         return next()
 
     def donating(self, *, next: Callable):
+        return next()
+
+    def offloaded(self, *, next: Callable):
         return next()
 
 
@@ -275,6 +282,24 @@ def donating() -> bool:
 
 @register_primitive("donating")
 def _donating_base() -> bool:
+    return False
+
+
+def offloaded() -> bool:
+    """Whether the running step's optimizer update runs on the host (ZeRO-Offload,
+    ``fzero.compile(..., offload_optimizer="cpu")``): the fp32 masters and the optimizer
+    state live there, so ``mixed_precision`` casts the new masters on the host and copies
+    the low-precision bytes to the device parameters. ``False`` outside such a step.
+
+    Example:
+        >>> offloaded()
+        False
+    """
+    return bind("offloaded")
+
+
+@register_primitive("offloaded")
+def _offloaded_base() -> bool:
     return False
 
 

@@ -166,9 +166,13 @@ class _ShardHandler(Handler):
 
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
-            value = value.clone()
+            # On the mesh's device: a sum an offloaded optimizer made on the host goes
+            # through the group's collective there, and comes back to the host.
+            home = value.device
+            value = value.to(self.mesh.device, copy=True)
             comm.run("all_reduce(psum)", lambda: comm.all_reduce(value, group=self.group, async_op=True, what="psum"),
                      timeout_s=self.timeout_s, where=WHERE)
+            value = value.to(home)
         return next(value)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):

@@ -1,0 +1,150 @@
+"""``offload_optimizer``: ZeRO-Offload of the optimizer (Ren et al., 2021), DeepSpeed's
+``zero_optimization.offload_optimizer: {"device": "cpu"}``.
+
+The fp32 master weights and the optimizer state of this rank's pieces live in host memory,
+and the optimizer's update runs there (``fzero.optim``'s chain on host tensors: torch's
+foreach CPU kernels). Each update copies the reduced gradient pieces device→host first and
+the new parameter pieces host→device after, before ZeRO-1/2 all-gathers them; the device
+keeps only what the forward and backward compute with.
+
+The transform sits just outside ``shard_state`` (``fzero/_compile.py``): its ``init`` runs
+after ZeRO has partitioned the state and placed it on the mesh's device, and moves this
+rank's pieces of the masters and the optimizer state to the host; its handler of ``update``
+is the last before the optimizer's own, so it sees exactly the pieces the optimizer steps,
+with ``mixed_precision``'s masters already swapped in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fzero import tree
+from fzero._params import merge_trainable, trainable
+from fzero.distributed import comm
+from fzero.transforms._core import Handler, Step, as_step, donating, installed
+
+__all__ = ["offload_optimizer"]
+
+WHERE = "fzero.offload_optimizer"
+
+
+def _host_copy(x: Any, pin: bool) -> Any:
+    """A new host tensor holding ``x`` (pinned when ``pin``); never ``x`` itself, so the host
+    copy has storage of its own even when the device is the host."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:  # counters stay where Mesh.place keeps them
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pin)
+    with torch.no_grad():
+        out.copy_(x)
+    return out
+
+
+class _OffloadHandler(Handler):
+    """Answers ``offloaded``; runs ``update`` on the host.
+
+    ``copies`` is whether this transform keeps the device parameters itself (fp32 training:
+    they are the host masters' copies); under ``mixed_precision`` that transform keeps its
+    low-precision copies and writes them from the host masters (``offloaded()``).
+    """
+
+    def __init__(self, pin_memory: bool, copies: bool):
+        # Pinned pages only mean something to a CUDA copy engine; without CUDA they cannot
+        # be made, so they are not asked for.
+        self.pin = pin_memory and torch.cuda.is_available()
+        self.copies = copies
+        self.ready = False
+        self.grads: dict[int, torch.Tensor] = {}  # host gradient buffers, kept between steps
+
+    def before(self, state):
+        # fp32: the parameters stand as their own masters until shard_state, inside, cuts
+        # them into this rank's pieces (as it cuts mixed_precision's) and builds the
+        # optimizer state over those.
+        if self.copies and "master" not in state.extra:
+            master = tree.map(lambda p: p.detach(), trainable(state.params))
+            state = state.replace(extra={**state.extra, "master": master}, opt_state=state.tx.init(master))
+        return state
+
+    def after(self, state):
+        if "master" not in state.extra:
+            raise ValueError(f"{WHERE}: found no master weights in state.extra after the inner transforms' "
+                             "init: pass make_masters=True unless a mixed_precision inside makes them")
+        # After shard_state: these are this rank's pieces, placed on the mesh's device.
+        host = lambda x: _host_copy(x, self.pin)  # noqa: E731
+        self.ready = True
+        return state.replace(opt_state=tree.map(host, state.opt_state),
+                             extra={**state.extra, "master": tree.map(host, state.extra["master"])})
+
+    def offloaded(self, *, next):
+        return True
+
+    def _to_host(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """Gradient piece ``g`` in host buffer ``i`` (made once: a new buffer every step would
+        be page-faulted in every step)."""
+        buf = self.grads.get(i)
+        if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
+            buf = self.grads[i] = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=self.pin)
+        return comm.copy_(buf, g, kind="d2h")
+
+    def update(self, state, grads, *, next):
+        if not self.ready:
+            raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
+        master = state.extra["master"]
+        flat, spec = tree.flatten(grads)
+        host = tree.unflatten(spec, [self._to_host(i, g) if isinstance(g, torch.Tensor) else g
+                                     for i, g in enumerate(flat)])
+        new = next(state.replace(params=merge_trainable(state.params, master)), host)
+        if not self.copies:  # mixed_precision, inside, rounds the new masters into its device copies
+            return new
+        master = trainable(new.params)
+        into = (lambda p: p) if donating() else torch.empty_like
+        device = tree.map(lambda p, m: comm.copy_(into(p), m, kind="h2d"), trainable(state.params), master)
+        return new.replace(params=merge_trainable(state.params, device), extra={**new.extra, "master": master})
+
+
+def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters: bool = True) -> Step:
+    """Keep the fp32 master weights and the optimizer state on the host and run the update
+    there (ZeRO-Offload; DeepSpeed's ``offload_optimizer: {"device": "cpu"}``).
+
+    Apply it outside :func:`fzero.shard_state` (stages 1-3), as ``fzero.compile(...,
+    offload_optimizer="cpu")`` does. ``state.extra["master"]`` holds the fp32 master
+    weights: :func:`fzero.mixed_precision`'s, or in fp32 training this transform's own
+    (``make_masters``), which shard_state partitions like any masters; ``init`` then moves
+    this rank's pieces of them and of the optimizer state to the host. Each update copies
+    the gradient pieces to the host, steps the masters there, and copies the new pieces back
+    into the device parameters (in place when the step owns its state), before ZeRO-1/2's
+    all-gather; under mixed precision the low-precision bytes are copied, cast on the host.
+    The arithmetic is the optimizer's own, so the trajectory is the non-offloaded one. The
+    copies are counted in ``fzero.distributed.comm.traffic`` (kinds ``"d2h"``, ``"h2d"``).
+
+    Args:
+        step: ``train_step(state, batch) -> (state, metrics)``, usually a ``shard_state``.
+        pin_memory: page-lock the host buffers (faster copies to and from a GPU; ignored
+            without CUDA, where pinning is impossible).
+        make_masters: fp32 training: make the masters here (the parameters' values) and
+            copy each update's new pieces back into the device parameters. ``False`` when a
+            ``mixed_precision`` inside makes them and writes its low-precision copies.
+
+    Returns:
+        A :class:`Step`; ``step.init(state)`` must run once, after the inner transforms'.
+
+    Raises:
+        ValueError: ``pin_memory`` or ``make_masters`` not a bool; at ``init``, no masters
+            (``make_masters=False`` with no ``mixed_precision`` inside).
+    """
+    from fzero.options import check_option
+
+    check_option(WHERE, "pin_memory", pin_memory)
+    check_option(WHERE, "make_masters", make_masters, "pin_memory")  # a bool, the same check
+    inner = as_step(step)
+    handler = _OffloadHandler(pin_memory, make_masters)
+
+    def call(state, batch):
+        with installed(handler):
+            return inner(state, batch)
+
+    out = Step(call, before=handler.before, after=handler.after, name=f"offload_optimizer({inner.__name__})", inner=inner)
+    out.handler = handler
+    return out
