@@ -133,6 +133,19 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
     Raises:
         ValueError: ``pin_memory`` or ``make_masters`` not a bool; at ``init``, no masters
             (``make_masters=False`` with no ``mixed_precision`` inside).
+
+    Example (one process; on a CPU the host and the "device" are the same memory, but the
+    masters and moments are still their own tensors and every copy is made and counted):
+        >>> import torch, fzero, fzero.testing as ft
+        >>> from fzero import optim
+        >>> apply, params = fzero.functionalize(torch.nn.Linear(3, 2))
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+        >>> step = fzero.compile(ft.mse_step, zero=1, offload_optimizer="cpu")
+        >>> state = step.init(state)
+        >>> state, _ = step(state, {"x": torch.ones(4, 3), "y": torch.zeros(4, 2)})
+        >>> master = fzero.gather(state.extra["master"])["weight"]
+        >>> torch.equal(master, fzero.gather(state.params)["weight"])
+        True
     """
     from fzero.options import check_option
 
