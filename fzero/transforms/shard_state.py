@@ -45,7 +45,8 @@ from fzero.distributed.reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
 from fzero.distributed.units import Units, find_units
 from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
-from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, donating, installed, micro_batch
+from fzero.transforms._core import (Handler, MicroBatch, NotApplied, Step, as_step, donating, installed, micro_batch,
+                                    offloaded)
 from fzero.transforms._deferred import Deferred
 
 __all__ = ["shard_state"]
@@ -166,10 +167,12 @@ class _ShardHandler(Handler):
 
     def psum(self, value, *, next):
         if self.stage >= 1 and self.world > 1:
-            # On the mesh's device: a sum an offloaded optimizer made on the host goes
-            # through the group's collective there, and comes back to the host.
+            # A sum an offloaded optimizer made on the host goes through the group's
+            # collective on the mesh's device and comes back to the host. Anywhere else a
+            # host tensor here is a mistake (a hidden synchronisation on a GPU) that the
+            # device check names, so it is not moved.
             home = value.device
-            value = value.to(self.mesh.device, copy=True)
+            value = value.to(self.mesh.device, copy=True) if offloaded() else value.clone()
             comm.run("all_reduce(psum)", lambda: comm.all_reduce(value, group=self.group, async_op=True, what="psum"),
                      timeout_s=self.timeout_s, where=WHERE)
             value = value.to(home)
