@@ -157,7 +157,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         from fzero.transforms.shard_state import shard_state
 
         inner = shard_state(inner, mesh, opts.stage, bucket_bytes=opts.bucket_bytes,
-                            reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync)
+                            reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync, overlap_comm=opts.overlap_comm)
     if opts.offload_optimizer != "none":
         # Outside ZeRO: its init moves to the host what shard_state partitioned and placed on
         # the device (this rank's masters and optimizer state), and its update handler, the
@@ -259,7 +259,4 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[Compile
         raise ValueError(f"fzero.compile: offload_optimizer={opts.offload_optimizer!r} needs ZeRO stage 1, 2 or 3 "
                          "(it moves this rank's partition of the optimizer state to the host, as DeepSpeed's "
                          "ZeRO-Offload does); got stage=0")
-    if not opts.overlap_comm:
-        raise NotImplementedError("fzero.compile: option overlap_comm=False: turning off overlapped "
-                                  "communication is not supported yet")
     return opts, cfg

@@ -181,8 +181,9 @@ class CompileOptions:
     """Bytes of gradients reduced together (one bucket, one collective)."""
 
     overlap_comm: bool = True
-    """Overlap gradient reduction with backward (the only mode so far: ``compile`` refuses
-    ``False``, which a DeepSpeed config may write)."""
+    """Reduce each gradient bucket while backward goes on; ``False`` reduces them all after
+    backward (DeepSpeed's ``zero_optimization.overlap_comm: false``): the same result,
+    later, with every bucket held at once."""
 
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast"
     """How ``state.buffers`` agree across ``dp`` ranks after a step: dp-rank 0's (DDP's),

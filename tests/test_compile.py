@@ -58,13 +58,10 @@ def test_unknown_option_names_it_and_the_nearest():
         fzero.compile(ft.mse_step, zeroo=2)
 
 
-@pytest.mark.parametrize(
-    "opts, name",
-    [({"overlap_comm": False}, "overlap_comm=False")],
-)
-def test_options_not_yet_supported_are_errors(opts, name):
-    with pytest.raises(NotImplementedError, match=f"fzero.compile: option {name}.*not supported yet"):
-        fzero.compile(ft.mse_step, **opts)
+def test_overlap_comm_false_is_an_option_not_an_error():
+    assert fzero.compile(ft.mse_step, overlap_comm=False).options.overlap_comm is False
+    with pytest.raises(ValueError, match="overlap_comm='no' must be"):
+        fzero.compile(ft.mse_step, overlap_comm="no")
 
 
 def test_bad_option_values():

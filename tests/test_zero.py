@@ -688,3 +688,35 @@ def _stage_0_buffers():
 
 def test_stage_0_reuses_its_reduce_buffers_unless_a_gradient_is_kept(ranks):
     assert ranks(2).run(_stage_0_buffers) == [(True, True, True)] * 2
+
+
+def _overlap(stage, overlap):
+    """The gradient bytes already sent when backward ends (the sink's finish), and the
+    trajectory, with the reduction overlapped or not."""
+    from fzero.distributed import comm
+    from fzero.distributed.reduce import ReduceSink
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    make_model, batches = _model_and_batches((5, 8, 3, 3), 2, 3, 4 * n)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, bucket_bytes=64, overlap_comm=overlap)
+    state, seen, finish = step.init(_state(make_model, "adamw")), [], ReduceSink.finish
+    ReduceSink.finish = lambda sink: (seen.append(comm.traffic.sent(what="gradients")), finish(sink))[1]
+    try:
+        losses = []
+        for b in batches:
+            comm.traffic.reset()
+            state, m = step(state, ft.local_batch(b, n, r))
+            losses.append(float(m["loss"]))
+    finally:
+        ReduceSink.finish = finish
+    return seen, losses, [float(x) for x in fzero.tree.leaves(fzero.gather(state.params))[0].reshape(-1)]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_overlap_comm_false_reduces_after_backward_with_the_same_result(ranks, stage):
+    pool = ranks(2)
+    on, off = pool.run(_overlap, stage, True), pool.run(_overlap, stage, False)
+    for (seen_on, losses_on, p_on), (seen_off, losses_off, p_off) in zip(on, off):
+        assert all(x > 0 for x in seen_on), seen_on  # small buckets: some sent while backward ran
+        assert all(x == 0 for x in seen_off), seen_off  # nothing before backward was done
+        assert losses_on == losses_off and p_on == p_off  # the same sums, bit for bit

@@ -143,13 +143,17 @@ class ReduceSink:
         summed: the result is a sum over micro-batches (kept in fp32 at least).
         on_complete: called with a group's index once every gradient of it has arrived
             (ZeRO-3 frees the unit then).
+        overlap: launch each group's collective as soon as it is complete, while backward
+            goes on; ``False`` launches them all once backward is done (DeepSpeed's
+            ``overlap_comm: false``: the same sums, later, with every bucket held at once).
     """
 
     def __init__(self, layout: Layout, leaf_names: list[str], *, group, world: int, stage: int,
                  reduce_in: torch.dtype | None, pool: BufferPool, timeout_s: float,
                  held: dict[int, torch.Tensor] | None = None, hold: dict[str, Any] | None = None,
-                 summed: bool = False, on_complete: Callable[[int], None] | None = None):
+                 summed: bool = False, on_complete: Callable[[int], None] | None = None, overlap: bool = True):
         self.layout, self.group, self.world, self.stage = layout, group, world, stage
+        self.overlap = overlap  # launch each group as it completes (else all at finish)
         self.reduce_in, self.pool, self.timeout_s = reduce_in, pool, timeout_s
         self.leaf_names = leaf_names  # the leaves in flatten order
         self.leaf_groups = [layout.where.get(n) for n in leaf_names]  # (group, position); None: not a parameter
@@ -190,7 +194,7 @@ class ReduceSink:
         self.missing[gi].discard(pos)
         if self.on_complete is not None and not self.missing[gi]:
             self.on_complete(gi)
-        if self.hold is None:
+        if self.hold is None and self.overlap:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:

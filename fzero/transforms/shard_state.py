@@ -65,8 +65,9 @@ class _ShardHandler(Handler):
 
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
                  reduce_in: torch.dtype | None = None, prefetch: bool = True,
-                 buffer_sync: str = "broadcast"):
+                 buffer_sync: str = "broadcast", overlap_comm: bool = True):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
+        self.overlap_comm = overlap_comm
         self.buffer_sync = buffer_sync
         self.frozen: frozenset[str] = frozenset()
         self.reduce_in = reduce_in
@@ -221,7 +222,8 @@ class _ShardHandler(Handler):
     def _sink(self, params, **options) -> ReduceSink:
         leaf_names = [path[0].entry for path in tree.paths(params)]
         return ReduceSink(self.layout, leaf_names, group=self.group, world=self.world, stage=self.stage,
-                          reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s, **options)
+                          reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s,
+                          overlap=self.overlap_comm, **options)
 
     def _mean_value(self, out, has_aux):
         """The loss averaged over ranks, and the check that every rank's local batch has the
@@ -320,6 +322,7 @@ def shard_state(
     reduce_in: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
     prefetch: bool = True,
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast",
+    overlap_comm: bool = True,
 ) -> Step:
     """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
 
@@ -342,6 +345,9 @@ def shard_state(
             The reduced gradient is kept in the parameters' dtype either way.
         prefetch: stage 3: start gathering the next unit while the current one computes
             (one extra unit resident at a time).
+        overlap_comm: reduce each gradient bucket while backward goes on (default); ``False``
+            reduces them all after backward (DeepSpeed's ``overlap_comm: false``): the same
+            result, later, holding every bucket at once.
         buffer_sync: how ``state.buffers`` (BatchNorm statistics, counters) agree across
             ``dp`` ranks after each step: ``"broadcast"`` dp-rank 0's (DDP's
             ``broadcast_buffers``), ``"mean"`` the average of floating-point buffers, or
@@ -356,7 +362,8 @@ def shard_state(
         ValueError: ``stage`` not in 0-3; at ``init``, parameters that differ between ranks
             (named, with the rank).
     """
-    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("bucket_bytes", bucket_bytes)]:
+    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("bucket_bytes", bucket_bytes),
+                        ("overlap_comm", overlap_comm)]:
         check_option(WHERE, name, value)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if not isinstance(reduce_in, torch.dtype):
@@ -364,7 +371,8 @@ def shard_state(
         reduce_in = dtypes.get(reduce_in)
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
-    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_in, prefetch, buffer_sync)
+    handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_in, prefetch, buffer_sync,
+                            overlap_comm)
 
     def after(state):  # partitions what every transform inside has built (masters included)
         return handler.init(mesh.place(state))
