@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fzero.distributed import comm
 from fzero.distributed.flat import Group, Layout, Shard
 
-__all__ = ["all_gather_params", "all_gather_params_into", "start_all_gather", "sync_buffers"]
+__all__ = ["all_gather_params", "start_all_gather", "sync_buffers"]
 
 WHERE = "fzero.shard_state"
 
@@ -34,10 +34,15 @@ def start_all_gather(g: Group, own: torch.Tensor, full: torch.Tensor, *, group, 
                       where=WHERE)
 
 
-def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world: int,
-                      timeout_s: float) -> dict[str, torch.Tensor]:
-    """Full parameters, by name, from every rank's pieces: one all-gather per group, each
-    into a fresh flat buffer the parameters view (stages 1-2, after the update).
+def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world: int, timeout_s: float,
+                      into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Full parameters, by name, from every rank's pieces: one all-gather per group (stages
+    1-2, after the update), every group's started before the first is waited on.
+
+    Each group is gathered into the flat buffer the parameters ``into`` view, when given
+    and laid out so (the step owns its input state: no fresh parameter-sized buffer a step;
+    the pieces an update in place wrote are already in the own slice, and nothing is
+    copied), else into a fresh one (parameters a user or a loader put in the state).
 
     Example (a world of one):
         >>> from fzero.distributed.flat import build_layout
@@ -45,36 +50,37 @@ def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world:
         >>> layout = build_layout(params, world=1, rank=0)
         >>> all_gather_params(layout, layout.shard_params(params), group=None, world=1, timeout_s=1.0)["w"].tolist()
         [0.0, 1.0, 2.0, 3.0]
-    """
-    out = {}
-    for g in layout.groups:
-        own = g.pack_own(pieces)
-        full = torch.empty(g.padded, dtype=g.dtype, device=g.device)
-        start_all_gather(g, own, full, group=group, world=world).wait(timeout_s)
-        out.update(zip(g.names, g.views(full)))
-    return out
-
-
-def all_gather_params_into(layout: Layout, full: dict[str, torch.Tensor], pieces: dict[str, Shard], *, group,
-                           world: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
-    """:func:`all_gather_params` into the flat buffers ``full`` already views (stages 1-2,
-    when the step owns its input state): no fresh parameter-sized buffer a step. Each
-    group's own slice is written from ``pieces`` where they are not views of it already (an
-    update in place wrote them there), then gathered in place.
-
-    Returns ``None`` (nothing gathered) when ``full`` is not laid out as one flat buffer per
-    group (parameters a user or a loader put in the state): the caller gathers into fresh
-    buffers then.
-
-    Example (a world of one):
-        >>> from fzero.distributed.flat import build_layout
-        >>> layout = build_layout({"w": torch.zeros(4)}, world=1, rank=0)
         >>> full = layout.regroup({"w": torch.zeros(4)})
-        >>> out = all_gather_params_into(layout, full, layout.shard_params({"w": torch.arange(4.)}), group=None,
-        ...                              world=1, timeout_s=1.0)
+        >>> out = all_gather_params(layout, layout.shard_params(params), group=None, world=1, timeout_s=1.0,
+        ...                         into=full)
         >>> out["w"].tolist(), out["w"] is full["w"]
         ([0.0, 1.0, 2.0, 3.0], True)
     """
+    flats = _flat_buffers(layout, into) if into is not None else None
+    works, out = [], {}
+    for g in layout.groups:
+        if flats is None:
+            flat = torch.empty(g.padded, dtype=g.dtype, device=g.device)
+            flat[slice(*g.owned)].zero_()  # the padding this rank sends is zero, as pack_own's
+        else:
+            flat = flats[g.index]
+        own = flat[slice(*g.owned)]
+        for i, name in enumerate(g.names):
+            piece = pieces[name].local.reshape(-1)
+            target = own[g._in_owned(g.info(i))]
+            if piece.data_ptr() != target.data_ptr():
+                target.copy_(piece)
+        if world > 1:
+            works.append(start_all_gather(g, own, flat, group=group, world=world))
+        out.update(zip(g.names, g.views(flat)) if flats is None else ((n, into[n]) for n in g.names))
+    for work in works:
+        work.wait(timeout_s)
+    return out
+
+
+def _flat_buffers(layout: Layout, full: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """The flat buffer each group's parameters in ``full`` view, or ``None`` when they are
+    not laid out so."""
     flats = []
     for g in layout.groups:
         views = [full[n] for n in g.names]
@@ -83,20 +89,7 @@ def all_gather_params_into(layout: Layout, full: dict[str, torch.Tensor], pieces
                 or any(v._base is not base for v in views):
             return None
         flats.append(base)
-    works = []
-    for g, flat in zip(layout.groups, flats):
-        lo, hi = g.owned
-        own = flat[lo:hi]
-        for i, name in enumerate(g.names):
-            piece = pieces[name].local.reshape(-1)
-            target = own[g._in_owned(g.info(i))]
-            if piece.data_ptr() != target.data_ptr():
-                target.copy_(piece)
-        works.append((start_all_gather(g, own, flat, group=group, world=world) if world > 1 else None, own))
-    for work, _ in works:
-        if work is not None:
-            work.wait(timeout_s)
-    return full
+    return flats
 
 
 def sync_buffers(buffers: dict[str, torch.Tensor], *, mode: Literal["broadcast", "mean", "local"], group,

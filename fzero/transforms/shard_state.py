@@ -38,7 +38,7 @@ from fzero import tree
 from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
-from fzero.distributed.collectives import all_gather_params, all_gather_params_into, sync_buffers
+from fzero.distributed.collectives import all_gather_params, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
 from fzero.distributed.reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
@@ -277,13 +277,9 @@ class _ShardHandler(Handler):
         new = next(state.replace(params=pieces), grads)
         if isinstance(new, NotApplied):  # deferred or skipped further in: the whole parameters stay
             return NotApplied(new.state.replace(params=state.params), new.reason)
-        full = None
-        if donating():  # the input's full buffers are this step's: gather into them
-            full = all_gather_params_into(self.layout, train, new.params, group=self.group, world=self.world,
-                                          timeout_s=self.timeout_s)
-        if full is None:
-            full = all_gather_params(self.layout, new.params, group=self.group, world=self.world,
-                                     timeout_s=self.timeout_s)
+        # A donated step's full buffers are its own: the new parameters are gathered into them.
+        full = all_gather_params(self.layout, new.params, group=self.group, world=self.world,
+                                 timeout_s=self.timeout_s, into=train if donating() else None)
         return new.replace(params=with_values(new.params, full))
 
 
