@@ -11,7 +11,6 @@ import torch
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
-from fzero.distributed import comm
 from fzero.distributed.flat import is_shard
 from fzero.options import check_option
 from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
@@ -184,9 +183,9 @@ class _PrecisionHandler(Handler):
         new = next(state.replace(params=merge_trainable(state.params, master)), grads)
         master = trainable(new.params)
         if offloaded():  # the masters live on the host: cast there, copy the low-precision bytes over
-            into = (lambda p: p) if donating() else torch.empty_like
-            low = tree.map(lambda p, m: comm.copy_(into(p), m.to(p.dtype), kind="h2d"), trainable(state.params),
-                           master)
+            from fzero.transforms.offload import copy_to_device
+
+            low = copy_to_device(trainable(state.params), master)
         elif donating():  # the low-precision copies are this step's: round the masters into them
             low = tree.map(_round_into, trainable(state.params), master)
         else:

@@ -42,6 +42,16 @@ def _host_copy(x: Any, pin: bool) -> Any:
     return out
 
 
+def copy_to_device(params: Any, masters: Any) -> Any:
+    """The new host ``masters`` copied into the device ``params`` (each cast on the host to
+    its parameter's dtype first, so only the parameter's bytes move): into ``params``
+    themselves when the step owns its state (``donating()``), else into new tensors.
+    Counted as ``"h2d"``. What an offloaded update ends with, whichever transform keeps the
+    device parameters (this one in fp32 training, ``mixed_precision`` its 16-bit copies)."""
+    into = (lambda p: p) if donating() else torch.empty_like
+    return tree.map(lambda p, m: comm.copy_(into(p), m.to(p.dtype), kind="h2d"), params, masters)
+
+
 class _OffloadHandler(Handler):
     """Answers ``offloaded``; runs ``update`` on the host.
 
@@ -99,8 +109,7 @@ class _OffloadHandler(Handler):
         if not self.copies:  # mixed_precision, inside, rounds the new masters into its device copies
             return new
         master = trainable(new.params)
-        into = (lambda p: p) if donating() else torch.empty_like
-        device = tree.map(lambda p, m: comm.copy_(into(p), m, kind="h2d"), trainable(state.params), master)
+        device = copy_to_device(trainable(state.params), master)
         return new.replace(params=merge_trainable(state.params, device), extra={**new.extra, "master": master})
 
 
