@@ -154,9 +154,10 @@ def _update(tx, grads, opt_state, params, *, donate: bool = False):
     from fzero import optim
     from fzero.optim.fused import fused_update
 
+    from fzero.optim.base import _update as update_of
+
     fused = fused_update(tx, grads, opt_state, params)
     if fused is not None:
         return fused
-    updates, opt_state = tx.update(grads, opt_state, params, donate=True) if donate and tx.donates \
-        else tx.update(grads, opt_state, params)
+    updates, opt_state = update_of(tx, grads, opt_state, params, new=False, donate=donate)
     return optim.apply_updates(params, updates, donate=donate), opt_state
