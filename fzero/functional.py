@@ -137,8 +137,8 @@ class Apply:
 
 # Where each parameter and buffer of a module is held: ``name -> [(owner's dict, key), ...]``,
 # one entry per alias of a tied tensor. Computed once per module: torch's own
-# ``functional_call`` walks every submodule and re-derives the ties on each call (about a
-# millisecond a step on a small GPT, as much as its optimizer update).
+# ``functional_call`` walks every submodule and re-derives the ties on each call (in a
+# profile of a small GPT's step, as much Python as its optimizer update).
 _SLOTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict | None]" = weakref.WeakKeyDictionary()
 
 
