@@ -198,6 +198,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         return state
 
     donating = _Donating() if opts.donate else None
+    monitoring = _monitoring(opts, cfg, mesh)
 
     def call(state, batch):
         if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
@@ -205,7 +206,11 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # The traffic counter only grows; the step's share is the difference, so a caller
         # counting over several steps (comm.traffic itself) is not disturbed.
         before = comm.traffic.copy() if opts.comm_bytes else None
-        with collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
+        update = int(state.step) if monitoring is not None and monitoring.lr is not None else 0
+        # The timer's handler first: outermost, it sees each primitive right above its plain
+        # implementation (fzero/monitor/_timers.py).
+        with monitoring.running(batch) if monitoring else contextlib.nullcontext() as times, \
+                collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
             out = inner(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise TypeError(
@@ -221,13 +226,35 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             metrics["comm_bytes"] = spent.comm_bytes()
             if opts.offload_optimizer != "none":
                 metrics["offload_bytes"] = spent.copy_bytes()
+        if monitoring is not None:
+            metrics = monitoring.report(metrics, times, new, batch, update)
         return new, metrics
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
     step.mesh = mesh
     step.options = opts
     step.config = cfg
+    step.monitors = monitoring.monitors if monitoring is not None else ()
     return step
+
+
+def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh):
+    """The step's measurements and monitors (:mod:`fzero.monitor`), or ``None`` when it has
+    none: then the step runs exactly as without them."""
+    monitors = list(opts.monitors)
+    lr = None
+    if cfg is not None:
+        monitors += cfg.make_monitors()  # on every rank: a missing package fails them all alike
+        if cfg.optimizer is not None:
+            lr = cfg.make_schedule() if cfg.scheduler is not None else \
+                (lambda count, v=float(cfg.optimizer.hyperparameters()["lr"]): v)
+    if not (opts.timers or opts.flops or opts.memory or monitors):
+        return None
+    from fzero.monitor._run import Monitoring
+
+    return Monitoring(device=torch.device(mesh.device), rank=mesh.rank, dp=mesh.size("dp"), dtype=opts.dtype,
+                      timers=opts.timers, flops=opts.flops, memory=opts.memory, peak_flops=opts.peak_flops,
+                      tokens_per_batch=opts.tokens_per_batch, monitors=monitors, lr=lr)
 
 
 def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[CompileOptions, Any]:

@@ -82,6 +82,12 @@ def _pipeline(v) -> str | None:
     return None if isinstance(v, Pipeline) else "must be None or an fzero.pipeline(...) (a Pipeline)"
 
 
+def _monitors(v) -> str | None:
+    ok = isinstance(v, (tuple, list)) and all(callable(getattr(m, "write", None)) and callable(getattr(m, "close", None))
+                                             for m in v)
+    return None if ok else "must be a list of monitors (objects with write(scalars, *, step, samples) and close())"
+
+
 def _loss_scale(v) -> str | None:
     return None if v in ("dynamic", None) or _positive_number(v) is None else \
         "must be 'dynamic', a positive number or None"
@@ -110,6 +116,12 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "pin_memory": _bool,
     "tp": _plan,
     "pipeline": _pipeline,
+    "timers": _bool,
+    "flops": _bool,
+    "memory": _bool,
+    "peak_flops": _optional(_positive_number),
+    "tokens_per_batch": _optional(_positive_int),
+    "monitors": _monitors,
 }
 
 
@@ -232,7 +244,40 @@ class CompileOptions:
     as ``pipe.transform``. The train step computes its loss and gradients with
     ``pipe(params, x, y)``. Required when the mesh has a ``pp`` axis."""
 
+    timers: bool = False
+    """Time each step's phases into ``metrics["time"]``: seconds of ``forward``, ``backward``,
+    ``reduce`` (the host waiting for gradient reduction: the communication backward did not
+    hide), ``update`` (the optimizer), ``gather`` (waiting for parameter all-gathers) and the
+    whole ``step`` (:mod:`fzero.monitor`; on a GPU each boundary synchronizes). DeepSpeed's
+    ``wall_clock_breakdown``."""
+
+    flops: bool = False
+    """Count the step's FLOPs (``torch.utils.flop_counter``, once per batch shape) into
+    ``metrics["flops"]`` (this rank's), with ``flops_per_s``, ``tokens_per_s`` (when the
+    batch has tokens) and ``mfu`` (on a GPU whose peak is known, or with ``peak_flops``).
+    DeepSpeed's ``flops_profiler.enabled``."""
+
+    memory: bool = False
+    """Report this rank's memory in ``metrics["memory"]``: ``state_bytes`` (the tensors its
+    state holds), ``peak_rss_bytes`` and, on CUDA, ``cuda_peak_bytes``. DeepSpeed's
+    ``memory_breakdown``."""
+
+    peak_flops: float | None = None
+    """The peak FLOP/s that ``mfu`` divides by (default: the GPU's dense peak for the step's
+    precision, from :data:`fzero.monitor.PEAK_FLOPS`; none on a CPU)."""
+
+    tokens_per_batch: int | None = None
+    """Tokens in one local batch, for ``tokens_per_s`` (default: the element count of the
+    batch's first integer tensor of two or more dimensions, :func:`fzero.monitor.batch_tokens`)."""
+
+    monitors: tuple = ()
+    """Writers of each step's scalar metrics, on rank 0 (:class:`fzero.monitor.TensorBoard`,
+    ``CSV``, ``Wandb``, ``JSONL``, or any object with ``write`` and ``close``); a config's
+    ``tensorboard``, ``csv_monitor`` and ``wandb`` sections add theirs."""
+
     def __post_init__(self):
+        object.__setattr__(self, "monitors", tuple(self.monitors) if isinstance(self.monitors, list)
+                           else self.monitors)
         for f in dataclasses.fields(self):
             check_option("fzero.CompileOptions", f.name, getattr(self, f.name))
 

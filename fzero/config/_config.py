@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -143,6 +144,30 @@ class Config:
     has no ``comms_logger`` section. Its other keys (``verbose``, ``prof_all``,
     ``prof_ops``, ``debug``) choose what DeepSpeed prints and are accepted with no effect."""
 
+    wall_clock_breakdown: bool | None = None
+    """``wall_clock_breakdown``: each step's ``metrics["time"]`` holds its phases' seconds
+    (``fzero.compile(timers=)``); ``None`` when the config does not write it."""
+
+    memory_breakdown: bool | None = None
+    """``memory_breakdown``: each step's ``metrics["memory"]`` holds this rank's memory
+    (``fzero.compile(memory=)``); ``None`` when the config does not write it."""
+
+    flops_profiler: bool | None = None
+    """``flops_profiler.enabled``: each step's metrics hold its FLOPs, FLOP/s, tokens/s and
+    MFU (``fzero.compile(flops=)``); ``None`` when the config has no such section."""
+
+    tensorboard: Mapping[str, Any] | None = None
+    """The ``tensorboard`` section's keys as written (``enabled``, ``output_path``,
+    ``job_name``), or ``None``; enabled, :meth:`make_monitors` builds its writer."""
+
+    csv_monitor: Mapping[str, Any] | None = None
+    """The ``csv_monitor`` section's keys as written (``enabled``, ``output_path``,
+    ``job_name``), or ``None``."""
+
+    wandb: Mapping[str, Any] | None = None
+    """The ``wandb`` section's keys as written (``enabled``, ``project``, ``group``,
+    ``team``), or ``None``."""
+
     ignored: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
     (only those whose value differs from DeepSpeed's default)."""
@@ -178,6 +203,21 @@ class Config:
                              f"{', '.join(map(repr, _COMM_DTYPES))}, got {self.communication_data_type!r}")
         if self.comms_logger is not None:
             _bool("comms_logger.enabled", self.comms_logger)
+        for name in ("wall_clock_breakdown", "memory_breakdown", "flops_profiler"):
+            if getattr(self, name) is not None:
+                _bool(name, getattr(self, name))
+        bad = []
+        for name, texts in (("tensorboard", ("output_path", "job_name")), ("csv_monitor", ("output_path", "job_name")),
+                            ("wandb", ("project", "group", "team"))):
+            section = getattr(self, name)
+            if section is None:
+                continue
+            if not isinstance(section.get("enabled", False), bool):
+                bad.append(f"{name}.enabled must be true or false, got {section['enabled']!r}")
+            bad += [f"{name}.{key} must be a string, got {section[key]!r}" for key in texts
+                    if section.get(key) is not None and not isinstance(section[key], str)]
+        if bad:
+            raise TypeError(f"{WHERE}: " + "; ".join(bad))
         object.__setattr__(self, "ignored", tuple(self.ignored))
 
     # ------------------------------------------------------------------ reading
@@ -246,7 +286,8 @@ class Config:
         writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type,
         ``comm_bytes`` (``comms_logger.enabled``) when the config has a ``comms_logger``
         section, ``offload_optimizer`` and ``pin_memory`` when it has
-        ``zero_optimization.offload_optimizer``. A keyword of ``fzero.compile`` may set the others, never contradict these.
+        ``zero_optimization.offload_optimizer``; ``timers``, ``memory`` and ``flops`` when it
+        writes ``wall_clock_breakdown``, ``memory_breakdown`` or ``flops_profiler``. A keyword of ``fzero.compile`` may set the others, never contradict these.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
@@ -279,6 +320,10 @@ class Config:
             opts["tp"] = "auto"
         if self.comms_logger is not None:
             opts["comm_bytes"] = self.comms_logger
+        for field, key in (("timers", "wall_clock_breakdown"), ("memory", "memory_breakdown"),
+                           ("flops", "flops_profiler")):
+            if getattr(self, key) is not None:
+                opts[field] = getattr(self, key)
         return opts
 
     def compile_options(self) -> "CompileOptions":
@@ -329,6 +374,34 @@ class Config:
             raise ValueError(f"{WHERE}.make_optimizer: the config has no optimizer section")
         lr = self.make_schedule() if self.scheduler is not None else self.optimizer.hyperparameters()["lr"]
         return self.optimizer.build(lr)
+
+    def make_monitors(self) -> list:
+        """The writers of the enabled ``tensorboard``, ``csv_monitor`` and ``wandb`` sections
+        (:mod:`fzero.monitor`), with DeepSpeed's defaults for the keys not written; the
+        compiled step writes each step's metrics to them on rank 0.
+
+        Raises:
+            ImportError: an enabled ``tensorboard`` or ``wandb`` section whose package is
+                not installed (the message names the section).
+
+        Example:
+            >>> cfg = Config.load({"train_batch_size": 4,
+            ...                    "csv_monitor": {"enabled": True, "output_path": "logs", "job_name": "run1"},
+            ...                    "tensorboard": {"enabled": False}})
+            >>> [(type(m).__name__, m.log_dir) for m in cfg.make_monitors()]
+            [('CSV', 'logs/run1')]
+        """
+        from fzero import monitor
+
+        out = []
+        for name, make in (("tensorboard", monitor.TensorBoard), ("csv_monitor", monitor.CSV)):
+            section = getattr(self, name)
+            if section and section.get("enabled", False):
+                out.append(make(section.get("output_path") or "", section.get("job_name") or "DeepSpeedJobName"))
+        if self.wandb and self.wandb.get("enabled", False):
+            out.append(monitor.Wandb(project=self.wandb.get("project") or "deepspeed", group=self.wandb.get("group"),
+                                     team=self.wandb.get("team")))
+        return out
 
     def install(self, state: Any) -> Any:
         """``state`` with this config's optimizer as ``tx`` and a fresh ``opt_state``, as

@@ -118,16 +118,16 @@ _TOP: dict[str, _Rule] = {
     "communication_data_type": _USE,
     "steps_per_print": _noop("fzero prints nothing; log the metrics each step returns",
                              lambda v: v is not None),
-    "wall_clock_breakdown": _noop("fzero has no step timers; time the step yourself"),
-    "memory_breakdown": _noop("fzero has no memory logging; see `fzero estimate`"),
+    "wall_clock_breakdown": _USE,  # compile(timers=)
+    "memory_breakdown": _USE,  # compile(memory=)
     "dump_state": _noop("fzero does not print its state"),
     "log_level": _noop("DeepSpeed's logger level", _never),
     "disable_python_gc": _noop(_PERF),
-    "tensorboard": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
-    "wandb": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
-    "csv_monitor": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
+    "tensorboard": _USE,  # _MONITORS: fzero.monitor's writers
+    "wandb": _USE,
+    "csv_monitor": _USE,
     "comet": _noop("fzero writes no monitor logs; log the returned metrics", _enabled),
-    "flops_profiler": _noop("fzero has no FLOPs profiler", _enabled),
+    "flops_profiler": _USE,  # compile(flops=)
     "comms_logger": _USE,
     "timers": _noop("DeepSpeed's throughput timers", _never),
     "autotuning": _noop("autotuning is a DeepSpeed launcher feature", _enabled),
@@ -369,4 +369,27 @@ _PIPELINE: dict[str, _Rule] = {
     "activation_checkpoint_interval": _noop("use fzero.remat inside the stage functions", _differs(0)),
     "pipe_partitioned": _noop(_PERF, _differs(True)),
     "grad_partitioned": _noop(_PERF, _differs(True)),
+}
+
+
+# DeepSpeed's monitor sections (deepspeed/monitor/config.py: TensorBoardConfig, CSVConfig,
+# WandbConfig), each an fzero.monitor writer when enabled (Config.make_monitors).
+_MONITORS: dict[str, dict[str, _Rule]] = {
+    "tensorboard": {"enabled": _USE, "output_path": _USE, "job_name": _USE},
+    "csv_monitor": {"enabled": _USE, "output_path": _USE, "job_name": _USE},
+    "wandb": {"enabled": _USE, "group": _USE, "team": _USE, "project": _USE},
+}
+
+# DeepSpeed's ``flops_profiler`` section (deepspeed/profiling/config.py). Its ``enabled`` is
+# ``compile(flops=)``: each step's metrics carry its FLOPs, FLOP/s, tokens/s and MFU. The rest
+# choose when and how DeepSpeed prints its per-module profile, which fzero does not print.
+_FLOPS_PROFILER: dict[str, _Rule] = {
+    "enabled": _USE,
+    "recompute_fwd_factor": _noop("fzero counts the FLOPs a remat recomputes as they run", _differs(0.0)),
+    "profile_step": _noop("fzero counts every distinct batch shape's first step; read metrics[\"flops\"]",
+                          _differs(1)),
+    "module_depth": _noop("fzero prints no per-module profile", _differs(-1)),
+    "top_modules": _noop("fzero prints no per-module profile", _differs(1)),
+    "detailed": _noop("fzero prints no per-module profile", _differs(True)),
+    "output_file": _noop("fzero prints no profile; log metrics[\"flops\"]", lambda v: v is not None),
 }

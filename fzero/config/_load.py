@@ -14,7 +14,9 @@ from fzero.config._keys import (
     _CANONICAL,
     _COMM_DTYPES,
     _COMMS_LOGGER,
+    _FLOPS_PROFILER,
     _FP16,
+    _MONITORS,
     _OFFLOAD_OPTIMIZER,
     _SCHEDULERS,
     _TOP,
@@ -27,7 +29,7 @@ from fzero.config._keys import (
     _PIPELINE,
 )
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
-from fzero.config._values import WHERE, _bool, _int, _section
+from fzero.config._values import WHERE, _bool, _frozen, _int, _section
 
 if TYPE_CHECKING:
     from fzero.config._config import Config
@@ -156,6 +158,16 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
     if logger is not None:
         section = _fields("comms_logger.", _section("comms_logger", logger), _COMMS_LOGGER, noted)
         kw["comms_logger"] = _bool("comms_logger.enabled", section.get("enabled", False))
+    # Measuring and logging (fzero.monitor): the timers, memory, FLOPs and the writers.
+    for key in ("wall_clock_breakdown", "memory_breakdown"):
+        if top.get(key) is not None:
+            kw[key] = _bool(key, top[key])
+    if top.get("flops_profiler") is not None:
+        section = _fields("flops_profiler.", _section("flops_profiler", top["flops_profiler"]), _FLOPS_PROFILER, noted)
+        kw["flops_profiler"] = _bool("flops_profiler.enabled", section.get("enabled", False))
+    for key, rules in _MONITORS.items():
+        if top.get(key) is not None:
+            kw[key] = _frozen(_fields(f"{key}.", _section(key, top[key]), rules, noted))
     comm = top.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:

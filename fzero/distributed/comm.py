@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import datetime
 import threading
 import time
@@ -242,8 +243,16 @@ _LAUNCH = threading.local()
 _WATCH_CPU = 0
 
 
-def _launching(tensor: torch.Tensor) -> None:
+# While a step is timed (``fzero.compile(timers=True)``): a context manager factory that
+# :meth:`Pending.wait` runs inside, ``timer(what, device_type)``; ``what`` is the collective's
+# ``what=`` (``"gradients"``, ``"parameters"``, ...). A context variable, so the checkpoint's
+# background thread is never timed; ``None``, the default, costs one lookup per wait.
+WAIT_TIMER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("fzero_wait_timer", default=None)
+
+
+def _launching(tensor: torch.Tensor, what: str = "other") -> None:
     _LAUNCH.device = tensor.device.type
+    _LAUNCH.what = what
 
 
 def _watched(device_type: str | None) -> bool:
@@ -271,7 +280,7 @@ def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what
     """``dist.all_reduce`` of ``tensor`` in place (a sum unless ``op`` says otherwise),
     counted in :data:`traffic` (payload: ``tensor``'s bytes)."""
     traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group))
-    _launching(tensor)
+    _launching(tensor, what)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -279,7 +288,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = Fa
     """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`
     (payload: ``tensor``'s bytes, on every rank)."""
     traffic.add("broadcast", what, tensor, world=dist.get_world_size(group))
-    _launching(tensor)
+    _launching(tensor, what)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -287,7 +296,7 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, as
                     what: str = "other"):
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
     traffic.add("all_gather", what, input, world=dist.get_world_size(group))
-    _launching(input)
+    _launching(input, what)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
@@ -295,7 +304,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None
                         what: str = "other"):
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""
     traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group))
-    _launching(input)
+    _launching(input, what)
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
 
 
@@ -320,16 +329,17 @@ def run(name: str, fn: Callable[[], object], *, timeout_s: float, where: str = "
 class Pending:
     """An asynchronous collective and what to do with its result.
 
-    ``device`` is the device type of the tensors it moves (``None``: not known), and
-    ``launched`` when it started (``time.monotonic()``).
+    ``device`` is the device type of the tensors it moves (``None``: not known), ``what``
+    the data it moves (the helpers' ``what=``), and ``launched`` when it started
+    (``time.monotonic()``).
     """
 
-    __slots__ = ("name", "work", "done", "where", "device", "launched")
+    __slots__ = ("name", "work", "done", "where", "device", "what", "launched")
 
     def __init__(self, name: str, work, done: Callable[[], object] | None, where: str, *,
-                 device: str | None = None, launched: float | None = None):
+                 device: str | None = None, what: str = "other", launched: float | None = None):
         self.name, self.work, self.done, self.where = name, work, done, where
-        self.device = device
+        self.device, self.what = device, what
         self.launched = time.monotonic() if launched is None else launched
 
     def wait(self, timeout_s: float):
@@ -343,6 +353,13 @@ class Pending:
         Raises:
             CollectiveError: the collective failed, or (on the CPU) did not complete in time.
         """
+        timer = WAIT_TIMER.get()
+        if timer is not None and self.work is not None:
+            with timer(self.what, self.device):
+                return self._wait(timeout_s)
+        return self._wait(timeout_s)
+
+    def _wait(self, timeout_s: float):
         if self.work is not None:
             if _watched(self.device):
                 watchdog.watch(f"collective {self.name}", self.work, where=self.where, timeout_s=timeout_s,
@@ -375,7 +392,7 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
     """
     from fzero.distributed import device_check
 
-    _LAUNCH.device = None
+    _LAUNCH.device, _LAUNCH.what = None, "other"
     launched = time.monotonic()
     try:
         with device_check.guard(name, where):
@@ -384,7 +401,7 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
         raise  # it names the collective and the rank already
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(f"{where}: collective {name} failed to start on rank {_rank()}: {e}") from e
-    return Pending(name, work, done, where, device=_LAUNCH.device, launched=launched)
+    return Pending(name, work, done, where, device=_LAUNCH.device, what=_LAUNCH.what, launched=launched)
 
 
 def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero",
