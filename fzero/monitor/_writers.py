@@ -222,7 +222,7 @@ class JSONL(_Writer):
 class Wandb(_Writer):
     """Scalars to Weights & Biases (DeepSpeed's ``wandb`` section): ``wandb.init(project=,
     group=, entity=team)`` on the first write, then ``wandb.log`` each step at
-    ``step=samples``. Set ``WANDB_MODE=offline`` to write only the local run directory.
+    ``step=samples``, each step committed as it is written. Set ``WANDB_MODE=offline`` to write only the local run directory.
 
     Args:
         project: the W&B project (DeepSpeed's default ``"deepspeed"``).
@@ -245,7 +245,8 @@ class Wandb(_Writer):
 
     def write(self, scalars: Mapping[str, float], *, step: int, samples: int) -> None:
         self._ensure_open()
-        self.run.log({event_name(k): v for k, v in scalars.items()}, step=samples)
+        # commit: the step is complete now (W&B would otherwise hold it until a later step).
+        self.run.log({event_name(k): v for k, v in scalars.items()}, step=samples, commit=True)
 
     def _stop(self) -> None:
         self.run.finish()
