@@ -230,11 +230,11 @@ class Wandb(_Writer):
         team: the W&B entity, or ``None``.
 
     Raises:
-        ImportError: the ``wandb`` package is missing (``pip install 'fzero[monitor]'``).
+        ImportError: the ``wandb`` package is missing (``pip install 'fzero[wandb]'``).
     """
 
     def __init__(self, project: str = "deepspeed", group: str | None = None, team: str | None = None, **init):
-        _require("wandb", "fzero.monitor.Wandb", "wandb", "pip install 'fzero[monitor]'")
+        _require("wandb", "fzero.monitor.Wandb", "wandb", "pip install 'fzero[wandb]'")
         self.project, self.group, self.team, self.init = project, group, team, init
         self.run = None
 
