@@ -20,7 +20,6 @@ import platform
 import shlex
 import sys
 import sysconfig
-import time
 
 import torch
 import torch.nn.functional as F
@@ -142,8 +141,10 @@ def main(argv=None) -> dict:
         ),
     )
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+    # flops/memory: each step's metrics carry its FLOP/s, tokens/s, MFU (on a GPU) and this
+    # rank's memory, for the progress bar (docs/monitoring.md).
     step = fzero.compile(train_step, mesh, zero=args.zero, precision=args.precision,
-                         tp=tp_plans.gpt(model) if args.tp > 1 else None)
+                         tp=tp_plans.gpt(model) if args.tp > 1 else None, flops=True, memory=True)
     state = step.init(state)
 
     rank0 = mesh.rank == 0
@@ -153,16 +154,13 @@ def main(argv=None) -> dict:
               f"model: {n_params / 1e6:.2f}M params | {mesh}", file=sys.stderr)
 
     losses = []
-    tokens_per_step = args.batch_size * args.block_size * mesh.size("dp")
     bar = tqdm(range(args.steps), disable=args.no_progress or not rank0, file=sys.stderr, dynamic_ncols=True)
     for i in bar:
         state, metrics = step(state, get_batch(train_data, args.batch_size, args.block_size, g))
         losses.append(metrics["loss"].item())  # .item() syncs; on a GPU, log less often
-        if i == 0:
-            t0 = time.perf_counter()  # step 0 pays one-off costs (allocation, warm caches): time from its end
-        elif not bar.disable:
-            tok_s = i * tokens_per_step / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
+        # Step 0 pays one-off costs (allocation, warm caches, counting its FLOPs): shown from step 1.
+        if i > 0 and not bar.disable:
+            bar.set_postfix_str(progress(metrics, losses[-1], mesh.size("dp")))
 
     if args.ckpt:
         # Every rank writes the pieces it owns; the checkpoint loads onto any world size.
@@ -200,6 +198,15 @@ def main(argv=None) -> dict:
         print("-" * 40 + " sample " + "-" * 40)
         print(sample.decode("utf-8", errors="replace"))
     return {"losses": losses, "val_loss": val_loss, "sample": sample}
+
+
+def progress(metrics: dict, loss: float, dp: int) -> str:
+    """The progress bar's text: the loss, tokens/s over every dp rank, MFU on a GPU whose peak
+    fzero knows (else this rank's FLOP/s) and this rank's peak memory."""
+    speed = f"mfu={metrics['mfu']:.1%}" if "mfu" in metrics else f"{metrics['flops_per_s'] / 1e9:,.1f} GFLOP/s"
+    mem = metrics["memory"]
+    peak = mem.get("cuda_peak_bytes", mem["peak_rss_bytes"])
+    return f"loss={loss:.3f}, tok/s={metrics['tokens_per_s'] * dp:,.0f}, {speed}, mem={peak / 2**20:,.0f} MiB"
 
 
 @torch.no_grad()
