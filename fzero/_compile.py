@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,11 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         config: a DeepSpeed-format config: a dict, a path to a JSON file, or an
             :class:`fzero.Config` (see docs/config.md). Its options join the keywords (a
             keyword that contradicts it is an error); its optimizer and scheduler sections
-            replace the state's optimizer at ``step.init``.
+            replace the state's optimizer at ``step.init``. Hugging Face's ``"auto"``
+            values are filled from ``auto=``, these keywords, the state at ``init`` and the
+            first batch (docs/config.md); ``step.config`` is the filled config.
+        auto: with ``config``: values for its ``"auto"`` keys, by dotted path or Hugging
+            Face argument name (``{"max_steps": 1000}``), or a ``TrainingArguments``.
         **options: the fields of :class:`fzero.CompileOptions`, each documented there:
             ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
@@ -125,7 +130,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         Fraction(0, 1)
     """
     mesh = mesh if mesh is not None else Mesh(dp=-1)
-    opts, cfg = _options(config, options, mesh)
+    auto = options.pop("auto", None)
+    if auto is not None and config is None:
+        raise ValueError("fzero.compile: auto= fills a config's \"auto\" values; pass config= too")
+    opts, cfg = _options(config, options, mesh, auto)
+    # The config as far as it is known: step.init fills what the state says ("auto"
+    # optimizer values, the bucket from the model's hidden size), the first call the batch.
+    known = {"cfg": cfg}
     if mesh.size("pp") > 1 and opts.pipeline is None:
         raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
                          "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
@@ -156,7 +167,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # Outermost: ranks exchange gradients and parameters of what the inner steps built.
         from fzero.transforms.shard_state import shard_state
 
-        inner = shard_state(inner, mesh, opts.stage, bucket_bytes=opts.bucket_bytes,
+        bucket = opts.bucket_bytes
+        if cfg is not None and "zero_optimization.reduce_bucket_size" in cfg.pending:
+            def bucket():  # at init, once the model's hidden size has filled the config
+                elements = known["cfg"].zero_optimization.reduce_bucket_size
+                itemsize = 2 if opts.reduce_in in ("fp16", "bf16") else 4
+                return opts.bucket_bytes if elements is None else int(elements) * itemsize
+        inner = shard_state(inner, mesh, opts.stage, bucket_bytes=bucket,
                             reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync, overlap_comm=opts.overlap_comm)
     if opts.offload_optimizer != "none":
         # Outside ZeRO: its init moves to the host what shard_state partitioned and placed on
@@ -183,8 +200,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # on the mesh's device.
         state = mesh.place(state)
         if cfg is not None:
+            known["cfg"] = step.config = resolved = known["cfg"].resolve(state=state)
+            _report(resolved)
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
-            state = cfg.install(state)
+            state = resolved.install(state)
         return state
 
     def after(state):
@@ -204,6 +223,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             raise state.params.error()
         # The traffic counter only grows; the step's share is the difference, so a caller
         # counting over several steps (comm.traffic itself) is not disturbed.
+        if cfg is not None and known["cfg"].pending:  # "auto" batch sizes: this batch says
+            known["cfg"] = known["cfg"].resolve(batch=batch)
+            step.config = known["cfg"]
+            _report(known["cfg"], only=("train_batch_size", "train_micro_batch_size_per_gpu"))
         before = comm.traffic.copy() if opts.comm_bytes else None
         with collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
             out = inner(state, batch)
@@ -230,14 +253,24 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     return step
 
 
-def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[CompileOptions, Any]:
+def _report(cfg: Any, only: tuple[str, ...] | None = None) -> None:
+    """Say on the first rank which "auto" values were filled and from what: all of them at
+    init, the batch sizes again at the first call when the batch filled them."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        text = cfg.report(only)
+        if text:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _options(config: Any, keywords: dict[str, Any], mesh: Mesh, auto: Any = None) -> tuple[CompileOptions, Any]:
     """The options from ``config`` (if any) and the keywords; a keyword may add to the
-    config, never contradict it."""
+    config, never contradict it (it fills the config's ``"auto"`` values)."""
     cfg = None
     if config is not None:
         from fzero.config import Config
 
-        cfg = Config.load(config, world_size=mesh.size("dp"))
+        fields = {SPELLINGS.get(key, key): value for key, value in keywords.items()}
+        cfg = Config.load(config, world_size=mesh.size("dp"), auto=auto, options=fields)
     opts = CompileOptions.from_keywords("fzero.compile", keywords, cfg.compile_options() if cfg else None)
     if cfg is not None:
         decided = cfg.decided_options()

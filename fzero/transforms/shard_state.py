@@ -117,7 +117,8 @@ class _ShardHandler(Handler):
         if self.stage == 3 and isinstance(module, torch.nn.Module):
             found = find_units(module, train, self.units_spec)
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
-                                   bucket_bytes=self.bucket_bytes)
+                                   bucket_bytes=self.bucket_bytes() if callable(self.bucket_bytes)
+                                   else self.bucket_bytes)
         if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
             self.pool = BufferPool(limit=len(self.layout.groups) + MAX_IN_FLIGHT)
         if isinstance(module, torch.nn.Module):
@@ -332,7 +333,9 @@ def shard_state(
         mesh: the :class:`fzero.Mesh` (default ``Mesh(dp=-1)``).
         stage: 0 replicates (DDP); 1 partitions optimizer state; 2 also gradients; 3 also
             parameters.
-        bucket_bytes: size of a gradient bucket (a group of parameters reduced together).
+        bucket_bytes: size of a gradient bucket (a group of parameters reduced together), or
+            a function of no arguments giving it at ``init`` (a config's ``"auto"`` bucket,
+            which the model's hidden size decides).
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
@@ -358,8 +361,8 @@ def shard_state(
         ValueError: ``stage`` not in 0-3; at ``init``, parameters that differ between ranks
             (named, with the rank).
     """
-    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("bucket_bytes", bucket_bytes),
-                        ("overlap_comm", overlap_comm)]:
+    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("overlap_comm", overlap_comm),
+                        *([] if callable(bucket_bytes) else [("bucket_bytes", bucket_bytes)])]:
         check_option(WHERE, name, value)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if not isinstance(reduce_in, torch.dtype):
