@@ -13,8 +13,8 @@ from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
-from fzero.transforms import (ColwiseParallel, DivideAttributes, RowwiseParallel, Step, accumulate, mixed_precision,
-                              pipeline, shard_state, tensor_parallel)
+from fzero.transforms import (ColwiseParallel, DivideAttributes, NonFiniteGradientError, RowwiseParallel, Step, accumulate,
+                              check_finite, mixed_precision, pipeline, shard_state, tensor_parallel)
 from fzero._version import __version__
 
 __all__ = [
@@ -23,10 +23,12 @@ __all__ = [
     "Config",
     "DivideAttributes",
     "Mesh",
+    "NonFiniteGradientError",
     "Params",
     "Step",
     "TrainState",
     "accumulate",
+    "check_finite",
     "checkpoint",
     "compile",
     "functionalize",

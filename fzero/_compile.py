@@ -94,6 +94,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
             ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
+            ``nonfinite`` (an update with an inf/NaN gradient: skipped by default),
             ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``, ``pin_memory``,
             ``tp``, ``pipeline``.
 
@@ -125,7 +126,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         >>> state = step.init(state)
         >>> state, metrics = step(state, torch.ones(4, 2))
         >>> sorted(metrics)
-        ['comm_bytes', 'grad_norm', 'loss']
+        ['comm_bytes', 'grad_norm', 'loss', 'skipped']
         >>> metrics["comm_bytes"]["total"]      # one process: nothing sent
         Fraction(0, 1)
     """
@@ -163,6 +164,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 
         inner = mixed_precision(inner, opts.dtype, opts.loss_scale, check_grad_overflow=opts.check_grad_overflow,
                                 **opts.scaler())
+    finite = _nonfinite(opts)
+    if finite is not None:
+        # Outside mixed precision (it sees the unscaled gradients' verdict first) and inside
+        # ZeRO (its flags are summed over the ranks, so every rank decides alike).
+        from fzero.transforms.finite import check_finite
+
+        inner = check_finite(inner, finite)
     if opts.stage > 0 or mesh.size("dp") > 1:
         # Outermost: ranks exchange gradients and parameters of what the inner steps built.
         from fzero.transforms.shard_state import shard_state
@@ -251,6 +259,23 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     step.options = opts
     step.config = cfg
     return step
+
+
+def _nonfinite(opts: CompileOptions) -> str | None:
+    """The mode of the ``check_finite`` transform ``opts`` ask for, or ``None`` (none, or
+    mixed precision's own check does it)."""
+    mode = opts.nonfinite
+    if opts.dtype == "fp32":
+        return None if mode == "apply" else mode or "skip"
+    scaled = opts.dtype == "fp16" and opts.loss_scale is not None
+    if scaled and mode not in (None, "skip"):
+        raise ValueError(f"fzero.compile: nonfinite={mode!r} with fp16's loss scaler: the scaler skips an "
+                         "overflowed update and lowers the scale, which is how it finds its scale; only "
+                         "'skip' is possible (or loss_scale=None)")
+    if not scaled and mode in ("skip", "apply") and (mode == "skip") != opts.check_grad_overflow:
+        raise ValueError(f"fzero.compile: nonfinite={mode!r} contradicts check_grad_overflow="
+                         f"{opts.check_grad_overflow} (bf16.check_grad_overflow in a config); set one")
+    return "raise" if mode == "raise" else None
 
 
 def _report(cfg: Any, only: tuple[str, ...] | None = None) -> None:
