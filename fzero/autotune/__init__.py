@@ -9,7 +9,8 @@ compiled step measures itself (:mod:`fzero.autotune._profile`). See docs/autotun
 
 from fzero.autotune._config import AutotuningConfig
 from fzero.autotune._profile import ENV, TrialDone, TrialProfiler
-from fzero.autotune._search import Candidate, SearchResult, Trial, apply, estimate_bytes, grid, search
+from fzero.autotune._search import (Candidate, OutOfMemoryError, SearchResult, Trial, TrialFailed, apply, estimate_bytes,
+                                   grid, search)
 
-__all__ = ["AutotuningConfig", "Candidate", "ENV", "SearchResult", "Trial", "TrialDone", "TrialProfiler", "apply",
-           "estimate_bytes", "grid", "search"]
+__all__ = ["AutotuningConfig", "Candidate", "ENV", "OutOfMemoryError", "SearchResult", "Trial", "TrialDone",
+           "TrialFailed", "TrialProfiler", "apply", "estimate_bytes", "grid", "search"]

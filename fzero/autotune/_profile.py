@@ -77,11 +77,13 @@ class TrialProfiler:
         mode: ``"profile"`` or ``"model_info"``.
         metric_path: where rank 0 writes the result (JSON).
         start_profile_step, end_profile_step: the 1-based step calls timed, inclusive.
+        shutdown: destroy the process group before ending the trial (the default, for a
+            trial that is a whole run); ``False`` leaves it to a caller that goes on.
         clock: seconds as a float (default ``time.perf_counter``).
     """
 
     def __init__(self, mode: str, metric_path: str, *, start_profile_step: int = 3, end_profile_step: int = 5,
-                 clock=time.perf_counter):
+                 shutdown: bool = True, clock=time.perf_counter):
         if mode not in ("profile", "model_info"):
             raise ValueError(f"fzero autotune trial: mode must be 'profile' or 'model_info', got {mode!r}")
         if not (isinstance(start_profile_step, int) and isinstance(end_profile_step, int)
@@ -90,6 +92,7 @@ class TrialProfiler:
                              f"start_profile_step={start_profile_step!r}, end_profile_step={end_profile_step!r}")
         self.mode, self.metric_path = mode, str(metric_path)
         self.start, self.end, self.clock = start_profile_step, end_profile_step, clock
+        self.shutdown = bool(shutdown)
         self.calls = 0
         self.num_params: int | None = None
         self._t0: float | None = None
@@ -101,7 +104,7 @@ class TrialProfiler:
         if self.mode == "model_info":
             if mesh.rank == 0:
                 _write(self.metric_path, {"num_params": self.num_params, "world_size": mesh.world_size})
-            _shutdown(mesh)
+            _shutdown(mesh, self.shutdown)
             raise TrialDone(self.metric_path)
 
     def _sync(self, mesh) -> None:
@@ -145,25 +148,26 @@ class TrialProfiler:
                 "peak_bytes": peak,
                 "world_size": mesh.world_size,
             })
-        _shutdown(mesh)
+        _shutdown(mesh, self.shutdown)
         raise TrialDone(self.metric_path)
 
 
-def _shutdown(mesh) -> None:
+def _shutdown(mesh, destroy: bool) -> None:
     """Every rank waits for rank 0's file, then the process group closes, before any rank
     exits: a gloo rank whose peer's connection closes while it still runs can abort."""
     import torch.distributed as dist
 
     if mesh.world_size > 1 and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        if destroy:
+            dist.destroy_process_group()
 
 
 def from_env(environ=None) -> TrialProfiler | None:
     """The profiler ``$FZERO_AUTOTUNE``'s trial spec asks for, or ``None`` outside a trial.
 
     The spec is JSON: ``{"mode": "profile" | "model_info", "metric_path": PATH,
-    "start_profile_step": 3, "end_profile_step": 5}``.
+    "start_profile_step": 3, "end_profile_step": 5, "shutdown": true}``.
 
     Raises:
         ValueError: the spec cannot be read or has bad values (the file is named).
@@ -175,6 +179,7 @@ def from_env(environ=None) -> TrialProfiler | None:
         spec = json.loads(Path(path).read_text())
         return TrialProfiler(spec["mode"], spec["metric_path"],
                              start_profile_step=spec.get("start_profile_step", 3),
-                             end_profile_step=spec.get("end_profile_step", 5))
+                             end_profile_step=spec.get("end_profile_step", 5),
+                             shutdown=spec.get("shutdown", True))
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"fzero.compile: ${ENV}={path!r} is not a readable autotuning trial spec: {e!r}") from None

@@ -16,7 +16,16 @@ from typing import Any, Literal
 from fzero.autotune._config import METRICS
 from fzero.memory import OPTIMIZER_STATES, model_state_bytes, reduce_buffer_bytes
 
-__all__ = ["Candidate", "Trial", "SearchResult", "grid", "estimate_bytes", "search", "apply"]
+__all__ = ["Candidate", "Trial", "TrialFailed", "SearchResult", "grid", "estimate_bytes", "search", "apply"]
+
+
+class TrialFailed(RuntimeError):
+    """What a ``run_trial`` raises for a trial that ran and failed; its message is the whole
+    reason (shown as is, without the exception's type)."""
+
+
+class OutOfMemoryError(TrialFailed):
+    """A trial that ran out of device memory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +80,7 @@ class SearchResult:
         for t in self.trials:
             c = t.candidate
             shown = "" if t.value is None else f"{t.value:.4g}"
-            error = t.error if not t.error or len(t.error) <= 90 else t.error[:87] + "..."
+            error = t.error if not t.error or len(t.error) <= 140 else t.error[:137] + "..."
             status = t.status if not error else f"{t.status}: {error}"
             rows.append(["*" if t is self.best else "", c.name, str(c.stage), str(c.tp), str(c.micro_batch),
                          str(c.accumulation), str(c.train_batch_size),
@@ -262,7 +271,8 @@ def _run(c: Candidate, run_trial, est: int | None, key: str) -> Trial:
         result = run_trial(c)
     except Exception as e:  # noqa: BLE001 - a failed trial is a result, not the end of the search
         oom = isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
-        return Trial(c, "oom" if oom else "failed", est, error=f"{type(e).__name__}: {e}".splitlines()[0])
+        why = str(e) if isinstance(e, TrialFailed) else f"{type(e).__name__}: {e}"
+        return Trial(c, "oom" if oom else "failed", est, error=(why.splitlines() or [""])[0])
     if not isinstance(result, Mapping) or not isinstance(result.get(key), (int, float)):
         return Trial(c, "failed", est, result=dict(result) if isinstance(result, Mapping) else None,
                      error=f"the trial reported no {key!r}")

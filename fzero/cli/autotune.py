@@ -36,7 +36,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from fzero.autotune import AutotuningConfig, Candidate, apply, estimate_bytes, grid, search
+from fzero.autotune import (AutotuningConfig, Candidate, OutOfMemoryError, TrialFailed, apply, estimate_bytes,
+                            grid, search)
 from fzero.autotune._profile import ENV
 from fzero.autotune._search import _optimizer_kind
 
@@ -45,7 +46,6 @@ __all__ = ["add_parser", "run", "CONFIG_ENV", "CONFIG_FLAGS"]
 CONFIG_ENV = "FZERO_CONFIG"
 # The script flags whose value is the config path: DeepSpeed's (deepspeed.add_config_arguments) and the plain one.
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--config")
-_TAIL_LINES = 20
 
 
 class AutotuneError(ValueError):
@@ -107,12 +107,11 @@ def trial_args(script_args: list[str], config_path: str, values: dict, arg_mappi
     return args
 
 
-def _tail(path: Path) -> str:
+def _read(path: Path) -> str:
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        return path.read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(lines[-_TAIL_LINES:])
 
 
 _EXC = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
@@ -135,14 +134,6 @@ def _why(log: str) -> str:
         if ln.startswith("traceback :") and "Signal" in ln:
             return ln.split(":", 1)[1].strip()
     return lines[-1] if lines else "no output"
-
-
-class TrialFailed(RuntimeError):
-    """A trial run that ended without a metric file."""
-
-
-class OutOfMemoryError(TrialFailed):
-    """A trial that ran out of device memory (its output says so)."""
 
 
 @dataclasses.dataclass
@@ -180,20 +171,20 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the whole session
                 proc.wait()
-                raise TrialFailed(f"no result in {self.timeout:g} s (killed); see {exp}/stderr.log") from None
+                raise TrialFailed(f"no result in {self.timeout:g} s (killed)") from None
             except BaseException:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
         if rc == 0 and metrics.is_file():
             return json.loads(metrics.read_text())
-        log = _tail(exp / "stderr.log") + "\n" + _tail(exp / "stdout.log")
+        log = _read(exp / "stdout.log") + "\n" + _read(exp / "stderr.log")
         if "out of memory" in log.lower() or "OutOfMemoryError" in log:
-            raise OutOfMemoryError(f"{_why(log)} (see {exp}/stderr.log)")
+            raise OutOfMemoryError(_why(log))
         if rc == 0:
             raise TrialFailed(f"the script ended before step {spec.get('end_profile_step')} without a metric file: "
-                              f"does it pass its config to fzero.compile and call the step that often? ({exp})")
-        raise TrialFailed(f"exit code {rc}: {_why(log)} (see {exp}/stderr.log)")
+                              "does it pass its config to fzero.compile and call the step that often?")
+        raise TrialFailed(f"exit code {rc}: {_why(log)}")
 
     def trial(self, c: Candidate) -> dict:
         """Profile one candidate; its measurement (``throughput``, ``latency``, ...)."""
@@ -216,6 +207,18 @@ def _load_base(path: str | None) -> tuple[dict, str | None]:
     except (OSError, ValueError, TypeError) as e:
         raise AutotuneError(str(e)) from None
     return dict(d), path
+
+
+def _loads(base: dict, c: Candidate, nproc: int, pp: int) -> bool:
+    from fzero.config import Config
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            Config.load(apply(base, c), world_size=nproc // (c.tp * pp))
+    except (ValueError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def _is_set(v) -> bool:
@@ -294,8 +297,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             budget = None
     num_params = tuning.num_params
     if num_params is None:
-        # The smallest candidate by memory: stage 3 and the least micro-batch, as DeepSpeed profiles.
-        smallest = min(candidates, key=lambda c: (-c.stage, -c.tp, c.micro_batch))
+        # The smallest candidate by memory whose config loads: stage 3 and the least
+        # micro-batch, as DeepSpeed profiles its model info.
+        loadable = [c for c in candidates if _loads(base, c, nproc, pp)]
+        if not loadable:
+            parser.error("no candidate's config loads (see the batch sizes); list sizes with --micro-batches")
+        smallest = min(loadable, key=lambda c: (-c.stage, -c.tp, c.micro_batch))
         print(f"fzero autotune: measuring the parameter count ({smallest.name}) ...", flush=True)
         try:
             num_params = runner.num_params(smallest)
@@ -330,9 +337,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     (results / "summary.txt").write_text(table + "\n")
     (results / "trials.json").write_text(json.dumps(
         [{"name": t.candidate.name, **dataclasses.asdict(t)} for t in result.trials], indent=1))
+    if any(t.status in ("failed", "oom") for t in result.trials):
+        print(f"fzero autotune: a failed trial's output is in {tuning.exps_dir}/TRIAL/stderr.log", file=sys.stderr)
     if result.best is None:
-        print("fzero autotune: no trial succeeded; see the table and each trial's stderr.log under "
-              f"{tuning.exps_dir}", file=sys.stderr)
+        print("fzero autotune: no trial succeeded", file=sys.stderr)
         return 1
     best = apply(base, result.best.candidate)
     text = json.dumps(best, indent=2) + "\n"
