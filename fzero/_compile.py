@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fzero.autotune._profile import from_env as autotune_trial
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.options import SPELLINGS, CompileOptions
@@ -201,9 +202,15 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # them, and its handler turns a norm's psum into an all-reduce over pp too.
         inner = opts.pipeline.transform(inner)
 
+    # Under `fzero autotune` ($FZERO_AUTOTUNE names a trial spec), the step measures itself
+    # and ends the run, as DeepSpeed's engine does with an autotuning section (docs/autotune.md).
+    profiler = autotune_trial()
+
     def before(state):
         if not isinstance(state, TrainState):
             raise TypeError(f"fzero.compile: step.init expects an fzero.TrainState, got {type(state).__name__}")
+        if profiler is not None:  # Ψ of the whole model, before any transform splits it
+            profiler.init(state, mesh)
         # First, so that every transform's init (masters, layouts, optimizer state) builds
         # on the mesh's device.
         state = mesh.place(state)
@@ -236,6 +243,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             step.config = known["cfg"]
             _report(known["cfg"], only=("train_batch_size", "train_micro_batch_size_per_gpu"))
         before = comm.traffic.copy() if opts.comm_bytes else None
+        if profiler is not None:
+            profiler.before_call(mesh, batch)
         with collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
             out = inner(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
@@ -252,6 +261,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             metrics["comm_bytes"] = spent.comm_bytes()
             if opts.offload_optimizer != "none":
                 metrics["offload_bytes"] = spent.copy_bytes()
+        if profiler is not None:
+            profiler.after_call(mesh)  # ends the trial after its last profiled step
         return new, metrics
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
