@@ -162,4 +162,6 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
             raise ValueError(f"{WHERE}: communication_data_type must be one of "
                              f"{', '.join(map(repr, _COMM_DTYPES))}, got {comm!r}")
         kw["communication_data_type"] = comm.lower()
+    if top.get("dataloader_drop_last") is not None:
+        kw["dataloader_drop_last"] = _bool("dataloader_drop_last", top["dataloader_drop_last"])
     return cls(world_size=world_size, ignored=tuple(noted), source=source, **kw)
