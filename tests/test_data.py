@@ -15,7 +15,6 @@ import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.utils.data as tud
 
 import fzero

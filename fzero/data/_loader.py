@@ -102,6 +102,8 @@ class DataLoader:
             from fzero.distributed.mesh import Mesh
 
             mesh = Mesh(dp=-1)
+        elif not (hasattr(mesh, "coords") and hasattr(mesh, "size")):
+            raise TypeError(f"{WHERE}: mesh must be an fzero.Mesh, got {type(mesh).__name__}")
         dp_size, dp_rank = mesh.size("dp"), mesh.coords["dp"]
         batch_size, drop_last = _from_config(config, batch_size, drop_last, dp_size)
         self.sampler = GlobalBatchSampler(length, check_int(WHERE, "batch_size", batch_size, 1),
@@ -154,7 +156,7 @@ class DataLoader:
         self.sampler.set_epoch(epoch, start)
         # torch's DataLoader draws its workers' base seed from this generator when an
         # iterator is made; a fixed seed per epoch keeps it off torch's global RNG.
-        self._generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)
+        self._generator.manual_seed((self.sampler.seed * 1_000_003 + epoch) % 2**63)
         for batch in self._loader:
             if iteration != self._iteration:
                 raise RuntimeError(f"{WHERE}: this iterator was superseded by a newer iter(loader); "

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["GlobalBatchSampler", "check_int"]
+__all__ = ["GlobalBatchSampler"]
 
 WHERE = "fzero.data.GlobalBatchSampler"
 
