@@ -6,7 +6,7 @@ into a partitioned, communicating, mixed-precision step. See README.md and docs/
 
 from fzero import tree
 from fzero._params import Params
-from fzero import checkpoint, optim
+from fzero import checkpoint, data, optim
 from fzero._compile import compile
 from fzero.config import Config
 from fzero.options import CompileOptions
@@ -31,6 +31,7 @@ __all__ = [
     "check_finite",
     "checkpoint",
     "compile",
+    "data",
     "functionalize",
     "gather",
     "grad",

@@ -103,6 +103,7 @@ def _run(config, steps=4, tx=None, **compile_kw):
     return step, losses, fzero.gather(state.params)
 
 
+@pytest.mark.filterwarnings("ignore:fzero.Config. these keys have no effect")
 def test_compile_fills_auto_from_its_keywords_the_state_and_the_first_batch(capsys):
     """The optimizer's values come from the state's optimizer, accumulation and clipping
     from compile's keywords, the bucket from the model's hidden size, the micro-batch from

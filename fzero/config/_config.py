@@ -147,6 +147,10 @@ class Config:
     has no ``comms_logger`` section. Its other keys (``verbose``, ``prof_all``,
     ``prof_ops``, ``debug``) choose what DeepSpeed prints and are accepted with no effect."""
 
+    dataloader_drop_last: bool | None = None
+    """``dataloader_drop_last``: whether :class:`fzero.data.DataLoader` built from this config
+    drops a short last global batch; ``None`` when not written (the loader then drops it)."""
+
     ignored: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
     (only those whose value differs from DeepSpeed's default). Not compared: two configs
@@ -199,6 +203,8 @@ class Config:
                              f"{', '.join(map(repr, _COMM_DTYPES))}, got {self.communication_data_type!r}")
         if self.comms_logger is not None:
             _bool("comms_logger.enabled", self.comms_logger)
+        if self.dataloader_drop_last is not None:
+            _bool("dataloader_drop_last", self.dataloader_drop_last)
         object.__setattr__(self, "ignored", tuple(self.ignored))
         object.__setattr__(self, "pending", tuple(self.pending))
 

@@ -229,7 +229,7 @@ _TOP: dict[str, _Rule] = {
                                        "all-reduce gives the same mean up to rounding", _differs(1.0)),
     "disable_allgather": _noop(_PERF),
     "sparse_gradients": _noop("fzero's gradients are dense; the result is the same"),
-    "dataloader_drop_last": _noop("fzero builds no data loader"),
+    "dataloader_drop_last": _USE,
     "checkpoint": _noop("fzero.checkpoint always verifies checksums and loads onto any world size",
                         _present),
     "datastates_ckpt": _noop("fzero.checkpoint has its own asynchronous save", _present),

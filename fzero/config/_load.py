@@ -324,6 +324,11 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
         else:
             kw["communication_data_type"] = comm.lower()
             _used(notes, "", {"communication_data_type": comm}, {"communication_data_type": "reduce_in"})
+    if top.get("dataloader_drop_last") is not None:
+        kw["dataloader_drop_last"] = build("dataloader_drop_last",
+                                           lambda: _bool("dataloader_drop_last", top["dataloader_drop_last"]))
+        _used(notes, "", {"dataloader_drop_last": top["dataloader_drop_last"]},
+              {"dataloader_drop_last": "fzero.data.DataLoader(config=...)"})
     kw = {k: v for k, v in kw.items() if v is not None}
     return build("", lambda: cls(world_size=world_size, ignored=tuple(notes.ignored),
-                                                  source=source, pending=pending, **kw))
+                                 source=source, pending=pending, **kw))
