@@ -248,3 +248,25 @@ def test_config_check_says_what_fzero_does_with_each_key(tmp_path, capsys):
     assert cli(["config", "check", str(good)]) == 1
     out = capsys.readouterr().out
     assert "1 problem:" in out and 'scheduler.params.total_num_steps is "auto"' in out
+
+
+CONFIGS = sorted((Path(__file__).parent / "data" / "ds_configs").glob("*.json"))
+
+
+@pytest.mark.filterwarnings("ignore:fzero.Config. these keys have no effect")
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_configs_in_the_shapes_projects_ship_train_as_written(path, capsys):
+    """Configs written in the shapes public projects ship (DeepSpeed's examples, Megatron,
+    Hugging Face's Trainer and Accelerate, launcher extras): `fzero config check` accepts
+    each as written and a compiled step trains with it."""
+    assert cli(["config", "check", str(path)]) == 0, capsys.readouterr().out
+    apply, params = fzero.functionalize(_Model())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3, weight_decay=0.01))
+    step = fzero.compile(_train_step, config=str(path))
+    state = step.init(state)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        state, metrics = step(state, (torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)))
+        assert torch.isfinite(metrics["loss"])
+    assert step.config.pending == ()
+    assert int(state.step) + int(bool(metrics.get("skipped", False))) >= 1
