@@ -6,6 +6,8 @@ tensor dimension.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 from typing import Literal
@@ -79,7 +81,7 @@ class Mesh:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             pg_timeout_s = self.timeout_s + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s))
+            _init_process_group(backend, datetime.timedelta(seconds=pg_timeout_s))
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
@@ -190,6 +192,39 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({_fmt(self.shape)}, rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` from torchrun's environment, with two differences.
+
+    Under torchrun every restart attempt of the worker group rendezvouses in the agent's
+    store, which outlives the attempt: the keys of attempt 0 (each rank's gloo address) are
+    still there when attempt 1 starts, and a restarted rank that reads them connects to a
+    process that is gone ("Gloo connectFullMesh failed ... Connection refused"). Each attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gets keys of its own under a ``PrefixStore``.
+
+    And a group made here is destroyed as the interpreter exits (:func:`_destroy_at_exit`).
+    """
+    from torch.distributed import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"default_pg/attempt{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    # A process group left for the interpreter's teardown to destroy takes its threads down
+    # in no set order, and one still joinable when its std::thread is destroyed ends the
+    # process in std::terminate ("terminate called without an active exception", SIGABRT)
+    # after the program finished: torchrun reports a failed job. Destroyed here, while the
+    # interpreter is whole, after the checkpoint's last asynchronous save (which waits at
+    # threading's exit, before atexit hooks run).
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _fmt(sizes: dict[str, int]) -> str:
