@@ -199,7 +199,7 @@ def save(
             if not previous._reported:
                 previous._reported = True
                 raise CheckpointError(f"{WHERE}: the previous asynchronous save to {previous.path} failed: {e}") from e
-    world = _comm.world(WHERE, timeout_s)
+    world = _comm.world(WHERE, timeout_s, path=path)
     plan = make_plan(state, world)
     step_value = _step_of(state, step)
     rng_tensors, rng_json = _rng.capture()

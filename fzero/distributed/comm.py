@@ -29,7 +29,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import watchdog
+from fzero.distributed import checkin, watchdog
 
 __all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
            "copy_", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
@@ -353,11 +353,13 @@ class Pending:
                     raise CollectiveError(f"{self.where}: collective {self.name} failed on rank {_rank()}: {e}") from e
             else:
                 try:
-                    self.work.wait(datetime.timedelta(seconds=timeout_s))
+                    with checkin.waiting_in(self.name):
+                        self.work.wait(datetime.timedelta(seconds=timeout_s))
                 except Exception as e:  # noqa: BLE001
+                    why = checkin.absent(self.name) or "a rank may have died or taken another path"
                     raise CollectiveError(
                         f"{self.where}: collective {self.name} did not complete on rank {_rank()} "
-                        f"within {timeout_s:g} s (a rank may have died or taken another path): {e}"
+                        f"within {timeout_s:g} s ({why}): {e}"
                     ) from e
         return self.done() if self.done is not None else None
 

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import device_check
+from fzero.distributed import checkin, device_check
 
 __all__ = ["Mesh", "AXES"]
 
@@ -86,6 +86,8 @@ class Mesh:
         else:
             world, rank = 1, 0
         self.world_size, self.rank = world, rank
+        if world > 1:
+            checkin.start()  # so that a rank that does not arrive at a collective is named
         self.shape = self._resolve({"pp": pp, "dp": dp, "tp": tp}, world)
         self._device_mesh = None
         # Coordinates of this rank, row-major over AXES.
@@ -222,6 +224,7 @@ def _destroy_at_exit() -> None:
     # after the program finished: torchrun reports a failed job. Destroyed here, while the
     # interpreter is whole, after the checkpoint's last asynchronous save (which waits at
     # threading's exit, before atexit hooks run).
+    checkin.stop_checkins()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
