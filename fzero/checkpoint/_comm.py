@@ -82,6 +82,7 @@ def world(where: str, timeout_s: float | None = None, *, path: str | None = None
         ValueError: the ranks passed different paths (every rank's is named).
     """
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    public = where
     if path is not None:
         where = f"{where}({path!r})"
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -110,6 +111,6 @@ def world(where: str, timeout_s: float | None = None, *, path: str | None = None
                 by_path.setdefault(p, []).append(r)
             said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p!r}"
                              for p, rs in by_path.items())
-            raise ValueError(f"{where.split('(')[0]}: the ranks passed different checkpoint paths ({said}); every "
+            raise ValueError(f"{public}: the ranks passed different checkpoint paths ({said}); every "
                              "rank must pass the same path, which all of them write to or read from")
     return out

@@ -44,7 +44,7 @@ _PREFIX = "fzero/checkin/"
 _STATE: dict[str, Any] = {"thread": None, "stop": None, "store": None, "rank": 0, "world": 1, "group": None}
 _WAITING = threading.local()
 _IN: dict[int, str] = {}  # thread id -> the collective it waits in
-_AGREE_SEQ = itertools.count()
+_AGREE_SEQ: dict[str, Any] = {}  # scope -> count of agreements made in it
 
 
 def _store():
@@ -151,30 +151,34 @@ def absent(name: str) -> str:
     return "; ".join(parts)
 
 
-def agree(name: str, value: Any, *, timeout_s: float, where: str) -> list[Any]:
-    """Every rank's JSON-serialisable ``value``, in rank order, through the store.
+def agree(name: str, value: Any, *, timeout_s: float, where: str, group=None) -> list[Any]:
+    """Every rank's JSON-serialisable ``value``, in the order of ``group``'s ranks (default:
+    every rank), through the store.
 
-    Every rank of the default process group must call it, with the same ``name``, in the
-    same order. No sized collective runs, so ranks that disagree on sizes learn it here.
-    In a world of one (or without a process group) it returns ``[value]``.
+    Every rank of ``group`` must call it, with the same ``name``, in the same order. No
+    sized collective runs, so ranks that disagree on sizes learn it here. In a world of one
+    (or without a process group) it returns ``[value]``.
 
     Raises:
         TimeoutError: some rank did not arrive within ``timeout_s``; names those ranks.
     """
     store = _store()
-    if store is None or dist.get_world_size() == 1:
+    if store is None or dist.get_world_size(group) == 1:
         return [value]
-    world, rank = dist.get_world_size(), dist.get_rank()
-    base = f"fzero/agree/{next(_AGREE_SEQ)}/{name}/"
-    store.set(f"{base}{rank}", json.dumps(value, separators=(",", ":")).encode())
-    keys = [f"{base}{r}" for r in range(world)]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    scope = f"{name}/{','.join(map(str, ranks))}"
+    base = f"fzero/agree/{scope}/{_AGREE_SEQ.setdefault(scope, itertools.count()).__next__()}/"
+    me = dist.get_rank()
+    store.set(f"{base}{me}", json.dumps(value, separators=(",", ":")).encode())
+    keys = [f"{base}{r}" for r in ranks]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001  (DistStoreError: a timeout)
-        missing = [r for r, k in enumerate(keys) if not _has(store, k)]
+        missing = [r for r, k in zip(ranks, keys) if not _has(store, k)]
         why = absent(name)
-        raise TimeoutError(f"{where}: ranks {', '.join(map(str, missing)) or '?'} did not reach {name} within "
-                           f"{timeout_s:g} s (rank {rank} waited){': ' + why if why else ''} ({e})") from None
+        raise TimeoutError(f"{where}: rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing)) or '?'} "
+                           f"did not reach {name} within {timeout_s:g} s (rank {me} waited"
+                           f"{'; ' + why if why else ''}): {e}") from None
     return [json.loads(store.get(k).decode()) for k in keys]
 
 
