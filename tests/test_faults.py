@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import fzero
 import fzero.testing.fault_job as fault_job
 from fzero import optim
-from fzero.distributed import comm
+from fzero.distributed import checkin, comm
 from fzero.testing.multirank import RankError, run_command, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -149,7 +150,7 @@ def test_a_stopped_rank_is_named_by_the_rank_that_waited_for_it(tmp_path, where)
         run_ranks(2, _stopped_peer, arg, timeout_s=TIMEOUT_S + 20)
     said = info.value.results[0]
     assert said is not None, str(info.value)
-    assert "rank 1 (not heard from for" in said and "did not arrive: stopped" in said, said
+    assert re.search(r"\(rank 1 \(its process \d+ is stopped\) did not arrive\)", said), said
     assert "on rank 0" in said, said
     if where == "collective":
         assert said.startswith("CollectiveError: test: collective all_reduce(the test's value)"), said
@@ -157,6 +158,43 @@ def test_a_stopped_rank_is_named_by_the_rank_that_waited_for_it(tmp_path, where)
         assert said.startswith(f"CollectiveError: fzero.checkpoint.save('{tmp_path}/step_1'): creating the "
                                "checkpoint's process group (dist.new_group"), said
     assert info.value.exit_codes == {1: -signal.SIGKILL}
+
+
+def _killed_peer() -> str:
+    fzero.Mesh(dp=-1)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    t = torch.ones(3)
+    try:
+        comm.run("all_reduce(a)", lambda: comm.all_reduce(t, async_op=True), timeout_s=TIMEOUT_S, where="test")
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
+
+
+def test_a_killed_rank_is_named_as_gone_by_the_rank_whose_collective_failed():
+    with pytest.raises(RankError) as info:
+        run_ranks(2, _killed_peer, timeout_s=TIMEOUT_S + 30)
+    said = info.value.results[0]
+    assert said is not None and said.startswith("test: collective all_reduce(a) "), str(info.value)
+    assert re.search(r"\(rank 1 \(its process \d+ is gone\) did not arrive\)", said), said
+
+
+def test_a_rank_on_another_host_is_named_by_the_age_of_its_last_check_in(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setitem(checkin._STATE, "store", store)
+    monkeypatch.setitem(checkin._STATE, "world", 3)
+    monkeypatch.setitem(checkin._STATE, "rank", 0)
+    now = time.time()
+    store.set("fzero/checkin/1", json.dumps({"t": now - 10, "in": ["x"], "host": "elsewhere", "pid": 1}))
+    store.set("fzero/checkin/2", json.dumps({"t": now, "in": ["all_gather(y)"], "host": "elsewhere", "pid": 1}))
+    said = checkin.absent("x")
+    assert re.fullmatch(r"rank 1 \(not heard from for 10\.\d s\) did not arrive; rank 2 \(waiting in all_gather\(y\)\) "
+                        r"did not arrive: alive, elsewhere in the program", said), said
+    store.set("fzero/checkin/1", json.dumps({"t": now, "in": ["x"], "host": "elsewhere", "pid": 1}))
+    store.set("fzero/checkin/2", json.dumps({"t": now, "in": ["x"], "host": "elsewhere", "pid": 1}))
+    assert checkin.absent("x") == ""  # everyone is there: nothing to name
 
 
 def _alive_elsewhere() -> str:

@@ -9,8 +9,9 @@ process group was made with (a few bytes per rank per second, no collective):
 * :func:`start` runs a daemon thread per process that writes, every :data:`BEAT_S`, this
   rank's time and the collective it is waiting in (``fzero/checkin/RANK``);
 * :func:`absent` reads every rank's check-in when a wait fails and names the ranks that did
-  not arrive: those not heard from for :data:`SILENT_S` (stopped, hung outside Python, or
-  dead) and those alive but elsewhere (in another collective, or in their own code).
+  not arrive: those whose process is gone or stopped (asked of the OS, for ranks on this
+  host), those not heard from for :data:`SILENT_S` (stopped, hung outside Python, or dead),
+  and those alive but elsewhere (in another collective, or in their own code).
   :class:`~fzero.distributed.comm.CollectiveError` and the watchdog's report carry it.
 
 :func:`agree` is an all-gather of small JSON values through the store, with a timeout and
@@ -27,6 +28,7 @@ import datetime
 import itertools
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -57,9 +59,25 @@ def _store():
         return None
 
 
+_HOST = socket.gethostname()
+
+
 def _record() -> bytes:
     waiting = sorted(set(_IN.values()))
-    return json.dumps({"t": time.time(), "in": waiting}).encode()
+    return json.dumps({"t": time.time(), "in": waiting, "host": _HOST, "pid": os.getpid()}).encode()
+
+
+def _process_state(rec: dict) -> str | None:
+    """What the OS says of a rank's process on this host: ``"gone"``, ``"stopped"`` or
+    ``None`` (running, or on another host, or not known)."""
+    if rec.get("host") != _HOST or not isinstance(rec.get("pid"), int):
+        return None
+    try:
+        with open(f"/proc/{rec['pid']}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone" if os.path.isdir("/proc") else None
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state)
 
 
 def _beat(stop: threading.Event, store, rank: int) -> None:
@@ -138,14 +156,17 @@ def absent(name: str) -> str:
         except Exception:  # noqa: BLE001  (the store itself is gone)
             return ""
         age = now - rec["t"]
-        if age >= SILENT_S:
+        state = _process_state(rec)
+        if state is not None:
+            silent.append(f"rank {r} (its process {rec['pid']} is {state})")
+        elif age >= SILENT_S:
             silent.append(f"rank {r} (not heard from for {age:.1f} s)")
         elif name not in rec["in"]:
             where = f"waiting in {', '.join(rec['in'])}" if rec["in"] else "not in a collective"
             elsewhere.append(f"rank {r} ({where})")
     parts = []
     if silent:
-        parts.append(f"{', '.join(silent)} did not arrive: stopped, hung outside Python, or dead")
+        parts.append(f"{', '.join(silent)} did not arrive")
     if elsewhere:
         parts.append(f"{', '.join(elsewhere)} did not arrive: alive, elsewhere in the program")
     return "; ".join(parts)

@@ -352,15 +352,17 @@ class Pending:
                 except Exception as e:  # noqa: BLE001
                     raise CollectiveError(f"{self.where}: collective {self.name} failed on rank {_rank()}: {e}") from e
             else:
+                waited = time.monotonic()
                 try:
                     with checkin.waiting_in(self.name):
                         self.work.wait(datetime.timedelta(seconds=timeout_s))
                 except Exception as e:  # noqa: BLE001
                     why = checkin.absent(self.name) or "a rank may have died or taken another path"
-                    raise CollectiveError(
-                        f"{self.where}: collective {self.name} did not complete on rank {_rank()} "
-                        f"within {timeout_s:g} s ({why}): {e}"
-                    ) from e
+                    waited = time.monotonic() - waited
+                    # A peer's closed connection fails the wait at once: not a timeout.
+                    how = (f"did not complete on rank {_rank()} within {timeout_s:g} s" if waited >= 0.9 * timeout_s
+                           else f"failed on rank {_rank()} after {waited:.1f} s")
+                    raise CollectiveError(f"{self.where}: collective {self.name} {how} ({why}): {e}") from e
         return self.done() if self.done is not None else None
 
 
