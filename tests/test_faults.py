@@ -26,7 +26,7 @@ import torch.distributed as dist
 import fzero
 import fzero.testing.fault_job as fault_job
 from fzero import optim
-from fzero.distributed import checkin, comm
+from fzero.distributed import checkin, comm, watchdog
 from fzero.testing.multirank import RankError, run_command, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -213,3 +213,26 @@ def _alive_elsewhere() -> str:
 def test_a_rank_alive_in_its_own_code_is_named_as_elsewhere():
     said = run_ranks(2, _alive_elsewhere, timeout_s=TIMEOUT_S + 30)
     assert "(rank 1 (not in a collective) did not arrive: alive, elsewhere in the program)" in said[0], said[0]
+
+
+def _watched_wait_on_stopped_peer(log: str) -> None:
+    fzero.Mesh(dp=-1)
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        store.set("test/stopped", "1")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    store.get("test/stopped")
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT), 2)  # the watchdog's report goes to stderr
+    t = torch.ones(3)
+    with comm._watchdog_for_cpu():  # the GPU path: an untimed wait, ended by the watchdog
+        comm.run("all_reduce(a)", lambda: comm.all_reduce(t, async_op=True), timeout_s=TIMEOUT_S, where="test")
+
+
+def test_the_watchdog_report_names_a_stopped_rank_from_the_check_ins(tmp_path):
+    log = tmp_path / "rank0.err"
+    with pytest.raises(RankError) as info:
+        run_ranks(2, _watched_wait_on_stopped_peer, str(log), timeout_s=TIMEOUT_S + 30)
+    assert info.value.exit_codes.get(0) == watchdog.EXIT_CODE, str(info.value)
+    report = log.read_text()
+    assert "test: collective all_reduce(a) did not complete on rank 0 within 4 s" in report, report
+    assert re.search(r"From the ranks' check-ins: rank 1 \(its process \d+ is stopped\) did not arrive\.", report), report

@@ -132,12 +132,14 @@ class waiting_in:  # noqa: N801  (used as a context manager, like a function)
         _IN.pop(threading.get_ident(), None)
 
 
-def absent(name: str) -> str:
+def absent(name: str, *, silent_only: bool = False) -> str:
     """Which ranks did not arrive at the collective ``name``, from their check-ins.
 
     Returns a sentence for an error message ("" when there is no store or no finding):
-    the ranks not heard from for :data:`SILENT_S` or more, with how long; the ranks heard
-    from but not waiting in ``name``, with where they are instead.
+    the ranks whose process is gone or stopped, and those not heard from for
+    :data:`SILENT_S` or more, with how long; unless ``silent_only`` (where waits are not
+    recorded: the device path), also the ranks heard from but not waiting in ``name``, with
+    where they are instead.
     """
     store = _STATE["store"] or _store()
     if store is None:
@@ -161,7 +163,7 @@ def absent(name: str) -> str:
             silent.append(f"rank {r} (its process {rec['pid']} is {state})")
         elif age >= SILENT_S:
             silent.append(f"rank {r} (not heard from for {age:.1f} s)")
-        elif name not in rec["in"]:
+        elif not silent_only and name not in rec["in"]:
             where = f"waiting in {', '.join(rec['in'])}" if rec["in"] else "not in a collective"
             elsewhere.append(f"rank {r} ({where})")
     parts = []
