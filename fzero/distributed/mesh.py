@@ -218,12 +218,11 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
 
 
 def _destroy_at_exit() -> None:
-    # A process group left for the interpreter's teardown to destroy takes its threads down
-    # in no set order, and one still joinable when its std::thread is destroyed ends the
-    # process in std::terminate ("terminate called without an active exception", SIGABRT)
-    # after the program finished: torchrun reports a failed job. Destroyed here, while the
-    # interpreter is whole, after the checkpoint's last asynchronous save (which waits at
-    # threading's exit, before atexit hooks run).
+    # The group is destroyed here, while the interpreter is whole and after the checkpoint's
+    # last asynchronous save (which is waited for at threading's exit, before atexit hooks
+    # run), not left to the interpreter's teardown, which takes down the threads that use
+    # it in no set order. (A save still running at that teardown ended ranks in
+    # std::terminate: "terminate called without an active exception", SIGABRT.)
     checkin.stop_checkins()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
