@@ -33,11 +33,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
-from fzero.distributed import comm
+from fzero.distributed import checkin, comm
 from fzero.distributed.collectives import all_gather_params, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
@@ -148,6 +149,7 @@ class _ShardHandler(Handler):
     def _check_replicated(self, params: dict) -> None:
         if self.world == 1:
             return
+        self._check_structure(params)
         stats = []
         for v in params.values():
             stats.append(v.numel())
@@ -164,6 +166,37 @@ class _ShardHandler(Handler):
             what = "shape" if col % 2 == 0 else "values"
             raise ValueError(f"{WHERE}: parameter {name!r} differs in {what} between rank 0 and rank {bad_rank}: "
                              "every rank must start from the same parameters (seed the model identically)")
+
+    def _check_structure(self, params: dict) -> None:
+        """The ZeRO stage and the parameters' names, shapes and dtypes, agreed through the
+        store before any collective whose sizes follow from them (where a difference would
+        end in gloo's size mismatch abort, or be reported as a difference of values)."""
+        mine = {"stage": self.stage, "params": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                                for k, v in params.items()}}
+        said = checkin.agree("the parameters' structure and the ZeRO stage", mine, group=self.group,
+                             timeout_s=self.timeout_s, where=WHERE)
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world))
+        problems = []
+        stages = [s["stage"] for s in said]
+        if len(set(stages)) > 1:
+            problems.append("ZeRO stage: " + ", ".join(f"rank {r} compiled stage {s}" for r, s in zip(ranks, stages)))
+        ref = said[0]["params"]
+        for r, s in zip(ranks[1:], said[1:]):
+            other = s["params"]
+            only_ref = [k for k in ref if k not in other]
+            only_other = [k for k in other if k not in ref]
+            if only_ref:
+                problems.append(f"rank {ranks[0]} has {', '.join(map(repr, only_ref))}, which rank {r} has not")
+            if only_other:
+                problems.append(f"rank {r} has {', '.join(map(repr, only_other))}, which rank {ranks[0]} has not")
+            for k in ref:
+                if k in other and other[k] != ref[k]:
+                    problems.append(f"parameter {k!r} is {_desc(ref[k])} on rank {ranks[0]} and {_desc(other[k])} "
+                                    f"on rank {r}")
+        if problems:
+            raise ValueError(f"{WHERE}: the ranks of the data-parallel group do not hold the same model; every rank "
+                             "must build the same model and compile it with the same options:\n  "
+                             + "\n  ".join(problems))
 
     # ---------------------------------------------------------------- primitives
 
@@ -396,3 +429,8 @@ def _leading_size(batch: Any) -> int:
     """The leading size of ``batch``'s first tensor with a dimension (``-1`` if none)."""
     leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
     return int(leaves[0].shape[0]) if leaves else -1
+
+
+def _desc(shape_dtype) -> str:
+    shape, dtype = shape_dtype
+    return f"{dtype}[{', '.join(map(str, shape))}]"
