@@ -6,15 +6,15 @@ into a partitioned, communicating, mixed-precision step. See README.md and docs/
 
 from fzero import tree
 from fzero._params import Params
-from fzero import checkpoint, optim
+from fzero import checkpoint, data, optim
 from fzero._compile import compile
 from fzero.config import Config
 from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.train_state import TrainState
-from fzero.transforms import (ColwiseParallel, DivideAttributes, RowwiseParallel, Step, accumulate, mixed_precision,
-                              pipeline, shard_state, tensor_parallel)
+from fzero.transforms import (ColwiseParallel, DivideAttributes, NonFiniteGradientError, RowwiseParallel, Step, accumulate,
+                              check_finite, mixed_precision, pipeline, shard_state, tensor_parallel)
 from fzero._version import __version__
 
 __all__ = [
@@ -23,12 +23,15 @@ __all__ = [
     "Config",
     "DivideAttributes",
     "Mesh",
+    "NonFiniteGradientError",
     "Params",
     "Step",
     "TrainState",
     "accumulate",
+    "check_finite",
     "checkpoint",
     "compile",
+    "data",
     "functionalize",
     "gather",
     "grad",

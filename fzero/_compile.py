@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from fzero.autotune._profile import from_env as autotune_trial
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.options import SPELLINGS, CompileOptions
@@ -84,11 +86,16 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         config: a DeepSpeed-format config: a dict, a path to a JSON file, or an
             :class:`fzero.Config` (see docs/config.md). Its options join the keywords (a
             keyword that contradicts it is an error); its optimizer and scheduler sections
-            replace the state's optimizer at ``step.init``.
+            replace the state's optimizer at ``step.init``. Hugging Face's ``"auto"``
+            values are filled from ``auto=``, these keywords, the state at ``init`` and the
+            first batch (docs/config.md); ``step.config`` is the filled config.
+        auto: with ``config``: values for its ``"auto"`` keys, by dotted path or Hugging
+            Face argument name (``{"max_steps": 1000}``), or a ``TrainingArguments``.
         **options: the fields of :class:`fzero.CompileOptions`, each documented there:
             ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
             ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
+            ``nonfinite`` (an update with an inf/NaN gradient: skipped by default),
             ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``, ``pin_memory``,
             ``tp``, ``pipeline``.
 
@@ -120,12 +127,18 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         >>> state = step.init(state)
         >>> state, metrics = step(state, torch.ones(4, 2))
         >>> sorted(metrics)
-        ['comm_bytes', 'grad_norm', 'loss']
+        ['comm_bytes', 'grad_norm', 'loss', 'skipped']
         >>> metrics["comm_bytes"]["total"]      # one process: nothing sent
         Fraction(0, 1)
     """
     mesh = mesh if mesh is not None else Mesh(dp=-1)
-    opts, cfg = _options(config, options, mesh)
+    auto = options.pop("auto", None)
+    if auto is not None and config is None:
+        raise ValueError("fzero.compile: auto= fills a config's \"auto\" values; pass config= too")
+    opts, cfg = _options(config, options, mesh, auto)
+    # The config as far as it is known: step.init fills what the state says ("auto"
+    # optimizer values, the bucket from the model's hidden size), the first call the batch.
+    known = {"cfg": cfg}
     if mesh.size("pp") > 1 and opts.pipeline is None:
         raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
                          "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
@@ -152,11 +165,24 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
 
         inner = mixed_precision(inner, opts.dtype, opts.loss_scale, check_grad_overflow=opts.check_grad_overflow,
                                 **opts.scaler())
+    finite = _nonfinite(opts)
+    if finite is not None:
+        # Outside mixed precision (it sees the unscaled gradients' verdict first) and inside
+        # ZeRO (its flags are summed over the ranks, so every rank decides alike).
+        from fzero.transforms.finite import check_finite
+
+        inner = check_finite(inner, finite)
     if opts.stage > 0 or mesh.size("dp") > 1:
         # Outermost: ranks exchange gradients and parameters of what the inner steps built.
         from fzero.transforms.shard_state import shard_state
 
-        inner = shard_state(inner, mesh, opts.stage, bucket_bytes=opts.bucket_bytes,
+        bucket = opts.bucket_bytes
+        if cfg is not None and "zero_optimization.reduce_bucket_size" in cfg.pending:
+            def bucket():  # at init, once the model's hidden size has filled the config
+                elements = known["cfg"].zero_optimization.reduce_bucket_size
+                itemsize = 2 if opts.reduce_in in ("fp16", "bf16") else 4
+                return opts.bucket_bytes if elements is None else int(elements) * itemsize
+        inner = shard_state(inner, mesh, opts.stage, bucket_bytes=bucket,
                             reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync, overlap_comm=opts.overlap_comm)
     if opts.offload_optimizer != "none":
         # Outside ZeRO: its init moves to the host what shard_state partitioned and placed on
@@ -176,15 +202,23 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # them, and its handler turns a norm's psum into an all-reduce over pp too.
         inner = opts.pipeline.transform(inner)
 
+    # Under `fzero autotune` ($FZERO_AUTOTUNE names a trial spec), the step measures itself
+    # and ends the run, as DeepSpeed's engine does with an autotuning section (docs/autotune.md).
+    profiler = autotune_trial()
+
     def before(state):
         if not isinstance(state, TrainState):
             raise TypeError(f"fzero.compile: step.init expects an fzero.TrainState, got {type(state).__name__}")
+        if profiler is not None:  # Ψ of the whole model, before any transform splits it
+            profiler.init(state, mesh)
         # First, so that every transform's init (masters, layouts, optimizer state) builds
         # on the mesh's device.
         state = mesh.place(state)
         if cfg is not None:
+            known["cfg"] = step.config = resolved = known["cfg"].resolve(state=state)
+            _report(resolved)
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
-            state = cfg.install(state)
+            state = resolved.install(state)
         return state
 
     def after(state):
@@ -198,15 +232,21 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         return state
 
     donating = _Donating() if opts.donate else None
-    monitoring = _monitoring(opts, cfg, mesh)
+    monitoring = _monitoring(opts, cfg, mesh, known)
 
     def call(state, batch):
         if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
             raise state.params.error()
         # The traffic counter only grows; the step's share is the difference, so a caller
         # counting over several steps (comm.traffic itself) is not disturbed.
+        if cfg is not None and known["cfg"].pending:  # "auto" batch sizes: this batch says
+            known["cfg"] = known["cfg"].resolve(batch=batch)
+            step.config = known["cfg"]
+            _report(known["cfg"], only=("train_batch_size", "train_micro_batch_size_per_gpu"))
         before = comm.traffic.copy() if opts.comm_bytes else None
         update = int(state.step) if monitoring is not None and monitoring.lr is not None else 0
+        if profiler is not None:
+            profiler.before_call(mesh, batch)
         # The timer's handler first: outermost, it sees each primitive right above its plain
         # implementation (fzero/monitor/_timers.py).
         with monitoring.running(batch) if monitoring else contextlib.nullcontext() as times, \
@@ -228,6 +268,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
                 metrics["offload_bytes"] = spent.copy_bytes()
         if monitoring is not None:
             metrics = monitoring.report(metrics, times, new, batch, update)
+        if profiler is not None:
+            profiler.after_call(mesh)  # ends the trial after its last profiled step
         return new, metrics
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
@@ -238,7 +280,33 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     return step
 
 
-def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh):
+def _nonfinite(opts: CompileOptions) -> str | None:
+    """The mode of the ``check_finite`` transform ``opts`` ask for, or ``None`` (none, or
+    mixed precision's own check does it)."""
+    mode = opts.nonfinite
+    if opts.dtype == "fp32":
+        return None if mode == "apply" else mode or "skip"
+    scaled = opts.dtype == "fp16" and opts.loss_scale is not None
+    if scaled and mode not in (None, "skip"):
+        raise ValueError(f"fzero.compile: nonfinite={mode!r} with fp16's loss scaler: the scaler skips an "
+                         "overflowed update and lowers the scale, which is how it finds its scale; only "
+                         "'skip' is possible (or loss_scale=None)")
+    if not scaled and mode in ("skip", "apply") and (mode == "skip") != opts.check_grad_overflow:
+        raise ValueError(f"fzero.compile: nonfinite={mode!r} contradicts check_grad_overflow="
+                         f"{opts.check_grad_overflow} (bf16.check_grad_overflow in a config); set one")
+    return "raise" if mode == "raise" else None
+
+
+def _report(cfg: Any, only: tuple[str, ...] | None = None) -> None:
+    """Say on the first rank which "auto" values were filled and from what: all of them at
+    init, the batch sizes again at the first call when the batch filled them."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        text = cfg.report(only)
+        if text:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh, known: dict):
     """The step's measurements and monitors (:mod:`fzero.monitor`), or ``None`` when it has
     none: then the step runs exactly as without them."""
     monitors = list(opts.monitors)
@@ -246,8 +314,15 @@ def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh):
     if cfg is not None:
         monitors += cfg.make_monitors()  # on every rank: a missing package fails them all alike
         if cfg.optimizer is not None:
-            lr = cfg.make_schedule() if cfg.scheduler is not None else \
-                (lambda count, v=float(cfg.optimizer.hyperparameters()["lr"]): v)
+            built: dict = {}  # the schedule of the config it was built from
+
+            def lr(count: int) -> float:  # the config as step.init resolved it ("auto" lr included)
+                resolved = known["cfg"]
+                if built.get("of") is not resolved:
+                    lr0 = resolved.optimizer.hyperparameters()["lr"]
+                    built.update(of=resolved, fn=resolved.make_schedule() if resolved.scheduler is not None
+                                 else (lambda _: float(lr0)))
+                return built["fn"](count)
     if not (opts.timers or opts.flops or opts.memory or monitors):
         return None
     from fzero.monitor._run import Monitoring
@@ -257,14 +332,15 @@ def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh):
                       tokens_per_batch=opts.tokens_per_batch, monitors=monitors, lr=lr)
 
 
-def _options(config: Any, keywords: dict[str, Any], mesh: Mesh) -> tuple[CompileOptions, Any]:
+def _options(config: Any, keywords: dict[str, Any], mesh: Mesh, auto: Any = None) -> tuple[CompileOptions, Any]:
     """The options from ``config`` (if any) and the keywords; a keyword may add to the
-    config, never contradict it."""
+    config, never contradict it (it fills the config's ``"auto"`` values)."""
     cfg = None
     if config is not None:
         from fzero.config import Config
 
-        cfg = Config.load(config, world_size=mesh.size("dp"))
+        fields = {SPELLINGS.get(key, key): value for key, value in keywords.items()}
+        cfg = Config.load(config, world_size=mesh.size("dp"), auto=auto, options=fields)
     opts = CompileOptions.from_keywords("fzero.compile", keywords, cfg.compile_options() if cfg else None)
     if cfg is not None:
         decided = cfg.decided_options()

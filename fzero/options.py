@@ -106,6 +106,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "consecutive_hysteresis": _bool,
     "min_loss_scale": _positive_number,
     "check_grad_overflow": _bool,
+    "nonfinite": _optional(_choice("skip", "raise", "apply")),
     "reduce_in": _optional(_choice("fp32", "bf16", "fp16")),
     "bucket_bytes": _positive_int,
     "overlap_comm": _bool,
@@ -184,6 +185,16 @@ class CompileOptions:
     check_grad_overflow: bool = True
     """Without a loss scaler (bf16; fp16 with ``loss_scale=None``): skip an update whose
     gradients are not finite (DeepSpeed's ``bf16.check_grad_overflow``)."""
+
+    nonfinite: Literal["skip", "raise", "apply"] | None = None
+    """An update whose gradients hold inf or NaN: ``"skip"`` it on every rank and say so in
+    ``metrics["skipped"]`` (DeepSpeed's behaviour under its overflow checks), ``"raise"``
+    :class:`fzero.NonFiniteGradientError` naming each non-finite gradient's key path before
+    anything changes, or ``"apply"`` it (NaN parameters follow). ``None``, the default: fp32
+    skips; fp16 and bf16 do what ``fzero.mixed_precision`` does (fp16's loss scaler skips,
+    bf16 skips unless ``check_grad_overflow=False``). Under fp16 with a loss scaler only
+    ``"skip"`` is possible (overflows are how the scaler learns); under bf16 ``"skip"`` and
+    ``"apply"`` must agree with ``check_grad_overflow``."""
 
     reduce_in: Literal["fp32", "bf16", "fp16"] | None = None
     """The dtype gradients are summed in across ranks (``None``: fp32 for 16-bit gradients,

@@ -69,13 +69,16 @@ class TrainState:
         from :func:`fzero.functionalize` (shared, not copied), else ``{}``.
 
         Raises:
-            TypeError: ``tx`` is not an ``fzero.optim`` transformation.
+            TypeError: ``tx`` is not an ``fzero.optim`` transformation; a ``params`` leaf that
+                is not a tensor, or an integer tensor that would be trained (each named by
+                its key path, all at once).
         """
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(
                 "fzero.TrainState.create: tx must be an fzero.optim gradient transformation "
                 f"(with init and update), got {type(tx).__name__}"
             )
+        _check_params(params)
         if buffers is None:
             module = getattr(apply_fn, "module", None)
             buffers = dict(module.named_buffers()) if isinstance(module, torch.nn.Module) else {}
@@ -98,6 +101,8 @@ class TrainState:
 
         Raises:
             fzero.tree.StructureError: ``grads`` does not have the structure of ``params``.
+            ValueError: a gradient whose shape is not its parameter's (each named by its key
+                path, with both shapes).
         """
         out = bind("apply_gradients", self, grads)
         return out.state if isinstance(out, NotApplied) else out
@@ -130,7 +135,34 @@ def trainable_grads(params: Any, grads: Any, where: str) -> Any:
             and params.keys() - params.frozen <= grads.keys() <= params.keys():
         grads = Params({k: None if k in params.frozen else grads[k] for k in params}, frozen=params.frozen)
     tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
+    paths, gs, _ = tree.flatten_with_path(grads)
+    wrong = [f"grads{tree.keystr(k)} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
+             for k, g, p in zip(paths, gs, tree.leaves(trainable(params)))
+             if type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape]
+    if wrong:
+        raise ValueError(f"{where}: gradients must have their parameters' shapes: " + "; ".join(wrong[:8])
+                         + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
     return grads
+
+
+def _check_params(params: Any) -> None:
+    """Every leaf of ``params`` a tensor, and no integer tensor among the trained ones."""
+    where = "fzero.TrainState.create"
+    paths, leaves, _ = tree.flatten_with_path(params)
+    bad = [f"params{tree.keystr(k)} is {type(v).__name__}" for k, v in zip(paths, leaves)
+           if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"{where}: every params leaf must be a torch.Tensor: " + "; ".join(bad[:8])
+                        + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
+                        + " (keep other values in TrainState.create(..., **extra) or in the module)")
+    tpaths, tleaves, _ = tree.flatten_with_path(trainable(params))
+    ints = [f"params{tree.keystr(k)} ({v.dtype})" for k, v in zip(tpaths, tleaves)
+            if isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())]
+    if ints:
+        raise TypeError(f"{where}: integer parameters cannot be trained by gradients: " + ", ".join(ints[:8])
+                        + (f" and {len(ints) - 8} more" if len(ints) > 8 else "")
+                        + "; freeze them (nn.Parameter(..., requires_grad=False), or fzero.Params(..., "
+                        "frozen={...})) or keep them as module buffers")
 
 
 @register_primitive("apply_gradients")

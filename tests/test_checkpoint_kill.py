@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ import fzero.checkpoint as ckpt
 from fzero import tree
 from fzero.checkpoint import _comm
 from fzero.distributed.flat import build_layout
+from fzero.testing.multirank import run_command
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -135,10 +135,10 @@ def test_sigkill_at_random_moments_never_damages_the_last_checkpoint(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     code = f"import sys; sys.path.insert(0, {here!r}); import test_checkpoint_kill as t; t._launcher({root!r})"
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The launcher forks the ranks; whatever is left of them when it ends or times out is killed.
+    proc = run_command([sys.executable, "-c", code], timeout_s=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = next((ln for ln in proc.output.splitlines() if ln.startswith("RESULTS ")), None)
+    assert proc.returncode == 0 and line, proc.output[-6000:]
     results = json.loads(line[len("RESULTS "):])
     outcomes = []
     for rec in results:

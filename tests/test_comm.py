@@ -108,7 +108,7 @@ def _psi(stage: int, bucket: str) -> tuple[int, int]:
 
 
 def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int = 4, bucket: str = "one",
-              overflow_check: bool = False) -> dict:
+              overflow_check: bool = True) -> dict:
     """Bytes one rank sends in one update of ``k`` micro-batches, by (kind, what).
 
     Gradients and parameters (``f = (N-1)/N``, ``g``/``p`` the bytes per element of the
@@ -127,9 +127,9 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
       once for the whole micro-batch and reduce-scattered: ``2 Ψo f``.
 
     And the small collectives of every step: the loss with the batch-size check, all-reduced
-    every micro-batch (three fp64 scalars: the loss, ``n`` and ``n²``, ``2·24 f``); under
-    mixed precision at stages 1-3 the overflow flag, one fp32 scalar
-    all-reduced through ``psum`` per update.
+    every micro-batch (three fp64 scalars: the loss, ``n`` and ``n²``, ``2·24 f``); and at
+    stages 1-3 the non-finite flag (fp32's ``nonfinite="skip"``, the default, or mixed
+    precision's overflow check), one fp32 scalar all-reduced through ``psum`` per update.
     """
     units, other = _psi(stage, bucket)
     psi = units + other
@@ -243,7 +243,7 @@ def _stage3_traffic(prefetch, steps=2):
 def test_a_prefetched_unit_is_gathered_once_for_its_use(ranks, prefetch):
     """Prefetching starts the next unit's gather early; it is not a second gather."""
     for r, steps in enumerate(ranks(N).run(_stage3_traffic, prefetch)):
-        assert steps == [_expected(3)] * 2, (r, steps)
+        assert steps == [_expected(3, overflow_check=False)] * 2, (r, steps)  # shard_state alone: no flag
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -287,12 +287,13 @@ def test_a_two_stage_pipeline_sends_one_boundary_tensor_per_micro_batch_each_way
     Linear(3, 6) + Tanh) forward, stage 1 its gradient back; each receives the other's. The
     last stage broadcasts the loss (one fp32 of shape (1,), ``4 (N-1)/N`` over the 2 stages).
     The first step also agrees on the stages' shapes (a few metadata broadcasts, once per
-    input signature)."""
+    input signature). And the non-finite flag (fp32's ``nonfinite="skip"``) is all-reduced
+    over the stages, one fp32 scalar, so that every stage skips an update alike."""
     m, rows = 3, 12
     boundary = (rows // m) * 6 * 4
     for stage, steps in ranks(2).run(_pipeline_traffic, schedule, m, rows):
         sends = {("send", "activations" if stage == 0 else "activation_gradients"): Fraction(m * boundary)}
-        expected = {**sends, ("broadcast", "loss"): Fraction(4 * 1, 2)}
+        expected = {**sends, ("broadcast", "loss"): Fraction(4 * 1, 2), ("all_reduce", "psum"): 2 * 4 * Fraction(1, 2)}
         for i, (by_what, metric, received) in enumerate(steps):
             first = {key: v for key, v in by_what.items() if key != ("broadcast", "metadata")}
             assert (first if i == 0 else by_what) == expected, (stage, i, by_what)

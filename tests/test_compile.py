@@ -88,8 +88,8 @@ def test_comm_bytes_is_opt_in_and_adds_one_metric_without_changing_the_step():
         for b in batches:
             state, metrics = step(state, b)
         runs[on] = (state, metrics)
-    assert sorted(runs[False][1]) == ["grad_norm", "loss"]
-    assert sorted(runs[True][1]) == ["comm_bytes", "grad_norm", "loss"]
+    assert sorted(runs[False][1]) == ["grad_norm", "loss", "skipped"]
+    assert sorted(runs[True][1]) == ["comm_bytes", "grad_norm", "loss", "skipped"]
     assert runs[True][1]["comm_bytes"]["total"] == 0
     ft.assert_trees_close(runs[True][0].params, runs[False][0].params, tol="exact", what="params")
     with pytest.raises(ValueError, match=r"comm_bytes='yes' must be True or False"):

@@ -10,7 +10,6 @@ import shlex
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from fzero.cli import launch
 from fzero.cli.hostfile import HostfileError, parse_filter, parse_hostfile, read_hostfile, select_slots
 from fzero.cli.launch import LaunchError, find_env_file, parse_env_file
 from fzero.cli.main import build_parser, main
+from fzero.testing.multirank import run_command
 
 
 @pytest.fixture(autouse=True)
@@ -437,21 +437,15 @@ def _free_port() -> int:
 
 
 def _run_all(cmds, *, cwd, env=None, timeout=120):
-    """Start every command at once; wait for all; kill the lot on timeout."""
-    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for c in cmds]
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append(out)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"fzero launch did not finish in {timeout} s")
-    return [(p.returncode, o) for p, o in zip(procs, outs)]
+    """Start every command at once; wait for all; kill each, and every rank it started
+    (torchrun's ranks run in sessions of their own), when it ends or times out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        done = list(pool.map(lambda c: run_command(c, cwd=cwd, env=env, timeout_s=timeout), cmds))
+    if any(d.timed_out for d in done):
+        pytest.fail(f"fzero launch did not finish in {timeout} s\n" + "\n".join(d.output for d in done))
+    return [(d.returncode, d.output) for d in done]
 
 
 def _results(out: Path):

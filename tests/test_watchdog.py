@@ -10,8 +10,6 @@ the process, so the hanging job runs under torchrun in a subprocess with a hard 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fzero.distributed import comm, p2p, watchdog
+from fzero.testing.multirank import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,14 +165,11 @@ def test_a_watched_wait_that_never_completes_ends_the_process_naming_it(tmp_path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), kind]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=3 + 170)  # the timeout, plus starting two ranks on a busy machine
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the job did not end: the watchdog did not end rank 0\n{proc.communicate()[0]}")
-    assert proc.returncode != 0 and "not reached" not in out, out
+    done = run_command(cmd, env=env, timeout_s=3 + 170)  # the timeout, plus starting two ranks on a busy machine
+    out = done.output
+    if done.timed_out:
+        pytest.fail(f"the job did not end: the watchdog did not end rank 0\n{out}")
+    assert done.returncode != 0 and "not reached" not in out, out
     what = ("collective all_reduce(a test's value)" if kind == "collective"
             else "receive of the activation of micro-batch 0 from rank 1")
     assert f"test: {what} did not complete on rank 0 within 3 s" in out, out

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import comm, device_check
+from fzero.distributed import checkin, comm, device_check
 from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
 __all__ = ["World", "world"]
@@ -71,9 +71,20 @@ class World:
         return json.loads(buf.numpy().tobytes())
 
 
-def world(where: str, timeout_s: float | None = None) -> World:
-    """The checkpoint world of this process: every rank of the default process group."""
+def world(where: str, timeout_s: float | None = None, *, path: str | None = None) -> World:
+    """The checkpoint world of this process: every rank of the default process group.
+
+    With ``path`` (the checkpoint's), the ranks first check that they all passed the same
+    one; ``where`` then names it in every message.
+
+    Raises:
+        CollectiveError: a rank did not arrive in time (named, with the checkpoint).
+        ValueError: the ranks passed different paths (every rank's is named).
+    """
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    public = where
+    if path is not None:
+        where = f"{where}({path!r})"
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return World(1, 0, None, timeout, where)
     default = dist.group.WORLD
@@ -82,6 +93,24 @@ def world(where: str, timeout_s: float | None = None) -> World:
         if group is None:
             # Every rank reaches its first save/load at the same point of the program, so
             # every rank creates this group in the same order relative to other groups.
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+            try:
+                group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+            except Exception as e:  # noqa: BLE001  (DistStoreError: a rank did not come)
+                why = checkin.absent("new_group") or "a rank may have died or taken another path"
+                raise comm.CollectiveError(
+                    f"{where}: creating the checkpoint's process group (dist.new_group, on every rank's first "
+                    f"save or load) did not complete on rank {dist.get_rank()} within {max(timeout, 1.0):g} s "
+                    f"({why}): {e}") from e
             _GROUPS[:] = [(d, g) for d, g in _GROUPS if dist.is_initialized()] + [(default, group)]
-    return World(dist.get_world_size(), dist.get_rank(), group, timeout, where)
+    out = World(dist.get_world_size(), dist.get_rank(), group, timeout, where)
+    if path is not None:
+        paths = out.all_gather_json("checkpoint path", path)
+        if len(set(paths)) > 1:
+            by_path: dict[str, list[int]] = {}
+            for r, p in enumerate(paths):
+                by_path.setdefault(p, []).append(r)
+            said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p!r}"
+                             for p, rs in by_path.items())
+            raise ValueError(f"{public}: the ranks passed different checkpoint paths ({said}); every "
+                             "rank must pass the same path, which all of them write to or read from")
+    return out

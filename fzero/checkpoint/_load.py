@@ -388,7 +388,7 @@ def load(
     # its thread; collectives from two threads on one group could pair up differently on
     # different ranks, so it finishes first.
     wait_pending()
-    world = _comm.world(WHERE, timeout_s)
+    world = _comm.world(WHERE, timeout_s, path=path)
     prepared, error = None, None
     try:
         prepared = _prepare(path, like, world, verify, restore_rng)

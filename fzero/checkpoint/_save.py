@@ -18,6 +18,7 @@ overwrites a committed checkpoint before its replacement is complete.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -198,7 +199,7 @@ def save(
             if not previous._reported:
                 previous._reported = True
                 raise CheckpointError(f"{WHERE}: the previous asynchronous save to {previous.path} failed: {e}") from e
-    world = _comm.world(WHERE, timeout_s)
+    world = _comm.world(WHERE, timeout_s, path=path)
     plan = make_plan(state, world)
     step_value = _step_of(state, step)
     rng_tensors, rng_json = _rng.capture()
@@ -227,6 +228,19 @@ def wait_pending() -> None:
         previous._done.wait()
         if previous._thread is not None:
             previous._thread.join()
+
+
+def _finish_at_exit() -> None:
+    # Runs as the interpreter starts to exit, before it joins the save's thread and before
+    # concurrent.futures stops its pools (its hook was registered first, by _format's
+    # import, and these hooks run last-registered first): a save started just before the
+    # program's end is committed, not failed with "cannot schedule new futures after
+    # shutdown".
+    with contextlib.suppress(BaseException):
+        wait_pending()
+
+
+threading._register_atexit(_finish_at_exit)
 
 
 def _printer(p: Progress) -> None:

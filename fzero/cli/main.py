@@ -4,7 +4,9 @@ Subcommands::
 
     fzero launch --nproc 4 train.py [script args]     # torchrun underneath
     fzero estimate --params 1.3B --world-size 8       # per-rank memory per ZeRO stage
+    fzero autotune --nproc 2 train.py --config ds.json # the fastest config that fits
     fzero checkpoint inspect|verify|export PATH [OUT] # over saved checkpoints
+    fzero config check ds_config.json                  # what fzero does with each key
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fzero.cli import estimate, launch
+from fzero.cli import autotune, config_check, estimate, launch
 
 __all__ = ["build_parser", "main"]
 
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="fzero: JAX-style functional training on torch.func.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (launch, estimate):
+    for module in (launch, estimate, autotune, config_check):
         p = module.add_parser(sub)
         p.set_defaults(_parser=p)  # so errors are reported under "fzero SUBCOMMAND"
     from fzero.checkpoint.cli import add_arguments

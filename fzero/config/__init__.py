@@ -5,13 +5,15 @@ with one dataclass per section. :meth:`Config.compile_options` gives the keyword
 ``fzero.compile``; :meth:`Config.make_optimizer` builds the ``optimizer`` section, with the
 ``scheduler`` section as its learning rate, as ``deepspeed.initialize`` builds them.
 
-Every key is accounted for. A key DeepSpeed does not know (a typo) is a
+Every key is accounted for, and every problem of a file is reported at once (several in
+one :class:`ConfigError`). A key DeepSpeed does not know (a typo) is a
 :class:`ConfigKeyError` naming it with its dotted path and the nearest valid key, at every
 nesting level. A DeepSpeed feature fzero does not implement is a ``NotImplementedError``
 naming the key. A DeepSpeed key that only tunes speed, memory or logging, which fzero does
 differently or not at all, is accepted; when its value asks for something (not DeepSpeed's
-default) it is listed in ``Config.ignored`` and in one ``UserWarning``. docs/config.md has
-the whole table.
+default) it is listed in ``Config.ignored`` and in one ``UserWarning``. Hugging Face's
+``"auto"`` values are filled as its Trainer fills them (:mod:`fzero.config._auto`).
+docs/config.md has the whole table.
 
 DeepSpeed's semantics were read from ``deepspeed/runtime/config.py``,
 ``runtime/zero/config.py``, ``runtime/precision_config.py``, ``runtime/engine.py``
@@ -33,7 +35,7 @@ Example:
 """
 
 from fzero.config._config import Config
-from fzero.config._keys import GRADIENT_CLIPPING_DEFAULT, ConfigKeyError
+from fzero.config._keys import GRADIENT_CLIPPING_DEFAULT, ConfigError, ConfigKeyError
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from fzero.config._values import WHERE
 from fzero.optim.deepspeed import ScaleByDeepSpeedLambState  # here before it moved to fzero.optim
@@ -41,6 +43,7 @@ from fzero.optim.deepspeed import ScaleByDeepSpeedLambState  # here before it mo
 __all__ = [
     "BF16Config",
     "Config",
+    "ConfigError",
     "ConfigKeyError",
     "FP16Config",
     "OptimizerConfig",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -18,6 +19,8 @@ from fzero.config import _load
 from fzero.config._keys import _COMM_DTYPES, GRADIENT_CLIPPING_DEFAULT
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from fzero.config._values import WHERE, _bool, _int, _num
+
+_BATCH_PATHS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 from fzero.optim import GradientTransformation, schedules
 
 __all__ = ["Config"]
@@ -168,14 +171,32 @@ class Config:
     """The ``wandb`` section's keys as written (``enabled``, ``project``, ``group``,
     ``team``), or ``None``."""
 
-    ignored: tuple[str, ...] = ()
+    dataloader_drop_last: bool | None = None
+    """``dataloader_drop_last``: whether :class:`fzero.data.DataLoader` built from this config
+    drops a short last global batch; ``None`` when not written (the loader then drops it)."""
+
+    ignored: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
-    (only those whose value differs from DeepSpeed's default)."""
+    (only those whose value differs from DeepSpeed's default). Not compared: two configs
+    that differ only in keys with no effect do the same."""
 
     source: str | None = dataclasses.field(default=None, compare=False)
     """The file the config was read from, for error messages; ``None`` for a dict."""
 
+    pending: tuple[str, ...] = ()
+    """The ``"auto"`` values not known yet, by dotted path: the optimizer's (filled at
+    ``step.init`` from the state's optimizer), the bucket size (from the model's hidden size)
+    and the micro-batch (from the first batch). :meth:`resolve` fills them."""
+
+    auto: Mapping[str, tuple[Any, str]] = dataclasses.field(default_factory=dict, compare=False)
+    """The ``"auto"`` values filled so far: ``{path: (value, where it came from)}``
+    (``value`` is ``None`` for a key left out: derived, or with no effect in fzero)."""
+
     _given: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+    _raw: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    _known: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    _verdicts: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+    _foreign: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         w = _int("world_size", self.world_size, minimum=1)
@@ -183,7 +204,10 @@ class Config:
             ("train_batch_size", self.train_batch_size),
             ("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps))]
-        train, micro, gas = _resolve_batch(*triple, w)
+        if any(p in self.pending for p in _BATCH_PATHS):  # "auto": the first batch says
+            train, micro, gas = None, None, triple[2] or 1
+        else:
+            train, micro, gas = _resolve_batch(*triple, w)
         for name, v in (("world_size", w), ("train_batch_size", train),
                         ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)):
             object.__setattr__(self, name, v)
@@ -218,48 +242,130 @@ class Config:
                     if section.get(key) is not None and not isinstance(section[key], str)]
         if bad:
             raise TypeError(f"{WHERE}: " + "; ".join(bad))
+        if self.dataloader_drop_last is not None:
+            _bool("dataloader_drop_last", self.dataloader_drop_last)
         object.__setattr__(self, "ignored", tuple(self.ignored))
+        object.__setattr__(self, "pending", tuple(self.pending))
 
     # ------------------------------------------------------------------ reading
 
     @classmethod
-    def load(cls, src: Any, *, world_size: int | None = None) -> "Config":
+    def load(cls, src: Any, *, world_size: int | None = None, auto: Any = None,
+             options: Mapping[str, Any] | None = None) -> "Config":
         """Read a DeepSpeed config.
 
         Args:
             src: a dict, a path (``str`` or ``os.PathLike``) to a JSON file, JSON text (a
                 ``str`` starting with ``{``), or a :class:`Config` (returned as is, or
-                re-resolved for another ``world_size``).
+                re-resolved for another ``world_size``, ``auto`` or ``options``).
             world_size: the data-parallel world size to resolve the batch sizes for
                 (``fzero.compile`` passes its mesh's ``dp`` size). Default: the
                 ``torch.distributed`` world size when it is initialised, else 1.
+            auto: what to fill Hugging Face's ``"auto"`` values with: a mapping of dotted
+                config paths (``{"optimizer.params.lr": 3e-4}``) and/or Hugging Face's
+                argument names (``learning_rate``, ``per_device_train_batch_size``,
+                ``gradient_accumulation_steps``, ``max_grad_norm``, ``adam_beta1``,
+                ``adam_beta2``, ``adam_epsilon``, ``weight_decay``, ``warmup_steps``,
+                ``max_steps``, ``fp16``, ``bf16``, ``hidden_size``), or an object with
+                those attributes (a ``transformers.TrainingArguments``). See docs/config.md.
+            options: ``fzero.compile``'s keyword options by field name, which fill
+                ``"auto"`` values too (``accumulate``, ``dtype``, ``clip_norm``, ``stage``).
 
         Returns:
             A :class:`Config`. Keys accepted without effect are in ``.ignored`` and are
-            reported in one ``UserWarning``.
+            reported, with the keys DeepSpeed itself does not read, in one ``UserWarning``.
+            ``"auto"`` values filled are in ``.auto``; those only the state or the first
+            batch can fill are in ``.pending``.
 
         Raises:
-            ConfigKeyError: a key DeepSpeed does not know, named with its dotted path and
-                the nearest valid key.
-            NotImplementedError: a DeepSpeed feature fzero does not implement, named.
-            ValueError: inconsistent batch sizes (all three and the world size are shown),
-                invalid JSON (the file, line and column are shown), a value out of range.
-            TypeError: a value of the wrong type.
+            ConfigKeyError, NotImplementedError, ValueError, TypeError: one problem: a key
+                DeepSpeed does not know (with the nearest valid key), a DeepSpeed feature
+                fzero does not implement, inconsistent batch sizes, invalid JSON (file,
+                line and column), a value out of range or of the wrong type, an ``"auto"``
+                nothing can fill -- each named by its dotted path.
+            ConfigError: several of those, all listed, each by its path (it is each of
+                the exception types above).
             FileNotFoundError: ``src`` names no file.
         """
         if isinstance(src, Config):
-            if world_size is None or world_size == src.world_size:
+            world = src.world_size if world_size is None else world_size
+            if src._raw is not None and (auto is not None or options or world != src.world_size):
+                known = src._known.but(auto=auto if auto is not None else src._known.auto,
+                                       options={**src._known.options, **(options or {})})
+                return _load.from_dict(cls, src._raw, world, src.source, known)
+            if world == src.world_size:
                 return src
             train, micro, gas = src._given
-            return dataclasses.replace(src, world_size=world_size, train_batch_size=train,
+            return dataclasses.replace(src, world_size=world, train_batch_size=train,
                                        train_micro_batch_size_per_gpu=micro,
                                        gradient_accumulation_steps=gas)
         d, source = _load.read(src)
-        cfg = _load.from_dict(cls, d, world_size if world_size is not None else _default_world_size(), source)
-        if cfg.ignored:
-            warnings.warn(f"{WHERE}: these DeepSpeed keys have no effect in fzero: "
-                          + "; ".join(cfg.ignored), UserWarning, stacklevel=2)
+        cfg = _load.from_dict(cls, d, world_size if world_size is not None else _default_world_size(), source,
+                              _load.Known(auto=auto, options=options))
+        noted = list(cfg.ignored) + list(cfg._foreign)
+        if noted:
+            warnings.warn(f"{WHERE}: these keys have no effect in fzero: " + "; ".join(noted),
+                          UserWarning, stacklevel=2)
         return cfg
+
+    def resolve(self, *, state: Any = None, batch: Any = None) -> "Config":
+        """This config with its pending ``"auto"`` values filled: from ``state`` (its
+        optimizer's hyperparameters and its model's hidden size), or from ``batch`` (the
+        leading size of its first tensor is micro-batch × accumulation steps). Itself when
+        nothing is pending.
+
+        Raises:
+            ValueError: a pending value ``state`` or ``batch`` cannot fill, named.
+        """
+        if not self.pending or self._raw is None:
+            return self
+        known = self._known
+        if state is not None:
+            from fzero.config._auto import hidden_size_of
+            from fzero.optim import fused_spec_of
+
+            spec = fused_spec_of(state.tx) if getattr(state, "tx", None) is not None else None
+            hyper: dict[str, Any] = {}
+            if spec is not None:
+                if isinstance(spec.learning_rate, (int, float)):
+                    hyper["lr"] = float(spec.learning_rate)
+                if spec.b1 is not None and spec.b2 is not None:
+                    hyper["betas"] = [spec.b1, spec.b2]
+                if spec.eps is not None:
+                    hyper["eps"] = spec.eps
+                hyper["weight_decay"] = spec.weight_decay
+            hidden = hidden_size_of(getattr(state.apply_fn, "module", None))
+            known = known.but(optimizer=hyper, hidden=hidden if known.hidden is None else known.hidden)
+        if batch is not None:
+            import fzero.tree as tree
+
+            leaves = [x for x in tree.leaves(batch) if hasattr(x, "shape") and len(x.shape) > 0]
+            if not leaves:
+                raise ValueError(f"{WHERE}: train_micro_batch_size_per_gpu is \"auto\" and the first batch has no "
+                                 "tensor with a leading axis to take it from; give a value in the config or auto=")
+            known = known.but(batch=int(leaves[0].shape[0]))
+        return _load.from_dict(type(self), self._raw, self.world_size, self.source, known)
+
+    def report(self, only: tuple[str, ...] | None = None) -> str:
+        """The ``"auto"`` values filled (those at ``only``'s paths, if given), one per line;
+        empty when there are none."""
+        def shown(path, value):
+            if value is None and path in _BATCH_PATHS and getattr(self, path) is not None:
+                value = getattr(self, path)
+            return f"{path}: " if value is None else f"{path} = {value!r}: "
+
+        lines = [f"  {shown(path, value)}{where}"
+                 for path, (value, where) in self.auto.items() if only is None or path in only]
+        lines += [f"  {path}: not known yet (the state or the first batch fills it)"
+                  for path in self.pending if only is None or path in only]
+        return (f"{WHERE}: \"auto\" values" + (f" of {self.source}" if self.source else "") + ":\n"
+                + "\n".join(lines)) if lines else ""
+
+    def verdicts(self) -> list[tuple[str, str, str]]:
+        """What fzero does with each key of the config it was read from: ``(path, verdict,
+        detail)``, verdict one of ``used``, ``no effect``, ``off``, ``not read``, ``auto``
+        (``fzero config check`` prints these)."""
+        return list(self._verdicts)
 
     # ------------------------------------------------------------------ derived values
 
@@ -271,6 +377,9 @@ class Config:
     @property
     def local_batch_size(self) -> int:
         """Samples each data-parallel rank passes to one step call: micro-batch * steps."""
+        if self.train_micro_batch_size_per_gpu is None:
+            raise ValueError(f"{WHERE}: the micro-batch size is \"auto\" and no batch has filled it yet "
+                             "(fzero.compile fills it at the first step call; or cfg.resolve(batch=...))")
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
 
     def decided_options(self) -> dict[str, Any]:
@@ -347,6 +456,7 @@ class Config:
         """
         if self.scheduler is None:
             raise ValueError(f"{WHERE}.make_schedule: the config has no scheduler section")
+        self._ready("make_schedule", "scheduler.")
         if base_lr is None and self.optimizer is not None:
             base_lr = self.optimizer.hyperparameters()["lr"]
         with warnings.catch_warnings():  # warned once already, when the section was read
@@ -372,6 +482,7 @@ class Config:
         """
         if self.optimizer is None:
             raise ValueError(f"{WHERE}.make_optimizer: the config has no optimizer section")
+        self._ready("make_optimizer", "optimizer.", "scheduler.")
         lr = self.make_schedule() if self.scheduler is not None else self.optimizer.hyperparameters()["lr"]
         return self.optimizer.build(lr)
 
@@ -402,6 +513,14 @@ class Config:
             out.append(monitor.Wandb(project=self.wandb.get("project") or "deepspeed", group=self.wandb.get("group"),
                                      team=self.wandb.get("team")))
         return out
+
+    def _ready(self, what: str, *prefixes: str) -> None:
+        waiting = [p for p in self.pending if p.startswith(prefixes)]
+        if waiting:
+            raise ValueError(f"{WHERE}.{what}: {', '.join(waiting)} "
+                             f"{'is' if len(waiting) == 1 else 'are'} \"auto\" and not filled yet: "
+                             "step.init fills them from the state's optimizer (or call cfg.resolve(state=...), "
+                             "or pass auto={path: value} to Config.load)")
 
     def install(self, state: Any) -> Any:
         """``state`` with this config's optimizer as ``tx`` and a fresh ``opt_state``, as

@@ -13,7 +13,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
-from fzero.config._values import WHERE
+from fzero.config._values import WHERE, _short
 
 
 class ConfigKeyError(KeyError, ValueError):
@@ -79,26 +79,111 @@ def _reject(why: str, active: Callable[[Any], bool] = _always) -> _Rule:
     return _Rule("reject", why, active)
 
 
-def _check_keys(prefix: str, given: Mapping[str, Any], rules: Mapping[str, _Rule], noted: list[str]) -> None:
-    """Classify every key of ``given``: unknown, unimplemented, ignored or used."""
+class ConfigError(ConfigKeyError, NotImplementedError, TypeError):
+    """Several problems in one config, all reported at once: each by its dotted path.
+
+    ``problems`` is the list of ``(path, message)``. It is every kind of error a single
+    problem would raise (a :class:`ConfigKeyError`, so a ``KeyError`` and a ``ValueError``;
+    a ``NotImplementedError``; a ``TypeError``), so any ``except`` that caught one problem
+    catches several.
+    """
+
+    def __init__(self, message: str, problems: list[tuple[str, str]]):
+        super().__init__(message)
+        self.problems = list(problems)
+
+
+class _Notes:
+    """What reading a config found, key by key: the ignored keys (for ``Config.ignored``),
+    the problems (one error at the end) and every key's verdict (``fzero config check``)."""
+
+    def __init__(self) -> None:
+        self.ignored: list[str] = []  # "path (why)": accepted, no effect, value not the default
+        self.foreign: list[str] = []  # keys DeepSpeed itself does not read
+        self.problems: list[tuple[str, BaseException]] = []
+        self.verdicts: list[tuple[str, str, str]] = []  # (path, verdict, detail)
+
+    def problem(self, path: str, error: BaseException) -> None:
+        self.problems.append((path, error))
+        self.verdicts.append((path, "error", _message(error)))
+
+    def raise_if_any(self, source: str | None = None) -> None:
+        """One error for everything found: the single problem's own exception, or a
+        :class:`ConfigError` listing each by its path."""
+        if not self.problems:
+            return
+        where = f"{WHERE}: {source}: " if source else f"{WHERE}: "
+        if len(self.problems) == 1:
+            error = self.problems[0][1]
+            raise type(error)(where + _message(error)) from error
+        lines = [f"  {_message(e)}" for _, e in self.problems]
+        raise ConfigError(f"{where}{len(self.problems)} problems, each by its config path:\n"
+                          + "\n".join(lines), [(p, _message(e)) for p, e in self.problems])
+
+
+def _message(error: BaseException) -> str:
+    """An error's message without the ``fzero.Config: `` prefix each check writes."""
+    text = str(error)
+    return text[len(WHERE) + 2:] if text.startswith(WHERE + ": ") else text
+
+
+# Top-level keys DeepSpeed does not read (it ignores any top-level key it does not know),
+# seen in public configs: accepted with one warning. A key in neither table is a typo.
+_FOREIGN = {
+    "cuda_visible_devices": "a launcher setting some projects keep in the config; DeepSpeed does not read it",
+    "comms_config": "not a DeepSpeed key (DeepSpeed's is comms_logger); DeepSpeed does not read it",
+    "monitor_config": "not a DeepSpeed key (DeepSpeed's monitors are tensorboard, wandb, csv_monitor); "
+                      "DeepSpeed does not read it",
+}
+
+
+def _classify(prefix: str, given: Mapping[str, Any], rules: Mapping[str, _Rule], notes: _Notes) -> dict:
+    """Classify every key of ``given`` (unknown, unimplemented, invalid, ignored or used),
+    noting each; returns the used keys. Problems are noted, not raised."""
+    used = {}
     for key, value in given.items():
         path = f"{prefix}{key}"
         rule = rules.get(key) if isinstance(key, str) else None
+        if rule is None and not prefix and isinstance(key, str) and (key.startswith("_") or key in _FOREIGN):
+            why = _FOREIGN.get(key, "a comment")
+            notes.verdicts.append((path, "not read", why))
+            if key in _FOREIGN:
+                notes.foreign.append(f"{path} ({why})")
+            continue
         if rule is None:
             close = difflib.get_close_matches(str(key), list(rules), n=1, cutoff=0.6)
             hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
             where = prefix.rstrip(".") or "the top level"
             valid = ", ".join(rules) if len(rules) <= 16 else "see docs/config.md"
-            raise ConfigKeyError(
+            notes.problem(path, ConfigKeyError(
                 f"{WHERE}: unknown key {path!r}{hint} (not a DeepSpeed config key; valid keys at "
-                f"{where}: {valid})")
-        if rule.kind == "invalid":
-            raise ValueError(f"{WHERE}: {path}: {rule.why}")
-        if rule.kind == "reject" and rule.active(value):
-            raise NotImplementedError(
-                f"{WHERE}: {path}={value!r}: a DeepSpeed option fzero does not implement: {rule.why}")
-        if rule.kind == "noop" and rule.active(value):
-            noted.append(f"{path} ({rule.why})")
+                f"{where}: {valid})"))
+        elif rule.kind == "invalid":
+            notes.problem(path, ValueError(f"{WHERE}: {path}: {rule.why}"))
+        elif rule.kind == "reject" and rule.active(value):
+            notes.problem(path, NotImplementedError(
+                f"{WHERE}: {path}={_short(value)}: a DeepSpeed option fzero does not implement: {rule.why}"))
+        elif rule.kind == "noop":
+            if rule.active(value):
+                notes.ignored.append(f"{path} ({rule.why})")
+                notes.verdicts.append((path, "no effect", rule.why))
+            else:
+                notes.verdicts.append((path, "no effect", "DeepSpeed's default or off"))
+        elif rule.kind == "reject":
+            notes.verdicts.append((path, "off", "accepted: the feature is not turned on"))
+        else:
+            used[key] = value
+    return used
+
+
+def _check_keys(prefix: str, given: Mapping[str, Any], rules: Mapping[str, _Rule],
+                noted: list[str] | None = None) -> None:
+    """Classify every key of ``given``; raise one error for all the problems found."""
+    notes = _Notes()
+    _classify(prefix, given, rules, notes)
+    if noted is not None:
+        noted.extend(notes.ignored)
+    notes.raise_if_any()
 
 
 # Keys DeepSpeed knows at the top level. Speed, memory and logging knobs are ``noop``;
@@ -130,7 +215,8 @@ _TOP: dict[str, _Rule] = {
     "flops_profiler": _USE,  # compile(flops=)
     "comms_logger": _USE,
     "timers": _noop("DeepSpeed's throughput timers", _never),
-    "autotuning": _noop("autotuning is a DeepSpeed launcher feature", _enabled),
+    # Read by `fzero autotune` (fzero.autotune.AutotuningConfig), not by the step.
+    "autotuning": _noop("read by `fzero autotune`", _never),
     "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
     "zero_allow_untested_optimizer": _noop("fzero's ZeRO runs any fzero.optim optimizer", _never),
     "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),
@@ -143,7 +229,7 @@ _TOP: dict[str, _Rule] = {
                                        "all-reduce gives the same mean up to rounding", _differs(1.0)),
     "disable_allgather": _noop(_PERF),
     "sparse_gradients": _noop("fzero's gradients are dense; the result is the same"),
-    "dataloader_drop_last": _noop("fzero builds no data loader"),
+    "dataloader_drop_last": _USE,
     "checkpoint": _noop("fzero.checkpoint always verifies checksums and loads onto any world size",
                         _present),
     "datastates_ckpt": _noop("fzero.checkpoint has its own asynchronous save", _present),
@@ -155,6 +241,7 @@ _TOP: dict[str, _Rule] = {
     "compile": _noop("DeepSpeed's torch.compile of the module; fzero does not compile the model",
                      _enabled),
     "seq_parallel_communication_data_type": _noop("fzero has no sequence parallelism", _never),
+    "sequence_parallel_size": _reject("sequence parallelism (DeepSpeed-Ulysses)", lambda v: v not in (1, None)),
     "gradient_allreduce_op": _reject("only 'mean' (DeepSpeed's default) is supported",
                                      lambda v: str(v).lower() != "mean"),
     "managed_gradient_accumulation": _reject("fzero always applies one update per step call",

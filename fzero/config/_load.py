@@ -18,18 +18,22 @@ from fzero.config._keys import (
     _FP16,
     _MONITORS,
     _OFFLOAD_OPTIMIZER,
+    _OPTIMIZERS,
     _SCHEDULERS,
     _TOP,
     _USE,
     _ZERO,
     ConfigKeyError,
-    _check_keys,
+    _classify,
+    _message,
     _noop,
+    _Notes,
     _Rule,
     _PIPELINE,
 )
+from fzero.config import _auto
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
-from fzero.config._values import WHERE, _bool, _frozen, _int, _section
+from fzero.config._values import WHERE, _bool, _frozen, _int, _num, _section, _short
 
 if TYPE_CHECKING:
     from fzero.config._config import Config
@@ -57,10 +61,9 @@ def _parse_json(text: str, source: str) -> Mapping[str, Any]:
     return data
 
 
-def _fields(prefix: str, d: Mapping[str, Any], rules: Mapping[str, _Rule], noted: list[str]) -> dict:
+def _fields(prefix: str, d: Mapping[str, Any], rules: Mapping[str, _Rule], notes: _Notes) -> dict:
     """The ``use`` keys of a section, after classifying all of its keys."""
-    _check_keys(prefix, d, rules, noted)
-    return {k: v for k, v in d.items() if rules[k].kind == "use"}
+    return _classify(prefix, d, rules, notes)
 
 
 def read(src: Any) -> tuple[Mapping[str, Any], str | None]:
@@ -82,96 +85,270 @@ def read(src: Any) -> tuple[Mapping[str, Any], str | None]:
     return src, None
 
 
-def from_dict(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None) -> Config:
-    """A ``cls`` (``Config``) from a config dict: every key classified, every section built;
-    an error from a file names it after ``fzero.Config:``."""
-    try:
-        return _build(cls, d, world_size, source)
-    except (ConfigKeyError, NotImplementedError, ValueError, TypeError) as e:
-        if source is None:
-            raise
-        msg = str(e)
-        if msg.startswith(WHERE + ": "):
-            msg = f"{WHERE}: {source}: " + msg[len(WHERE) + 2:]
-        raise type(e)(msg) from e
+# The rule tables by section, to tell an "auto" at a key fzero does not read (accepted, no
+# effect) from one at a key it uses (resolved, or an error).
+_TABLES: dict[str, Mapping[str, _Rule]] = {
+    "": _TOP, "fp16.": _FP16, "bf16.": _BF16, "bfloat16.": _BF16, "zero_optimization.": _ZERO,
+    "zero_optimization.offload_optimizer.": _OFFLOAD_OPTIMIZER, "comms_logger.": _COMMS_LOGGER,
+    "pipeline.": _PIPELINE,
+}
 
 
-def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None) -> Config:
-    noted: list[str] = []
-    top = _fields("", d, _TOP, noted)
+def _no_effect(path: str) -> bool:
+    prefix, _, key = path.rpartition(".")
+    rules = _TABLES.get(prefix + "." if prefix else "")
+    return rules is not None and key in rules and rules[key].kind == "noop"
+
+
+class Known:
+    """What fzero knows to fill ``"auto"`` values with (see :mod:`fzero.config._auto`)."""
+
+    __slots__ = ("auto", "options", "optimizer", "hidden", "batch")
+
+    def __init__(self, auto: Any = None, options: Mapping[str, Any] | None = None,
+                 optimizer: Mapping[str, Any] | None = None, hidden: int | None = None,
+                 batch: int | None = None):
+        self.auto, self.options, self.optimizer = auto, dict(options or {}), optimizer
+        self.hidden, self.batch = hidden, batch
+
+    def but(self, **changes: Any) -> "Known":
+        values = {name: getattr(self, name) for name in self.__slots__}
+        return Known(**{**values, **changes})
+
+
+def from_dict(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None,
+              known: Known | None = None) -> Config:
+    """A ``cls`` (``Config``) from a config dict: ``"auto"`` values filled from ``known``,
+    every key classified, every section built; all problems in one error, which names the
+    file after ``fzero.Config:``."""
+    cfg, notes = _read(cls, d, world_size, source, known or Known())
+    notes.raise_if_any(source)
+    return cfg
+
+
+def _read(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None,
+          known: Known) -> tuple[Config | None, _Notes]:
+    notes = _Notes()
+    paths = _auto.find(d)
+    given, hidden = _auto.given_values(known.auto)
+    quiet = [p for p in paths if _no_effect(p) and p not in _auto._HIDDEN_KNOBS]
+    subs, resolved, pending, unresolved = _auto.resolve(
+        [p for p in paths if p not in quiet], d, given=given,
+        hidden=known.hidden if known.hidden is not None else hidden, options=known.options,
+        optimizer=known.optimizer, batch=known.batch)
+    for path in quiet:
+        subs[path] = _auto.DROP
+        resolved[path] = (None, "no effect in fzero")
+    for path, how in unresolved:
+        subs[path] = _auto.DROP
+        notes.problem(path, ValueError(f"{WHERE}: {path} is \"auto\": {how}"))
+    for path in paths:
+        if path in resolved:
+            value, where = resolved[path]
+            notes.verdicts.append((path, "auto", where if value is None else f"{_short(value)} ({where})"))
+        elif path in pending:
+            notes.verdicts.append((path, "auto", "filled at step.init (from the state) or the first call "
+                                                 "(from the batch)"))
+    cfg = _build(cls, _auto.substitute(d, subs), world_size, source, notes, tuple(pending))
+    # A section that failed only because an "auto" in it could not be filled says so once.
+    blocked = [path for path, _ in unresolved]
+    notes.problems = [(p, e) for p, e in notes.problems
+                      if p in blocked or not any(b.startswith(p + ".") for b in blocked)]
+    notes.verdicts = _in_file_order(d, notes.verdicts, set(paths))
+    if cfg is not None:
+        object.__setattr__(cfg, "auto", dict(resolved))
+        object.__setattr__(cfg, "_raw", d)
+        object.__setattr__(cfg, "_known", known)
+        object.__setattr__(cfg, "_verdicts", tuple(notes.verdicts))
+        object.__setattr__(cfg, "_foreign", tuple(notes.foreign))
+    return cfg, notes
+
+
+def _flat_paths(d: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in d.items():
+        out.append(f"{prefix}{key}")
+        if isinstance(value, Mapping):
+            out.extend(_flat_paths(value, f"{prefix}{key}."))
+    return out
+
+
+def _in_file_order(d: Mapping[str, Any], verdicts: list, autos: set[str]) -> list:
+    """One verdict per key, in the order the file writes them (an ``"auto"`` key keeps its
+    ``auto`` verdict, not the ``used`` one of the value it was given)."""
+    order = {p: i for i, p in enumerate(_flat_paths(d))}
+    seen: dict[str, tuple] = {}
+    for v in verdicts:
+        path, verdict = v[0], v[1]
+        if path in seen and (path in autos and seen[path][1] == "auto" or verdict != "error"):
+            continue
+        seen[path] = v
+    return sorted(seen.values(), key=lambda v: order.get(v[0], len(order)))
+
+
+def check(d: Mapping[str, Any], world_size: int, source: str | None, known: Known | None = None
+          ) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+    """``(verdicts, problems)``: what fzero does with each key of ``d`` (``(path, verdict,
+    detail)``) and every problem loading it would raise (``(path, message)``)."""
+    from fzero.config._config import Config
+
+    _, notes = _read(Config, d, world_size, source, known or Known())
+    return notes.verdicts, [(p, _message(e)) for p, e in notes.problems]
+
+
+def _used(notes: _Notes, prefix: str, d: Mapping[str, Any], what: Mapping[str, str]) -> None:
+    """Note the verdict of each used key of a section."""
+    for key, value in d.items():
+        if key in what:
+            notes.verdicts.append((prefix + key, "used", f"{_short(value)} -> {what[key]}"))
+
+
+def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None, notes: _Notes,
+           pending: tuple[str, ...]) -> Config | None:
+    """Every section built, each failure noted by its path; the ``Config``, or ``None`` when
+    it could not be built."""
+    top = _fields("", d, _TOP, notes)
+
+    def build(path: str, make):
+        try:
+            return make()
+        except (ConfigKeyError, NotImplementedError, ValueError, TypeError) as e:
+            notes.problem(path, e)
+            return None
+
     if "bf16" in top and "bfloat16" in top:
-        raise ValueError(f"{WHERE}: both 'bf16' and its older name 'bfloat16' are given; keep 'bf16'")
+        notes.problem("bfloat16", ValueError(f"{WHERE}: both 'bf16' and its older name 'bfloat16' are "
+                                             "given; keep 'bf16'"))
     kw: dict[str, Any] = {k: top[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                                "gradient_accumulation_steps") if top.get(k) is not None}
+    _used(notes, "", kw, dict.fromkeys(kw, "the batch sizes"))
 
     if top.get("optimizer") is not None:
-        sec = _fields("optimizer.", _section("optimizer", top["optimizer"]),
-                      {"type": _USE, "params": _USE,
-                       "legacy_fusion": _noop("an fp16 fused-Adam detail of DeepSpeed")}, noted)
-        if "type" not in sec:
-            raise ValueError(f"{WHERE}: optimizer.type is required (one of "
-                             f"{', '.join(_CANONICAL.values())})")
-        kw["optimizer"] = OptimizerConfig(type=sec["type"], params=sec.get("params") or {})
+        sec = build("optimizer", lambda: _section("optimizer", top["optimizer"]))
+        sec = sec if sec is None else _fields("optimizer.", sec, {
+            "type": _USE, "params": _USE, "legacy_fusion": _noop("an fp16 fused-Adam detail of DeepSpeed")}, notes)
+        if sec is not None and "type" not in sec:
+            notes.problem("optimizer.type", ValueError(f"{WHERE}: optimizer.type is required (one of "
+                                                       f"{', '.join(_CANONICAL.values())})"))
+        elif sec is not None:
+            params = build("optimizer.params", lambda: _section("optimizer.params", sec.get("params") or {}))
+            before = len(notes.problems)
+            kind = str(sec["type"]).lower()
+            if params is not None and kind in _OPTIMIZERS:
+                _used(notes, "optimizer.params.", _fields("optimizer.params.", params, _OPTIMIZERS[kind][0], notes),
+                      dict.fromkeys(params, f"fzero.optim ({sec['type']})"))
+            if params is not None and len(notes.problems) == before:
+                kw["optimizer"] = build("optimizer", lambda: OptimizerConfig(type=sec["type"], params=params))
+                _used(notes, "optimizer.", {"type": sec["type"]}, {"type": "the optimizer step.init installs"})
     if top.get("scheduler") is not None:
-        sec = _fields("scheduler.", _section("scheduler", top["scheduler"]),
-                      {"type": _USE, "params": _USE}, noted)
-        if "type" not in sec:
-            raise ValueError(f"{WHERE}: scheduler.type is required (one of {', '.join(_SCHEDULERS)})")
-        kw["scheduler"] = SchedulerConfig(type=sec["type"], params=sec.get("params") or {})
+        sec = build("scheduler", lambda: _section("scheduler", top["scheduler"]))
+        sec = sec if sec is None else _fields("scheduler.", sec, {"type": _USE, "params": _USE}, notes)
+        if sec is not None and "type" not in sec:
+            notes.problem("scheduler.type", ValueError(
+                f"{WHERE}: scheduler.type is required (one of {', '.join(_SCHEDULERS)})"))
+        elif sec is not None:
+            params = build("scheduler.params", lambda: _section("scheduler.params", sec.get("params") or {}))
+            if params is not None:
+                kw["scheduler"] = build("scheduler", lambda: SchedulerConfig(type=sec["type"], params=params))
+                _used(notes, "scheduler.params.", params, dict.fromkeys(params, f"the {sec['type']} schedule"))
 
+    what = {"enabled": "the compute dtype", "check_grad_overflow": "skip non-finite updates"}
     if "fp16" in top:
-        kw["fp16"] = FP16Config(**_fields("fp16.", _section("fp16", top["fp16"]), _FP16, noted))
+        fields = build("fp16", lambda: _fields("fp16.", _section("fp16", top["fp16"]), _FP16, notes))
+        if fields is not None:
+            _used(notes, "fp16.", fields, {k: "fp16 compute and loss scaling" for k in fields})
+            kw["fp16"] = build("fp16", lambda: FP16Config(**fields))
     bf16_key = "bf16" if "bf16" in top else "bfloat16" if "bfloat16" in top else None
     if bf16_key is not None:
-        kw["bf16"] = BF16Config(**_fields(f"{bf16_key}.", _section(bf16_key, top[bf16_key]), _BF16, noted))
+        fields = build(bf16_key, lambda: _fields(f"{bf16_key}.", _section(bf16_key, top[bf16_key]), _BF16, notes))
+        if fields is not None:
+            _used(notes, f"{bf16_key}.", fields, what)
+            kw["bf16"] = build(bf16_key, lambda: BF16Config(**fields))
 
     zero = top.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true is stage 1
         kw["zero_optimization"] = ZeroConfig(stage=1 if zero else 0)
+        _used(notes, "", {"zero_optimization": zero}, {"zero_optimization": f"ZeRO stage {int(zero)}"})
     elif zero is not None:
-        fields = _fields("zero_optimization.", _section("zero_optimization", zero), _ZERO, noted)
-        offload = fields.pop("offload_optimizer", None)
-        if offload is not None:  # DeepSpeed's default is None: no offload
-            p = "zero_optimization.offload_optimizer"
-            offload = _fields(p + ".", _section(p, offload), _OFFLOAD_OPTIMIZER, noted)
-            fields["offload_optimizer"] = offload.get("device", "none")
-            fields["pin_memory"] = _bool(p + ".pin_memory", offload.get("pin_memory", False))
-        kw["zero_optimization"] = ZeroConfig(**fields)
+        fields = build("zero_optimization", lambda: _fields("zero_optimization.", _section("zero_optimization", zero),
+                                                           _ZERO, notes))
+        if fields is not None:
+            offload = fields.pop("offload_optimizer", None)
+            _used(notes, "zero_optimization.", fields, {
+                "stage": "the ZeRO stage", "reduce_bucket_size": "bucket_bytes",
+                "overlap_comm": "overlap_comm (reduce during backward, or after it)"})
+            if offload is not None:  # DeepSpeed's default is None: no offload
+                p = "zero_optimization.offload_optimizer"
+                offload = build(p, lambda: _fields(p + ".", _section(p, offload), _OFFLOAD_OPTIMIZER, notes))
+                if offload is not None:
+                    _used(notes, p + ".", offload, {"device": "offload_optimizer", "pin_memory": "pin_memory"})
+                    fields["offload_optimizer"] = offload.get("device", "none")
+                    fields["pin_memory"] = build(p + ".pin_memory",
+                                                 lambda: _bool(p + ".pin_memory", offload.get("pin_memory", False)))
+            kw["zero_optimization"] = build("zero_optimization", lambda: ZeroConfig(**fields))
     if top.get("gradient_clipping") is not None:
-        kw["gradient_clipping"] = top["gradient_clipping"]
+        kw["gradient_clipping"] = build("gradient_clipping",
+                                        lambda: _num("gradient_clipping", top["gradient_clipping"], minimum=0.0))
+        _used(notes, "", {"gradient_clipping": top["gradient_clipping"]}, {"gradient_clipping": "clip_norm"})
     pipe = top.get("pipeline")
     if pipe is not None:
-        section = _fields("pipeline.", _section("pipeline", pipe), _PIPELINE, noted)
-        stages = section.get("stages", "auto")
-        kw["pipeline_stages"] = 0 if stages == "auto" else _int("pipeline.stages", stages, minimum=1)
+        section = build("pipeline", lambda: _fields("pipeline.", _section("pipeline", pipe), _PIPELINE, notes))
+        if section is not None:
+            stages = section.get("stages", "auto")
+            kw["pipeline_stages"] = 0 if stages == "auto" else build(
+                "pipeline.stages", lambda: _int("pipeline.stages", stages, minimum=1))
+            _used(notes, "pipeline.", {"stages": stages}, {"stages": "checked against the mesh's pp axis"})
     tp = top.get("tensor_parallel")
     if tp is not None:
-        section = _section("tensor_parallel", tp)
-        unknown = sorted(set(section) - {"autotp_size"})
-        if unknown:
-            raise ConfigKeyError(f"{WHERE}: tensor_parallel.{unknown[0]}: fzero reads only "
-                                 "tensor_parallel.autotp_size (DeepSpeed's AutoTP degree)"
-                                 + (f"; also unknown: {', '.join(unknown[1:])}" if unknown[1:] else ""))
-        if section.get("autotp_size") is not None:
-            kw["autotp_size"] = _int("tensor_parallel.autotp_size", section["autotp_size"], minimum=1)
+        section = build("tensor_parallel", lambda: _section("tensor_parallel", tp))
+        for key in sorted(set(section or ()) - {"autotp_size"}):
+            notes.problem(f"tensor_parallel.{key}", ConfigKeyError(
+                f"{WHERE}: tensor_parallel.{key}: fzero reads only tensor_parallel.autotp_size (DeepSpeed's "
+                "AutoTP degree)"))
+        if section is not None and section.get("autotp_size") is not None:
+            kw["autotp_size"] = build("tensor_parallel.autotp_size",
+                                      lambda: _int("tensor_parallel.autotp_size", section["autotp_size"], minimum=1))
+            _used(notes, "tensor_parallel.", section, {"autotp_size": "tp=\"auto\" over the mesh's tp axis"})
     logger = top.get("comms_logger")
     if logger is not None:
-        section = _fields("comms_logger.", _section("comms_logger", logger), _COMMS_LOGGER, noted)
-        kw["comms_logger"] = _bool("comms_logger.enabled", section.get("enabled", False))
+        section = build("comms_logger", lambda: _fields("comms_logger.", _section("comms_logger", logger),
+                                                       _COMMS_LOGGER, notes))
+        if section is not None:
+            kw["comms_logger"] = build("comms_logger.enabled",
+                                       lambda: _bool("comms_logger.enabled", section.get("enabled", False)))
+            _used(notes, "comms_logger.", section, {"enabled": "metrics[\"comm_bytes\"]"})
     # Measuring and logging (fzero.monitor): the timers, memory, FLOPs and the writers.
-    for key in ("wall_clock_breakdown", "memory_breakdown"):
+    for key, field in (("wall_clock_breakdown", "timers"), ("memory_breakdown", "memory")):
         if top.get(key) is not None:
-            kw[key] = _bool(key, top[key])
+            kw[key] = build(key, lambda key=key: _bool(key, top[key]))
+            _used(notes, "", {key: top[key]}, {key: field})
     if top.get("flops_profiler") is not None:
-        section = _fields("flops_profiler.", _section("flops_profiler", top["flops_profiler"]), _FLOPS_PROFILER, noted)
-        kw["flops_profiler"] = _bool("flops_profiler.enabled", section.get("enabled", False))
+        section = build("flops_profiler", lambda: _fields("flops_profiler.", _section(
+            "flops_profiler", top["flops_profiler"]), _FLOPS_PROFILER, notes))
+        if section is not None:
+            kw["flops_profiler"] = build("flops_profiler.enabled",
+                                         lambda: _bool("flops_profiler.enabled", section.get("enabled", False)))
+            _used(notes, "flops_profiler.", section, {"enabled": "flops (metrics[\"flops\"], \"mfu\")"})
     for key, rules in _MONITORS.items():
         if top.get(key) is not None:
-            kw[key] = _frozen(_fields(f"{key}.", _section(key, top[key]), rules, noted))
+            section = build(key, lambda key=key, rules=rules: _fields(f"{key}.", _section(key, top[key]), rules, notes))
+            if section is not None:
+                kw[key] = _frozen(section)
+                _used(notes, f"{key}.", section, dict.fromkeys(section, f"the {key} writer (fzero.monitor)"))
     comm = top.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:
-            raise ValueError(f"{WHERE}: communication_data_type must be one of "
-                             f"{', '.join(map(repr, _COMM_DTYPES))}, got {comm!r}")
-        kw["communication_data_type"] = comm.lower()
-    return cls(world_size=world_size, ignored=tuple(noted), source=source, **kw)
+            notes.problem("communication_data_type", ValueError(
+                f"{WHERE}: communication_data_type must be one of {', '.join(map(repr, _COMM_DTYPES))}, "
+                f"got {_short(comm)}"))
+        else:
+            kw["communication_data_type"] = comm.lower()
+            _used(notes, "", {"communication_data_type": comm}, {"communication_data_type": "reduce_in"})
+    if top.get("dataloader_drop_last") is not None:
+        kw["dataloader_drop_last"] = build("dataloader_drop_last",
+                                           lambda: _bool("dataloader_drop_last", top["dataloader_drop_last"]))
+        _used(notes, "", {"dataloader_drop_last": top["dataloader_drop_last"]},
+              {"dataloader_drop_last": "fzero.data.DataLoader(config=...)"})
+    kw = {k: v for k, v in kw.items() if v is not None}
+    return build("", lambda: cls(world_size=world_size, ignored=tuple(notes.ignored),
+                                 source=source, pending=pending, **kw))

@@ -30,7 +30,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import watchdog
+from fzero.distributed import checkin, watchdog
 
 __all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
            "copy_", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
@@ -369,13 +369,17 @@ class Pending:
                 except Exception as e:  # noqa: BLE001
                     raise CollectiveError(f"{self.where}: collective {self.name} failed on rank {_rank()}: {e}") from e
             else:
+                waited = time.monotonic()
                 try:
-                    self.work.wait(datetime.timedelta(seconds=timeout_s))
+                    with checkin.waiting_in(self.name):
+                        self.work.wait(datetime.timedelta(seconds=timeout_s))
                 except Exception as e:  # noqa: BLE001
-                    raise CollectiveError(
-                        f"{self.where}: collective {self.name} did not complete on rank {_rank()} "
-                        f"within {timeout_s:g} s (a rank may have died or taken another path): {e}"
-                    ) from e
+                    why = checkin.absent(self.name) or "a rank may have died or taken another path"
+                    waited = time.monotonic() - waited
+                    # A peer's closed connection fails the wait at once: not a timeout.
+                    how = (f"did not complete on rank {_rank()} within {timeout_s:g} s" if waited >= 0.9 * timeout_s
+                           else f"failed on rank {_rank()} after {waited:.1f} s")
+                    raise CollectiveError(f"{self.where}: collective {self.name} {how} ({why}): {e}") from e
         return self.done() if self.done is not None else None
 
 

@@ -6,6 +6,8 @@ tensor dimension.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 from typing import Literal
@@ -13,7 +15,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import device_check
+from fzero.distributed import checkin, device_check
 
 __all__ = ["Mesh", "AXES"]
 
@@ -79,11 +81,13 @@ class Mesh:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             pg_timeout_s = self.timeout_s + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s))
+            _init_process_group(backend, datetime.timedelta(seconds=pg_timeout_s))
             world, rank = dist.get_world_size(), dist.get_rank()
         else:
             world, rank = 1, 0
         self.world_size, self.rank = world, rank
+        if world > 1:
+            checkin.start()  # so that a rank that does not arrive at a collective is named
         self.shape = self._resolve({"pp": pp, "dp": dp, "tp": tp}, world)
         self._device_mesh = None
         # Coordinates of this rank, row-major over AXES.
@@ -190,6 +194,39 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({_fmt(self.shape)}, rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` from torchrun's environment, with two differences.
+
+    Under torchrun every restart attempt of the worker group rendezvouses in the agent's
+    store, which outlives the attempt: the keys of attempt 0 (each rank's gloo address) are
+    still there when attempt 1 starts, and a restarted rank that reads them connects to a
+    process that is gone ("Gloo connectFullMesh failed ... Connection refused"). Each attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gets keys of its own under a ``PrefixStore``.
+
+    And a group made here is destroyed as the interpreter exits (:func:`_destroy_at_exit`).
+    """
+    from torch.distributed import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"default_pg/attempt{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    # The group is destroyed here, while the interpreter is whole and after the checkpoint's
+    # last asynchronous save (which is waited for at threading's exit, before atexit hooks
+    # run), not left to the interpreter's teardown, which takes down the threads that use
+    # it in no set order. (A save still running at that teardown ended ranks in
+    # std::terminate: "terminate called without an active exception", SIGABRT.)
+    checkin.stop_checkins()
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _fmt(sizes: dict[str, int]) -> str:

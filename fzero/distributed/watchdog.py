@@ -168,6 +168,11 @@ class Watchdog:
             lines += [f"  {e.describe(now)}" for e in others]
         else:
             lines.append(f"Nothing else is outstanding on rank {late.rank}.")
+        from fzero.distributed import checkin  # the ranks' check-ins in the store
+
+        with contextlib.suppress(Exception):
+            if found := checkin.absent(late.what, silent_only=True):
+                lines.append(f"From the ranks' check-ins: {found}.")
         frame = sys._current_frames().get(threading.main_thread().ident)
         if frame is not None:
             lines.append("The main thread is at (most recent call last):")

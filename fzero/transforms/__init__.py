@@ -10,6 +10,7 @@ handlers.
 from fzero.transforms._core import (Handler, LeafSums, MicroBatch, NotApplied, Step, as_step, bind, donating,
                                     emit_metric, installed, micro_batch, psum)
 from fzero.transforms.accumulate import accumulate
+from fzero.transforms.finite import NonFiniteGradientError, check_finite
 from fzero.transforms.mixed_precision import mixed_precision
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
@@ -18,5 +19,5 @@ from fzero.transforms.tensor_parallel import (ColwiseParallel, DivideAttributes,
 
 
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum", "donating",
-           "accumulate", "mixed_precision", "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel",
+           "accumulate", "check_finite", "NonFiniteGradientError", "mixed_precision", "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel",
            "DivideAttributes", "RowwiseParallel", "VocabShardedLogits"]

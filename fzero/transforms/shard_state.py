@@ -33,11 +33,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import frozen_names, with_values
 from fzero._params import trainable as trainable_view
-from fzero.distributed import comm
+from fzero.distributed import checkin, comm
 from fzero.distributed.collectives import all_gather_params, sync_buffers
 from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
@@ -117,7 +118,8 @@ class _ShardHandler(Handler):
         if self.stage == 3 and isinstance(module, torch.nn.Module):
             found = find_units(module, train, self.units_spec)
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
-                                   bucket_bytes=self.bucket_bytes)
+                                   bucket_bytes=self.bucket_bytes() if callable(self.bucket_bytes)
+                                   else self.bucket_bytes)
         if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
             self.pool = BufferPool(limit=len(self.layout.groups) + MAX_IN_FLIGHT)
         if isinstance(module, torch.nn.Module):
@@ -147,6 +149,7 @@ class _ShardHandler(Handler):
     def _check_replicated(self, params: dict) -> None:
         if self.world == 1:
             return
+        self._check_structure(params)
         stats = []
         for v in params.values():
             stats.append(v.numel())
@@ -163,6 +166,37 @@ class _ShardHandler(Handler):
             what = "shape" if col % 2 == 0 else "values"
             raise ValueError(f"{WHERE}: parameter {name!r} differs in {what} between rank 0 and rank {bad_rank}: "
                              "every rank must start from the same parameters (seed the model identically)")
+
+    def _check_structure(self, params: dict) -> None:
+        """The ZeRO stage and the parameters' names, shapes and dtypes, agreed through the
+        store before any collective whose sizes follow from them (where a difference would
+        end in gloo's size mismatch abort, or be reported as a difference of values)."""
+        mine = {"stage": self.stage, "params": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                                for k, v in params.items()}}
+        said = checkin.agree("the parameters' structure and the ZeRO stage", mine, group=self.group,
+                             timeout_s=self.timeout_s, where=WHERE)
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world))
+        problems = []
+        stages = [s["stage"] for s in said]
+        if len(set(stages)) > 1:
+            problems.append("ZeRO stage: " + ", ".join(f"rank {r} compiled stage {s}" for r, s in zip(ranks, stages)))
+        ref = said[0]["params"]
+        for r, s in zip(ranks[1:], said[1:]):
+            other = s["params"]
+            only_ref = [k for k in ref if k not in other]
+            only_other = [k for k in other if k not in ref]
+            if only_ref:
+                problems.append(f"rank {ranks[0]} has {', '.join(map(repr, only_ref))}, which rank {r} has not")
+            if only_other:
+                problems.append(f"rank {r} has {', '.join(map(repr, only_other))}, which rank {ranks[0]} has not")
+            for k in ref:
+                if k in other and other[k] != ref[k]:
+                    problems.append(f"parameter {k!r} is {_desc(ref[k])} on rank {ranks[0]} and {_desc(other[k])} "
+                                    f"on rank {r}")
+        if problems:
+            raise ValueError(f"{WHERE}: the ranks of the data-parallel group do not hold the same model; every rank "
+                             "must build the same model and compile it with the same options:\n  "
+                             + "\n  ".join(problems))
 
     # ---------------------------------------------------------------- primitives
 
@@ -332,7 +366,9 @@ def shard_state(
         mesh: the :class:`fzero.Mesh` (default ``Mesh(dp=-1)``).
         stage: 0 replicates (DDP); 1 partitions optimizer state; 2 also gradients; 3 also
             parameters.
-        bucket_bytes: size of a gradient bucket (a group of parameters reduced together).
+        bucket_bytes: size of a gradient bucket (a group of parameters reduced together), or
+            a function of no arguments giving it at ``init`` (a config's ``"auto"`` bucket,
+            which the model's hidden size decides).
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
@@ -358,8 +394,8 @@ def shard_state(
         ValueError: ``stage`` not in 0-3; at ``init``, parameters that differ between ranks
             (named, with the rank).
     """
-    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("bucket_bytes", bucket_bytes),
-                        ("overlap_comm", overlap_comm)]:
+    for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("overlap_comm", overlap_comm),
+                        *([] if callable(bucket_bytes) else [("bucket_bytes", bucket_bytes)])]:
         check_option(WHERE, name, value)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if not isinstance(reduce_in, torch.dtype):
@@ -393,3 +429,8 @@ def _leading_size(batch: Any) -> int:
     """The leading size of ``batch``'s first tensor with a dimension (``-1`` if none)."""
     leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
     return int(leaves[0].shape[0]) if leaves else -1
+
+
+def _desc(shape_dtype) -> str:
+    shape, dtype = shape_dtype
+    return f"{dtype}[{', '.join(map(str, shape))}]"

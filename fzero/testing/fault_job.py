@@ -1,0 +1,130 @@
+"""A small training job that resumes from its latest checkpoint and can be made to fail.
+
+Run under ``fzero launch`` (or torchrun) by ``tests/test_faults.py`` and
+``benchmarks/faults.py``::
+
+    fzero launch --nproc 2 --max-restarts 1 fzero/testing/fault_job.py OUT --zero 2 --steps 8 \\
+        --fault kill:rank=1:at=backward:step=3
+
+Every rank trains a tiny MLP on its own deterministic batches, saves an asynchronous
+checkpoint under ``OUT/ckpt/step_N`` every ``--every`` steps, and on start resumes from
+``fzero.checkpoint.latest``. Rank 0 appends one JSON line per step to ``OUT/losses.jsonl``
+(the attempt, the step, the loss as ``float.hex``), so a test can check that a resumed run
+gives the uninterrupted run's losses bit for bit.
+
+``--fault KIND:rank=R:at=WHERE[:step=S][:attempt=A]`` makes rank ``R`` fail in attempt ``A``
+(``TORCHELASTIC_RESTART_COUNT``, default 0): ``KIND`` is ``kill`` (SIGKILL), ``stop``
+(SIGSTOP: a hung rank), or ``exit`` (``sys.exit(3)``); ``WHERE`` is ``init`` (before the
+process group), ``backward`` (inside the backward pass of step ``S``), ``save`` (while the
+asynchronous save of step ``S`` runs) or ``exit`` (after training, as the interpreter exits).
+Before failing, the rank writes the time (``time.time()``) to ``OUT/fault_time``.
+
+``--tree-differs`` gives rank 1 one more parameter, ``--stage-differs`` rank 1 another ZeRO
+stage, ``--path-differs`` rank 1 another checkpoint path: inputs the job must refuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def _parse_fault(text: str | None) -> dict | None:
+    if not text:
+        return None
+    kind, *fields = text.split(":")
+    spec = dict(f.split("=", 1) for f in fields)
+    return {"kind": kind, "rank": int(spec.get("rank", 1)), "at": spec.get("at", "backward"),
+            "step": int(spec.get("step", 0)), "attempt": int(spec.get("attempt", 0))}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--zero", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--fault", default=None)
+    p.add_argument("--tree-differs", action="store_true")
+    p.add_argument("--stage-differs", action="store_true")
+    p.add_argument("--path-differs", action="store_true")
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    fault = _parse_fault(args.fault)
+    if fault and (fault["rank"] != rank or fault["attempt"] != attempt):
+        fault = None
+
+    def fail():
+        with open(os.path.join(args.out, "fault_time"), "w") as f:
+            f.write(repr(time.time()))
+        print(f"fault_job: rank {rank}: {fault['kind']} at {fault['at']} (attempt {attempt})", file=sys.stderr,
+              flush=True)
+        if fault["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault["kind"] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(3)
+
+    if fault and fault["at"] == "init":
+        fail()
+
+    import torch
+    import torch.nn.functional as F
+
+    import fzero
+    from fzero import optim
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)]
+    if args.tree_differs and rank == 1:
+        layers += [torch.nn.Linear(4, 4)]
+    model = torch.nn.Sequential(*layers)
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+
+    def train_step(state, batch):
+        def loss_fn(p):
+            out = state.apply_fn(p, batch["x"])
+            if fault and fault["at"] == "backward" and int(state.step) == fault["step"]:
+                out.register_hook(lambda g: fail())  # runs inside the backward pass
+            return F.mse_loss(out, batch["y"])
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    mesh = fzero.Mesh(dp=-1)
+    stage = (args.zero + 1) % 4 if args.stage_differs and rank == 1 else args.zero
+    step = fzero.compile(train_step, mesh, zero=stage)
+    state = step.init(state)
+    root = os.path.join(args.out, "ckpt" if not (args.path_differs and rank == 1) else "ckpt-rank1")
+    resume = fzero.checkpoint.latest(root)
+    if resume is not None:
+        state = fzero.checkpoint.load(resume, like=state)
+    losses = open(os.path.join(args.out, "losses.jsonl"), "a") if mesh.rank == 0 else None
+    while int(state.step) < args.steps:
+        i = int(state.step)
+        g = torch.Generator().manual_seed(1000 * i + mesh.rank)
+        batch = {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 4, generator=g)}
+        state, metrics = step(state, batch)
+        if losses is not None:
+            losses.write(json.dumps({"attempt": attempt, "step": i, "loss": float(metrics["loss"]).hex()}) + "\n")
+            losses.flush()
+        if int(state.step) % args.every == 0:
+            fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True)
+            if fault and fault["at"] == "save" and i + 1 == fault["step"]:
+                fail()  # the save's thread is writing or agreeing with the other ranks now
+    if fault and fault["at"] == "exit":
+        import atexit
+
+        atexit.register(fail)
+    print(f"fault_job: rank {rank}: done (attempt {attempt})", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""``check_finite``: what an update with a non-finite gradient does, at full precision.
+
+Under fp16 and bf16 :func:`fzero.mixed_precision` already checks every update (DeepSpeed's
+loss scaler and ``bf16.check_grad_overflow``). In fp32 nothing did, so one inf or NaN
+gradient turned every parameter into NaN while ``state.step`` counted on. This transform
+gives the choice: skip the update and report it (DeepSpeed's behaviour under its
+overflow checks, and fzero's default), or fail fast naming the non-finite gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from fzero import tree
+from fzero.distributed.flat import is_shard
+from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, emit_metric,
+                                    installed, psum)
+from fzero.transforms._deferred import is_deferred
+
+__all__ = ["NonFiniteGradientError", "check_finite"]
+
+WHERE = "fzero.check_finite"
+MODES = ("skip", "raise")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """An update's gradient held inf or NaN under ``nonfinite="raise"``. ``paths`` are the
+    key paths of every non-finite gradient, in the tree's order; the state is untouched."""
+
+    def __init__(self, message: str, paths: list[str], step: int):
+        super().__init__(message)
+        self.paths, self.step = paths, step
+
+
+class _FiniteHandler(Handler):
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.pending: torch.Tensor | None = None  # per-leaf flags of deferred micro-batches
+        self.discarding = False
+
+    def apply_gradients(self, state, grads, *, next):
+        paths, leaves = [], []
+        for path, g in zip(*tree.flatten_with_path(grads, is_leaf=is_shard)[:2]):
+            g = g.local if is_shard(g) else g  # this rank's piece, named by its parameter's path
+            if isinstance(g, torch.Tensor) and not is_deferred(g):
+                paths.append(path)
+                leaves.append(g)
+        device = leaves[0].device if leaves else None
+        if self.mode == "raise":
+            # One flag per leaf, summed over the ranks (each holds its pieces of the
+            # gradients under ZeRO): every rank learns which leaves, and all raise together.
+            flags = torch.stack([(~torch.isfinite(g)).any() for g in leaves]).float() if leaves \
+                else torch.zeros(0, device=device)
+        else:  # an *any*: a bare tensor in psum's contract (see mixed_precision)
+            flags = torch.zeros((), dtype=torch.float32, device=device)
+            for g in leaves:
+                flags = flags + (~torch.isfinite(g)).any().float()
+        flags = psum(flags)
+        if self.mode == "raise":
+            bad = [tree.keystr(p) for p, f in zip(paths, flags.tolist()) if f > 0]
+            if bad:
+                step = int(state.step)
+                shown = ", ".join(f"grads{b}" for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+                raise NonFiniteGradientError(
+                    f"{WHERE}: the gradient of update {step + 1} is not finite (inf or NaN) at {shown}; "
+                    "the state is unchanged. Compile with nonfinite=\"skip\" to skip such updates instead",
+                    bad, step)
+            return next(state, grads)
+        overflow = bool(flags > 0)
+        self.discarding = overflow or bool(self.pending)
+        try:
+            new = next(state, grads)
+        finally:
+            self.discarding = False
+        if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside
+            self.pending = bool(self.pending) or overflow
+            return new
+        overflow = overflow or bool(self.pending)
+        self.pending = None
+        emit_metric("skipped", torch.tensor(overflow))
+        if overflow:  # the parameters, the optimizer state and state.step stay as they were
+            return NotApplied(state, "skipped")
+        return new
+
+    def donating(self, *, next):
+        # An update that will be discarded must not write into the state it was given.
+        return False if self.discarding else next()
+
+
+def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
+    """``step`` with its updates checked for non-finite gradients.
+
+    ``"skip"``: an update whose gradients hold inf or NaN on any rank is skipped by every
+    rank (parameters, optimizer state, schedule count and ``state.step`` unchanged) and
+    ``metrics["skipped"]`` says so, as DeepSpeed skips an overflowed update. ``"raise"``:
+    such an update raises :class:`NonFiniteGradientError` on every rank, naming the key path
+    of each non-finite gradient, before anything is changed. Under accumulation the verdict
+    is for the whole update (every micro-batch of it).
+
+    ``fzero.compile`` applies it in fp32 (``nonfinite=``, default ``"skip"``); under fp16
+    and bf16 ``fzero.mixed_precision`` checks instead (and ``nonfinite="raise"`` adds this).
+
+    Example:
+        >>> import torch, fzero
+        >>> from fzero import optim
+        >>> apply, params = fzero.functionalize(torch.nn.Linear(2, 1))
+        >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        >>> def train_step(state, batch):
+        ...     loss, g = fzero.value_and_grad(lambda p: state.apply_fn(p, batch).sum())(state.params)
+        ...     return state.apply_gradients(g), {"loss": loss}
+        >>> step = fzero.check_finite(train_step, "raise")
+        >>> step(state, torch.tensor([[float("nan"), 1.0]]))
+        Traceback (most recent call last):
+        ...
+        fzero.transforms.finite.NonFiniteGradientError: fzero.check_finite: the gradient of update 1 is not finite (inf or NaN) at grads['weight']; the state is unchanged. Compile with nonfinite="skip" to skip such updates instead
+    """
+    if mode not in MODES:
+        raise ValueError(f"{WHERE}: mode={mode!r} must be one of {', '.join(map(repr, MODES))}")
+    inner = as_step(step)
+    handler = _FiniteHandler(mode)
+
+    def call(state, batch):
+        with collecting_metrics() as emitted, installed(handler):
+            out = inner(state, batch)
+        for k, v in emitted.items():
+            emit_metric(k, v)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            return out  # not (state, metrics): fzero.compile names what the step returned
+        return out[0], {**out[1], **emitted}
+
+    return Step(call, name=f"check_finite({inner.__name__}, {mode})", inner=inner)
