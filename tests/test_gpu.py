@@ -1,0 +1,74 @@
+"""The GPU subset: skipped without CUDA (CI has none), run on a machine with one.
+
+* the example GPT trains under ``fzero launch`` on the GPU, the process group on NCCL;
+* every ZeRO stage in a world of one over NCCL gives stage 0's losses, fp32 and bf16;
+* the fused optimizer path compiled for the GPU gives the unfused path's parameters.
+
+Each run's command, device and table belong in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+from fzero.testing.multirank import run_command
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(tmp_path: Path, zero: int, precision: str, steps: int = 6) -> list[float]:
+    out = tmp_path / f"losses_z{zero}_{precision}.json"
+    done = run_command([sys.executable, "-m", "fzero.cli.main", "launch", "--nproc", "1",
+                        str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps), "--zero", str(zero),
+                        "--precision", precision, "--no-progress", "--sample-len", "8", "--max-bytes", "200000",
+                        "--log-losses", str(out)], timeout_s=600, cwd=str(ROOT))
+    assert done.returncode == 0, done.output
+    return json.loads(out.read_text())
+
+
+def test_the_example_trains_on_the_gpu_over_nccl(tmp_path):
+    losses = _train(tmp_path, 0, "bf16", steps=20)
+    assert len(losses) == 20 and all(map(lambda v: v == v, losses))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_stage_in_a_world_of_one_gives_stage_0s_losses(tmp_path, precision):
+    ref = _train(tmp_path, 0, precision)
+    for zero in (1, 2, 3):
+        got = _train(tmp_path, zero, precision)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5 if precision == "fp32" else 2e-2,
+                                   atol=1e-6 if precision == "fp32" else 1e-2, msg=f"stage {zero}")
+
+
+def test_the_fused_path_on_the_gpu_equals_the_unfused_path():
+    def run(mode):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+        apply, params = fzero.functionalize(model)
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3, weight_decay=0.1))
+
+        def train_step(state, batch):
+            loss, g = fzero.value_and_grad(lambda p: (state.apply_fn(p, batch) - batch).pow(2).mean())(state.params)
+            return state.apply_gradients(g), {"loss": loss}
+
+        with optim.use_fused(mode):
+            step = fzero.compile(train_step, fzero.Mesh(dp=1), clip_norm=1.0)
+            state = step.init(state)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            for _ in range(5):
+                state, _ = step(state, torch.randn(32, 64, device="cuda", generator=gen))
+        return fzero.gather(state.params)
+
+    fused, plain = run("on"), run("off")
+    for k in plain:
+        torch.testing.assert_close(fused[k], plain[k], rtol=1e-6, atol=1e-7, msg=k)
