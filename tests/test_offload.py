@@ -137,13 +137,13 @@ def test_a_deepspeed_config_with_offload_optimizer_trains(ranks):
     assert ranks(2).run(_deepspeed_config) == [True, True]
 
 
-def _checkpoint(path, stage):
+def _checkpoint(path, stage, offload_param="none"):
     n, r = dist.get_world_size(), dist.get_rank()
     batches = _batches(n, steps=4)
 
     def compiled():
         return fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, dtype="bf16", bucket_bytes=BIG_BUCKET,
-                             offload_optimizer="cpu")
+                             offload_optimizer="cpu", offload_param=offload_param)
 
     step = compiled()
     state = step.init(_state())
@@ -166,9 +166,9 @@ def _checkpoint(path, stage):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 3])
-def test_an_offloaded_state_saves_and_loads_and_trains_on_alike(ranks, tmp_path, stage):
-    assert ranks(2).run(_checkpoint, str(tmp_path / "ck"), stage) == [True, True]
+@pytest.mark.parametrize("stage, offload_param", [(1, "none"), (3, "none"), (3, "cpu")])
+def test_an_offloaded_state_saves_and_loads_and_trains_on_alike(ranks, tmp_path, stage, offload_param):
+    assert ranks(2).run(_checkpoint, str(tmp_path / "ck"), stage, offload_param) == [True, True]
 
 
 # --------------------------------------------------------------------------- offload_param
