@@ -96,7 +96,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
             ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
             ``nonfinite`` (an update with an inf/NaN gradient: skipped by default),
-            ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``, ``pin_memory``,
+            ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``, ``offload_param``,
+            ``pin_memory``,
             ``tp``, ``pipeline``.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
@@ -107,8 +108,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
         Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...; with
         ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind; and
-        with ``offload_optimizer="cpu"`` too, ``offload_bytes``: its bytes copied device→host
-        and host→device).
+        with ``offload_optimizer="cpu"`` or ``offload_param="cpu"`` too, ``offload_bytes``: its
+        bytes copied device→host and host→device).
 
     Raises:
         TypeError: unknown options (the message names each, with the nearest valid one).
@@ -183,7 +184,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
                 itemsize = 2 if opts.reduce_in in ("fp16", "bf16") else 4
                 return opts.bucket_bytes if elements is None else int(elements) * itemsize
         inner = shard_state(inner, mesh, opts.stage, bucket_bytes=bucket,
-                            reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync, overlap_comm=opts.overlap_comm)
+                            reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync, overlap_comm=opts.overlap_comm,
+                            offload_param=opts.offload_param, pin_memory=opts.pin_memory)
     if opts.offload_optimizer != "none":
         # Outside ZeRO: its init moves to the host what shard_state partitioned and placed on
         # the device (this rank's masters and optimizer state), and its update handler, the
@@ -264,7 +266,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if before is not None:
             spent = comm.traffic - before
             metrics["comm_bytes"] = spent.comm_bytes()
-            if opts.offload_optimizer != "none":
+            if opts.offload_optimizer != "none" or opts.offload_param != "none":
                 metrics["offload_bytes"] = spent.copy_bytes()
         if monitoring is not None:
             metrics = monitoring.report(metrics, times, new, batch, update)
@@ -362,4 +364,8 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh, auto: Any = None
         raise ValueError(f"fzero.compile: offload_optimizer={opts.offload_optimizer!r} needs ZeRO stage 1, 2 or 3 "
                          "(it moves this rank's partition of the optimizer state to the host, as DeepSpeed's "
                          "ZeRO-Offload does); got stage=0")
+    if opts.offload_param != "none" and opts.stage != 3:
+        raise ValueError(f"fzero.compile: offload_param={opts.offload_param!r} needs ZeRO stage 3 (it moves this "
+                         f"rank's partition of the parameters to the host, as DeepSpeed's offload_param does); "
+                         f"got stage={opts.stage}")
     return opts, cfg

@@ -114,6 +114,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "donate": _bool,
     "comm_bytes": _bool,
     "offload_optimizer": _choice("none", "cpu"),
+    "offload_param": _choice("none", "cpu"),
     "pin_memory": _bool,
     "tp": _plan,
     "pipeline": _pipeline,
@@ -239,9 +240,19 @@ class CompileOptions:
     ``metrics["offload_bytes"]`` holds the step's bytes copied, ``{"d2h": n, "h2d": n}``.
     DeepSpeed's config spells it ``zero_optimization.offload_optimizer: {"device": "cpu"}``."""
 
+    offload_param: Literal["none", "cpu"] = "none"
+    """ZeRO-3's parameter offload (:func:`fzero.shard_state`'s ``offload_param``): ``"cpu"``
+    keeps this rank's pieces of the parameters (the low-precision copies under mixed
+    precision) in host memory; each gather of a unit copies the rank's slice to the device
+    before all-gathering it, and each update writes the new pieces on the host. Needs
+    ``stage`` 3 (as DeepSpeed's). With ``comm_bytes``, ``metrics["offload_bytes"]`` holds the
+    step's bytes copied. DeepSpeed's config spells it
+    ``zero_optimization.offload_param: {"device": "cpu"}``."""
+
     pin_memory: bool = False
-    """With ``offload_optimizer="cpu"``: page-lock the host buffers (faster copies to and from
-    a GPU; ignored without CUDA). DeepSpeed's ``offload_optimizer.pin_memory``."""
+    """With ``offload_optimizer="cpu"`` or ``offload_param="cpu"``: page-lock the host
+    buffers (faster copies to and from a GPU; ignored without CUDA). DeepSpeed's
+    ``offload_optimizer.pin_memory`` and ``offload_param.pin_memory``."""
 
     tp: Mapping[str, Any] | Literal["auto"] | None = None
     """The tensor-parallel plan over the mesh's ``tp`` axis (:func:`fzero.tensor_parallel`):

@@ -6,6 +6,9 @@ On this CPU machine the host is the device: the copies are still made between di
 tensors, so the code path is the one a GPU runs.
 """
 
+import json
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,8 +18,8 @@ import fzero
 import fzero.checkpoint as ckpt
 import fzero.testing as ft
 from fzero import optim
+from fzero.distributed import comm
 
-pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 # 4*5 + 5 + 5*3 + 3 = 43 parameters: one flat group padded to 44 over 2 ranks, so rank 0
 # owns 22 of them and rank 1 21 (and a pad element).
@@ -93,12 +96,16 @@ def _offloaded_equals_on_device(stage, precision, donate):
     return True
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_trajectory_equals_the_on_device_one_bit_for_bit(ranks, stage, precision):
     assert ranks(2).run(_offloaded_equals_on_device, stage, precision, True) == [True, True]
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_offload_without_donation_computes_the_same_bits(ranks):
     assert ranks(2).run(_offloaded_equals_on_device, 2, "bf16", False) == [True, True]
 
@@ -124,17 +131,19 @@ def _deepspeed_config():
                                                   fzero.tree.leaves(fzero.gather(ref.params))))
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_a_deepspeed_config_with_offload_optimizer_trains(ranks):
     assert ranks(2).run(_deepspeed_config) == [True, True]
 
 
-def _checkpoint(path, stage):
+def _checkpoint(path, stage, offload_param="none"):
     n, r = dist.get_world_size(), dist.get_rank()
     batches = _batches(n, steps=4)
 
     def compiled():
         return fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, dtype="bf16", bucket_bytes=BIG_BUCKET,
-                             offload_optimizer="cpu")
+                             offload_optimizer="cpu", offload_param=offload_param)
 
     step = compiled()
     state = step.init(_state())
@@ -155,6 +164,211 @@ def _checkpoint(path, stage):
                                                   fzero.tree.leaves(fzero.gather((state.params, state.extra)))))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_an_offloaded_state_saves_and_loads_and_trains_on_alike(ranks, tmp_path, stage):
-    assert ranks(2).run(_checkpoint, str(tmp_path / "ck"), stage) == [True, True]
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, offload_param", [(1, "none"), (3, "none"), (3, "cpu")])
+def test_an_offloaded_state_saves_and_loads_and_trains_on_alike(ranks, tmp_path, stage, offload_param):
+    assert ranks(2).run(_checkpoint, str(tmp_path / "ck"), stage, offload_param) == [True, True]
+
+
+# --------------------------------------------------------------------------- offload_param
+#
+# ZeRO-3's parameter offload: this rank's pieces of the parameters live on the host between
+# uses. The model has two blocks in a ModuleList (two units, gathered one at a time) and
+# loose layers around them (one group, gathered for the whole step).
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.h = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.h:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+UNIT = 6 * 6 + 6  # elements of one block: one group each
+LOOSE = 4 * 6 + 6 + 6 * 3 + 3  # inp and out: one group
+MICRO = 2  # accumulate=2
+
+
+def _blocks_state():
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(_Blocks())
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1))
+
+
+def _chunk(numel, world):
+    """Elements of a group's slice each rank sends to its all-gather (the group padded to a
+    multiple of the world size)."""
+    return max(world, -(-numel // world) * world) // world
+
+
+def _held(numel, world, rank):
+    """Elements of a group rank ``rank`` holds pieces of (the padding excluded)."""
+    chunk = _chunk(numel, world)
+    return max(0, min(numel, (rank + 1) * chunk) - rank * chunk)
+
+
+def _expected_copies(world, rank, precision, offload_optimizer):
+    """Bytes copied each way in one update: each gather copies the rank's slice of its group
+    to the device (each unit twice a micro-batch: for its forward and again for its
+    backward; the loose group once), and the update's new pieces go where the pieces live."""
+    item = 4 if precision == "fp32" else 2
+    gathers = MICRO * (2 * 2 * _chunk(UNIT, world) + _chunk(LOOSE, world)) * item
+    held = 2 * _held(UNIT, world, rank) + _held(LOOSE, world, rank)
+    if offload_optimizer == "cpu":  # the gradient pieces to the host; the update writes the pieces there
+        return {"d2h": 4 * held, "h2d": gathers}
+    if precision == "fp32":  # the update runs on a device copy of the pieces, written back to the host
+        return {"d2h": 4 * held, "h2d": gathers + 4 * held}
+    return {"d2h": item * held, "h2d": gathers}  # the masters' new low-precision pieces to the host
+
+
+def _run_blocks(offload_param, offload_optimizer, precision, donate, world, rank, steps=3):
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=3, dtype=precision, accumulate=MICRO, clip_norm=1.0,
+                         offload_param=offload_param, offload_optimizer=offload_optimizer, comm_bytes=True,
+                         donate=donate)
+    state, spent, gathered = step.init(_blocks_state()), [], []
+    for b in _batches(world, steps=steps):
+        before = comm.traffic.copy()
+        state, m = step(state, ft.local_batch(b, world, rank))
+        spent.append(m.get("offload_bytes"))
+        gathered.append((comm.traffic - before).bytes("all_gather", "parameters"))
+    return step, state, spent, gathered
+
+
+def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True):
+    """On each rank, under device_check.pretend() (host tensors told from device tensors as on
+    a GPU: a collective handed a host tensor raises): the offloaded run's parameters and
+    optimizer state equal stage 3's without offload bit for bit; the pieces are host tensors
+    and nothing else of the state is; every copy is counted as the formula says."""
+    from fzero.distributed import device_check
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with device_check.pretend():
+        _, ref, _, _ = _run_blocks("none", offload_optimizer, precision, donate, world, rank)
+        _, state, spent, gathered = _run_blocks("cpu", offload_optimizer, precision, donate, world, rank)
+        for what, a, b in (("parameters", state.params, ref.params), ("optimizer state", state.opt_state,
+                                                                       ref.opt_state),
+                           ("masters", state.extra.get("master"), ref.extra.get("master"))):
+            for x, y in zip(fzero.tree.leaves(fzero.gather(a)), fzero.tree.leaves(fzero.gather(b))):
+                assert torch.equal(x, y), f"rank {rank}: {what} differ ({precision}, offload_optimizer=" \
+                                          f"{offload_optimizer}, donate={donate})"
+        pieces = fzero.tree.leaves(state.params)
+        assert pieces and all(device_check.is_host(p) for p in pieces), f"rank {rank}: a piece is not on the host"
+        kept = [x for x in fzero.tree.leaves((state.opt_state, state.extra.get("master"))) if x.dim() > 0]
+        if dist.is_initialized():
+            # With a process group the state is placed on the device (Mesh.place; a process
+            # without one keeps it where it was made, on the host): the device keeps the
+            # moments (and bf16's masters) unless offload_optimizer moved them, never the pieces.
+            assert kept and all(device_check.is_host(x) == (offload_optimizer == "cpu") for x in kept), rank
+        assert not _storages(state.params) & _storages(state.opt_state, state.extra.get("master"))
+    expected = _expected_copies(world, rank, precision, offload_optimizer)
+    assert spent == [expected] * len(spent), (rank, spent, expected)
+    if world > 1:  # every byte a gather copied to the device went into an all-gather of parameters
+        gather_h2d = expected["h2d"] - (4 * (2 * _held(UNIT, world, rank) + _held(LOOSE, world, rank))
+                                        if precision == "fp32" and offload_optimizer == "none" else 0)
+        assert gathered == [gather_h2d] * len(gathered), (rank, gathered, gather_h2d)
+    return True
+
+
+@pytest.mark.parametrize("offload_optimizer", ["none", "cpu"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameter_offload_on_one_process_equals_stage_3_bit_for_bit(precision, offload_optimizer):
+    assert _param_offload_equals_stage_3(precision, offload_optimizer)
+
+
+def test_parameter_offload_without_donation_computes_the_same_bits():
+    assert _param_offload_equals_stage_3("bf16", "none", donate=False)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("offload_optimizer", ["none", "cpu"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameter_offload_on_two_ranks_equals_stage_3_bit_for_bit(ranks, precision, offload_optimizer):
+    assert ranks(2).run(_param_offload_equals_stage_3, precision, offload_optimizer) == [True, True]
+
+
+def _zero(**zero):
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "bf16": {"enabled": True}, "zero_optimization": zero}
+
+
+def test_a_deepspeed_offload_param_section_decides_compile_offload_param():
+    from fzero.config import Config
+
+    cfg = Config.load(_zero(stage=3, offload_param={"device": "cpu", "pin_memory": True, "buffer_count": 5,
+                                                    "buffer_size": 1e8, "max_in_cpu": 1e9}), world_size=1)
+    assert cfg.decided_options()["offload_param"] == "cpu" and cfg.decided_options()["pin_memory"] is True
+    assert cfg.compile_options().offload_param == "cpu"
+    off = Config.load(_zero(stage=2, offload_param={"device": "none"}), world_size=1)
+    assert off.compile_options().offload_param == "none"
+    assert "offload_param" not in Config.load(_zero(stage=3), world_size=1).decided_options()
+    # either section asking pins fzero's host buffers
+    both = Config.load(_zero(stage=3, offload_optimizer={"device": "cpu"},
+                             offload_param={"device": "cpu", "pin_memory": True}), world_size=1)
+    assert both.compile_options().pin_memory and both.compile_options().offload_optimizer == "cpu"
+    # the compiled step from it offloads the parameters
+    step = fzero.compile(ft.mse_step, config=_zero(stage=3, offload_param={"device": "cpu"}))
+    state = step.init(_blocks_state())
+    assert step.options.offload_param == "cpu"
+    before = comm.traffic.copy()
+    state, _ = step(state, {"x": torch.ones(2, 4), "y": torch.zeros(2, 3)})
+    # one micro-batch in bf16 on one process: each unit gathered twice, the loose group once;
+    # the new low-precision pieces written back to the host
+    assert (comm.traffic - before).copy_bytes() == {"h2d": (2 * 2 * UNIT + LOOSE) * 2, "d2h": (2 * UNIT + LOOSE) * 2}
+
+
+@pytest.mark.parametrize("zero, error, message", [
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local"}}, NotImplementedError,
+     r"zero_optimization\.offload_param\.device='nvme': NVMe offload is not supported"),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, ValueError,
+     r"zero_optimization\.offload_param\.device=\"cpu\" needs zero_optimization\.stage 3.*got stage 2"),
+    ({"stage": 3, "offload_param": {"device": "disk"}}, ValueError,
+     r"zero_optimization\.offload_param\.device must be \"none\", \"cpu\" or \"nvme\""),
+    ({"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}, KeyError,
+     r"did you mean 'zero_optimization\.offload_param\.pin_memory'"),
+    ({"stage": 3, "cpu_offload_param": True}, NotImplementedError,
+     r"zero_optimization\.cpu_offload_param=True.*write offload_param: \{\"device\": \"cpu\"\}"),
+])
+def test_offload_param_settings_fzero_does_not_run_are_named_by_key_path(zero, error, message):
+    from fzero.config import Config
+
+    with pytest.raises(error, match=message):
+        Config.load(_zero(**zero), world_size=1)
+
+
+def test_offload_param_needs_stage_3_in_compile_and_shard_state():
+    with pytest.raises(ValueError, match=r"fzero\.compile: offload_param='cpu' needs ZeRO stage 3.*got stage=2"):
+        fzero.compile(ft.mse_step, zero=2, offload_param="cpu")
+    with pytest.raises(ValueError, match=r"fzero\.shard_state: offload_param='cpu' needs stage=3.*got stage=1"):
+        fzero.shard_state(ft.mse_step, stage=1, offload_param="cpu")
+    with pytest.raises(ValueError, match=r"offload_param='disk' must be 'none' or 'cpu'"):
+        fzero.compile(ft.mse_step, zero=3, offload_param="disk")
+
+
+def test_config_check_says_what_happens_to_each_offload_key(tmp_path, capsys):
+    from fzero.cli.main import main as cli
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_zero(stage=3, offload_optimizer={"device": "cpu", "pin_memory": True},
+                                     offload_param={"device": "cpu", "pin_memory": True, "buffer_count": 5,
+                                                    "max_in_cpu": 1e9})))
+    assert cli(["config", "check", str(path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert re.search(r"used\s+'cpu' -> offload_param$", lines["zero_optimization.offload_param.device"])
+    assert re.search(r"used\s+True -> pin_memory$", lines["zero_optimization.offload_param.pin_memory"])
+    assert re.search(r"used\s+'cpu' -> offload_optimizer$", lines["zero_optimization.offload_optimizer.device"])
+    for key in ("buffer_count", "max_in_cpu"):
+        assert re.search(r"no effect", lines[f"zero_optimization.offload_param.{key}"])
+    path.write_text(json.dumps(_zero(stage=2, offload_param={"device": "cpu"})))
+    assert cli(["config", "check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "zero_optimization.offload_param" in out and "needs zero_optimization.stage 3" in out

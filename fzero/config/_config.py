@@ -395,8 +395,10 @@ class Config:
         writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type,
         ``comm_bytes`` (``comms_logger.enabled``) when the config has a ``comms_logger``
         section, ``offload_optimizer`` and ``pin_memory`` when it has
-        ``zero_optimization.offload_optimizer``; ``timers``, ``memory`` and ``flops`` when it
-        writes ``wall_clock_breakdown``, ``memory_breakdown`` or ``flops_profiler``. A keyword of ``fzero.compile`` may set the others, never contradict these.
+        ``zero_optimization.offload_optimizer``, ``offload_param`` and ``pin_memory`` when it
+        has ``zero_optimization.offload_param``; ``timers``, ``memory`` and ``flops`` when it
+        writes ``wall_clock_breakdown``, ``memory_breakdown`` or ``flops_profiler``. A keyword
+        of ``fzero.compile`` may set the others, never contradict these.
         """
         comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
         zero = self.zero_optimization
@@ -422,6 +424,9 @@ class Config:
             opts["overlap_comm"] = zero.overlap_comm
         if zero.offload_optimizer is not None:
             opts["offload_optimizer"] = zero.offload_optimizer
+            opts["pin_memory"] = zero.pin_memory
+        if zero.offload_param is not None:
+            opts["offload_param"] = zero.offload_param
             opts["pin_memory"] = zero.pin_memory
         if comm_dtype is not None:
             opts["reduce_in"] = comm_dtype

@@ -294,14 +294,6 @@ _BF16: dict[str, _Rule] = {
 }
 
 
-def _offloaded(value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, Mapping):
-        return str(value.get("device", "none")).lower() != "none"
-    return True
-
-
 # zero_optimization.offload_optimizer (DeepSpeed's DeepSpeedZeroOffloadOptimizerConfig).
 _OFFLOAD_OPTIMIZER: dict[str, _Rule] = {
     "device": _USE,
@@ -313,6 +305,17 @@ _OFFLOAD_OPTIMIZER: dict[str, _Rule] = {
     "pipeline": _noop("NVMe offload only", _never),
     "fast_init": _noop(_PERF, _never),
     "ratio": _reject("partial optimizer offload (a ratio below 1)", lambda v: v != 1 and v is not None),
+}
+
+
+# zero_optimization.offload_param (DeepSpeed's DeepSpeedZeroOffloadParamConfig).
+_OFFLOAD_PARAM: dict[str, _Rule] = {
+    "device": _USE,
+    "pin_memory": _USE,
+    "nvme_path": _noop("NVMe offload only", _never),
+    "buffer_count": _noop("NVMe offload only", _never),
+    "buffer_size": _noop("NVMe offload only", _never),
+    "max_in_cpu": _noop("NVMe offload only", _never),
 }
 
 
@@ -348,10 +351,9 @@ _ZERO: dict[str, _Rule] = {
     "leaf_module": _zero_perf({}),
     "cpu_offload_use_pin_memory": _noop(_PERF, _never),
     "offload_optimizer": _USE,  # its own keys: _OFFLOAD_OPTIMIZER
-    "offload_param": _reject("parameter offload at stage 3 (parameters kept on the host) is not built yet; "
-                             "offload_optimizer with device \"cpu\" is built", _offloaded),
+    "offload_param": _USE,  # its own keys: _OFFLOAD_PARAM
     "cpu_offload": _reject("DeepSpeed's older spelling: write offload_optimizer: {\"device\": \"cpu\"}", _truthy),
-    "cpu_offload_param": _reject("parameter offload at stage 3 (parameters kept on the host) is not built yet",
+    "cpu_offload_param": _reject("DeepSpeed's older spelling: write offload_param: {\"device\": \"cpu\"}",
                                  _truthy),
     "zenflow": _reject("ZenFlow offload", _present),
     "zero_hpz_partition_size": _reject("ZeRO++ hierarchical partitioning",

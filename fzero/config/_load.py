@@ -18,6 +18,7 @@ from fzero.config._keys import (
     _FP16,
     _MONITORS,
     _OFFLOAD_OPTIMIZER,
+    _OFFLOAD_PARAM,
     _OPTIMIZERS,
     _SCHEDULERS,
     _TOP,
@@ -32,7 +33,8 @@ from fzero.config._keys import (
     _PIPELINE,
 )
 from fzero.config import _auto
-from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
+from fzero.config._sections import (BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig,
+                                    offload_device)
 from fzero.config._values import WHERE, _bool, _frozen, _int, _num, _section, _short
 
 if TYPE_CHECKING:
@@ -89,7 +91,8 @@ def read(src: Any) -> tuple[Mapping[str, Any], str | None]:
 # effect) from one at a key it uses (resolved, or an error).
 _TABLES: dict[str, Mapping[str, _Rule]] = {
     "": _TOP, "fp16.": _FP16, "bf16.": _BF16, "bfloat16.": _BF16, "zero_optimization.": _ZERO,
-    "zero_optimization.offload_optimizer.": _OFFLOAD_OPTIMIZER, "comms_logger.": _COMMS_LOGGER,
+    "zero_optimization.offload_optimizer.": _OFFLOAD_OPTIMIZER,
+    "zero_optimization.offload_param.": _OFFLOAD_PARAM, "comms_logger.": _COMMS_LOGGER,
     "pipeline.": _PIPELINE,
 }
 
@@ -274,6 +277,7 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                                                            _ZERO, notes))
         if fields is not None:
             offload = fields.pop("offload_optimizer", None)
+            param = fields.pop("offload_param", None)
             _used(notes, "zero_optimization.", fields, {
                 "stage": "the ZeRO stage", "reduce_bucket_size": "bucket_bytes",
                 "overlap_comm": "overlap_comm (reduce during backward, or after it)"})
@@ -285,6 +289,17 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                     fields["offload_optimizer"] = offload.get("device", "none")
                     fields["pin_memory"] = build(p + ".pin_memory",
                                                  lambda: _bool(p + ".pin_memory", offload.get("pin_memory", False)))
+            if param is not None:  # stage 3's parameter offload; DeepSpeed's default is None
+                q = "zero_optimization.offload_param"
+                param = build(q, lambda: _fields(q + ".", _section(q, param), _OFFLOAD_PARAM, notes))
+                device = None if param is None else build(q, lambda: offload_device(
+                    q + ".device", param.get("device", "none"), stage=fields.get("stage", 0)))
+                pin = None if param is None else build(q + ".pin_memory",
+                                                       lambda: _bool(q + ".pin_memory", param.get("pin_memory", False)))
+                if device is not None and pin is not None:
+                    _used(notes, q + ".", param, {"device": "offload_param", "pin_memory": "pin_memory"})
+                    fields["offload_param"] = device
+                    fields["pin_memory"] = bool(fields.get("pin_memory")) or pin  # either section pins
             kw["zero_optimization"] = build("zero_optimization", lambda: ZeroConfig(**fields))
     if top.get("gradient_clipping") is not None:
         kw["gradient_clipping"] = build("gradient_clipping",

@@ -277,8 +277,14 @@ class ZeroConfig:
     host (``fzero.compile(offload_optimizer="cpu")``, stages 1-3); ``None`` when the config
     has no ``offload_optimizer``. ``"nvme"`` is refused: NVMe offload is not supported."""
 
+    offload_param: Literal["none", "cpu"] | None = None
+    """``offload_param.device``: ``"cpu"`` keeps this rank's pieces of the parameters on the
+    host (``fzero.compile(offload_param="cpu")``, stage 3 only); ``None`` when the config has
+    no ``offload_param``. ``"nvme"`` is refused: NVMe offload is not supported."""
+
     pin_memory: bool = False
-    """``offload_optimizer.pin_memory``: page-lock the host buffers (``fzero.compile(pin_memory=)``)."""
+    """``offload_optimizer.pin_memory`` or ``offload_param.pin_memory`` (either section asking
+    pins fzero's host buffers): page-lock the host buffers (``fzero.compile(pin_memory=)``)."""
 
     def __post_init__(self) -> None:
         p = "zero_optimization."
@@ -292,15 +298,32 @@ class ZeroConfig:
             _bool(p + "overlap_comm", self.overlap_comm)
         if self.offload_optimizer is not None:
             key = p + "offload_optimizer.device"
-            device = str(self.offload_optimizer).lower()
-            if device == "nvme":
-                raise NotImplementedError(f"{WHERE}: {key}={self.offload_optimizer!r}: NVMe offload is not "
-                                          "supported; use \"cpu\" (host memory) or \"none\"")
-            if device not in ("none", "cpu"):
-                raise ValueError(f"{WHERE}: {key} must be \"none\", \"cpu\" or \"nvme\", got "
-                                 f"{self.offload_optimizer!r}")
+            device = offload_device(key, self.offload_optimizer)
             if device == "cpu" and self.stage == 0:
                 raise ValueError(f"{WHERE}: {key}=\"cpu\" needs {p}stage 1, 2 or 3 (DeepSpeed's ZeRO-Offload "
                                  "offloads the partitioned optimizer state); got stage 0")
             object.__setattr__(self, "offload_optimizer", device)
+        if self.offload_param is not None:
+            object.__setattr__(self, "offload_param", offload_device(p + "offload_param.device", self.offload_param,
+                                                                     stage=self.stage))
         _bool(p + "offload_optimizer.pin_memory", self.pin_memory)
+
+
+def offload_device(key: str, value: Any, *, stage: int | None = None) -> str:
+    """``value`` of an offload section's ``device`` key, lower-cased: ``"none"`` or
+    ``"cpu"``; with ``stage`` (``offload_param``), ``"cpu"`` only at stage 3, as DeepSpeed.
+
+    Raises:
+        NotImplementedError: ``"nvme"`` (NVMe offload is not supported).
+        ValueError: another device, or ``offload_param`` at a stage other than 3.
+    """
+    device = str(value).lower()
+    if device == "nvme":
+        raise NotImplementedError(f"{WHERE}: {key}={value!r}: NVMe offload is not supported; use \"cpu\" (host "
+                                  "memory) or \"none\"")
+    if device not in ("none", "cpu"):
+        raise ValueError(f"{WHERE}: {key} must be \"none\", \"cpu\" or \"nvme\", got {value!r}")
+    if stage is not None and device == "cpu" and stage != 3:
+        raise ValueError(f"{WHERE}: {key}=\"cpu\" needs zero_optimization.stage 3 (parameter offload moves the "
+                         f"partitioned parameters, which only stage 3 has, as in DeepSpeed); got stage {stage}")
+    return device

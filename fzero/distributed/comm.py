@@ -207,12 +207,14 @@ class Traffic:
 traffic = Traffic()
 
 
-def copy_(dst: torch.Tensor, src: torch.Tensor, *, kind: str) -> torch.Tensor:
+def copy_(dst: torch.Tensor, src: torch.Tensor, *, kind: str, non_blocking: bool = False) -> torch.Tensor:
     """``dst.copy_(src)``, a copy between this rank's device and its host (``kind``
     ``"d2h"`` or ``"h2d"``), counted in :data:`traffic` as ``what="offload"`` (payload:
     ``src``'s bytes). Both must have one dtype, so the bytes counted are the bytes moved:
     cast on the side where the cast belongs first. The copy is synchronous (the host reads
-    what it copied next, and a pinned buffer is refilled every step).
+    what it copied next, and a pinned buffer is refilled every step) unless
+    ``non_blocking``: an h2d copy from page-locked memory that the device reads next, in
+    stream order (ZeRO-3's gather of offloaded parameters).
 
     Raises:
         ValueError: an unknown ``kind``, or dtypes or sizes that differ.
@@ -231,7 +233,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, *, kind: str) -> torch.Tensor:
                          f"{dst.dtype}[{dst.numel()}]: dtypes and sizes must match")
     traffic.add(kind, "offload", src)
     with torch.no_grad():
-        dst.copy_(src.view_as(dst))
+        dst.copy_(src.view_as(dst), non_blocking=non_blocking)
     return dst
 
 

@@ -93,7 +93,7 @@ class Shard:
             return self.local.detach().clone().reshape(info.shape)
         pieces = [info.piece(r) for r in range(info.world)]
         width = max(b - a for a, b in pieces)
-        send = torch.zeros(width, dtype=self.local.dtype, device=self.local.device)
+        send = torch.zeros(width, dtype=self.local.dtype, device=_collective_device(self.local, info.group))
         send[: self.local.numel()] = self.local.detach().reshape(-1)
         recv = torch.empty(width * info.world, dtype=send.dtype, device=send.device)
         comm.run(f"all_gather(gather of a {tuple(info.shape)} leaf)",
@@ -319,10 +319,27 @@ def _all_reduce(part: torch.Tensor, op, *, info: ShardInfo) -> torch.Tensor:
     out = part.detach().clone().reshape(())
     if info.world == 1 or not dist.is_initialized():
         return out
+    out = torch.empty((), dtype=out.dtype, device=_collective_device(out, info.group)).copy_(out)
     comm.run(f"all_reduce({op}) of a reduction over a partitioned {tuple(info.shape)} leaf",
              lambda: comm.all_reduce(out, group=info.group, async_op=True, op=op, what="user"),
              timeout_s=DEFAULT_TIMEOUT_S, where="fzero.Shard")
-    return out
+    return out.to(part.device)
+
+
+def _collective_device(t: torch.Tensor, group) -> torch.device:
+    """Where a collective over ``group`` takes a value computed from ``t``: ``t``'s device,
+    but a host piece (ZeRO-Offload keeps masters, optimizer state and, at stage 3, the
+    parameters' pieces on the host) goes to the device an NCCL group moves (the pretended
+    device in tests, :mod:`fzero.distributed.device_check`)."""
+    if t.device.type != "cpu":
+        return t.device
+    from fzero.distributed import device_check
+
+    if device_check.pretending():
+        return device_check.PRETEND_DEVICE
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
 
 
 optree.register_pytree_node(

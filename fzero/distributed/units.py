@@ -11,6 +11,13 @@ saved from it (:meth:`Units.pre_backward`), freed once its gradients are complet
 
 "Freed" is the storage of the group's full flat buffer resized to 0: the parameters'
 views (the autograd leaves) keep their shape, and a gather resizes it back in place.
+
+With parameter offload (``host=True``, DeepSpeed's ``offload_param``) this rank's pieces
+live in host memory: a gather first copies the rank's owned slice host→device (one copy of
+the slice the pieces view, counted ``"h2d"`` in ``comm.traffic``), then all-gathers it on
+the device as before. A prefetched gather starts its copy early too: on CUDA on a side
+stream, with the all-gather launched behind it there, so neither waits for the compute on
+the current stream; the current stream waits for both only when the unit is needed.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ class Units:
         group, world: the ``dp`` process group and its size.
         timeout_s: of every all-gather.
         prefetch: start gathering the next unit while the current one computes.
+        host: this rank's pieces live on the host (parameter offload): each gather copies
+            them to the device first.
+        pin_memory: with ``host``, pack pieces that are not laid out as one slice into
+            page-locked buffers (copied without holding the host; ignored without CUDA).
 
     Attributes:
         peak_gathered_bytes: the most parameter bytes gathered at once (all-gathers in
@@ -56,8 +67,11 @@ class Units:
     """
 
     def __init__(self, layout: Layout, modules: list[tuple[torch.nn.Module, int]], *, group, world: int,
-                 timeout_s: float, prefetch: bool = True):
+                 timeout_s: float, prefetch: bool = True, host: bool = False, pin_memory: bool = False):
         self.groups: list[Group] = layout.groups
+        self.host, self.pin = host, pin_memory and torch.cuda.is_available()
+        self.ready: dict[int, tuple[torch.cuda.Event, torch.device]] = {}  # side-stream work's end, by group
+        self._side: torch.cuda.Stream | None = None
         self.modules = modules
         self.group, self.world, self.timeout_s, self.prefetching = group, world, timeout_s, prefetch
         self.full = [_empty_full(g) for g in self.groups]  # storage of size 0 while not gathered
@@ -79,15 +93,44 @@ class Units:
         """Start the all-gather of group ``gi`` into its full buffer; :meth:`wait` completes it."""
         g, full = self.groups[gi], self.full[gi]
         full.untyped_storage().resize_(g.padded * full.element_size())
-        own = g.pack_own(self.pieces)  # kept alive with the work until it completes
-        work = start_all_gather(g, own, full, group=self.group, world=self.world, prefetch=prefetch)
-        self.inflight[gi] = (work, own)
+        if not self.host:
+            own = g.pack_own(self.pieces)  # kept alive with the work until it completes
+            work = start_all_gather(g, own, full, group=self.group, world=self.world, prefetch=prefetch)
+            self.inflight[gi] = (work, own)
+        elif prefetch and full.is_cuda:  # copy and all-gather behind it on a side stream
+            side = self._side = self._side or torch.cuda.Stream(device=full.device)
+            side.wait_stream(torch.cuda.current_stream(full.device))  # full's pages were taken on it
+            with torch.cuda.stream(side):
+                own, host = self._copy_own(g, full)
+                work = start_all_gather(g, own, full, group=self.group, world=self.world, prefetch=prefetch)
+                done = torch.cuda.Event()
+                done.record(side)
+                self.ready[gi] = (done, full.device)
+            full.record_stream(side)
+            own.record_stream(side)
+            self.inflight[gi] = (work, (own, host))
+        else:
+            own, host = self._copy_own(g, full)
+            work = start_all_gather(g, own, full, group=self.group, world=self.world, prefetch=prefetch)
+            self.inflight[gi] = (work, (own, host))
         self._note_peak()
+
+    def _copy_own(self, g: Group, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``g``'s owned slice copied host→device: ``(device slice, host slice)``. In a
+        world of one the device slice is ``full`` itself (the gather is this copy)."""
+        host = _own_on_host(g, self.pieces, self.pin)
+        own = full if self.world == 1 else torch.empty(g.chunk, dtype=g.dtype, device=full.device)
+        comm.copy_(own, host, kind="h2d", non_blocking=host.is_pinned())
+        return own, host
 
     def wait(self, gi: int) -> None:
         """Complete group ``gi``'s all-gather: its parameters are resident."""
         work, _ = self.inflight.pop(gi)
         work.wait(self.timeout_s)
+        ready = self.ready.pop(gi, None)
+        if ready is not None:  # a prefetch's copy (and gather) ran on the side stream
+            done, device = ready
+            torch.cuda.current_stream(device).wait_event(done)
         self.gathered.add(gi)
         self._note_peak()
 
@@ -186,10 +229,8 @@ class Units:
         finally:
             for h in hooks:
                 h.remove()
-            for gi, (work, _) in list(self.inflight.items()):  # prefetched, never used
-                work.wait(self.timeout_s)
-                self.gathered.add(gi)
-            self.inflight.clear()
+            for gi in list(self.inflight):  # prefetched, never used
+                self.wait(gi)
             for gi in list(self.gathered):
                 self.free(gi)
             self.pieces = {}
@@ -197,6 +238,24 @@ class Units:
 
 class _Handle:
     """Marks a saved tensor that is a view of a ZeRO-3 unit, to be gathered again."""
+
+
+def _own_on_host(g: Group, pieces: dict[str, Shard], pin: bool) -> torch.Tensor:
+    """This rank's owned slice of group ``g`` from its host ``pieces``: the one buffer they
+    view when they are laid out so (as ``shard_state`` lays them out at ``init`` and an update
+    in place keeps them), else a new one packed from them (padding zero, page-locked when
+    ``pin``), as :meth:`Group.pack_own` packs on the device."""
+    local = [pieces[n].local for n in g.names]
+    base = local[0]._base
+    if base is not None and base._base is None and base.dim() == 1 and base.numel() == g.chunk \
+            and base.dtype == g.dtype and all(
+                t._base is base and t.storage_offset() - base.storage_offset() == g._in_owned(g.info(i)).start
+                for i, t in enumerate(local)):
+        return base
+    own = torch.zeros(g.chunk, dtype=g.dtype, device="cpu", pin_memory=pin)
+    for i, t in enumerate(local):
+        own[g._in_owned(g.info(i))] = t.reshape(-1)
+    return own
 
 
 def _empty_full(g: Group) -> torch.Tensor:

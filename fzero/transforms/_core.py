@@ -20,7 +20,10 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
   a new one;
 * ``offloaded`` -- whether the optimizer's update runs on the host (:func:`offloaded`:
   ZeRO-Offload, ``fzero.compile(..., offload_optimizer="cpu")``), so a transform that makes
-  device copies of what the update wrote copies them from there.
+  device copies of what the update wrote copies them from there;
+* ``params_offloaded`` -- whether this rank's pieces of the parameters live on the host
+  between uses (:func:`params_offloaded`: ZeRO-3's ``offload_param``), so the transform
+  that writes them after an update writes them there.
 
 A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
 runs, the innermost installed handler sees it first and decides what to do; it passes the
@@ -63,7 +66,7 @@ from fzero import tree
 from fzero.tree import _USER_VIEW, user_view
 
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "donating", "emit_metric",
-           "installed", "micro_batch", "offloaded", "psum",
+           "installed", "micro_batch", "offloaded", "params_offloaded", "psum",
            "register_primitive"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
@@ -108,6 +111,9 @@ class Handler:
         return next()
 
     def offloaded(self, *, next: Callable):
+        return next()
+
+    def params_offloaded(self, *, next: Callable):
         return next()
 
 
@@ -300,6 +306,24 @@ def offloaded() -> bool:
 
 @register_primitive("offloaded")
 def _offloaded_base() -> bool:
+    return False
+
+
+def params_offloaded() -> bool:
+    """Whether this rank's pieces of the parameters live on the host between uses (ZeRO-3's
+    parameter offload, ``fzero.compile(..., zero=3, offload_param="cpu")``): each gather
+    copies them to the device, and an update's new pieces are written on the host
+    (:func:`fzero.transforms.offload.write_params`). ``False`` outside such a step.
+
+    Example:
+        >>> params_offloaded()
+        False
+    """
+    return bind("params_offloaded")
+
+
+@register_primitive("params_offloaded")
+def _params_offloaded_base() -> bool:
     return False
 
 

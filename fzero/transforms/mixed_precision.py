@@ -14,7 +14,7 @@ from fzero._params import merge_trainable, trainable
 from fzero.distributed.flat import is_shard
 from fzero.options import check_option
 from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
-                                    installed, offloaded, psum)
+                                    installed, offloaded, params_offloaded, psum)
 from fzero.transforms._deferred import is_deferred
 
 __all__ = ["LossScaler", "mixed_precision"]
@@ -182,10 +182,10 @@ class _PrecisionHandler(Handler):
         grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
         new = next(state.replace(params=merge_trainable(state.params, master)), grads)
         master = trainable(new.params)
-        if offloaded():  # the masters live on the host: cast there, copy the low-precision bytes over
-            from fzero.transforms.offload import copy_to_device
+        if offloaded() or params_offloaded():  # masters or pieces on the host: cast where the masters are
+            from fzero.transforms.offload import write_params
 
-            low = copy_to_device(trainable(state.params), master)
+            low = write_params(trainable(state.params), master)
         elif donating():  # the low-precision copies are this step's: round the masters into them
             low = tree.map(_round_into, trainable(state.params), master)
         else:

@@ -24,9 +24,9 @@ import torch
 from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed import comm
-from fzero.transforms._core import Handler, Step, as_step, donating, installed
+from fzero.transforms._core import Handler, Step, as_step, donating, installed, offloaded, params_offloaded
 
-__all__ = ["offload_optimizer"]
+__all__ = ["offload_optimizer", "write_params"]
 
 WHERE = "fzero.offload_optimizer"
 
@@ -50,6 +50,43 @@ def copy_to_device(params: Any, masters: Any) -> Any:
     device parameters (this one in fp32 training, ``mixed_precision`` its 16-bit copies)."""
     into = (lambda p: p) if donating() else torch.empty_like
     return tree.map(lambda p, m: comm.copy_(into(p), m.to(p.dtype), kind="h2d"), params, masters)
+
+
+def write_params(params: Any, masters: Any) -> Any:
+    """The new ``masters`` written into ``params`` (each cast to its parameter's dtype),
+    wherever each lives: the masters on the host when the update runs there
+    (:func:`~fzero.transforms._core.offloaded`), the parameters' pieces on the host under
+    ZeRO-3's parameter offload (:func:`~fzero.transforms._core.params_offloaded`). So:
+
+    * masters on the host, parameters on the device: cast on the host, copied ``"h2d"``
+      (:func:`copy_to_device`);
+    * masters on the device, parameters on the host: cast on the device, copied ``"d2h"``;
+    * both on the host: cast on the host, nothing crosses.
+
+    Into ``params`` themselves when the step owns its state (``donating()``), else into new
+    tensors (page-locked on the host when the parameter was). What an update ends with,
+    whichever transform keeps the parameters beside its masters (``offload_optimizer`` in
+    fp32 training, ``mixed_precision`` its 16-bit copies).
+    """
+    masters_home, params_home = offloaded(), params_offloaded()
+    if masters_home and not params_home:
+        return copy_to_device(params, masters)
+    own = donating()
+
+    def host_like(p):
+        return p if own else torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_pinned())
+
+    def write(p, m):
+        if not params_home:  # both on the device: a transform's own business (not an offload)
+            raise ValueError("fzero.transforms.offload.write_params: neither the masters nor the parameters are "
+                             "offloaded; cast them where they are")
+        if masters_home:  # both on the host
+            out = host_like(p)
+            with torch.no_grad():
+                return out.copy_(m)
+        return comm.copy_(host_like(p), m.to(p.dtype), kind="d2h")
+
+    return tree.map(write, params, masters)
 
 
 class _OffloadHandler(Handler):
@@ -109,8 +146,8 @@ class _OffloadHandler(Handler):
         if not self.copies:  # mixed_precision, inside, rounds the new masters into its device copies
             return new
         master = trainable(new.params)
-        device = copy_to_device(trainable(state.params), master)
-        return new.replace(params=merge_trainable(state.params, device), extra={**new.extra, "master": master})
+        written = write_params(trainable(state.params), master)  # on the host under parameter offload
+        return new.replace(params=merge_trainable(state.params, written), extra={**new.extra, "master": master})
 
 
 def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters: bool = True) -> Step:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fzero import tree
-from fzero._params import frozen_names, with_values
+from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import checkin, comm
 from fzero.distributed.collectives import all_gather_params, sync_buffers
@@ -48,6 +48,7 @@ from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
 from fzero.transforms._core import (Handler, MicroBatch, NotApplied, Step, as_step, donating, installed, micro_batch,
                                     offloaded)
+from fzero.transforms.offload import _host_copy, write_params
 from fzero.transforms._deferred import Deferred
 
 __all__ = ["shard_state"]
@@ -66,8 +67,11 @@ class _ShardHandler(Handler):
 
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
                  reduce_in: torch.dtype | None = None, prefetch: bool = True,
-                 buffer_sync: str = "broadcast", overlap_comm: bool = True):
+                 buffer_sync: str = "broadcast", overlap_comm: bool = True, offload_param: bool = False,
+                 pin_memory: bool = False):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
+        # Stage 3's parameter offload: this rank's pieces live on the host between uses.
+        self.offload_param, self.pin = offload_param, pin_memory and torch.cuda.is_available()
         self.overlap_comm = overlap_comm
         self.buffer_sync = buffer_sync
         self.frozen: frozenset[str] = frozenset()
@@ -142,9 +146,22 @@ class _ShardHandler(Handler):
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
         self.units = Units(self.layout, [(m, self.layout.where[names[0]][0]) for m, names in found],
-                           group=self.group, world=self.world, timeout_s=self.timeout_s, prefetch=self.prefetch)
+                           group=self.group, world=self.world, timeout_s=self.timeout_s, prefetch=self.prefetch,
+                           host=self.offload_param, pin_memory=self.pin)
         target = extra.get("master", None) or with_values(trainable_view(params), shards)
-        return state.replace(params=with_values(params, shards), opt_state=state.tx.init(target), extra=extra)
+        opt_state = state.tx.init(target)  # on the device, beside the pieces it was built over
+        if self.offload_param:
+            shards = self._on_host(shards)
+        return state.replace(params=with_values(params, shards), opt_state=opt_state, extra=extra)
+
+    def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
+        """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
+        locked with ``pin_memory``), the pieces views of it, so a gather copies one slice."""
+        out = {}
+        for g in self.layout.groups:
+            own = _host_copy(g.pack_own(shards), self.pin)
+            out.update(zip(g.names, g.pieces(own, self.group)))
+        return {k: out[k] for k in shards}
 
     def _check_replicated(self, params: dict) -> None:
         if self.world == 1:
@@ -303,6 +320,23 @@ class _ShardHandler(Handler):
                     out[name] = Shard(Deferred(name, (b - a,), g.dtype), g.info(i, self.group))
         return out
 
+    def params_offloaded(self, *, next):
+        return True if self.offload_param else next()
+
+    def update(self, state, grads, *, next):
+        # Parameter offload with no masters beside the pieces (fp32 training without
+        # offload_optimizer): the optimizer state is on the device, so the update runs there
+        # on a device copy of the pieces (h2d), and the new pieces are written back on the
+        # host (d2h). With masters (mixed_precision's, offload_optimizer's) the transform
+        # that keeps them steps them and writes the pieces (write_params).
+        if not self.offload_param or "master" in state.extra:
+            return next(state, grads)
+        host = trainable_view(state.params)
+        device = tree.map(lambda p: comm.copy_(torch.empty(p.shape, dtype=p.dtype, device=self.mesh.device), p,
+                                               kind="h2d"), host)
+        new = next(state.replace(params=merge_trainable(state.params, device)), grads)
+        return new.replace(params=merge_trainable(state.params, write_params(host, trainable_view(new.params))))
+
     def apply_gradients(self, state, grads, *, next):
         if self.stage in (0, 3):  # stage 3: the optimizer runs on the pieces the state holds
             return next(state, grads)
@@ -353,6 +387,8 @@ def shard_state(
     prefetch: bool = True,
     buffer_sync: Literal["broadcast", "mean", "local"] = "broadcast",
     overlap_comm: bool = True,
+    offload_param: Literal["none", "cpu"] = "none",
+    pin_memory: bool = False,
 ) -> Step:
     """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
 
@@ -385,26 +421,39 @@ def shard_state(
             ``broadcast_buffers``), ``"mean"`` the average of floating-point buffers, or
             ``"local"`` not synchronised (each rank keeps its own; checkpoints then save
             rank 0's).
+        offload_param: stage 3: ``"cpu"`` keeps this rank's pieces of the parameters (the
+            low-precision copies under mixed precision) in host memory between uses
+            (DeepSpeed's ``offload_param``): each gather copies the rank's slice host→device
+            before all-gathering it, a prefetched gather starts its copy early too, and an
+            update's new pieces are written on the host. Counted as ``"h2d"``/``"d2h"`` in
+            ``fzero.distributed.comm.traffic``.
+        pin_memory: with ``offload_param``: page-lock the host pieces (faster, asynchronous
+            copies to a GPU; ignored without CUDA).
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
         consumes its input state at stages 1-3 (use the returned one).
 
     Raises:
-        ValueError: ``stage`` not in 0-3; at ``init``, parameters that differ between ranks
-            (named, with the rank).
+        ValueError: ``stage`` not in 0-3; ``offload_param="cpu"`` at a stage other than 3; at
+            ``init``, parameters that differ between ranks (named, with the rank).
     """
     for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("overlap_comm", overlap_comm),
+                        ("offload_param", offload_param), ("pin_memory", pin_memory),
                         *([] if callable(bucket_bytes) else [("bucket_bytes", bucket_bytes)])]:
         check_option(WHERE, name, value)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if not isinstance(reduce_in, torch.dtype):
         check_option(WHERE, "reduce_in", reduce_in)
         reduce_in = dtypes.get(reduce_in)
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"{WHERE}: offload_param={offload_param!r} needs stage=3 (parameter offload moves this "
+                         f"rank's partition of the parameters, which only stage 3 has; DeepSpeed's offload_param "
+                         f"is a stage-3 option); got stage={stage}")
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
     handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_in, prefetch, buffer_sync,
-                            overlap_comm)
+                            overlap_comm, offload_param == "cpu", pin_memory)
 
     def after(state):  # partitions what every transform inside has built (masters included)
         return handler.init(mesh.place(state))
