@@ -160,17 +160,22 @@ def test_a_stopped_rank_is_named_by_the_rank_that_waited_for_it(tmp_path, where)
     assert info.value.exit_codes == {1: -signal.SIGKILL}
 
 
-def _killed_peer() -> str:
-    fzero.Mesh(dp=-1)
-    if dist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
+def _all_reduce_error() -> str:
+    """What this rank's all-reduce of three ones says when it fails ("no error" when not)."""
     t = torch.ones(3)
     try:
         comm.run("all_reduce(a)", lambda: comm.all_reduce(t, async_op=True), timeout_s=TIMEOUT_S, where="test")
     except Exception as e:  # noqa: BLE001
         return str(e)
     return "no error"
+
+
+def _killed_peer() -> str:
+    fzero.Mesh(dp=-1)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    return _all_reduce_error()
 
 
 def test_a_killed_rank_is_named_as_gone_by_the_rank_whose_collective_failed():
@@ -202,12 +207,7 @@ def _alive_elsewhere() -> str:
     if dist.get_rank() == 1:
         time.sleep(TIMEOUT_S + 2)  # alive, checking in, in its own code
         return "slept"
-    t = torch.ones(3)
-    try:
-        comm.run("all_reduce(a)", lambda: comm.all_reduce(t, async_op=True), timeout_s=TIMEOUT_S, where="test")
-    except Exception as e:  # noqa: BLE001
-        return str(e)
-    return "no error"
+    return _all_reduce_error()
 
 
 def test_a_rank_alive_in_its_own_code_is_named_as_elsewhere():
