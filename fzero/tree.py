@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import optree
+import torch
 
 __all__ = [
     "NAMESPACE",
@@ -41,6 +42,7 @@ __all__ = [
     "flatten",
     "flatten_with_path",
     "keystr",
+    "leading_size",
     "leaves",
     "map",
     "map_with_path",
@@ -119,6 +121,21 @@ def unflatten(spec, leaves: Sequence[Any]) -> PyTree:
 def leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list:
     """The leaves of ``tree`` in flatten order."""
     return optree.tree_leaves(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
+
+
+def leading_size(tree: PyTree) -> int | None:
+    """The leading size of the first tensor leaf with a dimension (a batch's rows), or
+    ``None`` when ``tree`` has none.
+
+    Example:
+        >>> import torch
+        >>> leading_size({"x": torch.zeros(8, 3), "y": torch.zeros(8)}), leading_size({"n": torch.tensor(1)})
+        (8, None)
+    """
+    for leaf in leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
 
 
 def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):

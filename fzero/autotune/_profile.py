@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from fzero.tree import leading_size
+
 ENV = "FZERO_AUTOTUNE"
 
 __all__ = ["ENV", "TrialDone", "TrialProfiler", "from_env", "count_params"]
@@ -59,15 +61,6 @@ def _write(path: str, record: dict) -> None:
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
     os.replace(tmp, p)
-
-
-def _leading_size(batch: Any) -> int | None:
-    from fzero import tree
-
-    for leaf in tree.leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
 
 
 class TrialProfiler:
@@ -120,7 +113,7 @@ class TrialProfiler:
             self._t0 = self.clock()
         if self.start <= self.calls <= self.end:
             # Samples per update over the data-parallel ranks: this rank's batch × dp.
-            self._samples += (_leading_size(batch) or 0) * mesh.size("dp")
+            self._samples += (leading_size(batch) or 0) * mesh.size("dp")
 
     def after_call(self, mesh) -> None:
         """After each call; after ``end_profile_step``, write the result and end the trial."""

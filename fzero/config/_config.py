@@ -339,11 +339,11 @@ class Config:
         if batch is not None:
             import fzero.tree as tree
 
-            leaves = [x for x in tree.leaves(batch) if hasattr(x, "shape") and len(x.shape) > 0]
-            if not leaves:
+            rows = tree.leading_size(batch)
+            if rows is None:
                 raise ValueError(f"{WHERE}: train_micro_batch_size_per_gpu is \"auto\" and the first batch has no "
                                  "tensor with a leading axis to take it from; give a value in the config or auto=")
-            known = known.but(batch=int(leaves[0].shape[0]))
+            known = known.but(batch=rows)
         return _load.from_dict(type(self), self._raw, self.world_size, self.source, known)
 
     def report(self, only: tuple[str, ...] | None = None) -> str:

@@ -21,14 +21,6 @@ from fzero.monitor._writers import scalars
 __all__ = ["Monitoring"]
 
 
-def _rows(batch: Any) -> int | None:
-    """The batch's leading size: its first tensor's first dimension."""
-    for leaf in tree.leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
-
-
 class Monitoring:
     """Per compiled step: the measurements its options ask for, and its monitors.
 
@@ -89,7 +81,7 @@ class Monitoring:
 
         ``update`` is the state's update count before the step (the learning rate's index)."""
         self.calls += 1
-        rows = _rows(batch)
+        rows = tree.leading_size(batch)
         self.samples += (rows or 0) * self.dp
         metrics = dict(metrics)
         if self.timer is not None:

@@ -461,7 +461,8 @@ def shard_state(
     def call(state, batch):
         if handler.layout is None:
             raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
-        handler.rows = _leading_size(batch)  # checked across ranks with the loss: see _mean_value
+        rows = tree.leading_size(batch)
+        handler.rows = -1 if rows is None else rows  # checked across ranks with the loss: see _mean_value
         with installed(handler):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
@@ -472,12 +473,6 @@ def shard_state(
     out = Step(call, after=after, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
     out.handler = handler
     return out
-
-
-def _leading_size(batch: Any) -> int:
-    """The leading size of ``batch``'s first tensor with a dimension (``-1`` if none)."""
-    leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
-    return int(leaves[0].shape[0]) if leaves else -1
 
 
 def _desc(shape_dtype) -> str:
