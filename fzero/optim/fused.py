@@ -24,9 +24,9 @@ parameter (LAMB: a norms launch, one ``psum`` of the per-tensor sums, an apply l
 Under a donated step (``fzero.compile``'s default) the kernels write into the state's own
 tensors: no clones. Otherwise each run's spans are copied once and updated.
 
-The result equals the unfused chain's within fp32 rounding (bit for bit for the clip
-coefficient and ``grad_norm``, and for SGD and Lion, whose kernels round as the chain does;
-``tests/test_fused_step.py``), and the optimizer state keeps the chain's structure, so a
+The result equals the unfused chain's within fp32 rounding (the kernels follow
+torch.optim's order of operations, the chain optax's; the clip coefficient and
+``grad_norm`` are the chain's bit for bit; ``tests/test_fused_step.py``), and the optimizer state keeps the chain's structure, so a
 checkpoint does not care which path wrote it. Only an alias alone, or
 ``chain(clip_by_global_norm(c), alias)``, is fused (:func:`fzero.optim.fused_spec_of`);
 anything else runs unfused.
