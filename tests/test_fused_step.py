@@ -199,12 +199,12 @@ INTERPRETED = textwrap.dedent(r"""
     case = ft.ModelCase((3, 5, 2), "tanh", True, True, 3)
 
     class HostReads(TorchDispatchMode):
-        # A read of a floating-point tensor's value by the host (.item(), bool(), float()):
-        # on a GPU, a sync. Counts are int64 CPU tensors by design and are not counted.
+        # A read of a tensor's value by the host (.item(), bool(), float()): on a GPU, a
+        # sync. The counts are int64 CPU tensors by design (schedules read them), not counted.
         reads = 0
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default) \
-                    and args[0].is_floating_point():
+                    and args[0].dtype != torch.int64:
                 HostReads.reads += 1
             return func(*args, **(kwargs or {}))
 
