@@ -76,7 +76,7 @@ def _assert_same(fused, plain, kind, what):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_fused_step_equals_unfused_step(kind, stage, precision):
     """Every kind × stage × precision, with and without clipping, and a non-finite update
     (skipped by both paths, leaving the same state): the fused step's parameters, masters,

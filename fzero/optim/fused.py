@@ -260,6 +260,9 @@ def fuses(tx: GradientTransformation, params: Any) -> bool:
 
     A caller that prepares the gradients asks it first: the kernels read bf16/fp16
     gradients as they are, so a gradient need not be cast to fp32 (a copy per leaf) for them.
+
+    Raises:
+        ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
     mode = _mode()
     if mode == "off":
@@ -290,6 +293,10 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     Returns:
         ``None`` when the fused path does not apply (mode, optimizer, dtypes, device), else
         the new parameters and optimizer state, with the structures of the ones given.
+
+    Raises:
+        ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``; the kernels' own
+            errors (``fzero_kernels.*``) for a hyperparameter they refuse.
     """
     if not fuses(tx, params):
         return None
