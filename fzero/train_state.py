@@ -188,7 +188,7 @@ def _update(tx, grads, opt_state, params, *, donate: bool = False):
 
     from fzero.optim.base import _update as update_of
 
-    fused = fused_update(tx, grads, opt_state, params)
+    fused = fused_update(tx, grads, opt_state, params, donate=donate)
     if fused is not None:
         return fused
     updates, opt_state = update_of(tx, grads, opt_state, params, new=False, donate=donate)

@@ -1,22 +1,41 @@
-"""The fused path: ``adam``/``adamw`` updates run by ``fzero_kernels`` instead of the chain.
+"""The fused path: ``adam``, ``adamw``, ``lamb``, ``lion`` and ``sgd`` updates run by
+``fzero_kernels`` instead of the chain, one launch per flat run of leaves.
 
 When is it used (``FZERO_FUSED``, or :func:`use_fused`):
 
 * ``"auto"`` (default): when the parameters are on a GPU, where ``fzero_kernels`` runs its
-  Triton kernel (one launch per leaf: unscale, clip coefficient, decoupled decay, both
-  moments and the parameter in one pass);
-* ``"on"``: always (on a CPU the kernels' torch reference runs -- the tests use this);
+  Triton kernels;
+* ``"on"``: always (on a CPU the kernels' torch reference runs, or the Triton kernel under
+  ``TRITON_INTERPRET=1`` -- the tests use both);
 * ``"off"``: never.
 
-The result equals the unfused chain's within fp32 rounding (``tests/test_fused.py``), and
-the optimizer state keeps the chain's structure, so a checkpoint does not care which path
-wrote it. Only an alias alone, or ``chain(clip_by_global_norm(c), alias)``, is fused
-(:func:`fzero.optim.fused_spec_of`); anything else runs unfused.
+One launch per *flat run*: leaves whose parameters, gradients and optimizer-state tensors
+each lie back to back in one storage (ZeRO's pieces of a flat group at stages 1-3: the
+masters or parameters are views of the rank's owned slice, the gradients views of the
+reduced slice, and the moments views of one buffer laid out like the parameters, see
+``fzero.optim.transform._zeros_like``) are updated by one kernel over the flat span. A leaf
+that shares no storage with its neighbours (stage 0: the module's own tensors) is a run of
+its own. A leaf whose weight-decay mask differs from its neighbour's starts a new run (the
+kernels take one ``weight_decay`` per launch).
+
+Each launch does the whole update in one pass: the clip coefficient (from the global sum of
+squares, a device tensor: no host read of the norm), the decay, the moments and the
+parameter (LAMB: a norms launch, one ``psum`` of the per-tensor sums, an apply launch).
+Under a donated step (``fzero.compile``'s default) the kernels write into the state's own
+tensors: no clones. Otherwise each run's spans are copied once and updated.
+
+The result equals the unfused chain's within fp32 rounding (the kernels follow
+torch.optim's order of operations, the chain optax's; the clip coefficient and
+``grad_norm`` are the chain's bit for bit; ``tests/test_fused_step.py``), and the optimizer state keeps the chain's structure, so a
+checkpoint does not care which path wrote it. Only an alias alone, or
+``chain(clip_by_global_norm(c), alias)``, is fused (:func:`fzero.optim.fused_spec_of`);
+anything else runs unfused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -24,8 +43,8 @@ from typing import Any, Literal
 import torch
 
 from fzero import tree
-from fzero.optim.base import GradientTransformation, fused_spec_of
-from fzero.optim.transform import ScaleByAdamState, _resolve_mask
+from fzero.optim.base import FusedSpec, GradientTransformation, fused_spec_of
+from fzero.optim.transform import ScaleByAdamState, ScaleByLionState, ScaleByScheduleState, TraceState, _resolve_mask
 
 __all__ = ["fused_update", "use_fused"]
 
@@ -54,96 +73,279 @@ def _mode() -> Mode:
     return mode  # type: ignore[return-value]
 
 
-def _find_adam(state: Any) -> tuple[Any, ...] | None:
-    """The index path of the (only) ScaleByAdamState inside a chain's nested tuples."""
-    if isinstance(state, ScaleByAdamState):
+# --------------------------------------------------------------------------- the state
+
+
+# The state node each kind's kernel updates, and the fields of it that are per-leaf tensors.
+_NODE = {"adam": (ScaleByAdamState, ("mu", "nu")), "adamw": (ScaleByAdamState, ("mu", "nu")),
+         "lamb": (ScaleByAdamState, ("mu", "nu")), "lion": (ScaleByLionState, ("mu",)),
+         "sgd": (TraceState, ("trace",))}
+
+
+def _find(state: Any, kind: type) -> tuple[Any, ...] | None:
+    """The index path of the (first) ``kind`` node inside a chain's nested tuples."""
+    if isinstance(state, kind):
         return ()
     if isinstance(state, tuple):
         for i, s in enumerate(state):
-            sub = _find_adam(s)
+            sub = _find(s, kind)
             if sub is not None:
                 return (i, *sub)
     return None
 
 
-def _rebuild(state: Any, path: tuple, adam: ScaleByAdamState) -> Any:
-    """``state`` with the Adam state at ``path`` replaced and every other count advanced."""
-    if not path:
-        return adam
-    out = []
-    for i, s in enumerate(state):
-        out.append(_rebuild(s, path[1:], adam) if i == path[0] else _advance(s))
+def _node(state: Any, path: tuple) -> Any:
+    for i in path:
+        state = state[i]
+    return state
+
+
+def _rebuild(state: Any, path: tuple | None, node: Any) -> Any:
+    """``state`` with the node at ``path`` replaced (``None``: none) and every other count advanced."""
+    if path is not None and not path:
+        return node
+    if not isinstance(state, tuple):
+        return state
+    if hasattr(state, "_fields") and "count" in state._fields:
+        return state._replace(count=state.count + 1)
+    out = [_rebuild(s, path[1:] if path is not None and i == path[0] else None, node)
+           if path is not None and i == path[0] else _rebuild(s, None, node) for i, s in enumerate(state)]
     return type(state)(*out) if hasattr(state, "_fields") else tuple(out)
 
 
-def _advance(s: Any) -> Any:
-    if hasattr(s, "_fields") and "count" in s._fields:
-        return s._replace(count=s.count + 1)
-    if isinstance(s, tuple):
-        parts = [_advance(x) for x in s]
-        return type(s)(*parts) if hasattr(s, "_fields") else tuple(parts)
-    return s
+def _count(state: Any) -> int:
+    """The 0-based index of this update: the count of any counter in the state (they move
+    together), read from a CPU tensor (no device sync); 0 where the chain keeps none."""
+    for kind in (ScaleByAdamState, ScaleByLionState, ScaleByScheduleState):
+        path = _find(state, kind)
+        if path is not None:
+            return int(_node(state, path).count)
+    return 0
 
 
-def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any):
-    """``(new_params, new_opt_state)`` by the fused kernels, or ``None`` to run unfused.
+# --------------------------------------------------------------------------- flat runs
 
-    Pure: the kernels write into fresh copies of the parameters and moments.
+
+def _follows(t: torch.Tensor, prev: torch.Tensor) -> bool:
+    """``t`` starts where ``prev`` ends, in the same storage, both dense and of one dtype."""
+    return (t.dtype == prev.dtype and t.device == prev.device and t.is_contiguous()
+            and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and t.storage_offset() == prev.storage_offset() + prev.numel())
+
+
+def _runs(operands: list[list[torch.Tensor]], keys: list[Any]) -> list[list[int]]:
+    """Leaf indices cut into runs: consecutive in memory for every operand (each operand's
+    tensors back to back in one storage) and of one ``keys`` value (the decay flag). Empty
+    leaves are left out (nothing to update); a non-contiguous leaf is a run of its own."""
+    first = operands[0]
+    live = [i for i, p in enumerate(first) if p.numel()]
+    live.sort(key=lambda i: (first[i].untyped_storage().data_ptr(), first[i].storage_offset()))
+    runs: list[list[int]] = []
+    for i in live:
+        if runs:
+            j = runs[-1][-1]
+            if keys[i] == keys[j] and all(op[j].is_contiguous() and _follows(op[i], op[j]) for op in operands):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def _span(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-D view of the storage ``ts`` (back to back, see :func:`_runs`) cover; a
+    row-major copy when a single leaf is not contiguous."""
+    if len(ts) == 1 and not ts[0].is_contiguous():
+        return ts[0].detach().clone(memory_format=torch.contiguous_format).view(-1)
+    t = ts[0].detach()
+    return t.as_strided((sum(x.numel() for x in ts),), (1,), t.storage_offset())
+
+
+@dataclasses.dataclass
+class _Run:
+    """One launch's operands: flat ``param``, ``grad`` and state spans over ``leaves``."""
+
+    leaves: list[int]
+    sizes: list[int]
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: list[torch.Tensor]
+    decay: bool
+
+
+def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay: list[bool],
+             donate: bool) -> list[_Run]:
+    """The flat spans of each run. Donated, the parameter and state spans are the state's own
+    memory (the kernel writes the new state where it is); otherwise one copy per span."""
+    out = []
+    for idx in runs:
+        param = _span([p[i] for i in idx])
+        st = [_span([s[i] for i in idx]) for s in states]
+        if not donate:
+            param = param.clone() if param.data_ptr() == p[idx[0]].data_ptr() else param
+            st = [x.clone() if x.data_ptr() == s[idx[0]].data_ptr() else x for x, s in zip(st, states)]
+        grad = _span([g[i] for i in idx]) if len(idx) > 1 else g[idx[0]].detach().reshape(-1).contiguous()
+        out.append(_Run(idx, [p[i].numel() for i in idx], param, grad, st, decay[idx[0]]))
+    return out
+
+
+def _write_back(leaves: list[torch.Tensor], flat: torch.Tensor, run: _Run, donate: bool) -> None:
+    """The run's new leaves into ``leaves`` (in place): views of ``flat``, or, for a donated
+    non-contiguous leaf, the leaf itself with the row-major result copied into it."""
+    off = 0
+    for i, n in zip(run.leaves, run.sizes):
+        old, new = leaves[i], flat[off:off + n]
+        if not donate:
+            leaves[i] = new.view(old.shape)
+        elif new.data_ptr() != old.data_ptr():  # a strided leaf, updated on a row-major copy
+            old.copy_(new.view(old.shape))
+        off += n
+
+
+# --------------------------------------------------------------------------- the launches
+
+
+def _launch(spec: FusedSpec, run: _Run, *, lr: float, step: int, clip: dict, found_inf, grad_scale) -> None:
+    import fzero_kernels
+
+    wd = spec.weight_decay if run.decay else 0.0
+    common = dict(grad_scale=grad_scale, found_inf=found_inf, **clip)
+    if spec.kind in ("adam", "adamw"):
+        kernel = fzero_kernels.adamw_ if spec.kind == "adamw" else fzero_kernels.adam_
+        kernel(run.param, run.grad, *run.states, lr=lr, beta1=spec.b1, beta2=spec.b2, eps=spec.eps,
+               weight_decay=wd, step=step, **common)
+    elif spec.kind == "lion":
+        fzero_kernels.lion_(run.param, run.grad, *run.states, lr=lr, beta1=spec.b1, beta2=spec.b2,
+                            weight_decay=wd, **common)
+    else:  # sgd. The trace starts at zeros, so "buf = momentum * buf + g" from the first
+        # update on is the chain's arithmetic (step > 1: the kernel never copies g in).
+        fzero_kernels.sgd_(run.param, run.grad, run.states[0] if run.states else None, lr=lr,
+                           momentum=spec.momentum or 0.0, nesterov=spec.nesterov, weight_decay=wd,
+                           step=2 if spec.momentum else None, **common)
+
+
+def _lamb(spec: FusedSpec, runs: list[_Run], params: Any, n_leaves: int, device, *, lr: float, step: int,
+          clip: dict, found_inf, grad_scale) -> None:
+    """LAMB: per run the per-tensor sums of squares (launch 1), one ``psum`` of them all
+    (exact on ZeRO's pieces and tp's slices), then per run the update (launch 2)."""
+    import fzero_kernels
+
+    from fzero.transforms._core import LeafSums, psum
+
+    param_sq = torch.zeros(n_leaves, dtype=torch.float64, device=device)
+    update_sq = torch.zeros(n_leaves, dtype=torch.float64, device=device)
+    tables = []
+    for run in runs:
+        offsets = [0]
+        for n in run.sizes:
+            offsets.append(offsets[-1] + n)
+        kw = dict(segments=tuple(offsets), tensor_ids=tuple(run.leaves), num_tensors=n_leaves, beta1=spec.b1,
+                  beta2=spec.b2, eps=spec.eps, eps_root=spec.eps_root or 0.0,
+                  weight_decay=spec.weight_decay if run.decay else 0.0, step=step, grad_scale=grad_scale, **clip)
+        norms = fzero_kernels.lamb_partial_norms(run.param, run.grad, *run.states, **kw)
+        param_sq += norms.param_sq
+        update_sq += norms.update_sq
+        tables.append(kw)
+    sums = psum(LeafSums.of([params, params], torch.cat([param_sq, update_sq])))
+    param_sq, update_sq = sums[:n_leaves], sums[n_leaves:]
+    for run, kw in zip(runs, tables):
+        fzero_kernels.lamb_apply_(run.param, run.grad, *run.states, param_sq=param_sq, update_sq=update_sq, lr=lr,
+                                  found_inf=found_inf, **kw)
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def fuses(tx: GradientTransformation, params: Any) -> bool:
+    """Whether :func:`fused_update` runs ``tx`` on ``params`` (fp32 leaves) in this mode.
+
+    A caller that prepares the gradients asks it first: the kernels read bf16/fp16
+    gradients as they are, so a gradient need not be cast to fp32 (a copy per leaf) for them.
+
+    Raises:
+        ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
     mode = _mode()
     if mode == "off":
+        return False
+    spec = fused_spec_of(tx)
+    if spec is None or spec.kind not in _NODE or (spec.kind != "lamb" and spec.eps_root):
+        return False
+    p_leaves = tree.leaves(params)
+    if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
+        return False
+    return mode == "on" or p_leaves[0].device.type == "cuda"
+
+
+def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any, *, donate: bool = False,
+                 found_inf: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0):
+    """``(new_params, new_opt_state)`` by the fused kernels, or ``None`` to run unfused.
+
+    Args:
+        tx: the optimizer (its :func:`~fzero.optim.fused_spec_of` says whether and how).
+        grads, opt_state, params: as ``tx.update``'s; leaves may be ZeRO's pieces.
+        donate: the caller gives ``params`` and ``opt_state`` up: the kernels write into
+            them (no copies). Otherwise nothing passed in is written to.
+        found_inf: optional 1-element device tensor; nonzero: every kernel leaves the
+            parameters and moments as they are (the counts still advance: the caller that
+            passes it decides about the step, see docs/kernels.md).
+        grad_scale: ``grads`` are divided by it first, in the same pass (a loss scale).
+
+    Returns:
+        ``None`` when the fused path does not apply (mode, optimizer, dtypes, device), else
+        the new parameters and optimizer state, with the structures of the ones given.
+
+    Raises:
+        ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``; the kernels' own
+            errors (``fzero_kernels.*``) for a hyperparameter they refuse.
+    """
+    if not fuses(tx, params):
         return None
     spec = fused_spec_of(tx)
-    if spec is None or spec.kind not in ("adam", "adamw") or spec.eps_root:
-        return None
     p_leaves, p_spec = tree.flatten(params)
-    if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
+    g_leaves = tree.leaves(grads)
+    if len(g_leaves) != len(p_leaves) or not all(isinstance(g, torch.Tensor) and g.dtype in (
+            torch.float32, torch.bfloat16, torch.float16) for g in g_leaves):
         return None
-    if mode == "auto" and p_leaves[0].device.type != "cuda":
+    node_type, fields = _NODE[spec.kind]
+    path = _find(opt_state, node_type)
+    if spec.kind == "sgd" and not spec.momentum:
+        path, fields = None, ()
+    elif path is None:
         return None
-    path = _find_adam(opt_state)
-    if path is None:
-        return None
-    import fzero_kernels
+    node = _node(opt_state, path) if path is not None else None
+    s_trees = [getattr(node, f) for f in fields]
+    s_leaves = [tree.leaves(t) for t in s_trees]
 
+    from fzero.optim.clipping import _leaf_norms
     from fzero.transforms._core import LeafSums, emit_metric, psum
 
-    node = opt_state
-    for i in path:
-        node = node[i]
-    adam: ScaleByAdamState = node
-    g_leaves = tree.leaves(grads)
-    mu, nu = tree.leaves(adam.mu), tree.leaves(adam.nu)
-    count = int(adam.count)
-    lr = spec.learning_rate(count) if callable(spec.learning_rate) else spec.learning_rate
-    decay = [True] * len(p_leaves) if spec.mask is None else _resolve_mask("fzero.optim.adamw", spec.mask, params)
-
-    grad_scale = 1.0
-    if spec.clip_norm is not None:
-        # clip_by_global_norm's coefficient, from one psum of the per-leaf sums of squares
-        # (in fp64), each leaf named so that a split one is summed over tp and a whole one
-        # counted once.
-        sq = torch.stack([g.double().pow(2).sum() for g in g_leaves]).to(p_leaves[0].device)
-        norm = psum(LeafSums.of([grads], sq, total=True)).sqrt().float()
-        emit_metric("grad_norm", norm)
-        coef = min(1.0, spec.clip_norm / (float(norm) + 1e-6))
-        grad_scale = 1.0 / coef
-
-    kernel = fzero_kernels.adamw_ if spec.kind == "adamw" else fzero_kernels.adam_
-    new_p, new_mu, new_nu = [], [], []
-    for p, g, m, v, d in zip(p_leaves, g_leaves, mu, nu, decay):
-        # The kernels take flat, contiguous tensors. A parameter need not be row-major (a
-        # transposed weight, a strided view; its moments inherit its strides), and a clone
-        # keeps a dense tensor's strides, so the copies are made row-major explicitly; the
-        # gradient, whatever its layout, is read in the same (logical) element order.
-        p2, m2, v2 = (t.detach().clone(memory_format=torch.contiguous_format) for t in (p, m, v))
-        if p.numel():
-            kernel(p2.view(-1), g.detach().reshape(-1).contiguous(), m2.view(-1), v2.view(-1), lr=lr, beta1=spec.b1,
-                   beta2=spec.b2, eps=spec.eps, weight_decay=spec.weight_decay if d else 0.0, step=count + 1,
-                   grad_scale=grad_scale)
-        new_p.append(p2)
-        new_mu.append(m2)
-        new_nu.append(v2)
-    new_adam = ScaleByAdamState(adam.count + 1, tree.unflatten(tree.structure(adam.mu), new_mu),
-                                tree.unflatten(tree.structure(adam.nu), new_nu))
-    return tree.unflatten(p_spec, new_p), _rebuild(opt_state, path, new_adam)
+    with torch.no_grad():
+        count = _count(opt_state)
+        lr = float(spec.learning_rate(count)) if callable(spec.learning_rate) else spec.learning_rate
+        decay = [True] * len(p_leaves) if spec.mask is None else _resolve_mask(f"fzero.optim.{spec.kind}", spec.mask,
+                                                                                params)
+        device = p_leaves[0].device
+        clip = {}
+        if spec.clip_norm is not None:
+            # clip_by_global_norm's sum of squares (the same per-leaf fp32 norms and psum, so
+            # the same bits), left on the device: the kernels form the coefficient from it.
+            sq = psum(LeafSums.of([grads], _leaf_norms(g_leaves, device).square(), total=True))
+            emit_metric("grad_norm", sq.sqrt())
+            clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
+        runs = _prepare(_runs([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay, donate)
+        kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
+        if spec.kind == "lamb":
+            _lamb(spec, runs, params, len(p_leaves), device, **kw)
+        else:
+            for run in runs:
+                _launch(spec, run, **kw)
+        new_p, new_s = list(p_leaves), [list(s) for s in s_leaves]
+        for run in runs:
+            _write_back(new_p, run.param, run, donate)
+            for leaves, flat in zip(new_s, run.states):
+                _write_back(leaves, flat, run, donate)
+    if node is not None:
+        node = node._replace(**{f: tree.unflatten(tree.structure(t), s) for f, t, s in zip(fields, s_trees, new_s)})
+        if "count" in node._fields:
+            node = node._replace(count=node.count + 1)
+    return tree.unflatten(p_spec, new_p), _rebuild(opt_state, path, node)

@@ -60,7 +60,26 @@ __all__ = [
 
 
 def _zeros_like(params: Params) -> Params:
-    return tree.map(torch.zeros_like, params)
+    """Zeros like each leaf. Leaves that lie back to back in one storage (ZeRO's pieces of a
+    flat group) get views of one zero buffer laid out as they are, so the fused path
+    (``fzero.optim.fused``) updates a flat group's parameters and moments in one launch."""
+    leaves, spec = tree.flatten(params)
+    out = [None] * len(leaves)
+    shared: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.numel() and x.is_contiguous() and x.device.type != "meta":
+            shared.setdefault((x.untyped_storage().data_ptr(), x.dtype, x.device), []).append(i)
+    for idx in shared.values():
+        idx.sort(key=lambda i: leaves[i].storage_offset())
+        start = leaves[idx[0]].storage_offset()
+        end = leaves[idx[-1]].storage_offset() + leaves[idx[-1]].numel()
+        if len(idx) < 2 or end - start != sum(leaves[i].numel() for i in idx):
+            continue  # alone, or with gaps or overlaps between them: zeros of their own
+        buf = torch.zeros(end - start, dtype=leaves[idx[0]].dtype, device=leaves[idx[0]].device)
+        for i in idx:
+            a = leaves[i].storage_offset() - start
+            out[i] = buf[a:a + leaves[i].numel()].view(leaves[i].shape)
+    return tree.unflatten(spec, [torch.zeros_like(x) if o is None else o for x, o in zip(leaves, out)])
 
 
 def _cast_to(xs: list[torch.Tensor], refs: list[torch.Tensor]) -> list[torch.Tensor]:

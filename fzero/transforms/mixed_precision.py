@@ -179,7 +179,10 @@ class _PrecisionHandler(Handler):
         # are this rank's pieces, as are the parameters); the model computes with their
         # low-precision copies.
         master = state.extra["master"]
-        grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
+        from fzero.optim.fused import fuses
+
+        if not fuses(state.tx, master):  # the fused kernels read 16-bit gradients as they are
+            grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
         new = next(state.replace(params=merge_trainable(state.params, master)), grads)
         master = trainable(new.params)
         if offloaded() or params_offloaded():  # masters or pieces on the host: cast where the masters are

@@ -1,0 +1,288 @@
+"""The fused path as the step's optimizer: adam, adamw, lamb, lion and sgd through
+``fzero_kernels``, one launch per flat group, against the unfused chain (itself tested
+against torch.optim and optax's formulas in test_optim.py) and against torch.optim directly."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fzero
+import fzero.testing as ft
+import fzero_kernels
+from fzero import optim
+from fzero.distributed.flat import build_layout
+from fzero_kernels import _common
+
+CASE = ft.ModelCase((3, 5, 2), "tanh", True, True, 3)  # three Linear layers: six leaves
+KINDS = ("adam", "adamw", "lamb", "lion", "sgd")
+
+
+def _tx(kind, clip):
+    sched = optim.schedules.warmup_cosine(1e-2, warmup=2, total=8)
+    tx = {
+        "adam": lambda: optim.adam(1e-2, weight_decay=0.05),
+        "adamw": lambda: optim.adamw(sched, weight_decay=0.1),
+        "lamb": lambda: optim.lamb(1e-2, weight_decay=0.1),
+        "lion": lambda: optim.lion(1e-3),
+        "sgd": lambda: optim.sgd(sched, momentum=0.9, nesterov=True, weight_decay=0.01),
+    }[kind]()
+    return optim.chain(optim.clip_by_global_norm(0.05), tx) if clip else tx
+
+
+def _launches():
+    """Kernel launches so far (either backend), by the kernels' own counter."""
+    return sum(n for (name, _), n in _common.CALLS.items()
+               if name.rsplit(".", 1)[-1].rstrip("_").split("_reference")[0] in
+               ("adamw", "adam", "lion", "sgd", "lamb_partial_norms", "lamb_apply"))
+
+
+def _train(kind, *, stage, mode, precision="fp32", clip=False, steps=3, nan_at=None, world=1, rank=0, **kw):
+    apply, params = fzero.functionalize(CASE.make())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=_tx(kind, clip))
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, precision=precision, **kw)
+    metrics, launches = [], []
+    with optim.use_fused(mode), fzero_kernels.force_backend("reference"):
+        state = step.init(state)
+        for i in range(steps):
+            batch = ft.local_batch(CASE.batch(4 * world, i), world, rank)
+            if i == nan_at:
+                batch["x"][0, 0] = float("nan")
+            before = _launches()
+            state, m = step(state, batch)
+            launches.append(_launches() - before)
+            metrics.append(m)
+    return state, metrics, launches
+
+
+def _assert_same(fused, plain, kind, what):
+    (sf, mf, _), (sp, mp, _) = fused, plain
+    got = fzero.gather({"params": sf.params, "opt_state": sf.opt_state, "extra": sf.extra, "step": sf.step})
+    want = fzero.gather({"params": sp.params, "opt_state": sp.opt_state, "extra": sp.extra, "step": sp.step})
+    ft.assert_trees_close(got, want, what=what)  # one structure: checkpoints cannot tell the paths apart
+    for a, b in zip(mf, mp):
+        assert a.keys() == b.keys(), what
+        if "grad_norm" in a:  # the chain's norm, the same bits
+            x, y = a["grad_norm"], b["grad_norm"]
+            assert torch.equal(x, y) or (x.isnan() and y.isnan()), (what, x, y)
+        if "skipped" in a:
+            assert bool(a["skipped"]) == bool(b["skipped"]), what
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_fused_step_equals_unfused_step(kind, stage, precision):
+    """Every kind × stage × precision, with and without clipping, and a non-finite update
+    (skipped by both paths, leaving the same state): the fused step's parameters, masters,
+    optimizer state, step and metrics are the unfused step's."""
+    for clip in (False, True):
+        kw = dict(stage=stage, precision=precision, clip=clip, nan_at=1)
+        what = f"{kind} stage {stage} {precision} clip={clip}"
+        fused = _train(kind, mode="on", **kw)
+        plain = _train(kind, mode="off", **kw)
+        assert sum(plain[2]) == 0 and all(n > 0 for n in fused[2]), (what, fused[2], plain[2])
+        assert int(fused[0].step) == 2 and [bool(m["skipped"]) for m in fused[1]] == [False, True, False], what
+        _assert_same(fused, plain, kind, what)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_launch_per_flat_group_and_step(kind, precision, stage):
+    """Under ZeRO the kernel runs once per flat group (LAMB: its norms and apply launches),
+    not once per leaf: one group of six leaves, then the groups of a 64-byte bucket."""
+    per = 2 if kind == "lamb" else 1
+    _, _, launches = _train(kind, stage=stage, mode="on", precision=precision)
+    assert launches == [per] * 3, launches
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # buckets count the model's bytes
+    params = {k: v.to(dtype) for k, v in CASE.make().named_parameters()}
+    groups = len(build_layout(params, world=1, rank=0, bucket_bytes=64).groups)
+    assert groups in (2, 3)
+    _, _, launches = _train(kind, stage=stage, mode="on", precision=precision, bucket_bytes=64)
+    assert launches == [groups * per] * 3, launches
+
+
+def test_stage_0_launches_once_per_leaf():
+    """Without ZeRO's flat groups each leaf is its own storage: one launch per leaf
+    (the choice documented in docs/kernels.md)."""
+    _, _, launches = _train("adamw", stage=0, mode="on")
+    assert launches == [6] * 3, launches
+
+
+def test_a_weight_decay_mask_cuts_a_group_into_runs():
+    """The kernels take one weight_decay per launch: a mask that alternates along the flat
+    group (weights decayed, biases not) gives one launch per run of equal flags, and the
+    update is still the chain's."""
+    def train(mode):
+        apply, params = fzero.functionalize(CASE.make())
+        tx = optim.adamw(1e-2, weight_decay=0.5, mask=lambda p: {k: k.endswith("weight") for k in p})
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+        step = fzero.compile(ft.mse_step, zero=2)
+        with optim.use_fused(mode), fzero_kernels.force_backend("reference"):
+            state = step.init(state)
+            before = _launches()
+            state, _ = step(state, CASE.batch(4))
+        return fzero.gather(state.params), _launches() - before
+
+    (fused, n), (plain, _) = train("on"), train("off")
+    assert n == 6
+    ft.assert_trees_close(fused, plain)
+
+
+def test_fused_zero_2_trains_like_torch_optim():
+    """An independent reference: torch.optim's AdamW and SGD (Nesterov) on the same module."""
+    for kind, make in [("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+                       ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True))]:
+        tx = optim.adamw(1e-2, weight_decay=0.1) if kind == "adamw" else optim.sgd(0.05, momentum=0.9, nesterov=True)
+        apply, params = fzero.functionalize(CASE.make())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+        step = fzero.compile(ft.mse_step, zero=2)
+        ref = CASE.make()
+        opt = make(ref.parameters())
+        with optim.use_fused("on"), fzero_kernels.force_backend("reference"):
+            state = step.init(state)
+            for i in range(4):
+                b = CASE.batch(4, i)
+                state, _ = step(state, b)
+                opt.zero_grad()
+                F.mse_loss(ref(b["x"]), b["y"]).backward()
+                opt.step()
+        ft.assert_trees_close(fzero.gather(state.params), {k: v.detach() for k, v in ref.named_parameters()},
+                              what=kind)
+
+
+def test_checkpoint_written_by_the_fused_path_loads_into_the_unfused_one(tmp_path):
+    fused, _, _ = _train("lamb", stage=2, mode="on", clip=True)
+    fzero.checkpoint.save(str(tmp_path / "c"), fused)
+    apply, params = fzero.functionalize(CASE.make())
+    like = fzero.TrainState.create(apply_fn=apply, params=params, tx=_tx("lamb", True))
+    step = fzero.compile(ft.mse_step, zero=2)
+    with optim.use_fused("off"):
+        like = step.init(like)
+        loaded = fzero.checkpoint.load(str(tmp_path / "c"), like=like)
+        ft.assert_trees_close(fzero.gather(loaded.opt_state), fzero.gather(fused.opt_state), tol="exact")
+        step(loaded, CASE.batch(4, 9))  # and it steps
+
+
+def _two_ranks(kind, stage, precision, clip):
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = [_train(kind, stage=stage, mode=m, precision=precision, clip=clip, nan_at=1, world=n, rank=r)
+           for m in ("on", "off")]
+    per = 2 if kind == "lamb" else 1
+    assert out[0][2] == [per, per, per], out[0][2]  # the nan update runs the kernels too, and is discarded
+    _assert_same(out[0], out[1], kind, f"{kind} stage {stage} {precision} clip={clip} rank {r}")
+    return True
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage,precision,clip", [("adamw", 1, "fp32", True), ("lamb", 2, "bf16", True),
+                                                       ("lion", 3, "fp32", False), ("sgd", 3, "bf16", True),
+                                                       ("adam", 2, "fp32", False)])
+def test_fused_step_on_two_ranks(ranks, kind, stage, precision, clip):
+    """Real ranks: each rank's kernel updates its own piece of the flat group, LAMB's
+    per-tensor norms and the clip's sum of squares summed across ranks."""
+    assert ranks(2).run(_two_ranks, kind, stage, precision, clip) == [True, True]
+
+
+INTERPRETED = textwrap.dedent(r"""
+    import torch, fzero, fzero_kernels, fzero.testing as ft
+    from fzero import optim
+    from fzero_kernels import _common
+    from torch.utils._python_dispatch import TorchDispatchMode
+    case = ft.ModelCase((3, 5, 2), "tanh", True, True, 3)
+
+    class HostReads(TorchDispatchMode):
+        # A read of a tensor's value by the host (.item(), bool(), float()): on a GPU, a
+        # sync. The counts are int64 CPU tensors by design (schedules read them), not counted.
+        reads = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default) \
+                    and args[0].dtype != torch.int64:
+                HostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    from fzero.optim import fused
+    real = fused.fused_update
+    def watched(*a, **k):
+        with HostReads():
+            return real(*a, **k)
+    fused.fused_update = watched
+    import fzero.train_state
+
+    for kind, stage, clip in [("adamw", 2, True), ("lamb", 3, True), ("lion", 1, False), ("sgd", 2, True)]:
+        tx = {"adamw": lambda: optim.adamw(1e-2), "lamb": lambda: optim.lamb(1e-2, weight_decay=0.1),
+              "lion": lambda: optim.lion(1e-3), "sgd": lambda: optim.sgd(0.05, momentum=0.9)}[kind]
+        out = []
+        for mode in ("on", "off"):
+            apply, params = fzero.functionalize(case.make())
+            t = optim.chain(optim.clip_by_global_norm(0.05), tx()) if clip else tx()
+            state = fzero.TrainState.create(apply_fn=apply, params=params, tx=t)
+            step = fzero.compile(ft.mse_step, zero=stage)
+            with optim.use_fused(mode):
+                state = step.init(state)
+                before = sum(v for (f, b), v in _common.CALLS.items() if b == "triton")
+                for i in range(2):
+                    state, m = step(state, case.batch(4, i))
+                launched = sum(v for (f, b), v in _common.CALLS.items() if b == "triton") - before
+            out.append((fzero.gather(state.params), fzero.gather(state.opt_state), launched))
+        per = 2 if kind == "lamb" else 1
+        assert out[0][2] == 2 * per and out[1][2] == 0, (kind, out[0][2], out[1][2])
+        ft.assert_trees_close(out[0][:2], out[1][:2], what=kind)
+    assert HostReads.reads == 0, HostReads.reads
+    print("interpreted-ok")
+""")
+
+
+@pytest.mark.slow
+def test_fused_step_under_the_triton_interpreter():
+    """The Triton kernels themselves (interpreted on the CPU) as the step's optimizer: one
+    launch per flat group, the chain's result, and no host read of a device value
+    (norm, flags) on the way."""
+    pytest.importorskip("triton", reason="triton is in the test extras")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "interpreted-ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")
+def test_fused_step_compiled_on_the_gpu_without_host_sync():
+    """On a GPU: the compiled kernels as the step's optimizer equal the unfused chain, and
+    the fused update makes no host sync (torch.cuda.set_sync_debug_mode raises on one)."""
+    pytest.importorskip("triton")
+    from fzero.optim import fused
+    from fzero.optim.fused import fused_update
+
+    for kind in KINDS:
+        out = []
+        for mode in ("on", "off"):
+            model = CASE.make().cuda()
+            apply, params = fzero.functionalize(model)
+            state = fzero.TrainState.create(apply_fn=apply, params=params, tx=_tx(kind, True))
+            step = fzero.compile(ft.mse_step, zero=2)
+            real = fused.fused_update
+
+            def strict(*a, **k):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return real(*a, **k)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            fused.fused_update = strict
+            try:
+                with optim.use_fused(mode):
+                    state = step.init(state)
+                    for i in range(3):
+                        state, _ = step(state, {k: v.cuda() for k, v in CASE.batch(4, i).items()})
+            finally:
+                fused.fused_update = fused_update
+            out.append(fzero.gather({"p": state.params, "s": state.opt_state}))
+        ft.assert_trees_close(out[0], out[1], what=kind)
