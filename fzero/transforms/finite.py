@@ -34,6 +34,26 @@ class NonFiniteGradientError(FloatingPointError):
         self.paths, self.step = paths, step
 
 
+def _device_of(leaves: list, state) -> torch.device | None:
+    """Where a flag about ``leaves`` lives: theirs, or the parameters' when there are none
+    (under NCCL a host flag could not be reduced)."""
+    tensors = leaves or [p for p in tree.leaves(state.params) if isinstance(p, torch.Tensor)]
+    return tensors[0].device if tensors else None
+
+
+def count_nonfinite(leaves: list, state) -> torch.Tensor:
+    """How many of ``leaves`` hold an inf or NaN, as a 0-dim fp32 tensor on their device.
+
+    It is an *any*, so it goes to ``psum`` as a bare tensor: a leaf held whole by every tp
+    rank is counted tp times, and the count is still > 0 exactly when some gradient is not
+    finite (no LeafSums, no per-leaf vector).
+    """
+    bad = torch.zeros((), dtype=torch.float32, device=_device_of(leaves, state))
+    for g in leaves:
+        bad = bad + (~torch.isfinite(g)).any().float()
+    return bad
+
+
 class _FiniteHandler(Handler):
     def __init__(self, mode: str):
         self.mode = mode
@@ -47,16 +67,13 @@ class _FiniteHandler(Handler):
             if isinstance(g, torch.Tensor) and not is_deferred(g):
                 paths.append(path)
                 leaves.append(g)
-        device = leaves[0].device if leaves else None
         if self.mode == "raise":
             # One flag per leaf, summed over the ranks (each holds its pieces of the
             # gradients under ZeRO): every rank learns which leaves, and all raise together.
             flags = torch.stack([(~torch.isfinite(g)).any() for g in leaves]).float() if leaves \
-                else torch.zeros(0, device=device)
-        else:  # an *any*: a bare tensor in psum's contract (see mixed_precision)
-            flags = torch.zeros((), dtype=torch.float32, device=device)
-            for g in leaves:
-                flags = flags + (~torch.isfinite(g)).any().float()
+                else torch.zeros(0, device=_device_of(leaves, state))
+        else:
+            flags = count_nonfinite(leaves, state)
         flags = psum(flags)
         if self.mode == "raise":
             bad = [tree.keystr(p) for p, f in zip(paths, flags.tolist()) if f > 0]

@@ -16,6 +16,7 @@ from fzero.options import check_option
 from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
                                     installed, offloaded, params_offloaded, psum)
 from fzero.transforms._deferred import is_deferred
+from fzero.transforms.finite import count_nonfinite
 
 __all__ = ["LossScaler", "mixed_precision"]
 
@@ -128,15 +129,9 @@ class _PrecisionHandler(Handler):
         # mesh's group (NCCL moves CUDA tensors only), and one read of the verdict below
         # is the only synchronisation. One collective under ZeRO: a rank whose own gradient
         # pieces are finite still skips when another rank's are not (DeepSpeed all-reduces
-        # its overflow flag with MAX). It is an *any*, so a bare tensor in psum's contract:
-        # a leaf held whole by every tp rank is counted tp times, and the count is still
-        # > 0 exactly when some gradient is not finite (no LeafSums, no per-leaf vector).
+        # its overflow flag with MAX), the same count check_finite takes.
         leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
-        tensors = leaves or [p for p in tree.leaves(state.params) if isinstance(p, torch.Tensor)]
-        bad = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
-        for g in leaves:
-            bad = bad + (~torch.isfinite(g)).any().float()
-        overflow = bool(psum(bad) > 0)
+        overflow = bool(psum(count_nonfinite(leaves, state)) > 0)
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
         unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
