@@ -265,8 +265,11 @@ def test_configs_in_the_shapes_projects_ship_train_as_written(path, capsys):
     step = fzero.compile(_train_step, config=str(path))
     state = step.init(state)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(2):
+    skipped = 0
+    for _ in range(3):
         state, metrics = step(state, (torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)))
         assert torch.isfinite(metrics["loss"])
+        skipped += int(bool(metrics["skipped"]))
     assert step.config.pending == ()
-    assert int(state.step) + int(bool(metrics.get("skipped", False))) >= 1
+    assert int(state.step) == 3 - skipped  # every update applied but those skipped (fp16's first scales)
+    assert skipped < 3
