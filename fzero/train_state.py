@@ -135,11 +135,12 @@ def trainable_grads(params: Any, grads: Any, where: str) -> Any:
             and params.keys() - params.frozen <= grads.keys() <= params.keys():
         grads = Params({k: None if k in params.frozen else grads[k] for k in params}, frozen=params.frozen)
     tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
-    paths, gs, _ = tree.flatten_with_path(grads)
-    wrong = [f"grads{tree.keystr(k)} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
-             for k, g, p in zip(paths, gs, tree.leaves(trainable(params)))
-             if type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape]
-    if wrong:
+    pairs = list(zip(tree.leaves(grads), tree.leaves(trainable(params))))
+    if any(type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape for g, p in pairs):
+        # Named only when wrong: the paths are not worked out on every step.
+        wrong = [f"grads{tree.keystr(k)} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
+                 for k, (g, p) in zip(tree.paths(grads), pairs)
+                 if type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape]
         raise ValueError(f"{where}: gradients must have their parameters' shapes: " + "; ".join(wrong[:8])
                          + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
     return grads

@@ -24,8 +24,8 @@ def _short(value: Any) -> str:
 
 def _auto(path: str, value: Any) -> None:
     if value == "auto":
-        raise ValueError(f"{WHERE}: {path}='auto' is a placeholder Hugging Face's Trainer fills in; "
-                         "DeepSpeed and fzero need a value")
+        raise ValueError(f"{WHERE}: {path}='auto' is Hugging Face's placeholder, which fzero fills only while "
+                         "reading a config (Config.load, fzero.compile); a Config built directly needs a value")
 
 
 def _int(path: str, value: Any, *, minimum: int | None = None) -> int:

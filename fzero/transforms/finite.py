@@ -57,16 +57,19 @@ def count_nonfinite(leaves: list, state) -> torch.Tensor:
 class _FiniteHandler(Handler):
     def __init__(self, mode: str):
         self.mode = mode
-        self.pending: torch.Tensor | None = None  # per-leaf flags of deferred micro-batches
+        self.pending = False  # a deferred micro-batch of this update was not finite
         self.discarding = False
 
     def apply_gradients(self, state, grads, *, next):
-        paths, leaves = [], []
-        for path, g in zip(*tree.flatten_with_path(grads, is_leaf=is_shard)[:2]):
-            g = g.local if is_shard(g) else g  # this rank's piece, named by its parameter's path
-            if isinstance(g, torch.Tensor) and not is_deferred(g):
-                paths.append(path)
-                leaves.append(g)
+        # Paths only under "raise", which names the leaves; "skip" runs on every update.
+        if self.mode == "raise":
+            paths, found, _ = tree.flatten_with_path(grads, is_leaf=is_shard)
+        else:
+            found = tree.leaves(grads, is_leaf=is_shard)
+            paths = [None] * len(found)
+        pieces = [(path, g.local if is_shard(g) else g) for path, g in zip(paths, found)]  # this rank's
+        pieces = [(path, g) for path, g in pieces if isinstance(g, torch.Tensor) and not is_deferred(g)]
+        leaves = [g for _, g in pieces]
         if self.mode == "raise":
             # One flag per leaf, summed over the ranks (each holds its pieces of the
             # gradients under ZeRO): every rank learns which leaves, and all raise together.
@@ -76,7 +79,7 @@ class _FiniteHandler(Handler):
             flags = count_nonfinite(leaves, state)
         flags = psum(flags)
         if self.mode == "raise":
-            bad = [tree.keystr(p) for p, f in zip(paths, flags.tolist()) if f > 0]
+            bad = [tree.keystr(p) for (p, _), f in zip(pieces, flags.tolist()) if f > 0]
             if bad:
                 step = int(state.step)
                 shown = ", ".join(f"grads{b}" for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
@@ -86,16 +89,16 @@ class _FiniteHandler(Handler):
                     bad, step)
             return next(state, grads)
         overflow = bool(flags > 0)
-        self.discarding = overflow or bool(self.pending)
+        self.discarding = overflow or self.pending
         try:
             new = next(state, grads)
         finally:
             self.discarding = False
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside
-            self.pending = bool(self.pending) or overflow
+            self.pending = self.pending or overflow
             return new
-        overflow = overflow or bool(self.pending)
-        self.pending = None
+        overflow = overflow or self.pending
+        self.pending = False
         emit_metric("skipped", torch.tensor(overflow))
         if overflow:  # the parameters, the optimizer state and state.step stay as they were
             return NotApplied(state, "skipped")
