@@ -137,9 +137,6 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if auto is not None and config is None:
         raise ValueError("fzero.compile: auto= fills a config's \"auto\" values; pass config= too")
     opts, cfg = _options(config, options, mesh, auto)
-    # The config as far as it is known: step.init fills what the state says ("auto"
-    # optimizer values, the bucket from the model's hidden size), the first call the batch.
-    known = {"cfg": cfg}
     if mesh.size("pp") > 1 and opts.pipeline is None:
         raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
                          "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
@@ -180,7 +177,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         bucket = opts.bucket_bytes
         if cfg is not None and "zero_optimization.reduce_bucket_size" in cfg.pending:
             def bucket():  # at init, once the model's hidden size has filled the config
-                elements = known["cfg"].zero_optimization.reduce_bucket_size
+                elements = step.config.zero_optimization.reduce_bucket_size
                 itemsize = 2 if opts.reduce_in in ("fp16", "bf16") else 4
                 return opts.bucket_bytes if elements is None else int(elements) * itemsize
         inner = shard_state(inner, mesh, opts.stage, bucket_bytes=bucket,
@@ -217,7 +214,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # on the mesh's device.
         state = mesh.place(state)
         if cfg is not None:
-            known["cfg"] = step.config = resolved = known["cfg"].resolve(state=state)
+            # step.config is the config as far as it is known: the state fills its "auto"
+            # optimizer values and the bucket from the model's hidden size, the first call
+            # the batch sizes.
+            step.config = resolved = step.config.resolve(state=state)
             _report(resolved)
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = resolved.install(state)
@@ -234,17 +234,16 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         return state
 
     donating = _Donating() if opts.donate else None
-    monitoring = _monitoring(opts, cfg, mesh, known)
+    monitoring = _monitoring(opts, cfg, mesh, lambda: step.config)
 
     def call(state, batch):
         if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
             raise state.params.error()
         # The traffic counter only grows; the step's share is the difference, so a caller
         # counting over several steps (comm.traffic itself) is not disturbed.
-        if cfg is not None and known["cfg"].pending:  # "auto" batch sizes: this batch says
-            known["cfg"] = known["cfg"].resolve(batch=batch)
-            step.config = known["cfg"]
-            _report(known["cfg"], only=("train_batch_size", "train_micro_batch_size_per_gpu"))
+        if cfg is not None and step.config.pending:  # "auto" batch sizes: this batch says
+            step.config = step.config.resolve(batch=batch)
+            _report(step.config, only=("train_batch_size", "train_micro_batch_size_per_gpu"))
         before = comm.traffic.copy() if opts.comm_bytes else None
         update = int(state.step) if monitoring is not None and monitoring.lr is not None else 0
         if profiler is not None:
@@ -308,7 +307,7 @@ def _report(cfg: Any, only: tuple[str, ...] | None = None) -> None:
             print(text, file=sys.stderr, flush=True)
 
 
-def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh, known: dict):
+def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh, current: Callable[[], Any]):
     """The step's measurements and monitors (:mod:`fzero.monitor`), or ``None`` when it has
     none: then the step runs exactly as without them."""
     monitors = list(opts.monitors)
@@ -319,7 +318,7 @@ def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh, known: dict):
             built: dict = {}  # the schedule of the config it was built from
 
             def lr(count: int) -> float:  # the config as step.init resolved it ("auto" lr included)
-                resolved = known["cfg"]
+                resolved = current()
                 if built.get("of") is not resolved:
                     lr0 = resolved.optimizer.hyperparameters()["lr"]
                     built.update(of=resolved, fn=resolved.make_schedule() if resolved.scheduler is not None
