@@ -12,6 +12,8 @@ from fzero.config import Config
 from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
+from fzero.means import global_mean
+from fzero import rng
 from fzero.train_state import TrainState
 from fzero.transforms import (ColwiseParallel, DivideAttributes, NonFiniteGradientError, RowwiseParallel, Step, accumulate,
                               check_finite, mixed_precision, pipeline, shard_state, tensor_parallel)
@@ -34,6 +36,7 @@ __all__ = [
     "data",
     "functionalize",
     "gather",
+    "global_mean",
     "grad",
     "load_into",
     "mixed_precision",
@@ -41,6 +44,7 @@ __all__ = [
     "pipeline",
     "RowwiseParallel",
     "remat",
+    "rng",
     "shard_state",
     "tensor_parallel",
     "tree",

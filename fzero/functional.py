@@ -25,7 +25,7 @@ import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 from torch.nn.utils.stateless import _reparametrize_module
 
-from fzero import tree
+from fzero import means, tree
 from fzero._params import Params
 from fzero.transforms._core import bind, register_primitive
 
@@ -364,14 +364,25 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *, has_aux: b
         diff = args[nums[0]] if single else tuple(args[i] for i in nums)
         rest = [a for i, a in enumerate(args) if i not in nums]
 
+        used = []  # whether fn's loss used a deferred global mean (see fzero.means)
+
         def call(d, *rest_args, **kw):
             full, r = [], iter(rest_args)
             ds = (d,) if single else d
             for i in range(len(args)):
                 full.append(ds[nums.index(i)] if i in nums else next(r))
-            return fn(*full, **kw)
+            since = means.mark()
+            out = fn(*full, **kw)
+            if since >= 0:
+                loss = out[0] if has_aux and isinstance(out, (tuple, list)) and len(out) == 2 else out
+                if means.check_loss(loss, since, getattr(fn, "__name__", "fn")):
+                    used.append(True)
+            return out
 
-        return bind("value_and_grad", call, diff, tuple(rest), kwargs, has_aux=has_aux)
+        out = bind("value_and_grad", call, diff, tuple(rest), kwargs, has_aux=has_aux)
+        if used:  # corrected in place once the update's count is known
+            means.returned(out[0][0] if has_aux else out[0])
+        return out
 
     return wrapped
 

@@ -36,6 +36,10 @@ class TrainState:
             updates a buffer in place (BatchNorm's running statistics) updates the
             state's; ``shard_state`` makes them identical on every ``dp`` rank after each
             step; checkpoints save them.
+        seed: 0-dim int64 CPU tensor, the run's random seed (``create(..., seed=0)``):
+            dropout inside a step draws its masks from it, the update and each element's
+            place in the global batch (:mod:`fzero.rng`), so they do not depend on the
+            layout; checkpointed with the rest.
 
     Frozen parameters (``params.frozen``, from ``requires_grad=False``) get no optimizer
     state and are never updated.
@@ -59,11 +63,15 @@ class TrainState:
     tx: Any = tree.field(static=True)
     extra: dict = tree.field(default_factory=dict)
     buffers: dict = tree.field(default_factory=dict)
+    seed: torch.Tensor = tree.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
     @classmethod
-    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, buffers: dict | None = None,
+    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, buffers: dict | None = None, seed: int = 0,
                **extra) -> "TrainState":
         """A fresh state at step 0 with ``opt_state = tx.init(params.trainable())``.
+
+        ``seed`` (an int) keys the dropout masks of every step (see :mod:`fzero.rng`): the
+        same seed gives the same run at any layout.
 
         ``buffers`` defaults to the module's own buffer tensors when ``apply_fn`` comes
         from :func:`fzero.functionalize` (shared, not copied), else ``{}``.
@@ -78,6 +86,9 @@ class TrainState:
                 "fzero.TrainState.create: tx must be an fzero.optim gradient transformation "
                 f"(with init and update), got {type(tx).__name__}"
             )
+        if isinstance(seed, bool) or not isinstance(seed, int) and not (
+                isinstance(seed, torch.Tensor) and seed.dim() == 0 and not seed.is_floating_point()):
+            raise TypeError(f"fzero.TrainState.create: seed must be an int, got {type(seed).__name__}")
         _check_params(params)
         if buffers is None:
             module = getattr(apply_fn, "module", None)
@@ -90,6 +101,7 @@ class TrainState:
             tx=tx,
             extra=dict(extra),
             buffers=dict(buffers),
+            seed=torch.tensor(int(seed), dtype=torch.int64),
         )
 
     def apply_gradients(self, grads: Any) -> "TrainState":

@@ -65,13 +65,16 @@ import torch
 from fzero import tree
 from fzero.tree import _USER_VIEW, user_view
 
-__all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "donating", "emit_metric",
-           "installed", "micro_batch", "offloaded", "params_offloaded", "psum",
-           "register_primitive"]
+__all__ = ["DataShard", "Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "data_shard",
+           "donating", "emit_metric", "installed", "micro_batch", "offloaded", "params_offloaded", "pipeline_micro_batch",
+           "pmean_data", "psum", "register_primitive", "register_step_scope"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
 _BASE: dict[str, Callable[..., Any]] = {}
+# Context managers ``opener(state, batch)`` the outermost step runs inside (see Step.__call__).
+_STEP_SCOPES: list[Callable[[Any, Any], contextlib.AbstractContextManager]] = []
+_IN_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_in_step", default=False)
 
 
 class Handler:
@@ -106,6 +109,16 @@ class Handler:
 
     def micro_batch(self, *, next: Callable):
         return next()
+
+    def pipeline_micro_batch(self, *, next: Callable):
+        return next()
+
+    def data_shard(self, *, next: Callable):
+        return next()
+
+    def pmean_data(self, value, *, next: Callable):
+        # value: a tensor every rank holding different data averages with the others'
+        return next(value)
 
     def donating(self, *, next: Callable):
         return next()
@@ -354,6 +367,51 @@ def _micro_batch_base() -> MicroBatch:
     return MicroBatch(0, 1)
 
 
+def pipeline_micro_batch() -> MicroBatch:
+    """Which of a pipeline's micro-batches the running forward is: ``MicroBatch(0, 1)``
+    unless a pipeline's schedule says otherwise (inside the function ``value_and_grad``
+    differentiates, which runs the schedule: unlike :func:`micro_batch`, it changes within
+    one call of ``value_and_grad``)."""
+    return bind("pipeline_micro_batch")
+
+
+@register_primitive("pipeline_micro_batch")
+def _pipeline_micro_batch_base() -> MicroBatch:
+    return MicroBatch(0, 1)
+
+
+class DataShard(NamedTuple):
+    """Which of the data-parallel ranks' local batches this rank's is: ``index`` of ``count``;
+    rank ``index``'s local batch holds rows ``[index * n, (index + 1) * n)`` of the global
+    batch (``n`` rows each), as ``fzero.data.DataLoader`` hands them out."""
+
+    index: int
+    count: int
+
+
+def data_shard() -> DataShard:
+    """This rank's place among the data-parallel ranks: ``DataShard(0, 1)`` unless a
+    transform that splits the global batch over ranks (``shard_state``) says otherwise."""
+    return bind("data_shard")
+
+
+@register_primitive("data_shard")
+def _data_shard_base() -> DataShard:
+    return DataShard(0, 1)
+
+
+def pmean_data(value: torch.Tensor) -> torch.Tensor:
+    """The mean of ``value`` over the ranks that hold different data (the ``dp`` ranks under
+    ``shard_state``; tensor-parallel peers hold the same batch and are not counted again).
+    Identity in a world of one. What :func:`fzero.global_mean` counts with."""
+    return bind("pmean_data", value)
+
+
+@register_primitive("pmean_data")
+def _pmean_data_base(value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
 # --------------------------------------------------------------------------- metrics
 
 
@@ -412,6 +470,20 @@ class Step:
         self.__wrapped__ = fn
 
     def __call__(self, state, batch):
+        if not _IN_STEP.get():
+            # The outermost step: what lives for one whole step (its randomness, its
+            # global means) opens here, around every transform's handlers.
+            token = _IN_STEP.set(True)
+            try:
+                with contextlib.ExitStack() as scopes:
+                    for opener in _STEP_SCOPES:
+                        scopes.enter_context(opener(state, batch))
+                    return self._run(state, batch)
+            finally:
+                _IN_STEP.reset(token)
+        return self._run(state, batch)
+
+    def _run(self, state, batch):
         if self.inner is None:  # the user's own step: Shards are whole tensors to it
             with user_view(True):
                 return self._fn(state, batch)
@@ -428,6 +500,13 @@ class Step:
 
     def __repr__(self) -> str:
         return f"<fzero step {self.__name__}>"
+
+
+def register_step_scope(opener: Callable[[Any, Any], contextlib.AbstractContextManager]) -> None:
+    """Run every outermost step inside ``opener(state, batch)`` (a context manager): for what
+    lives exactly one step, around every transform (``fzero.rng``'s randomness,
+    ``fzero.means``' global means)."""
+    _STEP_SCOPES.append(opener)
 
 
 def as_step(fn: Callable) -> Step:

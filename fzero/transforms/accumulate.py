@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fzero import tree
+from fzero import means, tree
 from fzero.options import check_option
 from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed
 from fzero.transforms._deferred import is_deferred
@@ -151,6 +151,7 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
         if handler.seen not in (0, k):
             raise RuntimeError(f"{WHERE}: the step applied gradients in {handler.seen} of {k} micro-batches; "
                                "it must apply them once per micro-batch")
+        means.settle()  # the global means' count is whole now: their values are final before averaging
         return state, _mean_metrics(metrics)
 
     return Step(call, name=f"accumulate({inner.__name__}, {k})", inner=inner)

@@ -46,8 +46,9 @@ from fzero.distributed.reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
 from fzero.distributed.units import Units, find_units
 from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
-from fzero.transforms._core import (Handler, MicroBatch, NotApplied, Step, as_step, donating, installed, micro_batch,
-                                    offloaded)
+from fzero import rng
+from fzero.transforms._core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, donating, installed,
+                                    micro_batch, offloaded)
 from fzero.transforms.offload import _host_copy, write_params
 from fzero.transforms._deferred import Deferred
 
@@ -228,6 +229,19 @@ class _ShardHandler(Handler):
             comm.run("all_reduce(psum)", lambda: comm.all_reduce(value, group=self.group, async_op=True, what="psum"),
                      timeout_s=self.timeout_s, where=WHERE)
             value = value.to(home)
+        return next(value)
+
+    def data_shard(self, *, next):
+        outer = next()  # a data-parallel axis inside another splits each of its shards again
+        return DataShard(outer.index * self.world + self.rank, outer.count * self.world)
+
+    def pmean_data(self, value, *, next):
+        if self.world > 1:
+            value = value.to(self.mesh.device, copy=True)
+            comm.run("all_reduce(pmean_data)",
+                     lambda: comm.all_reduce(value, group=self.group, async_op=True, what="mean"),
+                     timeout_s=self.timeout_s, where=WHERE)
+            value = value / self.world
         return next(value)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
@@ -463,6 +477,7 @@ def shard_state(
             raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
         rows = tree.leading_size(batch)
         handler.rows = -1 if rows is None else rows  # checked across ranks with the loss: see _mean_value
+        rng.fold_in(handler.rank)  # ranks with different rows draw different numbers (fzero/rng.py)
         with installed(handler):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
