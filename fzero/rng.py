@@ -117,19 +117,17 @@ def dropout_keep(shape: tuple[int, ...], p: float, *, key: int, start: int, rows
         >>> bool((dropout_keep((2, 1000), 0.25, key=7, start=2, rows=2) == keep[2:]).all())  # rows 2-3 alone
         True
     """
-    numel = math.prod(shape)
     if whole is None:
         whole = tuple((0, n, n) for n in shape)
-    if rows < 1 or numel % rows or (shape and whole[0][2] != shape[0] and rows != 1):
-        rows, start = 1, 0  # not batch-major: keyed as one sample (a weight's DropConnect, say)
-    if rows > 1 and shape and shape[0] % rows == 0:
-        # The leading dim holds the rows (or rows x a flattened time dim): the sample is
-        # the leading index // (leading size / rows).
+    if rows >= 1 and shape and shape[0] % rows == 0 and whole[0][:2] == (0, shape[0]):
+        # Batch-major: the leading dim holds the rows (or rows x a flattened time dim), and
+        # a sample is the leading index // (leading size / rows).
         lead = shape[0] // rows
         inner_whole = [(0, lead, lead)] + list(whole[1:])
         local_inner = (lead,) + tuple(shape[1:])
     else:
-        rows, start = 1, 0
+        # Not batch-major (a weight's DropConnect, say): keyed as one sample of its own.
+        rows, start = 1, _M32
         inner_whole = list(whole)
         local_inner = tuple(shape)
     # Each element's position within its sample, counted in the whole sample.

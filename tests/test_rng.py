@@ -54,6 +54,7 @@ def test_a_rows_mask_depends_on_its_global_index_only():
     full = dropout_keep((8, 6, 5), 0.3, key=11, start=0, rows=8)
     # Rows 4..7 held alone (another rank, another micro-batch): the same bits.
     assert torch.equal(dropout_keep((4, 6, 5), 0.3, key=11, start=4, rows=4), full[4:])
+    assert torch.equal(dropout_keep((1, 6, 5), 0.3, key=11, start=3, rows=1), full[3:4])  # a micro-batch of one
     # Flattened (B*T, C): the same bits as (B, T, C).
     assert torch.equal(dropout_keep((48, 5), 0.3, key=11, start=0, rows=8), full.reshape(48, 5))
 

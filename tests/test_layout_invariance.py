@@ -1,0 +1,194 @@
+"""A run is the same run whatever its layout: with dropout on and a token-mean loss, the
+losses and parameters at any data-parallel size, ZeRO stage and accumulation equal the
+one-process full-batch run's, on real gloo ranks; so does a run resumed from a checkpoint on
+another layout.
+
+The reference on every rank is the user's step run by fzero in a world of one
+(``fzero.Step(train_step)``: no transform, the whole global batch), computed in the same
+job. Its dropout masks are fzero's (the point of the property: they do not depend on the
+layout); the loss is ``fzero.global_mean`` (checked against ``F.cross_entropy`` on the full
+batch in tests/test_means.py).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fzero
+import fzero.testing as ft
+from fzero import optim
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+
+class Block(nn.Module):
+    def __init__(self, d, hidden, heads, p):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, T, D)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=13, d=8, hidden=16, heads=2, depth=2, p=0.2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d, hidden, heads, p) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+        self.p = p
+
+    def forward(self, ids):
+        x = F.dropout(self.emb(ids), self.p, self.training)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def lm_step(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["ids"]).flatten(0, 1)
+        y = batch["y"].flatten()
+        ce = F.cross_entropy(logits, y.clamp(min=0), reduction="none")
+        return fzero.global_mean(ce, where=y != -100)
+
+    loss, g = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(g), {"loss": loss}
+
+
+def _batches(rows, T, steps, seed, vocab=13):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (rows, T), generator=g)
+        y = torch.roll(ids, -1, 1)
+        # Padding of random length per row: micro-batches and ranks hold very different counts.
+        valid = torch.randint(0, T + 1, (rows, 1), generator=g)
+        y[torch.arange(T).expand(rows, T) >= valid] = -100
+        out.append({"ids": ids, "y": y})
+    return out
+
+
+def _state(model_args, seed):
+    torch.manual_seed(1000 + seed)
+    apply, params = fzero.functionalize(TinyLM(*model_args))
+    # SGD with momentum: it sees a wrong gradient scale (Adam would hide one), and it does not
+    # blow the rounding noise of zero-in-exact-arithmetic gradients (an attention key's bias)
+    # up to full-size steps.
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.2, momentum=0.9), seed=seed)
+
+
+def _reference(model_args, batches, seed):
+    state, losses = _state(model_args, seed), []
+    step = fzero.Step(lm_step)  # fzero's randomness, one process, the whole global batch
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return torch.stack(losses), dict(state.params)
+
+
+def _layout(model_args, per_rank, T, steps, seed, stage, accumulate):
+    """On every rank: the layout's run equals the one-process run."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    batches = _batches(per_rank * n, T, steps, seed)
+    ref_losses, ref_params = _reference(model_args, batches, seed)
+    torch.manual_seed(r)  # per-rank seeding, as programs do: must change nothing
+    step = fzero.compile(lm_step, fzero.Mesh(dp=-1), zero=stage, accumulate=accumulate)
+    state, losses = step.init(_state(model_args, seed)), []
+    for b in batches:
+        state, m = step(state, ft.local_batch(b, n, r))
+        losses.append(m["loss"])
+    what = f"world {n}, stage {stage}, accumulate {accumulate}, rank {r}"
+    ft.assert_trees_close(torch.stack(losses), ref_losses, what=f"losses ({what})")
+    ft.assert_trees_close(fzero.gather(state.params), ref_params, what=f"params ({what})")
+    return [float(x) for x in losses]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(world=st.sampled_from([1, 2, 4]), stage=st.sampled_from([0, 1, 2, 3]), accumulate=st.sampled_from([1, 2, 4]),
+       d_heads=st.sampled_from([(8, 2), (12, 3), (8, 1)]), hidden=st.integers(4, 16), depth=st.integers(1, 2),
+       p=st.sampled_from([0.1, 0.5]), rows=st.integers(1, 2), T=st.integers(2, 5), seed=st.integers(0, 99))
+def test_a_run_with_dropout_and_a_token_mean_is_the_same_at_every_layout(ranks, world, stage, accumulate, d_heads,
+                                                                          hidden, depth, p, rows, T, seed):
+    d, heads = d_heads
+    results = ranks(world).run(_layout, (13, d, hidden, heads, depth, p), rows * accumulate, T, 3, seed, stage,
+                               accumulate)
+    assert all(res == results[0] for res in results)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_on_four_ranks_with_accumulation(ranks, stage):
+    ranks(4).run(_layout, (13, 8, 16, 2, 2, 0.3), 2, 4, 3, 5, stage, 2)
+
+
+# --------------------------------------------------------------------------- resumed on another layout
+
+
+def _resumed(path, model_args, per_rank, T, seed, first, second):
+    """Two steps on layout ``first`` (stage, accumulate), saved; loaded on ``second``, two
+    more: the four steps of the one-process run."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    batches = _batches(per_rank * n, T, 4, seed)
+    ref_losses, ref_params = _reference(model_args, batches, seed)
+    losses = []
+    for half, (stage, acc) in enumerate((first, second)):
+        step = fzero.compile(lm_step, fzero.Mesh(dp=-1), zero=stage, accumulate=acc)
+        state = step.init(_state(model_args, seed))
+        if half == 1:
+            state = fzero.checkpoint.load(path, like=state)
+            assert int(state.step) == 2
+        for b in batches[2 * half: 2 * half + 2]:
+            state, m = step(state, ft.local_batch(b, n, r))
+            losses.append(m["loss"])
+        if half == 0:
+            fzero.checkpoint.save(path, state)
+    ft.assert_trees_close(torch.stack(losses), ref_losses, what=f"losses resumed {first} -> {second}")
+    ft.assert_trees_close(fzero.gather(state.params), ref_params, what=f"params resumed {first} -> {second}")
+
+
+@pytest.mark.parametrize("first, second", [((0, 1), (3, 2)), ((2, 4), (1, 1))])
+def test_a_run_resumed_on_another_layout_is_the_same_run(ranks, tmp_path, first, second):
+    ranks(2).run(_resumed, str(tmp_path / "ckpt"), (13, 8, 16, 2, 1, 0.3), 4, 3, 11, first, second)
+
+
+def _resumed_on_one(path, model_args, seed):
+    """The second half on one process, from a checkpoint the two ranks saved."""
+    batches = _batches(8, 3, 4, seed)
+    ref_losses, ref_params = _reference(model_args, batches, seed)
+    step = fzero.compile(lm_step, zero=0)
+    state = fzero.checkpoint.load(path, like=step.init(_state(model_args, seed)))
+    losses = []
+    for b in batches[2:]:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), ref_losses[2:], what="losses resumed on one process")
+    ft.assert_trees_close(dict(state.params), ref_params, what="params resumed on one process")
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one_process(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+
+    ranks(2).run(_save_half, path, (13, 8, 16, 2, 1, 0.3), 11)
+    _resumed_on_one(path, (13, 8, 16, 2, 1, 0.3), 11)
+
+
+def _save_half(path, model_args, seed):
+    n, r = dist.get_world_size(), dist.get_rank()
+    batches = _batches(8, 3, 4, seed)
+    step = fzero.compile(lm_step, fzero.Mesh(dp=-1), zero=2, accumulate=2)
+    state = step.init(_state(model_args, seed))
+    for b in batches[:2]:
+        state, _ = step(state, ft.local_batch(b, n, r))
+    fzero.checkpoint.save(path, state)
