@@ -38,7 +38,7 @@ import torch
 
 from fzero import tree
 from fzero.transforms._core import (Handler, installed, micro_batch, pipeline_micro_batch, pmean_data,
-                                    register_step_scope)
+                                    register_step_scope, rehearsing)
 
 __all__ = ["global_mean"]
 
@@ -113,6 +113,18 @@ class _Ledger(Handler):
             v.mul_(self.factor.to(v.device, v.dtype))
         self.values.clear()
         return self.factor
+
+    def mirror(self, count: torch.Tensor, provisional: torch.Tensor, units: int) -> None:
+        """Take on the deferred count another rank recorded (a pipeline's last stage, for the
+        stages before it, whose gradients its loss seeded): the same factor comes out."""
+        count = count.detach().to(torch.float64)
+        if self.counts:
+            self.counts[0] = self.counts[0] + count
+        else:
+            self.counts.append(count)
+        if self.provisional is None:
+            self.provisional = provisional.detach().to(torch.float64)
+        self.units = units
 
     def update(self, state, grads, *, next):
         factor = self.finish()
@@ -202,6 +214,8 @@ def global_mean(values: torch.Tensor, where: torch.Tensor | None = None) -> torc
                              f"{tuple(values.shape)}") from None
         total = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum(dtype=acc)
         count = mask.sum(dtype=torch.float64)
+    if rehearsing():  # a shape rehearsal (a pipeline's handshake): this rank's mean, nothing counted
+        return total / torch.clamp(count, min=1).to(acc)
     ledger = _LEDGER.get()
     mb, pm = micro_batch(), pipeline_micro_batch()
     units = mb.count * pm.count
@@ -259,6 +273,22 @@ def check_loss(loss: torch.Tensor, since: int, fn_name: str) -> bool:
                 "(fzero.global_mean(ce + 0.1 * z, where)), or compile with accumulate=1")
         todo.extend(inputs)
     return True
+
+
+def deferred_state() -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(count so far, provisional divisor)`` of the step's first deferred global mean, or
+    ``None`` (what a pipeline's last stage hands the stages before it)."""
+    ledger = _LEDGER.get()
+    if ledger is None or not ledger.counts:
+        return None
+    return ledger.counts[0], ledger.provisional
+
+
+def mirror(count: torch.Tensor, provisional: torch.Tensor, units: int) -> None:
+    """See :meth:`_Ledger.mirror`."""
+    ledger = _LEDGER.get()
+    if ledger is not None:
+        ledger.mirror(count, provisional, units)
 
 
 def returned(value: torch.Tensor) -> None:

@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from fzero import tree
-from fzero.transforms._core import data_shard, micro_batch, pipeline_micro_batch, register_step_scope
+from fzero.transforms._core import data_shard, micro_batch, pipeline_micro_batch, register_step_scope, rehearsing
 
-__all__ = ["dropout_keep", "fold_in", "hash32", "mix32"]
+__all__ = ["calls_before", "dropout_keep", "fold_in", "hash32", "mix32", "rehearsed_calls"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x21F0AAAD, 0x735A2D97
@@ -178,6 +178,8 @@ class Randomness:
         self.seed, self.update, self.rows = seed, update, rows
         self.calls: dict[int, tuple[int, int, int]] = {}  # tag -> (call number in its unit, start, rows)
         self.numbered: dict[tuple, int] = {}  # unit -> calls so far
+        self.offset = 0  # calls made before this code in the whole model (a pipeline stage's)
+        self.rehearsed = 0  # calls made in a rehearsal (a pipeline's handshake)
 
     def position(self) -> tuple[int, int, tuple]:
         """``(start, rows, unit)``: the running (micro-)batch's rows in the global batch."""
@@ -190,15 +192,18 @@ class Randomness:
         return start, per, (m.index, pm.index)
 
     def keep(self, x: torch.Tensor, p: float, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        shape = tuple(x.shape) if shape is None else shape
+        if rehearsing():  # only shapes matter: number nothing
+            self.rehearsed += 1
+            return torch.ones(shape, dtype=torch.bool, device=x.device)
         tag = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
         known = self.calls.get(tag)
         if known is None:  # a first run (a recomputation finds its tag)
             start, rows, unit = self.position()
             number = self.numbered.get(unit, 0)
             self.numbered[unit] = number + 1
-            known = self.calls[tag] = (number, start, rows)
+            known = self.calls[tag] = (self.offset + number, start, rows)
         number, start, rows = known
-        shape = tuple(x.shape) if shape is None else shape
         return dropout_keep(shape, p, key=hash32(self.seed, self.update, number), start=start, rows=rows,
                             device=x.device)
 
@@ -253,6 +258,27 @@ class Randomness:
         probs = torch.softmax(scores, dim=-1)
         probs = self.dropout(probs, dropout_p, True)
         return probs @ value
+
+
+def rehearsed_calls() -> int:
+    """How many dropout calls the step's rehearsals have made so far (0 outside a step)."""
+    return 0 if _ACTIVE is None else _ACTIVE.rehearsed
+
+
+@contextlib.contextmanager
+def calls_before(n: int) -> Iterator[None]:
+    """Within the block, dropout calls are numbered from ``n``: the code running is the part
+    of a model after ``n`` dropout calls of the whole (a pipeline stage after the stages
+    before it), so its masks are those the whole model draws at those calls."""
+    rng = _ACTIVE
+    if rng is None:
+        yield
+        return
+    old, rng.offset = rng.offset, n
+    try:
+        yield
+    finally:
+        rng.offset = old
 
 
 def _check_p(p: float) -> None:

@@ -192,3 +192,66 @@ def _save_half(path, model_args, seed):
     for b in batches[:2]:
         state, _ = step(state, ft.local_batch(b, n, r))
     fzero.checkpoint.save(path, state)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def _seq_lm(seed, vocab=13, d=8, p=0.3):
+    torch.manual_seed(2000 + seed)
+    return nn.Sequential(nn.Embedding(vocab, d), nn.Dropout(p), nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(p),
+                         nn.Linear(2 * d, d), nn.LayerNorm(d), nn.Dropout(p), nn.Linear(d, vocab))
+
+
+def token_mean(logits, y):
+    y = y.flatten()
+    ce = F.cross_entropy(logits.flatten(0, 1), y.clamp(min=0), reduction="none")
+    return fzero.global_mean(ce, where=y != -100)
+
+
+def _seq_step(state, batch):
+    loss, g = fzero.value_and_grad(lambda p: token_mean(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+    return state.apply_gradients(g), {"loss": loss}
+
+
+def _pipelined(pp, m, kind, accumulate, zero, seed, steps=3, per=2, T=3):
+    """On every rank: a pipeline over ``pp`` stages (the rest of the world data-parallel),
+    with dropout and a token-mean loss, equals the one-process run."""
+    world, r = dist.get_world_size(), dist.get_rank()
+    dp = world // pp
+    batches = [{"x": b["ids"], "y": b["y"]} for b in _batches(per * m * accumulate * dp, T, steps, seed)]
+    apply, params = fzero.functionalize(_seq_lm(seed))
+    ref_state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.2, momentum=0.9), seed=seed)
+    ref_step, ref_losses = fzero.Step(_seq_step), []
+    for b in batches:
+        ref_state, mt = ref_step(ref_state, b)
+        ref_losses.append(mt["loss"])
+
+    mesh = fzero.Mesh(pp=pp, dp=dp)
+    model = _seq_lm(seed)
+    pipe = fzero.pipeline(fzero.transforms.pipeline.split(model, [3]), token_mean, mesh, micro_batches=m,
+                          schedule=kind)
+
+    def train_step(state, batch):
+        loss, grads = pipe(state.params, batch["x"], batch["y"])
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, mesh, zero=zero, accumulate=accumulate, pipeline=pipe)
+    torch.manual_seed(r)
+    apply, params = fzero.functionalize(model)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.2, momentum=0.9),
+                                              seed=seed))
+    losses = []
+    for b in batches:
+        state, mt = step(state, ft.local_batch(b, dp, mesh.coords["dp"]))
+        losses.append(mt["loss"])
+    what = f"pp {pp}, dp {dp}, m {m}, {kind}, accumulate {accumulate}, zero {zero}, rank {r}"
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses ({what})")
+    ft.assert_trees_close(pipe.gather(state.params), dict(ref_state.params), what=f"params ({what})")
+
+
+@pytest.mark.parametrize("world, m, kind, accumulate, zero", [
+    (2, 1, "1f1b", 1, 0), (2, 3, "gpipe", 1, 0), (2, 2, "1f1b", 2, 0), (4, 2, "1f1b", 2, 2)])
+def test_a_pipelined_run_with_dropout_and_a_token_mean_is_the_one_process_run(ranks, world, m, kind, accumulate,
+                                                                               zero):
+    ranks(world).run(_pipelined, 2, m, kind, accumulate, zero, 3)

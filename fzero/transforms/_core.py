@@ -67,7 +67,7 @@ from fzero.tree import _USER_VIEW, user_view
 
 __all__ = ["DataShard", "Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "data_shard",
            "donating", "emit_metric", "installed", "micro_batch", "offloaded", "params_offloaded", "pipeline_micro_batch",
-           "pmean_data", "psum", "register_primitive", "register_step_scope"]
+           "pmean_data", "psum", "register_primitive", "register_step_scope", "rehearsal", "rehearsing"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -500,6 +500,26 @@ class Step:
 
     def __repr__(self) -> str:
         return f"<fzero step {self.__name__}>"
+
+
+_REHEARSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_rehearsal", default=False)
+
+
+@contextlib.contextmanager
+def rehearsal() -> Iterator[None]:
+    """Within the block the model runs only to learn shapes (a pipeline's handshake): what
+    lives for the step does not count it -- dropout numbers no call, a global mean counts
+    nothing and communicates nothing."""
+    token = _REHEARSAL.set(True)
+    try:
+        yield
+    finally:
+        _REHEARSAL.reset(token)
+
+
+def rehearsing() -> bool:
+    """Whether the running code is a :func:`rehearsal`."""
+    return _REHEARSAL.get()
 
 
 def register_step_scope(opener: Callable[[Any, Any], contextlib.AbstractContextManager]) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fzero import tree
+from fzero import rng, tree
 from fzero.distributed import comm
+from fzero.transforms._core import rehearsal
 from fzero.transforms.pipeline._stages import WHERE, StageError
 
 _MAX_DIMS = 8
@@ -77,22 +78,31 @@ class Handshake:
     def agree(self, params, x0, y0) -> tuple:
         """Run each stage once on micro-batch 0's shapes, in stage order, and tell every rank
         what each stage gives (or why it failed): every rank then knows the shapes it
-        receives, or raises the same error. Cached by the input's signature."""
+        receives, or raises the same error. Cached by the input's signature.
+
+        Returns ``(in_meta, out_meta, calls_before)``: the ``(shape, dtype)`` this stage
+        receives and sends (``None`` at the ends), and how many dropout calls the stages
+        before it make per micro-batch (counted in the rehearsal), from which this stage
+        numbers its own (:func:`fzero.rng.calls_before`): the masks of the whole model."""
         key = (_signature(x0), _signature(y0), torch.is_autocast_enabled(self.device.type),
                torch.get_autocast_dtype(self.device.type))
         if key in self._agreed:
             return self._agreed[key]
         s, p = self.stage, self.p
         in_meta = out_meta = None
+        calls_before = 0  # dropout calls the stages before this one make (fzero.rng)
         for k in range(p):
-            msg = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+            # [failed, the output's (dtype, ndim, shape...), the stage's dropout calls]
+            msg = torch.zeros(4 + _MAX_DIMS, dtype=torch.int64, device=self.device)
             text = ""
             if k == s:
+                calls = rng.rehearsed_calls()
                 text, out = self._try_stage(params, x0, y0, in_meta)
+                msg[-1] = rng.rehearsed_calls() - calls
                 if text:
                     msg[0] = 1
                 elif out is not None:
-                    msg[1:] = torch.tensor(_encode(*out))
+                    msg[1:-1] = torch.tensor(_encode(*out))
             if p > 1:
                 self._broadcast(msg, k, f"broadcast(output shape of stage {k})")
             if int(msg[0]):
@@ -103,11 +113,13 @@ class Handshake:
                     text = bytes(self._broadcast(buf, k, "broadcast(error)").tolist()).decode()
                 raise StageError(text)
             if k == s - 1:
-                in_meta = _decode(msg[1:])
+                in_meta = _decode(msg[1:-1])
             if k == s and k < p - 1:
-                out_meta = _decode(msg[1:])
-        self._agreed[key] = (in_meta, out_meta)
-        return in_meta, out_meta
+                out_meta = _decode(msg[1:-1])
+            if k < s:
+                calls_before += int(msg[-1])
+        self._agreed[key] = (in_meta, out_meta, calls_before)
+        return in_meta, out_meta, calls_before
 
     def _try_stage(self, params, x0, y0, in_meta) -> tuple[str, tuple | None]:
         """Run this stage (and, on the last, the loss) on zeros of the input's shape; return
@@ -125,7 +137,7 @@ class Handshake:
             inp = torch.zeros(shape, dtype=dtype, device=self.device)
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), rehearsal():
                 out = st.fn(params, inp)
         except Exception as e:  # noqa: BLE001  (reported on every rank, with the original text)
             expects = f" (it expects (..., {', '.join(map(str, st.in_shape))}))" if st.in_shape else ""
@@ -137,7 +149,7 @@ class Handshake:
                 return f"{WHERE}: stage {s}'s output {_fmt(out.shape, out.dtype)} cannot be sent", None
             return "", (tuple(out.shape), out.dtype)
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), rehearsal():
                 loss = self.loss_fn(out, y0)
         except Exception as e:  # noqa: BLE001
             return (f"{WHERE}: loss_fn failed on the last stage's output {_fmt(out.shape, out.dtype)}: "

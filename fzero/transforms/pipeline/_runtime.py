@@ -12,12 +12,12 @@ from typing import Any, Literal
 
 import torch
 
-from fzero import tree
+from fzero import means, rng, tree
 from fzero._params import Params, frozen_names, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.functional import loss_scale
-from fzero.transforms._core import Handler, Step, as_step, bind, installed
+from fzero.transforms._core import Handler, MicroBatch, Step, as_step, bind, installed, micro_batch
 from fzero.transforms.accumulate import split_batch
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
 from fzero.transforms.pipeline._memory import _SavedBytes
@@ -96,6 +96,7 @@ class Pipeline:
         self._channel = None
         self._shapes = Handshake(stages, loss_fn, self.stage, self.p, self.device, self.group, timeout_s)
         self.stats: dict[str, Any] = {}
+        self._deferred = False  # the last call's loss used a deferred fzero.global_mean
 
     def __repr__(self) -> str:
         return (f"<fzero pipeline: {self.p} stages, {self.micro_batches} micro-batches, {self.schedule}; "
@@ -205,6 +206,8 @@ class Pipeline:
         xs = split_batch(x, m, where=WHERE)
         ys = [None] * m if y is None else split_batch(y, m, where=WHERE)
         value, grads = bind("value_and_grad", self._run, local, (xs, ys), {}, has_aux=False)
+        if self._deferred:  # a deferred global mean's loss: corrected in place once the count is whole
+            means.returned(value)
         if len(local) == len(params):
             return value, grads
         frozen = frozen_names(params)
@@ -230,7 +233,7 @@ class Pipeline:
         """The function ``value_and_grad`` differentiates: runs the whole schedule, returns
         the loss through :class:`_Deliver` carrying the accumulated gradients."""
         t_start = time.perf_counter()
-        in_meta, out_meta = self._shapes.agree(params, xs[0], ys[0])
+        in_meta, out_meta, dropouts_before = self._shapes.agree(params, xs[0], ys[0])
         s, p, m = self.stage, self.p, self.micro_batches
         first, last = s == 0, s == p - 1
         st = self.stages[s]
@@ -248,6 +251,9 @@ class Pipeline:
             if self.measure_memory else None
         acc: list[torch.Tensor | None] = [None] * len(targets)
         saved: dict[int, tuple] = {}
+        # Which micro-batch runs, for what keys itself by its rows (dropout, global means).
+        running = _RunningMicroBatch(m)
+        before = means.deferred_state() if last else None
         losses: list[torch.Tensor | None] = [None] * m
         in_flight = max_in_flight = 0
         compute = 0.0
@@ -262,11 +268,13 @@ class Pipeline:
                     if grads_in:
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
-                if meter is not None:
-                    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                running.index = j
+                with installed(running), rng.calls_before(dropouts_before):
+                    if meter is not None:
+                        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                            out = self._forward(st, params, inp, ys[j], last)
+                    else:
                         out = self._forward(st, params, inp, ys[j], last)
-                else:
-                    out = self._forward(st, params, inp, ys[j], last)
                 compute += time.perf_counter() - t0
                 if last:
                     losses[j] = out.detach().float()
@@ -294,7 +302,9 @@ class Pipeline:
             t0 = time.perf_counter()
             if seed is not None and out.requires_grad and wrt:
                 # Backward outside autocast, as the plain step's backward runs.
-                with torch.autocast(self.device.type, enabled=False):
+                running.index = j  # a recomputation (remat) in it keys by the same rows
+                with torch.autocast(self.device.type, enabled=False), installed(running), \
+                        rng.calls_before(dropouts_before):
                     gs = torch.autograd.grad(out, wrt, seed, allow_unused=True)
             else:
                 gs = [None] * len(wrt)
@@ -321,7 +331,7 @@ class Pipeline:
         if self.tied and p > 1:  # (``self.channel`` is made on first use; a lone stage never makes it)
             sum_tied_grads(dict(zip(names, ptensors)), targets, acc, tied=self.tied, stage=s, channel=self.channel,
                            device=self.device)
-        loss = self._loss(losses)
+        loss = self._loss(losses, before)
         step_s = time.perf_counter() - t_start
         self.stats = {"schedule": self.schedule, "micro_batches": m, "max_in_flight": max_in_flight,
                       "compute_s": compute, "step_s": step_s, "bubble": max(0.0, 1.0 - compute / step_s)}
@@ -332,25 +342,54 @@ class Pipeline:
     def _forward(self, st: Stage, params, inp, y, last: bool):
         out = st.fn(params, inp)
         if last:
+            since = means.mark()
             out = self.loss_fn(out, y)
+            if isinstance(out, torch.Tensor):
+                means.check_loss(out, since, getattr(self.loss_fn, "__name__", "loss_fn"))
             if not (isinstance(out, torch.Tensor) and out.numel() == 1):
                 raise StageError(f"{WHERE}: loss_fn must return a scalar tensor, got {_describe(out)}")
             out = out.reshape(())
         return out
 
-    def _loss(self, losses) -> torch.Tensor:
+    def _loss(self, losses, before) -> torch.Tensor:
+        """The mean loss over the micro-batches, on every stage. With it the last stage
+        sends what a deferred ``fzero.global_mean`` in ``loss_fn`` counted (the count of this
+        call's micro-batches and the provisional divisor): the stages before it take the
+        same count on, so that every stage scales its gradients by the same factor once
+        the update's count is whole (``fzero/means.py``)."""
+        # [loss, whether a deferred global mean was used, its count in this call, its divisor]
+        out = torch.zeros(4, dtype=torch.float64, device=self.device)
+        deferred = False
         if self.stage == self.p - 1:
             total = losses[0].clone()
             for v in losses[1:]:
                 total += v
             total /= self.micro_batches
-        else:
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            out[0] = total
+            after = means.deferred_state()
+            if after is not None:
+                deferred = True
+                out[1] = 1.0
+                out[2] = after[0] - (before[0] if before is not None else 0.0)
+                out[3] = after[1]
         if self.p > 1:
-            total = total.reshape(1)
-            self._broadcast(total, self.p - 1, "broadcast(loss from the last stage)", "loss")
-            total = total.reshape(())
-        return total
+            self._broadcast(out, self.p - 1, "broadcast(loss from the last stage)", "loss")
+            if self.stage != self.p - 1:
+                deferred = bool(out[1] > 0)  # (one read of the broadcast on the host)
+                if deferred:
+                    means.mirror(out[2], out[3], micro_batch().count * self.micro_batches)
+        self._deferred = deferred
+        return out[0].to(torch.float32)
+
+class _RunningMicroBatch(Handler):
+    """Answers ``pipeline_micro_batch`` while one micro-batch's forward or backward runs."""
+
+    def __init__(self, count: int):
+        self.index, self.count = 0, count
+
+    def pipeline_micro_batch(self, *, next):
+        return MicroBatch(self.index, self.count)
+
 
 class _PipelineHandler(Handler):
     def __init__(self, pipe: Pipeline):
