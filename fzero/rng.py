@@ -79,6 +79,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix` in place (a tensor of its own: no allocation per pass)."""
+    x.bitwise_xor_(x >> 16).mul_(_C1).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15).mul_(_C2).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
+
+
 def hash32(*values: int) -> int:
     """One 32-bit key from integers of any size (each folded in 32 bits at a time).
 
@@ -141,7 +148,8 @@ def dropout_keep(shape: tuple[int, ...], p: float, *, key: int, start: int, rows
     samples = torch.arange(start, start + rows, dtype=torch.int64, device=device).view(-1, 1)
     k1, k2 = hash32(key, 1), hash32(key, 2)
     row_key = _mix(_mix((samples + _GOLDEN) & _M32) ^ k1)
-    bits = _mix(_mix(pos ^ row_key) ^ k2)
+    bits = _mix_(pos ^ row_key)  # (rows, per-sample): the one full-size allocation
+    bits = _mix_(bits.bitwise_xor_(k2))
     threshold = min(int(round(p * 2 ** 32)), 2 ** 32)
     return (bits >= threshold).reshape(shape)
 

@@ -24,6 +24,13 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
 * ``params_offloaded`` -- whether this rank's pieces of the parameters live on the host
   between uses (:func:`params_offloaded`: ZeRO-3's ``offload_param``), so the transform
   that writes them after an update writes them there.
+* ``data_shard``, ``pipeline_micro_batch`` -- which rows of the global batch the running
+  code holds (with ``micro_batch``): what dropout keys its masks by (:mod:`fzero.rng`);
+* ``pmean_data`` -- the mean of a value over the ranks holding different rows: what
+  :func:`fzero.global_mean` counts with.
+
+The outermost step also opens what lives exactly one step, around every handler
+(:func:`register_step_scope`): the step's randomness and its global means.
 
 A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
 runs, the innermost installed handler sees it first and decides what to do; it passes the
