@@ -198,3 +198,50 @@ def test_sdpa_dropout_is_the_attention_math_with_the_steps_mask():
     torch.testing.assert_close(got["p0"], ref)
     torch.testing.assert_close(got["m"], ref, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got["p"], ref)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_hugging_face_gpt2s_dropouts_are_the_same_at_every_accumulation_and_with_its_checkpointing(attn):
+    transformers = pytest.importorskip("transformers")
+
+    def run(accumulate, checkpointing=False, pdrop=0.2):
+        cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+                                      resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop)
+        cfg._attn_implementation = attn
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        assert model.config._attn_implementation == attn
+        if checkpointing:  # Hugging Face's own activation checkpointing (torch.utils.checkpoint)
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        model.train()
+        apply, params = fzero.functionalize(model)
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9), seed=3)
+
+        def step_fn(state, batch):
+            def loss_fn(p):
+                logits = state.apply_fn(p, input_ids=batch["x"]).logits
+                y = batch["y"].flatten()
+                ce = F.cross_entropy(logits.flatten(0, 1), y.clamp(min=0), reduction="none")
+                return fzero.global_mean(ce, where=y != -100)
+
+            loss, g = fzero.value_and_grad(loss_fn)(state.params)
+            return state.apply_gradients(g), {"loss": loss}
+
+        step = fzero.compile(step_fn, accumulate=accumulate)
+        state, losses = step.init(state), []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randint(0, 32, (4, 6), generator=g)
+            y = torch.roll(x, -1, 1)
+            y[:2, 2:] = -100
+            state, m = step(state, {"x": x, "y": y})
+            losses.append(m["loss"])
+        return torch.stack(losses), fzero.gather(state.params)
+
+    losses, params = run(1)
+    for kw in (dict(accumulate=2), dict(accumulate=4, checkpointing=True)):
+        l2, p2 = run(**kw)
+        ft_close = fzero.testing.assert_trees_close
+        ft_close(l2, losses, what=f"{attn} {kw}")
+        ft_close(p2, params, what=f"{attn} {kw}")
+    assert not torch.allclose(run(1, pdrop=0.0)[0], losses)  # the dropouts are on
