@@ -129,7 +129,9 @@ class _Ledger(Handler):
     def update(self, state, grads, *, next):
         factor = self.finish()
         if factor is not None:
-            grads = tree.map(lambda g: g * factor.to(g.device, g.dtype), grads)
+            # In place: the update's gradients are the step's own (reduce buffers, an
+            # accumulator), and a copy would cost a gradient's bytes at the step's peak.
+            grads = tree.map(lambda g: g.mul_(factor.to(g.device, g.dtype)), grads)
         return next(state, grads)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +48,51 @@ import torch.nn.functional as F
 from fzero import tree
 from fzero.transforms._core import data_shard, micro_batch, pipeline_micro_batch, register_step_scope, rehearsing
 
-__all__ = ["calls_before", "dropout_keep", "fold_in", "hash32", "mix32", "rehearsed_calls"]
+__all__ = ["Slice", "Unknown", "calls_before", "dropout_keep", "fold_in", "hash32", "mix32", "rehearsed_calls",
+           "slice_of", "with_slice"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x21F0AAAD, 0x735A2D97
 _GOLDEN = 0x9E3779B9
+
+
+class Slice(NamedTuple):
+    """Where a tensor sits in a whole one that tensor-parallel ranks split: on ``dim`` it
+    holds ``[offset, offset + n)`` of ``whole`` (``n`` its own size there); with ``parts``,
+    that dim is ``parts`` equal blocks (a fused q/k/v projection's) and it holds
+    ``[offset, offset + n / parts)`` of each block of ``whole / parts``.
+
+    Tensor-parallel code tags the tensors it splits (:func:`with_slice`); a dropout reads the
+    tag (:func:`slice_of`) to draw the slice of the whole tensor's mask."""
+
+    dim: int
+    offset: int
+    whole: int
+    parts: int = 1
+
+
+class Unknown(NamedTuple):
+    """A tensor computed from a split one by ``op``, whose place in the whole tensor is not
+    known: a dropout on it is an error naming ``op``."""
+
+    op: str
+
+
+_TAG = "_fzero_slice"
+
+
+def slice_of(t: Any) -> Slice | Unknown | None:
+    """The :class:`Slice` (or :class:`Unknown`) tag of a tensor; ``None`` for a whole one."""
+    return t.__dict__.get(_TAG) if isinstance(t, torch.Tensor) else None
+
+
+def with_slice(t: torch.Tensor, tag: Slice | Unknown | None) -> torch.Tensor:
+    """Tag ``t`` (in place; returns it). ``None`` marks it whole."""
+    if tag is None:
+        t.__dict__.pop(_TAG, None)
+    else:
+        t.__dict__[_TAG] = tag
+    return t
 
 
 def mix32(x: int) -> int:
@@ -103,16 +143,14 @@ def hash32(*values: int) -> int:
 
 
 def dropout_keep(shape: tuple[int, ...], p: float, *, key: int, start: int, rows: int,
-                 device: torch.device | str = "cpu", whole: tuple[tuple[int, int, int], ...] | None = None
-                 ) -> torch.Tensor:
+                 device: torch.device | str = "cpu", slice: Slice | None = None) -> torch.Tensor:  # noqa: A002
     """Which elements of a tensor of ``shape`` a dropout of rate ``p`` keeps (a bool tensor).
 
     The tensor's elements are read as ``rows`` samples of equal size (batch-major), the
     first being the global batch's row ``start``; each element's bit is a hash of ``key``,
-    its sample's global index and its position within the sample. With ``whole``, the tensor
-    is one rank's slice of a larger one: for each dim ``(offset, whole size, ...)`` -- the
-    slice starts at ``offset`` of ``whole size`` on that dim -- and positions are counted in
-    the whole tensor, so every rank's slice is the slice of the same whole mask.
+    its sample's global index and its position within the sample. With ``slice``, the tensor
+    is one tensor-parallel rank's slice of a larger one (:class:`Slice`), and positions are
+    counted in the whole tensor: every rank's mask is its slice of the same whole mask.
 
     An element is kept when its 32-bit hash is at least ``round(p * 2³²)``: the rate is ``p``
     to 2⁻³².
@@ -124,24 +162,30 @@ def dropout_keep(shape: tuple[int, ...], p: float, *, key: int, start: int, rows
         >>> bool((dropout_keep((2, 1000), 0.25, key=7, start=2, rows=2) == keep[2:]).all())  # rows 2-3 alone
         True
     """
-    if whole is None:
-        whole = tuple((0, n, n) for n in shape)
-    if rows >= 1 and shape and shape[0] % rows == 0 and whole[0][:2] == (0, shape[0]):
+    shape = tuple(shape)
+    # Per dim: (this rank's index -> the whole tensor's index, the whole size).
+    dims = [(None, n) for n in shape]
+    if slice is not None:
+        n = shape[slice.dim]
+        per = n // slice.parts
+        local = torch.arange(n, dtype=torch.int64, device=device)
+        whole_index = (local // per) * (slice.whole // slice.parts) + slice.offset + local % per
+        dims[slice.dim] = (whole_index, slice.whole)
+    if rows >= 1 and shape and shape[0] % rows == 0 and (slice is None or slice.dim != 0):
         # Batch-major: the leading dim holds the rows (or rows x a flattened time dim), and
         # a sample is the leading index // (leading size / rows).
         lead = shape[0] // rows
-        inner_whole = [(0, lead, lead)] + list(whole[1:])
-        local_inner = (lead,) + tuple(shape[1:])
+        inner = [(None, lead)] + dims[1:]
+        local_inner = (lead,) + shape[1:]
     else:
         # Not batch-major (a weight's DropConnect, say): keyed as one sample of its own.
         rows, start = 1, _M32
-        inner_whole = list(whole)
-        local_inner = tuple(shape)
+        inner, local_inner = dims, shape
     # Each element's position within its sample, counted in the whole sample.
     pos = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
-    for (offset, whole_n, _), n in reversed(list(zip(inner_whole, local_inner))):
-        idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device) * stride
+    for (index, whole_n), n in reversed(list(zip(inner, local_inner))):
+        idx = (torch.arange(n, dtype=torch.int64, device=device) if index is None else index) * stride
         pos = idx.view(-1, *([1] * pos.dim())) + pos
         stride *= whole_n
     pos = pos.reshape(1, -1)
@@ -184,7 +228,7 @@ class Randomness:
 
     def __init__(self, seed: int, update: int, rows: int):
         self.seed, self.update, self.rows = seed, update, rows
-        self.calls: dict[int, tuple[int, int, int]] = {}  # tag -> (call number in its unit, start, rows)
+        self.calls: dict[int, tuple] = {}  # tag -> (call number in its unit, start, rows, slice)
         self.numbered: dict[tuple, int] = {}  # unit -> calls so far
         self.offset = 0  # calls made before this code in the whole model (a pipeline stage's)
         self.rehearsed = 0  # calls made in a rehearsal (a pipeline's handshake)
@@ -207,13 +251,23 @@ class Randomness:
         tag = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
         known = self.calls.get(tag)
         if known is None:  # a first run (a recomputation finds its tag)
+            where = slice_of(x)
+            if isinstance(where, Unknown):
+                raise ValueError(
+                    f"fzero: a dropout of a tensor computed from a tensor-parallel layer's slice by {where.op!r}, "
+                    "an operation after which fzero cannot tell which slice of the whole tensor this rank holds; "
+                    "its mask would not be the one the whole model draws (so not the same run at another tp). "
+                    "Move the dropout after the row-parallel layer, or compute the tensor with views, "
+                    "transposes, element-wise maps and batched matmuls (docs/parallelism.md)")
+            if where is not None and where.dim >= len(shape):
+                where = None  # a channel dropout's mask does not reach the split dim
             start, rows, unit = self.position()
             number = self.numbered.get(unit, 0)
             self.numbered[unit] = number + 1
-            known = self.calls[tag] = (self.offset + number, start, rows)
-        number, start, rows = known
+            known = self.calls[tag] = (self.offset + number, start, rows, where)
+        number, start, rows, where = known
         return dropout_keep(shape, p, key=hash32(self.seed, self.update, number), start=start, rows=rows,
-                            device=x.device)
+                            device=x.device, slice=where)
 
     # ---------------------------------------------------------------- the functions replaced
 
@@ -221,7 +275,8 @@ class Randomness:
         if not training or p == 0.0:
             return x
         _check_p(p)
-        return self._apply(x, self.keep(x, p), p, inplace)
+        out = self._apply(x, self.keep(x, p), p, inplace)
+        return with_slice(out, slice_of(x))  # where x sits, so does its dropout
 
     def channel_dropout(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
                         *, dims: int = 2):

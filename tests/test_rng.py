@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 import fzero
 from fzero import optim
-from fzero.rng import dropout_keep, hash32, mix32
+from fzero.rng import Slice, dropout_keep, hash32, mix32
 
 Z = 5.0  # standard deviations
 
@@ -62,13 +62,16 @@ def test_a_rows_mask_depends_on_its_global_index_only():
 def test_a_slice_of_a_split_tensor_is_the_slice_of_the_whole_mask():
     full = dropout_keep((4, 3, 8, 8), 0.5, key=5, start=2, rows=4)
     # Two ranks holding two heads each (dim 1 split): each one's mask is its slice of the whole.
-    halves = [dropout_keep((4, 2, 8, 8), 0.5, key=5, start=2, rows=4,
-                           whole=((0, 4, 4), (2 * r, 4, 2), (0, 8, 8), (0, 8, 8))) for r in range(2)]
+    halves = [dropout_keep((4, 2, 8, 8), 0.5, key=5, start=2, rows=4, slice=Slice(1, 2 * r, 4)) for r in range(2)]
     whole = dropout_keep((4, 4, 8, 8), 0.5, key=5, start=2, rows=4)
     assert torch.equal(torch.cat(halves, 1), whole)
     assert torch.equal(full, whole[:, :3])  # positions count row-major: the leading heads' are the same
     wider = dropout_keep((4, 4, 8, 9), 0.5, key=5, start=2, rows=4)
     assert not torch.equal(wider[..., :8], whole)  # a split last dim is counted in the whole width
+    # A fused projection's last dim: 3 blocks of 12 split over 2 ranks, each holding 6 of each.
+    fused = dropout_keep((4, 36), 0.5, key=5, start=0, rows=4)
+    mine = [dropout_keep((4, 18), 0.5, key=5, start=0, rows=4, slice=Slice(1, 6 * r, 36, parts=3)) for r in range(2)]
+    assert torch.equal(torch.cat([torch.cat([m[:, 6 * b: 6 * b + 6] for m in mine], 1) for b in range(3)], 1), fused)
 
 
 def test_the_hash_is_a_bijection_of_32_bit_values_on_a_sample():

@@ -1,0 +1,251 @@
+"""Which slice of the whole tensor a tensor-parallel rank holds, followed through the forward.
+
+A column-parallel layer's output is this rank's slice of the whole output's last dim. The
+model's own code then cuts it into heads, transposes, multiplies and takes a softmax, and
+somewhere a dropout draws a mask on it. For that mask to be the whole model's (fzero's
+promise: the same run at any ``tp``), the dropout must know where its tensor sits in the
+whole one. A :class:`SliceTracker` (a ``TorchFunctionMode``, active while a tensor-parallel
+step runs) carries that answer from the layer to the dropout: each result of an operation on a
+tagged tensor is tagged with where *it* sits -- a :class:`fzero.rng.Slice` -- by the rule of
+its operation (views, transposes, element-wise maps, batched matmuls, splits and softmaxes
+that keep the split dim whole; the table below). An operation without a rule, or one that mixes
+the split dim (a sum over it, a matmul contracting it), tags its result
+:class:`fzero.rng.Unknown`, naming itself: a dropout on such a tensor is an error saying so,
+never a silently different mask. A row-parallel layer's output, summed over the ranks, is
+whole again (no tag).
+
+This is the part of DTensor's sharding propagation dropout needs, for the operations
+attention and MLP code uses; nothing else reads it, and it costs one Python call per
+operation of a tensor-parallel step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fzero.rng import Slice, Unknown, slice_of, with_slice
+
+__all__ = ["SliceTracker"]
+
+# Element-wise maps (and in-place forms): the result sits where its tagged operand sits,
+# broadcast from the right.
+_ELEMENTWISE = frozenset({
+    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "true_divide", "neg", "pow", "__pow__",
+    "__rpow__", "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__add__", "__sub__", "__mul__", "__truediv__",
+    "where", "masked_fill", "masked_fill_", "clamp", "clamp_", "clamp_min", "clamp_max", "abs", "exp", "log",
+    "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "relu_", "gelu", "silu", "mish", "softplus", "leaky_relu", "elu",
+    "erf", "sin", "cos", "square", "to", "float", "half", "bfloat16", "double", "type", "type_as", "detach",
+    "clone", "contiguous", "requires_grad_", "nan_to_num", "maximum", "minimum", "sign", "reciprocal",
+    "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "__invert__", "bitwise_not",
+    "baddbmm_scale", "lerp", "addcmul", "masked_fill", "fill_", "zero_",
+})
+# (name, its dim keyword's position after the tensor): the dim is kept whole, the rest element-wise.
+_ALONG_DIM = {"softmax": 1, "log_softmax": 1, "cumsum": 1, "argmax": 1, "argmin": 1}
+_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"})
+
+
+def _tensors(x: Any):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+class SliceTracker(TorchFunctionMode):
+    """Tags the results of operations on sliced tensors with where they sit in the whole."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tagged = [(t, slice_of(t)) for t in _tensors(args) if slice_of(t) is not None]
+        tagged += [(t, slice_of(t)) for t in _tensors(tuple(kwargs.values())) if slice_of(t) is not None]
+        if not tagged:
+            return out
+        name = getattr(func, "__name__", str(func))
+        try:
+            tags = _rule(name, args, kwargs, out, tagged)
+        except Exception:  # noqa: BLE001  (a rule that cannot read its call: the result is unknown)
+            tags = None
+        outs = list(_tensors(out)) if isinstance(out, (tuple, list)) else [out]
+        if tags is None:
+            tags = [Unknown(name)] * len(outs)
+        for t, tag in zip(outs, tags):
+            if isinstance(t, torch.Tensor) and t is not tagged[0][0] or name.endswith("_"):
+                with_slice(t, tag)
+        return out
+
+
+def _rule(name: str, args, kwargs, out, tagged) -> list | None:
+    x, tag = tagged[0]
+    if isinstance(tag, Unknown):
+        return [tag] * (len(out) if isinstance(out, (tuple, list)) else 1)
+    if name in _ELEMENTWISE:
+        return [_broadcast(out, tagged)]
+    if name in _ALONG_DIM:
+        dim = kwargs.get("dim", args[_ALONG_DIM[name]] if len(args) > _ALONG_DIM[name] else None)
+        if dim is None or dim % x.dim() == tag.dim:
+            return None
+        return [tag]
+    if name in _RESHAPES:
+        return [_reshaped(tag, tuple(x.shape), tuple(out.shape))]
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = (int(d) % x.dim() for d in args[1:3])
+        d = {a: b, b: a}.get(tag.dim, tag.dim)
+        return [tag._replace(dim=d)]
+    if name == "permute":
+        dims = args[1:] if not isinstance(args[1], (tuple, list)) else args[1]
+        dims = [int(d) % x.dim() for d in dims]
+        return [tag._replace(dim=dims.index(tag.dim))]
+    if name in ("chunk", "split", "tensor_split"):
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % x.dim()
+        pieces = list(out)
+        if dim != tag.dim:
+            return [tag] * len(pieces)
+        sizes = {p.shape[dim] for p in pieces}
+        if tag.parts > 1 and len(pieces) == tag.parts and len(sizes) == 1:
+            return [Slice(tag.dim, tag.offset, tag.whole // tag.parts)] * len(pieces)
+        return None
+    if name == "unbind":
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % x.dim()
+        if dim == tag.dim:
+            return None
+        return [tag._replace(dim=tag.dim - (dim < tag.dim))] * len(out)
+    if name == "__getitem__":
+        return [_indexed(tag, x, args[1])]
+    if name in ("matmul", "bmm", "__matmul__"):
+        return [_matmul(args[0], args[1], out)]
+    if name == "scaled_dot_product_attention":
+        q = args[0] if args else kwargs["query"]
+        qt = slice_of(q)
+        if qt is None or qt.dim >= q.dim() - 2:
+            return None
+        return [qt._replace(dim=qt.dim + out.dim() - q.dim())]
+    if name == "layer_norm":
+        shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+        if tag.dim >= x.dim() - len(tuple(shape)):
+            return None
+        return [tag]
+    if name in ("linear",):
+        if tag.dim == x.dim() - 1 or not (len(tagged) == 1 and tagged[0][0] is args[0]):
+            return None  # contracting the split dim gives a partial sum
+        return [tag]
+    if name in ("expand", "expand_as"):
+        return [tag._replace(dim=tag.dim + out.dim() - x.dim())] if out.shape[tag.dim + out.dim() - x.dim()] == \
+            x.shape[tag.dim] else None
+    if name in ("cat", "stack"):
+        tensors = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        tags = {slice_of(t) for t in tensors}
+        if len(tags) != 1:
+            return None
+        dim = dim % out.dim()
+        if name == "cat":
+            return None if dim == tag.dim else [tag]
+        return [tag._replace(dim=tag.dim + (dim <= tag.dim))]
+    return None
+
+
+def _broadcast(out: torch.Tensor, tagged) -> Slice | Unknown | None:
+    tags = set()
+    for t, tag in tagged:
+        if isinstance(tag, Unknown):
+            return tag
+        tags.add(tag._replace(dim=tag.dim + out.dim() - t.dim()))
+    return tags.pop() if len(tags) == 1 else None
+
+
+def _reshaped(tag: Slice, shape: tuple, new: tuple) -> Slice | None:
+    """Where the split dim lands when ``shape`` is viewed as ``new``: one dim split into
+    several (the split goes to the first, whose inner factor must divide the offset), or
+    several merged into one (the split dim first of them)."""
+    groups = _groups(shape, new)
+    for ins, outs in groups:
+        if tag.dim not in ins:
+            continue
+        real_in = [d for d in ins if shape[d] != 1]
+        real_out = [d for d in outs if new[d] != 1]
+        if real_in == [tag.dim] and real_out:
+            first = real_out[0]
+            inner = math.prod(new[d] for d in real_out[1:])
+            if tag.parts != 1 or tag.offset % inner or tag.whole % inner:
+                return None
+            return Slice(first, tag.offset // inner, tag.whole // inner)
+        if real_out and len(real_out) == 1 and real_in and real_in[0] == tag.dim:
+            inner = math.prod(shape[d] for d in real_in[1:])
+            if tag.parts != 1:
+                return None
+            return Slice(real_out[0], tag.offset * inner, tag.whole * inner)
+        return None
+    return None
+
+
+def _groups(shape: tuple, new: tuple) -> list[tuple[list[int], list[int]]]:
+    """The runs of dims of ``shape`` and ``new`` whose products are equal, in order."""
+    groups, i, j = [], 0, 0
+    while i < len(shape) or j < len(new):
+        ins, outs, a, b = [], [], 1, 1
+        while True:
+            if a <= b and i < len(shape):
+                a *= shape[i]
+                ins.append(i)
+                i += 1
+            elif j < len(new):
+                b *= new[j]
+                outs.append(j)
+                j += 1
+            else:
+                break
+            if a == b and (i == len(shape) or shape[i] != 1) and (j == len(new) or new[j] != 1):
+                break
+        groups.append((ins, outs))
+    return groups
+
+
+def _indexed(tag: Slice, x: torch.Tensor, index) -> Slice | None:
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in index):
+        k = index.index(Ellipsis)
+        fill = x.dim() - (len(index) - 1 - sum(i is None for i in index))
+        index = index[:k] + (slice(None),) * fill + index[k + 1:]
+    d_in = d_out = 0
+    new_dim = None
+    for i in index + (slice(None),) * (x.dim() - sum(i is not None for i in index)):
+        if i is None:
+            d_out += 1
+            continue
+        if d_in == tag.dim:
+            if not (isinstance(i, slice) and i == slice(None)):
+                return None
+            new_dim = d_out
+        if isinstance(i, int):
+            d_in += 1
+            continue
+        if isinstance(i, torch.Tensor):
+            return None
+        d_in += 1
+        d_out += 1
+    return None if new_dim is None else tag._replace(dim=new_dim)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Slice | None:
+    found = set()
+    for t, is_a in ((a, True), (b, False)):
+        tag = slice_of(t)
+        if tag is None:
+            continue
+        if isinstance(tag, Unknown) or t.dim() < 2:
+            return None
+        if tag.dim < t.dim() - 2:  # a batch dim
+            found.add(tag._replace(dim=tag.dim + out.dim() - t.dim()))
+        elif is_a and tag.dim == t.dim() - 2:  # a's rows
+            found.add(tag._replace(dim=out.dim() - 2))
+        elif not is_a and tag.dim == t.dim() - 1:  # b's columns
+            found.add(tag._replace(dim=out.dim() - 1))
+        else:
+            return None  # the contracted dim: a partial sum
+    return found.pop() if len(found) == 1 else None
