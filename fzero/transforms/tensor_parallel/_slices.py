@@ -73,10 +73,10 @@ class SliceTracker(TorchFunctionMode):
             tags = None
         outs = list(_tensors(out)) if isinstance(out, (tuple, list)) else [out]
         if tags is None:
-            tags = [Unknown(name)] * len(outs)
+            tags = [None] * len(outs)
         for t, tag in zip(outs, tags):
-            if isinstance(t, torch.Tensor) and t is not tagged[0][0] or name.endswith("_"):
-                with_slice(t, tag)
+            if isinstance(t, torch.Tensor):
+                with_slice(t, Unknown(name) if tag is None else tag)
         return out
 
 
