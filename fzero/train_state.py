@@ -65,8 +65,10 @@ class TrainState:
                **extra) -> "TrainState":
         """A fresh state at step 0 with ``opt_state = tx.init(params.trainable())``.
 
-        ``buffers`` defaults to the module's own buffer tensors when ``apply_fn`` comes
-        from :func:`fzero.functionalize` (shared, not copied), else ``{}``.
+        ``buffers`` defaults to copies of the module's buffers when ``apply_fn`` comes
+        from :func:`fzero.functionalize`, else ``{}``: the state owns them (a step updates
+        them, the module keeps its own until :func:`fzero.load_into` writes the trained
+        ones back), so two states made from one module share nothing.
 
         Raises:
             TypeError: ``tx`` is not an ``fzero.optim`` transformation; a ``params`` leaf that
@@ -81,7 +83,8 @@ class TrainState:
         _check_params(params)
         if buffers is None:
             module = getattr(apply_fn, "module", None)
-            buffers = dict(module.named_buffers()) if isinstance(module, torch.nn.Module) else {}
+            buffers = {k: b.detach().clone() for k, b in module.named_buffers()} \
+                if isinstance(module, torch.nn.Module) else {}
         return cls(
             step=torch.zeros((), dtype=torch.int64),
             params=params,

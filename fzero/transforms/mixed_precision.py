@@ -14,8 +14,9 @@ from fzero._params import merge_trainable, trainable
 from fzero.distributed.flat import is_shard
 from fzero.options import check_option
 from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
-                                    installed, offloaded, params_offloaded, psum)
+                                    installed, micro_batch, offloaded, params_offloaded, psum)
 from fzero.transforms._deferred import is_deferred
+from fzero.transforms._skip import BufferGuard, SkipStreak
 from fzero.transforms.finite import count_nonfinite
 
 __all__ = ["LossScaler", "mixed_precision"]
@@ -96,6 +97,9 @@ class _PrecisionHandler(Handler):
         self.scale = 1.0  # the scale of the step running now
         self.pending_overflow = False  # overflow seen in micro-batches whose update was deferred
         self.discarding = False  # an update running now will be discarded (an overflow)
+        # The buffers' values before the update's first forward, for a skipped update to restore.
+        self.guard = BufferGuard(WHERE)
+        self.streak = SkipStreak(WHERE)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         has_aux, scale, dtype = options.get("has_aux", False), self.scale, self.dtype
@@ -151,6 +155,8 @@ class _PrecisionHandler(Handler):
             return new
         overflow |= self.pending_overflow
         self.pending_overflow = False
+        self.guard.finish(skipped=overflow)  # before the scaler, which may raise at its minimum
+        self.streak.record(overflow, lambda: self._why(state), step=int(state.step))
         if self.loss_scale is not None:
             emit_metric("loss_scale", torch.tensor(scale))
         emit_metric("skipped", torch.tensor(overflow))
@@ -159,12 +165,22 @@ class _PrecisionHandler(Handler):
             extra["loss_scale"] = _update_scaler(state.extra["loss_scale"], overflow, **self.opts)
         if overflow:
             # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
-            # count) and the step counter stay as they were.
+            # count), the step counter and (restored above) the buffers stay as they were.
             return NotApplied(state.replace(extra={**state.extra, **extra}) if extra else state, "skipped")
         if isinstance(new, NotApplied):  # skipped further in
             return NotApplied(new.state.replace(extra={**new.state.extra, **extra}) if extra else new.state,
                               new.reason)
         return new.replace(extra={**new.extra, **extra}) if extra else new
+
+    def _why(self, state) -> str:
+        """Why this transform skips updates, for the warning of a long streak."""
+        low = "bf16" if self.dtype == torch.bfloat16 else "fp16"
+        if self.loss_scale == "dynamic":
+            return (f"the fp16 gradients overflow at loss scale {self.scale:g}, which halves on each overflow down to "
+                    f"min_loss_scale={self.opts['min_scale']:g} (where it raises)")
+        if self.loss_scale is not None:
+            return f"the fp16 gradients overflow at the fixed loss scale {self.scale:g}"
+        return f"the {low} gradients hold inf or NaN"
 
     def donating(self, *, next):
         return False if self.discarding else next()
@@ -237,10 +253,12 @@ def mixed_precision(
     update is skipped when a gradient is not finite (DeepSpeed's
     ``bf16.check_grad_overflow``, on by default), unless ``check_grad_overflow=False``.
 
-    A skipped update leaves the parameters, the optimizer state (so the schedule's count)
-    and ``state.step`` as they were. The verdict is agreed by every rank under ZeRO, and is
-    for the whole update under ``accumulate`` (any micro-batch's non-finite gradient skips
-    it).
+    A skipped update leaves the parameters, the optimizer state (so the schedule's count),
+    ``state.step`` and the buffers the forward changed (BatchNorm's running statistics) as
+    they were before the step. The verdict is agreed by every rank under ZeRO, and is for
+    the whole update under ``accumulate`` (any micro-batch's non-finite gradient skips it;
+    the buffers go back to before its first micro-batch). After 10 skips in a row a
+    ``RuntimeWarning`` says why (``fzero.transforms._skip.WARN_AFTER``).
 
     Args:
         step: ``train_step(state, batch) -> (state, metrics)``.
@@ -325,6 +343,8 @@ def mixed_precision(
             handler.scale = float(state.extra["loss_scale"].scale)
         else:
             handler.scale = 1.0 if loss_scale is None else float(loss_scale)
+        if handler.check and micro_batch().index == 0:  # an update starts: its forwards will change the buffers
+            handler.guard.keep(getattr(state, "buffers", None))
         # Collect what this step emits (loss_scale, skipped) into its own metrics, so the
         # transform reports them used alone as well as under compile.
         with collecting_metrics() as emitted, installed(handler):
