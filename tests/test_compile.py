@@ -230,7 +230,7 @@ def test_a_donated_step_writes_into_its_input_and_computes_the_same_bits(tx_name
     assert not runs[False][2], "the undonated step is pure: it must not write into its input"
 
 
-@pytest.mark.parametrize("precision", ["fp32"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_an_undonated_step_leaves_every_tensor_of_its_input_intact_buffers_included(precision):
     """Called twice on one state, ``donate=False`` gives the same new state twice, and the
     input's parameters, optimizer state, masters and BatchNorm buffers keep their bits."""

@@ -218,7 +218,7 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("precision,accumulate", [("fp32", 1), ("fp32", 2)])
+@pytest.mark.parametrize("precision,accumulate", [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
 def test_a_skipped_update_leaves_the_buffers_as_they_were_before_its_first_micro_batch(precision, accumulate):
     step = fzero.compile(_train_step, precision=precision, accumulate=accumulate,
                          **({"loss_scale": 8.0} if precision == "fp16" else {}))
@@ -288,7 +288,7 @@ def _one_rank_nan_buffers(precision):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("precision", ["fp32"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_nan_on_one_rank_leaves_every_ranks_buffers_as_they_were_at_every_stage(ranks, precision):
     results = ranks(2).run(_one_rank_nan_buffers, precision)
     for stage in range(4):

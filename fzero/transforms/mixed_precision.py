@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
@@ -106,11 +107,13 @@ class _PrecisionHandler(Handler):
 
         @functools.wraps(fn)
         def low_precision(p, *a, **kw):
-            # Ops run in the low dtype (torch's autocast casts each op's inputs, the
-            # parameters included, as it uses them); the parameters stay fp32 masters.
+            # What torch.autocast runs for an fp32 module: its low-precision ops (matmuls,
+            # convolutions) take the parameters' low-precision copies, which are the casts
+            # autocast would make of the masters, bit for bit; norm layers take fp32 weights
+            # (NormWeights); every other op runs as autocast runs it.
             device = next_device(p)
             with torch.autocast(device_type=device, dtype=dtype):
-                out = fn(p, *a, **kw)
+                out = fn(tree.map(_norm_weights, p), *a, **kw)
             if scale == 1.0:
                 return out
             if has_aux:
@@ -205,6 +208,68 @@ class _PrecisionHandler(Handler):
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
         return new.replace(params=merge_trainable(state.params, low), extra={**new.extra, "master": master})
+
+
+# The norm functions and where their weight and bias are, positionally (by keyword they are
+# ``weight`` and ``bias``). torch.autocast leaves an fp32 module's norm weights in fp32: on
+# CUDA it runs layer_norm and group_norm in fp32; on the CPU it runs them as they are, and
+# their kernels take a bf16/fp16 input with fp32 weights but refuse an fp32 input (the raw
+# input, an fp32 residual) with 16-bit weights ("mixed dtype (CPU): expect parameter to have
+# scalar type of Float"); batch_norm refuses 16-bit weights beside fp32 running statistics
+# on either device.
+_NORM_WEIGHTS = {
+    F.layer_norm: (2, 3), torch.layer_norm: (2, 3),
+    F.group_norm: (2, 3), torch.group_norm: (2, 3),
+    F.batch_norm: (3, 4), torch.batch_norm: (1, 2),
+    F.instance_norm: (3, 4), torch.instance_norm: (1, 2),
+    F.rms_norm: (2,), torch.rms_norm: (2,),
+}
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class NormWeight(torch.Tensor):
+    """A 16-bit parameter as the model sees it under ``mixed_precision``: a norm function
+    (``layer_norm``, ``group_norm``, ``batch_norm``, ``instance_norm``, ``rms_norm``) given
+    it as its weight or bias computes with it in fp32, as an fp32 module's norm computes
+    under ``torch.autocast``; every other operation sees the plain tensor and returns plain
+    tensors. It is an alias of the parameter (``Tensor.as_subclass``: same storage, on the
+    autograd graph), so its gradient is the parameter's, in the parameter's dtype.
+
+    Only operations that take a parameter pass through Python here (a norm, a matmul's
+    weight), not every operation of the forward as a ``TorchFunctionMode`` would; and a
+    recomputation in backward (``fzero.remat``, Hugging Face's gradient checkpointing) sees
+    the same tensors, where a mode entered for the forward would be gone.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        >>> y = F.layer_norm(torch.randn(2, 4), (4,), w.as_subclass(NormWeight))  # an fp32 input
+        >>> type(y).__name__, y.dtype
+        ('Tensor', torch.float32)
+        >>> y.sum().backward(); w.grad.dtype
+        torch.bfloat16
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = _NORM_WEIGHTS.get(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if at is not None:
+                args = [_fp32(x) if i in at else x for i, x in enumerate(args)]
+                kwargs = {k: _fp32(v) if k in ("weight", "bias") else v for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+
+def _fp32(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+
+
+def _norm_weights(x):
+    """A 16-bit tensor as a :class:`NormWeight` (an alias); anything else as it is."""
+    if type(x) is torch.Tensor and x.dtype in _LOW:
+        return x.as_subclass(NormWeight)
+    return x
 
 
 def _round_into(p, m):
