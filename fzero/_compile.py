@@ -13,7 +13,7 @@ from fzero.autotune._profile import from_env as autotune_trial
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.options import SPELLINGS, CompileOptions
-from fzero.train_state import TrainState
+from fzero.train_state import TrainState, missing_optimizer
 from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, installed
 
 __all__ = ["compile"]
@@ -222,6 +222,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             _report(resolved)
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = resolved.install(state)
+        if state.tx is None:  # before any transform builds optimizer state over its masters or pieces
+            raise missing_optimizer("fzero.compile: step.init")
         return state
 
     def after(state):

@@ -61,9 +61,13 @@ class TrainState:
     buffers: dict = tree.field(default_factory=dict)
 
     @classmethod
-    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, buffers: dict | None = None,
+    def create(cls, *, apply_fn: Callable, params: Any, tx: Any = None, buffers: dict | None = None,
                **extra) -> "TrainState":
         """A fresh state at step 0 with ``opt_state = tx.init(params.trainable())``.
+
+        ``tx`` may be left out when ``fzero.compile(config=...)`` installs the config's
+        optimizer at ``step.init`` (``opt_state`` is then ``None`` until it does); a step
+        that updates a state with no optimizer is an error saying so.
 
         ``buffers`` defaults to copies of the module's buffers when ``apply_fn`` comes
         from :func:`fzero.functionalize`, else ``{}``: the state owns them (a step updates
@@ -75,7 +79,7 @@ class TrainState:
                 is not a tensor, or an integer tensor that would be trained (each named by
                 its key path, all at once).
         """
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        if tx is not None and not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(
                 "fzero.TrainState.create: tx must be an fzero.optim gradient transformation "
                 f"(with init and update), got {type(tx).__name__}"
@@ -88,7 +92,7 @@ class TrainState:
         return cls(
             step=torch.zeros((), dtype=torch.int64),
             params=params,
-            opt_state=tx.init(trainable(params)),
+            opt_state=None if tx is None else tx.init(trainable(params)),
             apply_fn=apply_fn,
             tx=tx,
             extra=dict(extra),
@@ -106,7 +110,11 @@ class TrainState:
             fzero.tree.StructureError: ``grads`` does not have the structure of ``params``.
             ValueError: a gradient whose shape is not its parameter's (each named by its key
                 path, with both shapes).
+            RuntimeError: the state has no optimizer (``tx`` was not given and no config
+                installed one).
         """
+        if self.tx is None:
+            raise missing_optimizer("fzero.TrainState.apply_gradients")
         out = bind("apply_gradients", self, grads)
         return out.state if isinstance(out, NotApplied) else out
 
@@ -128,6 +136,13 @@ class _BoundApply:
 
 
 TrainState.apply_fn = _BoundApply()
+
+
+def missing_optimizer(where: str) -> RuntimeError:
+    """The error of a state without an optimizer, where one is needed."""
+    return RuntimeError(f"{where}: the state has no optimizer: TrainState.create was given no tx= and no config "
+                        "installed one; pass tx= (an fzero.optim transformation) to TrainState.create, or compile "
+                        "with a config whose optimizer section step.init installs")
 
 
 def trainable_grads(params: Any, grads: Any, where: str) -> Any:

@@ -388,6 +388,10 @@ def mixed_precision(
         # Before the inner transforms' init, so that a shard_state inside or outside this
         # transform finds the masters and partitions them (the order: transforms/_core.py).
         if "master" not in state.extra:
+            if state.tx is None:
+                from fzero.train_state import missing_optimizer
+
+                raise missing_optimizer(f"{WHERE}: step.init")
             low = DTYPES[dtype]
             # Masters for the trainable parameters only; frozen ones keep their own dtype
             # (bit-identical, as they must stay) and autocast casts them per op.
