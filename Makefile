@@ -1,7 +1,8 @@
 # fzero: two commands on a fresh machine.
 #   make demo   install, then train the example GPT and print a sample
 #   make test   install, then run the whole suite (CI runs this)
-#   make test-fast   the suite without the slow multi-rank tests
+#   make test-fast   the suite without the multi-rank and slow tests (tests/conftest.py
+#                    checks that every test that starts ranks is marked multirank)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -31,7 +32,7 @@ test: install
 	$(PY) -m pytest -q --timeout=900
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" --timeout=300
+	$(PY) -m pytest -q -m "not slow and not multirank" --timeout=300
 
 bench: install
 	$(PY) benchmarks/overhead.py

@@ -13,7 +13,7 @@ from fzero.autotune._profile import from_env as autotune_trial
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.options import SPELLINGS, CompileOptions
-from fzero.train_state import TrainState
+from fzero.train_state import TrainState, missing_optimizer
 from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, installed
 
 __all__ = ["compile"]
@@ -72,8 +72,9 @@ class Donated:
 
 
 def donated(state: TrainState, step: int) -> None:
-    """Mark ``state`` as given up: its tensors were written into by the step."""
-    for field in ("params", "opt_state", "extra"):
+    """Mark ``state`` as given up: its tensors were written into by the step (its buffers
+    too, where it has any: the forward updates them in place)."""
+    for field in ("params", "opt_state", "extra", *(("buffers",) if state.buffers else ())):
         object.__setattr__(state, field, Donated(field, step))
 
 
@@ -221,6 +222,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             _report(resolved)
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = resolved.install(state)
+        if state.tx is None:  # before any transform builds optimizer state over its masters or pieces
+            raise missing_optimizer("fzero.compile: step.init")
         return state
 
     def after(state):
@@ -244,6 +247,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if cfg is not None and step.config.pending:  # "auto" batch sizes: this batch says
             step.config = step.config.resolve(batch=batch)
             _report(step.config, only=("train_batch_size", "train_micro_batch_size_per_gpu"))
+        if not opts.donate and isinstance(state, TrainState) and state.buffers:
+            # The forward updates buffers in place (BatchNorm's statistics): an undonated step
+            # runs it on copies, which the returned state holds, so the input keeps its own.
+            state = state.replace(buffers={k: v.clone() for k, v in state.buffers.items()})
         before = comm.traffic.copy() if opts.comm_bytes else None
         update = int(state.step) if monitoring is not None and monitoring.lr is not None else 0
         if profiler is not None:

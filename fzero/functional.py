@@ -440,7 +440,8 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
     ``module.state_dict()``, ``torch.save`` or Hugging Face's ``save_pretrained`` save the
     trained model. Parameters are gathered if sharded (a collective: call it on every
     rank), taken from the fp32 masters under mixed precision, and written in the module's
-    own dtype; tied parameters stay tied; buffers come from ``state.buffers``.
+    own dtype; tied parameters stay tied; buffers are copies of ``state.buffers`` (later
+    steps do not change the module).
 
     Args:
         module: the module that was functionalized (or one with the same names).
@@ -516,6 +517,7 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
 
     p_canonical, b_canonical = dict(p_pairs), dict(b_pairs)
     made: dict[int, torch.nn.Parameter] = {}
+    made_b: dict[int, torch.Tensor] = {}
     for mod_name, m in module.named_modules(remove_duplicate=False):
         prefix = mod_name + "." if mod_name else ""
         for pname, p in list(m._parameters.items()):
@@ -534,10 +536,12 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
             for bname, b in list(m._buffers.items()):
                 if b is None:
                     continue
-                value = buffers[b_canonical[prefix + bname]]
-                if b is not value:
-                    if b.is_meta:
-                        m._buffers[bname] = value.detach().to(b.dtype, copy=True)
+                if id(b) not in made_b:  # a buffer under two names stays one tensor
+                    value = buffers[b_canonical[prefix + bname]]
+                    if b is value or b.is_meta:  # the module gets copies, never the state's tensors
+                        made_b[id(b)] = value.detach().to(b.dtype, copy=True)
                     else:
-                        b.copy_(value)
+                        with torch.no_grad():
+                            made_b[id(b)] = b.copy_(value)
+                m._buffers[bname] = made_b[id(b)]
     return module

@@ -219,7 +219,8 @@ class CompileOptions:
     tensors instead of allocating new ones each step, and the input state can no longer be
     used (the step marks it, so passing it again is an error). Write
     ``state, metrics = step(state, batch)``; ``False`` keeps every input state intact (a
-    pure step, a new state each call)."""
+    pure step, a new state each call; its forward runs on copies of the buffers, one copy of
+    them per call)."""
 
     comm_bytes: bool = False
     """Report this rank's communication in the step's ``metrics["comm_bytes"]``: a dict of

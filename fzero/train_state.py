@@ -66,22 +66,28 @@ class TrainState:
     seed: torch.Tensor = tree.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
     @classmethod
-    def create(cls, *, apply_fn: Callable, params: Any, tx: Any, buffers: dict | None = None, seed: int = 0,
-               **extra) -> "TrainState":
+    def create(cls, *, apply_fn: Callable, params: Any, tx: Any = None, buffers: dict | None = None,
+               seed: int = 0, **extra) -> "TrainState":
         """A fresh state at step 0 with ``opt_state = tx.init(params.trainable())``.
+
+        ``tx`` may be left out when ``fzero.compile(config=...)`` installs the config's
+        optimizer at ``step.init`` (``opt_state`` is then ``None`` until it does); a step
+        that updates a state with no optimizer is an error saying so.
 
         ``seed`` (an int) keys the dropout masks of every step (see :mod:`fzero.rng`): the
         same seed gives the same run at any layout.
 
-        ``buffers`` defaults to the module's own buffer tensors when ``apply_fn`` comes
-        from :func:`fzero.functionalize` (shared, not copied), else ``{}``.
+        ``buffers`` defaults to copies of the module's buffers when ``apply_fn`` comes
+        from :func:`fzero.functionalize`, else ``{}``: the state owns them (a step updates
+        them, the module keeps its own until :func:`fzero.load_into` writes the trained
+        ones back), so two states made from one module share nothing.
 
         Raises:
             TypeError: ``tx`` is not an ``fzero.optim`` transformation; a ``params`` leaf that
                 is not a tensor, or an integer tensor that would be trained (each named by
                 its key path, all at once).
         """
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        if tx is not None and not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(
                 "fzero.TrainState.create: tx must be an fzero.optim gradient transformation "
                 f"(with init and update), got {type(tx).__name__}"
@@ -92,11 +98,12 @@ class TrainState:
         _check_params(params)
         if buffers is None:
             module = getattr(apply_fn, "module", None)
-            buffers = dict(module.named_buffers()) if isinstance(module, torch.nn.Module) else {}
+            buffers = {k: b.detach().clone() for k, b in module.named_buffers()} \
+                if isinstance(module, torch.nn.Module) else {}
         return cls(
             step=torch.zeros((), dtype=torch.int64),
             params=params,
-            opt_state=tx.init(trainable(params)),
+            opt_state=None if tx is None else tx.init(trainable(params)),
             apply_fn=apply_fn,
             tx=tx,
             extra=dict(extra),
@@ -115,7 +122,11 @@ class TrainState:
             fzero.tree.StructureError: ``grads`` does not have the structure of ``params``.
             ValueError: a gradient whose shape is not its parameter's (each named by its key
                 path, with both shapes).
+            RuntimeError: the state has no optimizer (``tx`` was not given and no config
+                installed one).
         """
+        if self.tx is None:
+            raise missing_optimizer("fzero.TrainState.apply_gradients")
         out = bind("apply_gradients", self, grads)
         return out.state if isinstance(out, NotApplied) else out
 
@@ -137,6 +148,13 @@ class _BoundApply:
 
 
 TrainState.apply_fn = _BoundApply()
+
+
+def missing_optimizer(where: str) -> RuntimeError:
+    """The error of a state without an optimizer, where one is needed."""
+    return RuntimeError(f"{where}: the state has no optimizer: TrainState.create was given no tx= and no config "
+                        "installed one; pass tx= (an fzero.optim transformation) to TrainState.create, or compile "
+                        "with a config whose optimizer section step.init installs")
 
 
 def trainable_grads(params: Any, grads: Any, where: str) -> Any:

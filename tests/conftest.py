@@ -38,3 +38,58 @@ def ranks():
     pools = RankPools(max_pools=2)
     yield pools
     pools.close()
+
+
+# --------------------------------------------------------------------------- the multirank marker
+# `make test-fast` runs `-m "not slow and not multirank"`: a test that starts ranks must carry
+# @pytest.mark.multirank (and, as every one does, @pytest.mark.slow when it is long), or the fast
+# suite would start worlds of processes. Checked twice: at collection, a test that asks for the
+# `ranks` fixture; while a test runs, one that starts ranks another way (a RankPool or
+# run_ranks, torchrun, `fzero launch` / `fzero autotune` in a subprocess).
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = sorted({item.nodeid.split("[")[0] for item in items
+                       if "ranks" in getattr(item, "fixturenames", ()) and item.get_closest_marker("multirank") is None})
+    if unmarked:
+        raise pytest.UsageError("these tests use the `ranks` fixture but are not marked @pytest.mark.multirank "
+                                "(`make test-fast` leaves out multirank tests): " + ", ".join(unmarked))
+
+
+def _starts_ranks(argv) -> bool:
+    """Whether a command line launches ranks: torchrun, or fzero's launch or autotune."""
+    words = argv.split() if isinstance(argv, str) else [str(a) for a in argv]
+    if any(os.path.basename(w) == "torchrun" or "torch.distributed.run" in w for w in words):
+        return True
+    return any("fzero" in w for w in words) and bool({"launch", "autotune"} & set(words))
+
+
+@pytest.fixture(autouse=True)
+def _tests_that_start_ranks_are_marked_multirank(request):
+    if request.node.get_closest_marker("multirank") is not None:
+        yield
+        return
+    import subprocess
+
+    from fzero.testing.multirank import RankPool
+
+    started = []
+    run, popen_init = RankPool.run, subprocess.Popen.__init__
+
+    def watched_run(self, *args, **kwargs):
+        started.append(f"a RankPool of {self.world_size}")
+        return run(self, *args, **kwargs)
+
+    def watched_popen(self, args, *rest, **kwargs):
+        if _starts_ranks(args):
+            started.append(repr(args if isinstance(args, str) else " ".join(map(str, args)))[:80])
+        return popen_init(self, args, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RankPool, "run", watched_run)
+        mp.setattr(subprocess.Popen, "__init__", watched_popen)
+        yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} starts ranks ({'; '.join(dict.fromkeys(started))}) but is not marked "
+                    "@pytest.mark.multirank: `make test-fast` would run it (mark it multirank, and slow when long)",
+                    pytrace=False)

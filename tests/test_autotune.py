@@ -336,6 +336,7 @@ def _fzero_cli(args, cwd, timeout=300):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_cli_end_to_end_on_two_ranks(tmp_path):
     """Ψ = 321 is measured by a first trial. With reduce buckets of 10 elements, stage 0
     holds 16Ψ = 5136 bytes and stage 3 8Ψ + 160 = 2728: a budget of 4000 bytes prunes stage 0.

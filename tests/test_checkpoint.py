@@ -443,6 +443,55 @@ def _load_tied(path, stage):
     return fzero.gather(ckpt.load(path, like=state).params)
 
 
+def _export_and_load_into(path, out_file, stage, precision):
+    """Train the tied BatchNorm model in ``precision`` at ``stage``, save, export with the
+    module; return what export wrote and the state_dict of a module ``load_into`` filled."""
+    r, n = _rank_world()
+    torch.manual_seed(0)
+    model = _Tied()
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(_lm_step, fzero.Mesh(dp=-1), zero=stage, precision=precision)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 11, (6, 5), generator=g)
+        state, _ = step(state, {"x": x.chunk(n)[r], "y": x.roll(1, 1).chunk(n)[r]})
+    ckpt.save(path, state)
+    fzero.load_into(model, state)
+    loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    low = {k: v.clone() for k, v in fzero.gather(state.params).items()}
+    if r == 0:
+        ckpt.export(path, out_file, module=_Tied())
+        ckpt.export(path, out_file + ".low", dtype=torch.bfloat16 if precision == "bf16" else None)
+    if n > 1:
+        dist.barrier()
+    from safetensors.torch import load_file
+
+    return load_file(out_file), loaded, load_file(out_file + ".low"), low
+
+
+def _export_is_load_into(results, precision):
+    exported, loaded, exported_low, low = results
+    _equal(exported, loaded, f"export against load_into's state_dict ({precision})")
+    assert exported["emb.weight"].dtype == torch.float32 and int(exported["norm.num_batches_tracked"]) == 3
+    if precision == "bf16":  # the low-precision copies are the masters rounded: dtype=bf16 gives them
+        _equal(exported_low, low, "export(dtype=bfloat16) against the bf16 parameters")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_export_writes_what_load_into_writes_the_masters_under_mixed_precision(tmp_path, precision):
+    path, out = str(tmp_path / "ck"), str(tmp_path / "m.safetensors")
+    _export_is_load_into(_export_and_load_into(path, out, 0, precision), precision)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_export_of_partitioned_masters_writes_what_load_into_writes(ranks, tmp_path):
+    path, out = str(tmp_path / "ck"), str(tmp_path / "m.safetensors")
+    for results in ranks(2).run(_export_and_load_into, path, out, 3, "bf16"):
+        _export_is_load_into(results, "bf16")
+
+
 # --------------------------------------------------------------------------- resharding on real ranks
 
 

@@ -230,6 +230,27 @@ def test_a_donated_step_writes_into_its_input_and_computes_the_same_bits(tx_name
     assert not runs[False][2], "the undonated step is pure: it must not write into its input"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_undonated_step_leaves_every_tensor_of_its_input_intact_buffers_included(precision):
+    """Called twice on one state, ``donate=False`` gives the same new state twice, and the
+    input's parameters, optimizer state, masters and BatchNorm buffers keep their bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3))
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(ft.mse_step, precision=precision, donate=False, accumulate=2)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(6, 5, generator=g), "y": torch.randn(6, 3, generator=g)}
+    leaves = lambda s: tree.leaves((s.step, s.params, s.opt_state, s.extra, s.buffers))  # noqa: E731
+    before = [x.clone() for x in leaves(state)]
+    first, _ = step(state, batch)
+    second, _ = step(state, batch)
+    assert all(torch.equal(a, b) for a, b in zip(leaves(state), before))
+    assert all(torch.equal(a, b) for a, b in zip(leaves(first), leaves(second)))
+    assert int(first.buffers["1.num_batches_tracked"]) == 2 and int(state.buffers["1.num_batches_tracked"]) == 0
+
+
 def test_a_donated_adamw_step_is_torch_adamw():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -261,6 +282,7 @@ def test_a_donated_state_cannot_be_used_again():
         step(state, batch)
     with pytest.raises(RuntimeError, match="params was donated"):
         state.params["weight"]
+    assert new.buffers == {}  # a model without buffers: nothing of them to mark
     with pytest.raises(TypeError, match=r"leaf .params is a Donated \(<donated to the step that returned step 1>\)"):
         fzero.checkpoint.save("/nonexistent/never-written", state)
     new, _ = step(new, batch)  # the returned state goes on

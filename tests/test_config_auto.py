@@ -91,7 +91,7 @@ def _train_step(state, batch):
 
 def _run(config, steps=4, tx=None, **compile_kw):
     apply, params = fzero.functionalize(_Model())
-    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx or optim.sgd(0.1))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)  # the config's optimizer is installed
     step = fzero.compile(_train_step, config=config, **compile_kw)
     state = step.init(state)
     gen = torch.Generator().manual_seed(1)
@@ -104,17 +104,18 @@ def _run(config, steps=4, tx=None, **compile_kw):
 
 
 @pytest.mark.filterwarnings("ignore:fzero.Config. these keys have no effect")
-def test_compile_fills_auto_from_its_keywords_the_state_and_the_first_batch(capsys):
-    """The optimizer's values come from the state's optimizer, accumulation and clipping
-    from compile's keywords, the bucket from the model's hidden size, the micro-batch from
-    the first batch (8 samples / 2): the run is bit for bit the one with the config Hugging
-    Face filled for the same arguments."""
+def test_compile_fills_auto_from_its_keywords_the_model_and_the_first_batch(capsys):
+    """The optimizer's values come from auto= (the Trainer's argument names), accumulation
+    and clipping from compile's keywords, the bucket from the model's hidden size, the
+    micro-batch from the first batch (8 samples / 2): the run, from a state created without
+    an optimizer, is bit for bit the one with the config Hugging Face filled for the same
+    arguments."""
     case = RECORDED[0]
     a = case["args"]
-    tx = optim.adamw(a["learning_rate"], a["adam_beta1"], a["adam_beta2"], a["adam_epsilon"], a["weight_decay"])
-    step, losses, params = _run(case["config"], tx=tx, accumulate=a["gradient_accumulation_steps"],
+    names = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "warmup_steps")
+    step, losses, params = _run(case["config"], accumulate=a["gradient_accumulation_steps"],
                                 clip_norm=a["max_grad_norm"],
-                                auto={"max_steps": case["max_steps"], "warmup_steps": a["warmup_steps"]})
+                                auto={"max_steps": case["max_steps"], **{k: a[k] for k in names}})
     err = capsys.readouterr().err
     _, ref_losses, ref_params = _run(case["filled"])
     assert losses == ref_losses
@@ -124,7 +125,7 @@ def test_compile_fills_auto_from_its_keywords_the_state_and_the_first_batch(caps
     assert cfg.zero_optimization.reduce_bucket_size == 64 * 64
     assert cfg.pending == ()
     # every filled value is reported once: at init, then the batch sizes at the first call
-    assert err.count("optimizer.params.lr = 0.0003: the state's optimizer") == 1
+    assert err.count("optimizer.params.lr = 0.0003: auto=") == 1
     assert err.count("train_micro_batch_size_per_gpu = 4: the first batch") == 1
     assert err.count("gradient_accumulation_steps = 2: fzero.compile's keyword") == 1
     assert err.count("zero_optimization.reduce_bucket_size = 4096: the model's hidden size 64") == 1
@@ -156,21 +157,56 @@ def test_an_auto_nothing_can_fill_names_its_path_and_how_to_fill_it():
     with pytest.raises(ValueError, match=re.escape("auto={'zero_optimization.stage': value}")):
         quiet_load(config)
     assert quiet_load(config, options={"stage": 2}).zero_optimization.stage == 2
-    # a state whose optimizer does not say its lr (a schedule) is named at init
+
+
+def test_optimizer_autos_take_the_trainers_defaults_not_the_placeholder_optimizer(capsys):
+    """What Hugging Face's Trainer fills with no arguments given: TrainingArguments' own
+    defaults (weight decay 0.0), not the values of the optimizer handed to
+    TrainState.create (adamw's weight decay is torch's 0.01), which the config's replaces."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    # the defaults of its fields (an instance wants accelerate, which is not a test dependency)
+    hf = types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)})
     apply, params = fzero.functionalize(_Model())
-    state = fzero.TrainState.create(apply_fn=apply, params=params,
-                                    tx=optim.adamw(optim.schedules.linear_warmup(1e-3, 5)))
-    step = fzero.compile(_train_step, config={"train_batch_size": 8,
-                                              "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
-    with pytest.raises(ValueError, match=re.escape('optimizer.params.lr is "auto": the state\'s optimizer')):
-        step.init(state)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+    config = {"train_micro_batch_size_per_gpu": 8,
+              "optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 1}}}
+    step = fzero.compile(_train_step, config=config)
+    state = step.init(state)
+    assert step.config.optimizer.params == {"lr": hf.learning_rate, "betas": [hf.adam_beta1, hf.adam_beta2],
+                                            "eps": hf.adam_epsilon, "weight_decay": hf.weight_decay}
+    assert step.config.scheduler.params["warmup_max_lr"] == hf.learning_rate
+    spec = optim.fused_spec_of(state.tx)
+    assert (spec.weight_decay, spec.b1, spec.b2, spec.eps) == (0.0, 0.9, 0.999, 1e-8)
+    assert "optimizer.params.weight_decay = 0.0: Hugging Face's default weight_decay" in capsys.readouterr().err
+    # auto= names it: that wins
+    step = fzero.compile(_train_step, config=config, auto={"weight_decay": 0.1, "learning_rate": 2e-4})
+    step.init(fzero.TrainState.create(apply_fn=apply, params=params))
+    assert (step.config.optimizer.params["weight_decay"], step.config.optimizer.params["lr"]) == (0.1, 2e-4)
+    assert step.config.scheduler.params["warmup_max_lr"] == 2e-4
+
+
+def test_a_state_without_an_optimizer_needs_a_config_that_has_one():
+    apply, params = fzero.functionalize(_Model())
+    state = fzero.TrainState.create(apply_fn=apply, params=params)
+    assert state.tx is None and state.opt_state is None
+    with pytest.raises(RuntimeError, match="fzero.compile: step.init: the state has no optimizer: TrainState.create "
+                                           "was given no tx= and no config installed one"):
+        fzero.compile(_train_step).init(state)
+    with pytest.raises(RuntimeError, match="fzero.compile: step.init: the state has no optimizer"):
+        fzero.compile(_train_step, config={"train_batch_size": 8}).init(state)
+    with pytest.raises(RuntimeError, match="fzero.mixed_precision: step.init: the state has no optimizer"):
+        fzero.mixed_precision(_train_step).init(state)
+    with pytest.raises(RuntimeError, match="fzero.TrainState.apply_gradients: the state has no optimizer"):
+        _train_step(state, (torch.randn(2, 6), torch.randn(2, 1)))
 
 
 def test_pending_auto_values_block_building_the_optimizer_until_filled():
     cfg = quiet_load(HF_STYLE, auto={"max_steps": 10})
-    assert "optimizer.params.lr" in cfg.pending
-    with pytest.raises(ValueError, match="optimizer.params.lr, optimizer.params.betas"):
-        cfg.make_optimizer()
+    assert not [p for p in cfg.pending if p.startswith(("optimizer.", "scheduler."))]
+    assert cfg.make_optimizer().fused.weight_decay == 0.0  # Hugging Face's defaults: nothing waits
     with pytest.raises(ValueError, match="micro-batch size is \"auto\""):
         cfg.local_batch_size
 
@@ -239,7 +275,7 @@ def test_config_check_says_what_fzero_does_with_each_key(tmp_path, capsys):
     assert re.search(r"no effect\s+configures DeepSpeed's save_16bit_model",
                      lines["zero_optimization.stage3_gather_16bit_weights_on_model_save"])
     assert re.search(r"not read\s+a comment", lines["_comment"])
-    assert "optimizer.params.lr" in lines and "filled at step.init" in lines["optimizer.params.lr"]
+    assert re.search(r"auto\s+5e-05 \(Hugging Face's default learning_rate\)", lines["optimizer.params.lr"])
     assert out.rstrip().endswith("fzero.compile take this file")
     # the keys come in the file's order, once each
     keys = [line.split()[0] for line in out.splitlines()[1:-1]]

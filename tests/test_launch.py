@@ -461,6 +461,7 @@ def job(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_real_single_node_two_ranks(job):
     [(rc, log)] = _run_all([_fzero() + ["launch", "--nproc", "2", "--env-file", "job.env",
                                         "job.py", "--out", "out", "--flag", "x"]], cwd=job)
@@ -474,6 +475,7 @@ def test_real_single_node_two_ranks(job):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_real_two_node_rendezvous_on_localhost(job):
     port = str(_free_port())
     cmds = [_fzero() + ["launch", "--nnodes", "2", "--node-rank", str(r), "--nproc", "1",
@@ -486,6 +488,7 @@ def test_real_two_node_rendezvous_on_localhost(job):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_real_ssh_launch_with_unequal_slots(job):
     """Two hosts over ssh, 2 + 1 slots: torchrun agents with different --nproc-per-node
     form one world of 3. ``ssh`` is a stand-in that runs the remote command here."""
@@ -509,6 +512,7 @@ def test_real_ssh_launch_with_unequal_slots(job):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_real_restart_after_failure(job):
     env = {**os.environ, "FAIL_FIRST": "1"}
     [(rc, log)] = _run_all([_fzero() + ["launch", "--nproc", "1", "--max-restarts", "1", "job.py", "--out", "out"]],

@@ -279,16 +279,62 @@ def gpt():
     return GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32))
 
 
+def _score_matmul_flops(q_shape, s_k):
+    """FLOPs of attention's ``q @ k.T`` (b, h, s_q, d) x (b, h, d, s_k)."""
+    b, h, s_q, d = q_shape
+    return 2 * b * h * s_q * d * s_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_attention_counts_as_its_matmuls_written_out(causal):
+    """torch's counter gives 0 for scaled_dot_product_attention's CPU kernel; fzero counts its
+    forward as the same attention written as matmuls counts, and its backward as torch
+    counts its CUDA flash kernels: the matmuls' backward plus the recomputed scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fzero.monitor._flops import FlopCounter
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g, requires_grad=True) for _ in range(3))
+
+    def counted(run):
+        with FlopCounterMode(display=False) as plain:
+            out = run()
+        counter = FlopCounter()
+        with counter.counting(q):
+            out = run()
+        fwd = counter.flops(q)
+        counter = FlopCounter()
+        with counter.counting(q):
+            out.sum().backward()
+        return plain.get_total_flops(), fwd, counter.flops(q)
+
+    fused = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    plain_fused, fwd, bwd = counted(fused)
+    with sdpa_kernel(SDPBackend.MATH):  # plain PyTorch, attention as bmm's the counter knows
+        _, fwd_math, bwd_math = counted(fused)
+    assert plain_fused == 0, "torch's counter now counts the CPU kernel: drop fzero's formula"
+    assert fwd == fwd_math == 2 * _score_matmul_flops(q.shape, 16)
+    assert bwd == bwd_math + _score_matmul_flops(q.shape, 16)
+
+
 def test_gpt_flops_equal_flop_counter_around_plain_pytorch_and_remat_adds_one_forward(gpt):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     batch = {"x": torch.randint(0, 256, (4, 16)), "y": torch.randint(0, 256, (4, 16))}
     ref = copy.deepcopy(gpt)
-    with FlopCounterMode(display=False) as fwd:
-        logits = ref(batch["x"])
-    with FlopCounterMode(display=False) as bwd:
-        F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten()).backward()
-    plain, forward = fwd.get_total_flops() + bwd.get_total_flops(), fwd.get_total_flops()
+    # Attention as plain PyTorch's matmuls (torch's counter sees nothing of the CPU's fused
+    # kernel); fzero counts that kernel's backward as torch counts its CUDA flash kernels:
+    # the scores recomputed, one more q @ k.T per layer.
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as fwd:
+            logits = ref(batch["x"])
+        with FlopCounterMode(display=False) as bwd:
+            F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten()).backward()
+    recomputed = 2 * _score_matmul_flops((4, 2, 16, 16), 16)  # 2 layers, 2 heads of 16 channels
+    plain, forward = fwd.get_total_flops() + bwd.get_total_flops() + recomputed, fwd.get_total_flops()
     # The 6·N·tokens estimate (N: the matmul weights; attention's score FLOPs come on top).
     n = sum(p.numel() for name, p in ref.named_parameters() if p.dim() == 2 and "wpe" not in name)
     assert 6 * n * 64 <= plain <= 1.5 * 6 * n * 64

@@ -181,6 +181,7 @@ def _one_rank_nan(stage, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_nan_on_one_rank_is_skipped_by_every_rank(ranks, stage):
     results = ranks(2).run(_one_rank_nan, stage, "skip")
@@ -191,12 +192,131 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(ranks, stage):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_raise_on_one_ranks_nan_raises_on_every_rank_naming_the_path(ranks):
     results = ranks(2).run(_one_rank_nan, 2, "raise")
     for outcome, count, _ in results:
         assert outcome[1] == ["['0.bias']", "['0.weight']", "['2.bias']", "['2.weight']"]
         assert outcome[0] == outcome[2] == "applied"
         assert count == 2  # the failed update changed nothing; the next one stepped
+
+
+# ---------------------------------------------------------------- buffers of a skipped update
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8, bias=False), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 2))
+
+
+def _buffers(state):
+    return {k: v.clone() for k, v in state.buffers.items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision,accumulate", [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
+def test_a_skipped_update_leaves_the_buffers_as_they_were_before_its_first_micro_batch(precision, accumulate):
+    step = fzero.compile(_train_step, precision=precision, accumulate=accumulate,
+                         **({"loss_scale": 8.0} if precision == "fp16" else {}))
+    state = step.init(_state(_bn_model()))
+    batches = _batches(3, size=8)
+    x, y = batches[1]
+    x = x.clone()
+    x[-1, 0] = NAN  # in the update's last micro-batch: the earlier ones' forwards ran on clean data
+    state, _ = step(state, batches[0])
+    before = _buffers(state)
+    state, metrics = step(state, (x, y))
+    assert bool(metrics["skipped"]) and int(state.step) == 1
+    assert _same(_buffers(state), before)  # running statistics and the batch counter, bit for bit
+    state, metrics = step(state, batches[2])
+    assert not bool(metrics["skipped"]) and int(state.buffers["1.num_batches_tracked"]) == 2 * accumulate
+
+
+def test_fp32_with_batchnorm_trains_as_if_the_skipped_batch_were_not_there():
+    """The reference: plain PyTorch, a BatchNorm model trained by torch's AdamW on the clean
+    batches only (their forwards alone move the running statistics)."""
+    module = _bn_model()
+    reference = copy.deepcopy(module)
+    step = fzero.compile(_train_step)
+    state = step.init(_state(module))
+    batches = _batches(4, bad_at=(1, 2))
+    for batch in batches:
+        state, _ = step(state, batch)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches[:1] + batches[3:]:
+        opt.zero_grad()
+        (reference(x) - y).pow(2).mean().backward()
+        opt.step()
+    got = fzero.gather(state.params)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+    for name, b in reference.named_buffers():
+        torch.testing.assert_close(state.buffers[name], b, rtol=1e-6, atol=1e-7)
+
+
+def test_raise_leaves_the_buffers_as_they_were():
+    step = fzero.compile(_train_step, nonfinite="raise")
+    state = step.init(_state(_bn_model()))
+    state, _ = step(state, _batches(1)[0])
+    before = _buffers(state)
+    with pytest.raises(fzero.NonFiniteGradientError):
+        step(state, _batches(1, bad_at=(0,))[0])
+    assert _same(_buffers(state), before)
+
+
+def _one_rank_nan_buffers(precision):
+    """ZeRO 0-3: rank 1's micro-batch holds a NaN; every rank skips and keeps its buffers."""
+    rank = dist.get_rank()
+    out = []
+    for stage in range(4):
+        step = fzero.compile(_train_step, zero=stage, precision=precision, accumulate=2)
+        state = step.init(_state(_bn_model()))
+        (x0, y0), (x1, y1) = _batches(2, size=8)
+        state, _ = step(state, (x0[rank * 4:(rank + 1) * 4], y0[rank * 4:(rank + 1) * 4]))
+        before = _buffers(state)
+        x1 = x1[rank * 4:(rank + 1) * 4].clone()
+        if rank == 1:
+            x1[3, 0] = NAN
+        state, metrics = step(state, (x1, y1[rank * 4:(rank + 1) * 4]))
+        out.append((bool(metrics["skipped"]), _same(_buffers(state), before), _buffers(state)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nan_on_one_rank_leaves_every_ranks_buffers_as_they_were_at_every_stage(ranks, precision):
+    results = ranks(2).run(_one_rank_nan_buffers, precision)
+    for stage in range(4):
+        (skip0, kept0, b0), (skip1, kept1, b1) = results[0][stage], results[1][stage]
+        assert skip0 and skip1 and kept0 and kept1, (stage, skip0, skip1, kept0, kept1)
+        assert _same(b0, b1), stage
+
+
+def test_a_streak_of_skipped_updates_is_reported_once_with_its_reason():
+    from fzero.transforms._skip import WARN_AFTER
+
+    step = fzero.compile(_train_step)
+    state = step.init(_state(_model()))
+    bad, good = _batches(1, bad_at=(0,))[0], _batches(1)[0]
+    with pytest.warns(RuntimeWarning, match=r"10 updates in a row were skipped: their gradients held inf or "
+                                            r"NaN .* since the start: the model is not training") as seen:
+        for _ in range(WARN_AFTER + 2):
+            state, _ = step(state, bad)
+    assert len([w for w in seen if issubclass(w.category, RuntimeWarning)]) == 1
+    state, _ = step(state, good)  # the streak ends; the next one is reported again
+    with pytest.warns(RuntimeWarning, match="since update 1"):
+        for _ in range(WARN_AFTER):
+            state, _ = step(state, bad)
+    step16 = fzero.compile(_train_step, precision="fp16", loss_scale=4.0)
+    state = step16.init(_state(_model()))
+    with pytest.warns(RuntimeWarning, match="overflow at the fixed loss scale 4"):
+        for _ in range(WARN_AFTER):
+            state, _ = step16(state, bad)
 
 
 # ---------------------------------------------------------------- bad input at world 1

@@ -7,6 +7,7 @@ each with its reason there.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import doctest
 import re
@@ -462,6 +463,61 @@ def test_mask_with_wrong_structure_names_the_key_path():
     with pytest.raises(ValueError, match=r"^fzero\.optim\.adamw: mask does not have the structure of params") as e:
         tx.init(params)
     assert "['bias']" in str(e.value) and "['b']" in str(e.value)
+
+
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_a_callable_mask_over_params_with_frozen_entries_decays_as_torch_param_groups(fused):
+    """``mask=lambda p: {k: v.ndim > 1 ...}`` on a model with a frozen weight: the callable
+    sees the trainable parameters (no ``None`` for the frozen one), and training equals
+    torch's AdamW with a decay group and a no-decay group, the frozen weight untouched."""
+    import fzero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)
+    ref, frozen = copy.deepcopy(model), model[2].weight.detach().clone()
+    apply, params = fzero.functionalize(model)
+    seen = []
+
+    def decay(p):
+        seen.append(sorted(p))
+        return {k: v.ndim > 1 for k, v in p.items()}
+
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.3, mask=decay))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 3, generator=g), torch.randn(5, 2, generator=g)) for _ in range(4)]
+    with optim.use_fused(fused):
+        step = fzero.compile(lambda s, b: (s.apply_gradients(fzero.grad(
+            lambda p: torch.nn.functional.mse_loss(s.apply_fn(p, b[0]), b[1]))(s.params)), {}))
+        state = step.init(state)
+        for b in batches:
+            state, _ = step(state, b)
+    assert seen[0] == ["0.bias", "0.weight", "2.bias"]
+    opt = torch.optim.AdamW([{"params": [ref[0].weight], "weight_decay": 0.3},
+                             {"params": [ref[0].bias, ref[2].bias], "weight_decay": 0.0}], lr=1e-2)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    ft.assert_trees_close(fzero.gather(state.params), {k: v.detach() for k, v in ref.named_parameters()},
+                          tol="optimizer fp32 vs torch.optim")
+    assert torch.equal(state.params["2.weight"], frozen)
+
+
+def test_a_mask_by_name_over_params_with_frozen_entries_names_what_is_missing():
+    import fzero
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].weight.requires_grad_(False)
+    apply, params = fzero.functionalize(model)
+    ok = optim.adamw(1e-2, mask={"0.weight": True, "0.bias": False, "1.bias": False, "1.weight": True})
+    fzero.TrainState.create(apply_fn=apply, params=params, tx=ok)  # a frozen name's flag is ignored
+    bad = optim.adamw(1e-2, mask=lambda p: {"0.weight": True, "1.biass": False})
+    with pytest.raises(tree.StructureError, match=re.escape(
+            "fzero.optim.adamw: mask does not have the structure of params: it has no flag for the trainable "
+            "parameters ['0.bias', '1.bias'] and flags for ['1.biass'], which are not parameters (frozen, so "
+            "never decayed: ['1.weight'])")):
+        fzero.TrainState.create(apply_fn=apply, params=params, tx=bad)
 
 
 def test_mask_leaves_must_be_bools():

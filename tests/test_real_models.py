@@ -177,6 +177,33 @@ def test_buffers_are_state_updated_per_forward_as_torch(accumulate):
     assert int(state.buffers["bn.num_batches_tracked"]) == 3 * accumulate
 
 
+def test_the_state_owns_its_buffers_and_load_into_gives_the_module_copies():
+    torch.manual_seed(0)
+    model = BNNet()
+    initial = {k: v.clone() for k, v in model.named_buffers()}
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    other = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    step = fzero.compile(_step)
+    state = step.init(state)
+    for b in _img_batches(2):
+        state, _ = step(state, b)
+    # the module and a second state made from it did not move with the steps
+    for k, v in initial.items():
+        assert torch.equal(dict(model.named_buffers())[k], v) and torch.equal(other.buffers[k], v), k
+    fzero.load_into(model, state)
+    trained = {k: v.clone() for k, v in state.buffers.items()}
+    for k, v in model.named_buffers():
+        assert torch.equal(v, trained[k]) and v is not state.buffers[k], k
+    state, _ = step(state, _img_batches(1, seed=7)[0])  # a donated step writes the state's, not the module's
+    ft.assert_trees_close(dict(model.named_buffers()), trained, rtol=0, atol=0)
+    # a state that shares its buffers with the module: load_into still leaves copies
+    shared = dict(model.named_buffers())
+    fzero.load_into(model, fzero.TrainState.create(apply_fn=apply, params=fzero.gather(state.params),
+                                                   tx=optim.sgd(0.1), buffers=shared))
+    assert all(v is not shared[k] for k, v in model.named_buffers())
+
+
 def test_checkpoint_saves_and_restores_buffers(tmp_path):
     torch.manual_seed(0)
     apply, params = fzero.functionalize(BNNet())

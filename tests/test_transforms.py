@@ -1,6 +1,7 @@
 """accumulate and mixed_precision in one process, and their compositions, against the
 plain step (fp32) or a plain step that casts the same way (bf16 / fp16)."""
 
+import copy
 import itertools
 import json
 from pathlib import Path
@@ -50,12 +51,15 @@ def lowp(p, dtype):
 
 
 def autocast_step(dtype):
-    """The reference mixed-precision step: fp32 params, cast to dtype where used."""
+    """The reference mixed-precision step: the fp32 module under torch.autocast, with its
+    parameters rounded to ``dtype`` once (as fzero's low-precision copies are), so autocast's
+    casts give the same bits and its norms take the same fp32 values."""
 
     def step(state, batch):
         def loss_fn(p):
             with torch.autocast("cpu", dtype=dtype):
-                return F.mse_loss(state.apply_fn(lowp(p, dtype), batch["x"]), batch["y"])
+                return F.mse_loss(state.apply_fn(fzero.tree.map(torch.Tensor.float, lowp(p, dtype)), batch["x"]),
+                                  batch["y"])
 
         loss, grads = fzero.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads), {"loss": loss}
@@ -195,6 +199,7 @@ def replay_batches(updates, overflow_at, micro_batches, per_micro=2):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == COMPILED_LONG else n
                                   for n in sorted(FP16_CASES) if n not in LONG or n == COMPILED_LONG])
+@pytest.mark.filterwarnings("ignore:fzero.mixed_precision. 10 updates in a row:RuntimeWarning")  # the bursts
 def test_compiled_fp16_step_replays_deepspeed(name):
     case = FP16_CASES[name]
     options = {**case["fp16"], "min_loss_scale": float(case["fp16"]["min_loss_scale"])}
@@ -330,6 +335,115 @@ def _bf16_inf_in_one_ranks_batch(stage):
 def test_bf16_inf_in_one_ranks_batch_skips_on_every_rank(ranks):
     for stage in (0, 1, 2, 3):
         assert ranks(2).run(_bf16_inf_in_one_ranks_batch, stage) == [(False, True, True, 1)] * 2, stage
+
+
+# --------------------------------------------------------------------------- what torch.autocast trains
+
+NORMS = {"layer": lambda: torch.nn.LayerNorm(6), "batch": lambda: torch.nn.BatchNorm1d(6),
+         "group": lambda: torch.nn.GroupNorm(2, 6)}
+
+
+class _NormNet(torch.nn.Module):
+    """Norm layers fed fp32 activations under autocast: the raw input, and a residual that
+    stays fp32 (fp32 input + a bf16 Linear's output)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.norm_in, self.lin, self.norm_mid = NORMS[kind](), torch.nn.Linear(6, 6), NORMS[kind]()
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        r = x + self.lin(self.norm_in(x))
+        return self.head(self.norm_mid(r))
+
+
+def _norm_batches(n, rows=8):
+    g = torch.Generator().manual_seed(5)
+    return [{"x": torch.randn(rows, 6, generator=g) * 3 + 1, "y": torch.randn(rows, 2, generator=g)}
+            for _ in range(n)]
+
+
+def _autocast_reference(model, batches, dtype):
+    """Plain PyTorch: the fp32 module, its forward under torch.autocast, backward, torch's SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(b["x"])
+        loss = F.mse_loss(out.float(), b["y"])
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _norm_step(state, batch):
+    loss, grads = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]).float(), batch["y"]))(
+        state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+@pytest.mark.parametrize("kind", sorted(NORMS))
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_norm_layers_fed_fp32_train_as_under_torch_autocast(kind, precision):
+    torch.manual_seed(0)
+    model = _NormNet(kind)
+    reference = copy.deepcopy(model)
+    batches = _norm_batches(4)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    ref_losses = _autocast_reference(reference, batches, dtype)
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(_norm_step, precision=precision, **({"loss_scale": None} if precision == "fp16" else {}))
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9)))
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    ft.assert_trees_close(losses, ref_losses, tol=precision)
+    ft.assert_trees_close(fzero.gather(state.extra["master"]), dict(reference.named_parameters()), tol=precision)
+    # BatchNorm's running statistics stay fp32, as the module's under autocast
+    ft.assert_trees_close(dict(state.buffers), dict(reference.named_buffers()), tol=precision)
+    assert all(b.dtype == r.dtype for b, r in zip(state.buffers.values(), reference.buffers()))
+
+
+def _norms_at_every_stage():
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), []
+    for stage in range(4):
+        for kind in ("layer", "group", "batch"):
+            torch.manual_seed(0)
+            apply, params = fzero.functionalize(_NormNet(kind))
+            step = fzero.compile(_norm_step, fzero.Mesh(dp=-1), zero=stage, precision="bf16")
+            state = step.init(fzero.TrainState.create(apply_fn=apply, params=params,
+                                                      tx=optim.sgd(0.05, momentum=0.9)))
+            losses = []
+            for b in _norm_batches(3, rows=8):
+                state, m = step(state, {k: v[rank * 4:(rank + 1) * 4] for k, v in b.items()})
+                losses.append(m["loss"])
+            out.append((stage, kind, losses, fzero.gather(state.extra["master"]), dict(state.buffers)))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_norm_layers_fed_fp32_train_as_under_torch_autocast_at_every_zero_stage(ranks):
+    """Two ranks, half the batch each: LayerNorm and GroupNorm give the one-process autocast
+    run on the whole batch; BatchNorm (statistics of each rank's half) trains, its buffers
+    the same on both ranks."""
+    results = ranks(2).run(_norms_at_every_stage)
+    for i, (stage, kind, losses, masters, buffers) in enumerate(results[0]):
+        other = results[1][i]
+        ft.assert_trees_close(other[2:], (losses, masters, buffers), rtol=0, atol=0, what=f"rank 1, {kind}, {stage}")
+        if kind == "batch":
+            assert all(torch.isfinite(x).all() for x in losses + list(masters.values())), stage
+            continue
+        torch.manual_seed(0)
+        reference = _NormNet(kind)
+        ref_losses = _autocast_reference(reference, _norm_batches(3, rows=8), torch.bfloat16)
+        ft.assert_trees_close(losses, ref_losses, tol="bf16", what=f"losses, {kind}, stage {stage}")
+        ft.assert_trees_close(masters, dict(reference.named_parameters()), tol="bf16", what=f"{kind}, stage {stage}")
 
 
 ORDERS = list(itertools.permutations(["acc", "mp"]))

@@ -3,10 +3,14 @@
 It runs in one process from the files alone (no process group, no model needed): each
 parameter is read piece by piece from whichever ranks' files hold it (a parameter split over
 ``tp`` is put together from its slices) and written under its ``named_parameters()`` name, so ``module.load_state_dict(safetensors.torch.load_file(f),
-strict=True)`` takes it. Two names the params dict does not have, which a strict
-``load_state_dict`` wants, can only come from the module: the second names of tied
-parameters (``functionalize`` keeps each tied parameter once, under its first name) and the
-buffers (they are not training state). Pass ``module=`` to add both.
+strict=True)`` takes it. Under mixed precision a parameter is read from its fp32 master
+(``.extra['master']``), not from the low-precision copy the model computed with: what
+``fzero.load_into`` writes, so the two ways of getting the trained model agree bit for bit.
+Two names the params dict does not have, which a strict ``load_state_dict`` wants, come
+with the module: the second names of tied parameters (``functionalize`` keeps each tied
+parameter once, under its first name) and the buffers (the checkpoint's ``.buffers``, the
+trained running statistics; the module's own where the checkpoint has none). Pass
+``module=`` to add both.
 """
 
 from __future__ import annotations
@@ -26,11 +30,20 @@ __all__ = ["export"]
 WHERE = "fzero.checkpoint.export"
 
 
-def _param_name(rec: dict) -> str | None:
+def _name_under(rec: dict, *prefix: str) -> str | None:
+    """The last key of a leaf saved at ``.<prefix[0]>['<prefix[1]>']...['name']`` (a
+    TrainState's attribute, or a plain dict's key), else ``None``."""
     e = rec.get("entries") or []
-    if len(e) == 2 and e[0] in (["attr", "params"], ["key", "params"]) and e[1][0] == "key" and isinstance(e[1][1], str):
-        return e[1][1]
-    return None
+    if len(e) != len(prefix) + 1 or not (e[-1][0] == "key" and isinstance(e[-1][1], str)):
+        return None
+    first, *rest = prefix
+    if e[0] not in (["attr", first], ["key", first]) or any(x != ["key", k] for x, k in zip(e[1:], rest)):
+        return None
+    return e[-1][1]
+
+
+def _param_name(rec: dict) -> str | None:
+    return _name_under(rec, "params")
 
 
 def export(
@@ -46,10 +59,13 @@ def export(
     Args:
         path: a committed checkpoint (any world size, any ZeRO stage).
         out_file: the file to write (atomically: a temporary sibling, then a rename).
-        module: the model; adds the aliases of tied parameters and the module's buffers, so
-            that ``module.load_state_dict(..., strict=True)`` accepts the file.
+        module: the model; adds the aliases of tied parameters and the buffers (the
+            checkpoint's, else the module's), so that
+            ``module.load_state_dict(..., strict=True)`` accepts the file.
         dtype: floating parameters are cast to it (default fp32: full-precision weights);
-            ``None`` keeps the saved dtypes.
+            ``None`` keeps the saved dtypes. Under mixed precision the parameters are the
+            fp32 masters either way, and ``torch.bfloat16`` (``float16``) gives exactly the
+            low-precision copies the model computed with: they are the masters rounded.
         verify: check the checksum of every block read.
 
     Returns:
@@ -77,22 +93,29 @@ def export(
     path = os.path.abspath(os.fspath(path))
     out_file = os.path.abspath(os.fspath(out_file))
     man = _format.read_manifest(path, WHERE, verify=verify)
-    recs = [(n, r) for r in man["leaves"] if r["kind"] == "tensor" and (n := _param_name(r)) is not None]
+    leaves = [r for r in man["leaves"] if r["kind"] == "tensor"]
+    recs = {n: r for r in leaves if (n := _param_name(r)) is not None}
+    # Mixed precision: the fp32 masters, not the low-precision copies (frozen ones have none).
+    recs.update({n: r for r in leaves if (n := _name_under(r, "extra", "master")) is not None and n in recs})
+    saved_buffers = {n: r for r in leaves if (n := _name_under(r, "buffers")) is not None}
     if not recs:
         raise CheckpointError(f"{WHERE}: {path} has no parameters: export reads the leaves at .params['name'] "
                               f"(a TrainState's params dict)")
     files = Files(path, man, WHERE)
     reader = _Reader(files, man["block_bytes"], verify, None)
     params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     try:
-        for name, rec in recs:
+        for name, rec in recs.items():
             t = read_whole(reader, rec)  # a leaf split over tp: its slices put together
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
             params[name] = t
+        if module is not None:
+            buffers = {name: read_whole(reader, rec) for name, rec in saved_buffers.items()}
     finally:
         files.close()
-    tensors = params if module is None else _for_module(module, params, path)
+    tensors = params if module is None else _for_module(module, params, buffers, path)
     parent = os.path.dirname(out_file)
     if parent:
         os.makedirs(parent, exist_ok=True)
@@ -109,8 +132,10 @@ def export(
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
-def _for_module(module: torch.nn.Module, params: dict[str, torch.Tensor], path: str) -> dict[str, Any]:
-    """``params`` under every name of ``module.state_dict()``: tied aliases and buffers added."""
+def _for_module(module: torch.nn.Module, params: dict[str, torch.Tensor], saved_buffers: dict[str, torch.Tensor],
+                path: str) -> dict[str, Any]:
+    """``params`` under every name of ``module.state_dict()``: tied aliases and buffers (the
+    checkpoint's ``saved_buffers``, else the module's) added."""
     first: dict[int, str] = {}
     alias: dict[str, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
@@ -123,6 +148,8 @@ def _for_module(module: torch.nn.Module, params: dict[str, torch.Tensor], path: 
             out[key] = params[key]
         elif key in alias and alias[key] in params:
             out[key] = params[alias[key]]  # a tied parameter's other name
+        elif key in saved_buffers:
+            out[key] = saved_buffers[key]
         elif key in buffers and buffers[key] is not None and buffers[key].device.type != "meta":
             out[key] = buffers[key].detach().cpu()
         else:

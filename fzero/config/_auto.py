@@ -9,10 +9,16 @@ and ``trainer_config_finalize``). fzero fills them from, in this order:
    ``max_steps``, ``hidden_size``, ...), or an object with those attributes (a
    ``TrainingArguments``);
 2. ``fzero.compile``'s keywords (``accumulate=``, ``precision=``, ``clip_norm=``, ``zero=``);
-3. at ``step.init``, the state: its optimizer's hyperparameters and the model's hidden size;
+3. at ``step.init``, the model: its hidden size;
 4. at the first step call, the batch: its leading size is micro-batch × accumulation steps;
-5. Hugging Face's defaults where it has one (no accumulation, fp32, clipping at 1.0, no
-   warmup, a minimum warmup rate of 0).
+5. Hugging Face's defaults where it has one (``TrainingArguments``: learning rate 5e-5,
+   betas (0.9, 0.999), eps 1e-8, weight decay 0.0, no accumulation, fp32, clipping at
+   1.0, no warmup, a minimum warmup rate of 0).
+
+The optimizer's values come from ``auto=`` or Hugging Face's defaults, never from the
+optimizer handed to ``TrainState.create``: the config's optimizer replaces that one at
+``step.init`` (it may be omitted), so its values are a placeholder's (``adamw``'s default
+weight decay is torch's 0.01, Hugging Face's Trainer uses 0.0).
 
 A value that none of these gives is an error naming its path and how to give it.
 """
@@ -51,6 +57,10 @@ _FROM_OPTIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
 
 # Hugging Face's defaults (TrainingArguments) where fzero knows nothing better.
 _DEFAULTS: dict[str, tuple[Any, str]] = {
+    "optimizer.params.lr": (5e-5, "Hugging Face's default learning_rate"),
+    "optimizer.params.betas": ([0.9, 0.999], "Hugging Face's default adam_beta1, adam_beta2"),
+    "optimizer.params.eps": (1e-8, "Hugging Face's default adam_epsilon"),
+    "optimizer.params.weight_decay": (0.0, "Hugging Face's default weight_decay"),
     "gradient_accumulation_steps": (1, "Hugging Face's default: no accumulation"),
     "gradient_clipping": (1.0, "Hugging Face's default max_grad_norm"),
     "fp16.enabled": (False, "Hugging Face's default: fp16 off"),
@@ -61,9 +71,7 @@ _DEFAULTS: dict[str, tuple[Any, str]] = {
     "scheduler.params.warmup_num_steps": (1, "Hugging Face's default of no warmup, as the least DeepSpeed takes"),
 }
 
-# Filled at step.init from the state's optimizer (DeepSpeed's names -> FusedSpec fields).
-_FROM_OPTIMIZER = ("optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
-                   "optimizer.params.weight_decay", "scheduler.params.warmup_max_lr")
+_LR, _WARMUP_MAX_LR = "optimizer.params.lr", "scheduler.params.warmup_max_lr"
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu")
 _BUCKET = "zero_optimization.reduce_bucket_size"
 # Stage-3 knobs Hugging Face derives from the hidden size; speed knobs fzero does not read.
@@ -170,7 +178,7 @@ def hidden_size_of(module: Any) -> int | None:
 
 
 def resolve(paths: list[str], d: Mapping[str, Any], *, given: Mapping[str, Any], hidden: int | None,
-            options: Mapping[str, Any], optimizer: Mapping[str, Any] | None,
+            options: Mapping[str, Any], at_init: bool,
             batch: int | None) -> tuple[dict[str, Any], dict[str, tuple[Any, str]], list[str], list[tuple[str, str]]]:
     """Resolve the ``"auto"`` values at ``paths`` of config ``d`` from what is known.
 
@@ -178,8 +186,8 @@ def resolve(paths: list[str], d: Mapping[str, Any], *, given: Mapping[str, Any],
         given: values by dotted path from ``auto=``.
         hidden: the model's hidden size, if known.
         options: ``fzero.compile``'s keyword fields (``accumulate``, ``dtype``, ...).
-        optimizer: the state's optimizer hyperparameters by DeepSpeed's names (``lr``,
-            ``betas``, ``eps``, ``weight_decay``), once ``step.init`` knows them.
+        at_init: ``step.init`` has seen the state (a model without a hidden size then
+            keeps fzero's default bucket).
         batch: the first batch's leading size, once the first step call knows it.
 
     Returns:
@@ -217,22 +225,11 @@ def resolve(paths: list[str], d: Mapping[str, Any], *, given: Mapping[str, Any],
         if path in _DEFAULTS:
             take(path, *_DEFAULTS[path])
             continue
-        if path in _FROM_OPTIMIZER:
-            key = path.rsplit(".", 1)[1]
-            key = "lr" if key == "warmup_max_lr" else key
-            if path == "scheduler.params.warmup_max_lr" and "optimizer.params.lr" in resolved:
-                take(path, resolved["optimizer.params.lr"][0], "the optimizer's lr")
-            elif path == "scheduler.params.warmup_max_lr" and not _is_auto(d, "optimizer.params.lr") \
-                    and _get(d, "optimizer.params.lr") is not None:
-                take(path, _get(d, "optimizer.params.lr"), "the optimizer's lr")
-            elif optimizer is not None and optimizer.get(key) is not None:
-                take(path, optimizer[key], "the state's optimizer")
-            elif optimizer is not None:
-                unresolved.append((path, "the state's optimizer does not say its "
-                                   f"{key} (a schedule or a chain fzero cannot read); give it in auto="))
-            else:
-                subs[path] = DROP
-                pending.append(path)
+        if path == _WARMUP_MAX_LR:  # the optimizer's lr, as Hugging Face fills both from learning_rate
+            lr = given.get(_LR)
+            if lr is None or (isinstance(lr, str) and lr == AUTO):
+                lr = _DEFAULTS[_LR][0] if _is_auto(d, _LR) or _get(d, _LR) is None else _get(d, _LR)
+            take(path, lr, "the optimizer's lr")
             continue
         if path == _BUCKET or path in _HIDDEN_KNOBS:
             if hidden is not None:
@@ -244,7 +241,7 @@ def resolve(paths: list[str], d: Mapping[str, Any], *, given: Mapping[str, Any],
             elif path != _BUCKET:  # a speed knob fzero does not read: nothing to wait for
                 subs[path] = DROP
                 resolved[path] = (None, "no effect in fzero")
-            elif optimizer is not None:  # init: the model says no hidden size
+            elif at_init:  # the model says no hidden size
                 subs[path] = DROP
                 resolved[path] = (None, "the model has no config.hidden_size: fzero's default bucket")
             else:

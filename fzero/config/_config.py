@@ -184,9 +184,9 @@ class Config:
     """The file the config was read from, for error messages; ``None`` for a dict."""
 
     pending: tuple[str, ...] = ()
-    """The ``"auto"`` values not known yet, by dotted path: the optimizer's (filled at
-    ``step.init`` from the state's optimizer), the bucket size (from the model's hidden size)
-    and the micro-batch (from the first batch). :meth:`resolve` fills them."""
+    """The ``"auto"`` values not known yet, by dotted path: the bucket size (filled at
+    ``step.init`` from the model's hidden size) and the micro-batch (from the first batch).
+    :meth:`resolve` fills them."""
 
     auto: Mapping[str, tuple[Any, str]] = dataclasses.field(default_factory=dict, compare=False)
     """The ``"auto"`` values filled so far: ``{path: (value, where it came from)}``
@@ -310,9 +310,8 @@ class Config:
 
     def resolve(self, *, state: Any = None, batch: Any = None) -> "Config":
         """This config with its pending ``"auto"`` values filled: from ``state`` (its
-        optimizer's hyperparameters and its model's hidden size), or from ``batch`` (the
-        leading size of its first tensor is micro-batch × accumulation steps). Itself when
-        nothing is pending.
+        model's hidden size), or from ``batch`` (the leading size of its first tensor is
+        micro-batch × accumulation steps). Itself when nothing is pending.
 
         Raises:
             ValueError: a pending value ``state`` or ``batch`` cannot fill, named.
@@ -322,20 +321,9 @@ class Config:
         known = self._known
         if state is not None:
             from fzero.config._auto import hidden_size_of
-            from fzero.optim import fused_spec_of
 
-            spec = fused_spec_of(state.tx) if getattr(state, "tx", None) is not None else None
-            hyper: dict[str, Any] = {}
-            if spec is not None:
-                if isinstance(spec.learning_rate, (int, float)):
-                    hyper["lr"] = float(spec.learning_rate)
-                if spec.b1 is not None and spec.b2 is not None:
-                    hyper["betas"] = [spec.b1, spec.b2]
-                if spec.eps is not None:
-                    hyper["eps"] = spec.eps
-                hyper["weight_decay"] = spec.weight_decay
             hidden = hidden_size_of(getattr(state.apply_fn, "module", None))
-            known = known.but(optimizer=hyper, hidden=hidden if known.hidden is None else known.hidden)
+            known = known.but(at_init=True, hidden=hidden if known.hidden is None else known.hidden)
         if batch is not None:
             import fzero.tree as tree
 
@@ -524,7 +512,7 @@ class Config:
         if waiting:
             raise ValueError(f"{WHERE}.{what}: {', '.join(waiting)} "
                              f"{'is' if len(waiting) == 1 else 'are'} \"auto\" and not filled yet: "
-                             "step.init fills them from the state's optimizer (or call cfg.resolve(state=...), "
+                             "step.init and the first call fill them (or call cfg.resolve(state=..., batch=...), "
                              "or pass auto={path: value} to Config.load)")
 
     def install(self, state: Any) -> Any:

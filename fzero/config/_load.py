@@ -106,12 +106,11 @@ def _no_effect(path: str) -> bool:
 class Known:
     """What fzero knows to fill ``"auto"`` values with (see :mod:`fzero.config._auto`)."""
 
-    __slots__ = ("auto", "options", "optimizer", "hidden", "batch")
+    __slots__ = ("auto", "options", "at_init", "hidden", "batch")
 
     def __init__(self, auto: Any = None, options: Mapping[str, Any] | None = None,
-                 optimizer: Mapping[str, Any] | None = None, hidden: int | None = None,
-                 batch: int | None = None):
-        self.auto, self.options, self.optimizer = auto, dict(options or {}), optimizer
+                 at_init: bool = False, hidden: int | None = None, batch: int | None = None):
+        self.auto, self.options, self.at_init = auto, dict(options or {}), at_init
         self.hidden, self.batch = hidden, batch
 
     def but(self, **changes: Any) -> "Known":
@@ -138,7 +137,7 @@ def _read(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str 
     subs, resolved, pending, unresolved = _auto.resolve(
         [p for p in paths if p not in quiet], d, given=given,
         hidden=known.hidden if known.hidden is not None else hidden, options=known.options,
-        optimizer=known.optimizer, batch=known.batch)
+        at_init=known.at_init, batch=known.batch)
     for path in quiet:
         subs[path] = _auto.DROP
         resolved[path] = (None, "no effect in fzero")
@@ -150,8 +149,8 @@ def _read(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str 
             value, where = resolved[path]
             notes.verdicts.append((path, "auto", where if value is None else f"{_short(value)} ({where})"))
         elif path in pending:
-            notes.verdicts.append((path, "auto", "filled at step.init (from the state) or the first call "
-                                                 "(from the batch)"))
+            notes.verdicts.append((path, "auto", "filled at step.init (from the model's hidden size) or the "
+                                                 "first call (from the batch)"))
     cfg = _build(cls, _auto.substitute(d, subs), world_size, source, notes, tuple(pending))
     # A section that failed only because an "auto" in it could not be filled says so once.
     blocked = [path for path, _ in unresolved]

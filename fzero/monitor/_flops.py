@@ -8,6 +8,13 @@ which is counted because it runs: with ``remat`` the utilization reported is wha
 FLOPs utilization. Elementwise ops (the optimizer, norms, activations) count 0, as in every
 MFU convention. A step's FLOPs depend only on the shapes it sees, so a step is counted once
 per distinct batch shape and the count reused (:class:`FlopCounter`).
+
+``scaled_dot_product_attention`` on the CPU dispatches to
+``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward), which torch's
+counter has no formula for: it counted 0 there (checked on torch 2.13), so MFU on a CPU left
+attention out. :data:`CPU_ATTENTION` counts them as the counter counts its CUDA flash
+kernels (``sdpa_flop_count``: the two matmuls; the backward's five, the recomputed scores
+included); with a mask or dropout torch takes the math path, whose matmuls count already.
 """
 
 from __future__ import annotations
@@ -20,7 +27,27 @@ import torch
 
 from fzero import tree
 
-__all__ = ["PEAK_FLOPS", "FlopCounter", "batch_tokens", "peak_flops"]
+__all__ = ["CPU_ATTENTION", "PEAK_FLOPS", "FlopCounter", "batch_tokens", "peak_flops"]
+
+
+def _cpu_attention(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                            **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# FlopCounterMode(custom_mapping=...): formulas for the CPU's fused attention, by op.
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
 
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from NVIDIA's datasheets, by the precision the
 # step computes in: "16" is the BF16/FP16 tensor-core peak with FP32 accumulation (what
@@ -156,7 +183,7 @@ class FlopCounter:
             return
         from torch.utils.flop_counter import FlopCounterMode
 
-        mode = FlopCounterMode(display=False)
+        mode = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION)
         with mode:
             yield
         self._counts[key] = int(mode.get_total_flops())

@@ -23,6 +23,7 @@ import optree
 import torch
 
 from fzero import tree
+from fzero._params import Params as FrozenParams
 from fzero.optim._checks import check_lr, check_nonneg, check_number, check_unit, type_name
 from fzero.optim.base import (
     GradientTransformation,
@@ -475,11 +476,38 @@ def _whole(params: Params) -> Params:
     return tree.map(lambda x: x.__fzero_meta__() if _is_piece(x) else x, params, is_leaf=_is_piece)
 
 
+def _by_name(where: str, m: dict, params: FrozenParams) -> FrozenParams:
+    """A mask keyed by parameter name (a plain dict) on ``params``, whose frozen entries are
+    ``None``: a frozen name's flag is ignored (it is never updated), every trainable name
+    must have one, and no other name may."""
+    trainable = [k for k in params if k not in params.frozen]
+    missing = [k for k in trainable if k not in m]
+    unknown = [k for k in m if k not in params]
+    if missing or unknown:
+        said = ([f"no flag for the trainable parameters {missing}"] if missing else []) + \
+               ([f"flags for {unknown}, which are not parameters"] if unknown else [])
+        raise tree.StructureError(f"{where}: mask does not have the structure of params: it has "
+                                  + " and ".join(said) + f" (frozen, so never decayed: {sorted(params.frozen)})")
+    return FrozenParams({k: None if k in params.frozen else m[k] for k in params}, frozen=params.frozen)
+
+
 def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
-    """One bool per leaf of ``params``, from a pytree of bools or a callable returning one."""
+    """One bool per leaf of ``params``, from a pytree of bools or a callable returning one.
+
+    With frozen parameters (a :class:`fzero.Params`, ``None`` at the frozen names, as the
+    optimizer sees it) a callable is given the trainable entries only, as a plain dict, so
+    that ``lambda p: {k: v.ndim > 1 for k, v in p.items()}`` never meets a ``None``; a mask
+    keyed by name (given, or returned) may name the frozen parameters too."""
+    frozen = isinstance(params, FrozenParams) and bool(params.frozen)
     # The callable's result has the whole parameters' structure: a prefix of the
     # partitioned tree's (one bool per Shard node), broadcast onto its pieces below.
-    m = mask(_whole(params)) if callable(mask) else mask
+    if callable(mask):
+        whole = _whole(params)
+        m = mask({k: v for k, v in whole.items() if k not in params.frozen} if frozen else whole)
+    else:
+        m = mask
+    if frozen and type(m) is dict:
+        m = _by_name(where, m, params)
     if tree.structure(m) != tree.structure(params):
         # A mask may be a prefix of the params' tree (as in JAX): one bool for a whole
         # subtree -- e.g. for each leaf that ZeRO has wrapped as a shard of this rank.

@@ -16,8 +16,9 @@ import torch
 from fzero import tree
 from fzero.distributed.flat import is_shard
 from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, emit_metric,
-                                    installed, psum)
+                                    installed, micro_batch, psum)
 from fzero.transforms._deferred import is_deferred
+from fzero.transforms._skip import BufferGuard, SkipStreak
 
 __all__ = ["NonFiniteGradientError", "check_finite"]
 
@@ -59,6 +60,9 @@ class _FiniteHandler(Handler):
         self.mode = mode
         self.pending = False  # a deferred micro-batch of this update was not finite
         self.discarding = False
+        # The buffers' values before the update's first forward, for a skip or a raise to restore.
+        self.guard = BufferGuard(WHERE)
+        self.streak = SkipStreak(WHERE)
 
     def apply_gradients(self, state, grads, *, next):
         # Paths only under "raise", which names the leaves; "skip" runs on every update.
@@ -81,13 +85,17 @@ class _FiniteHandler(Handler):
         if self.mode == "raise":
             bad = [tree.keystr(p) for (p, _), f in zip(pieces, flags.tolist()) if f > 0]
             if bad:
+                self.guard.finish(skipped=True)  # "the state is unchanged": its buffers too
                 step = int(state.step)
                 shown = ", ".join(f"grads{b}" for b in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
                 raise NonFiniteGradientError(
                     f"{WHERE}: the gradient of update {step + 1} is not finite (inf or NaN) at {shown}; "
                     "the state is unchanged. Compile with nonfinite=\"skip\" to skip such updates instead",
                     bad, step)
-            return next(state, grads)
+            new = next(state, grads)
+            if not (isinstance(new, NotApplied) and new.reason == "deferred"):
+                self.guard.finish(skipped=False)
+            return new
         overflow = bool(flags > 0)
         self.discarding = overflow or self.pending
         try:
@@ -100,7 +108,10 @@ class _FiniteHandler(Handler):
         overflow = overflow or self.pending
         self.pending = False
         emit_metric("skipped", torch.tensor(overflow))
-        if overflow:  # the parameters, the optimizer state and state.step stay as they were
+        self.guard.finish(skipped=overflow)
+        self.streak.record(overflow, lambda: "their gradients held inf or NaN (nonfinite=\"raise\" stops at the "
+                           "first such update and names the gradients)", step=int(state.step))
+        if overflow:  # the parameters, the optimizer state, state.step and the buffers stay as they were
             return NotApplied(state, "skipped")
         return new
 
@@ -113,11 +124,14 @@ def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
     """``step`` with its updates checked for non-finite gradients.
 
     ``"skip"``: an update whose gradients hold inf or NaN on any rank is skipped by every
-    rank (parameters, optimizer state, schedule count and ``state.step`` unchanged) and
-    ``metrics["skipped"]`` says so, as DeepSpeed skips an overflowed update. ``"raise"``:
-    such an update raises :class:`NonFiniteGradientError` on every rank, naming the key path
-    of each non-finite gradient, before anything is changed. Under accumulation the verdict
-    is for the whole update (every micro-batch of it).
+    rank (parameters, optimizer state, schedule count, ``state.step`` and the buffers the
+    forward changed, such as BatchNorm's running statistics, as they were before the step)
+    and ``metrics["skipped"]`` says so, as DeepSpeed skips an overflowed update; after
+    ``fzero.transforms._skip.WARN_AFTER`` (10) skips in a row a ``RuntimeWarning`` says the
+    run is not training. ``"raise"``: such an update raises :class:`NonFiniteGradientError`
+    on every rank, naming the key path of each non-finite gradient, with the state as it was
+    (buffers included). Under accumulation the verdict is for the whole update (every
+    micro-batch of it), and the buffers go back to before its first micro-batch.
 
     ``fzero.compile`` applies it in fp32 (``nonfinite=``, default ``"skip"``); under fp16
     and bf16 ``fzero.mixed_precision`` checks instead (and ``nonfinite="raise"`` adds this).
@@ -142,6 +156,8 @@ def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
     handler = _FiniteHandler(mode)
 
     def call(state, batch):
+        if micro_batch().index == 0:  # an update starts: its forwards are about to change the buffers
+            handler.guard.keep(getattr(state, "buffers", None))
         with collecting_metrics() as emitted, installed(handler):
             out = inner(state, batch)
         for k, v in emitted.items():

@@ -8,14 +8,16 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed.flat import is_shard
 from fzero.options import check_option
 from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
-                                    installed, offloaded, params_offloaded, psum)
+                                    installed, micro_batch, offloaded, params_offloaded, psum)
 from fzero.transforms._deferred import is_deferred
+from fzero.transforms._skip import BufferGuard, SkipStreak
 from fzero.transforms.finite import count_nonfinite
 
 __all__ = ["LossScaler", "mixed_precision"]
@@ -96,17 +98,22 @@ class _PrecisionHandler(Handler):
         self.scale = 1.0  # the scale of the step running now
         self.pending_overflow = False  # overflow seen in micro-batches whose update was deferred
         self.discarding = False  # an update running now will be discarded (an overflow)
+        # The buffers' values before the update's first forward, for a skipped update to restore.
+        self.guard = BufferGuard(WHERE)
+        self.streak = SkipStreak(WHERE)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         has_aux, scale, dtype = options.get("has_aux", False), self.scale, self.dtype
 
         @functools.wraps(fn)
         def low_precision(p, *a, **kw):
-            # Ops run in the low dtype (torch's autocast casts each op's inputs, the
-            # parameters included, as it uses them); the parameters stay fp32 masters.
+            # What torch.autocast runs for an fp32 module: its low-precision ops (matmuls,
+            # convolutions) take the parameters' low-precision copies, which are the casts
+            # autocast would make of the masters, bit for bit; norm layers take fp32 weights
+            # (NormWeights); every other op runs as autocast runs it.
             device = next_device(p)
             with torch.autocast(device_type=device, dtype=dtype):
-                out = fn(p, *a, **kw)
+                out = fn(tree.map(_norm_weights, p), *a, **kw)
             if scale == 1.0:
                 return out
             if has_aux:
@@ -151,6 +158,8 @@ class _PrecisionHandler(Handler):
             return new
         overflow |= self.pending_overflow
         self.pending_overflow = False
+        self.guard.finish(skipped=overflow)  # before the scaler, which may raise at its minimum
+        self.streak.record(overflow, lambda: self._why(state), step=int(state.step))
         if self.loss_scale is not None:
             emit_metric("loss_scale", torch.tensor(scale))
         emit_metric("skipped", torch.tensor(overflow))
@@ -159,12 +168,22 @@ class _PrecisionHandler(Handler):
             extra["loss_scale"] = _update_scaler(state.extra["loss_scale"], overflow, **self.opts)
         if overflow:
             # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
-            # count) and the step counter stay as they were.
+            # count), the step counter and (restored above) the buffers stay as they were.
             return NotApplied(state.replace(extra={**state.extra, **extra}) if extra else state, "skipped")
         if isinstance(new, NotApplied):  # skipped further in
             return NotApplied(new.state.replace(extra={**new.state.extra, **extra}) if extra else new.state,
                               new.reason)
         return new.replace(extra={**new.extra, **extra}) if extra else new
+
+    def _why(self, state) -> str:
+        """Why this transform skips updates, for the warning of a long streak."""
+        low = "bf16" if self.dtype == torch.bfloat16 else "fp16"
+        if self.loss_scale == "dynamic":
+            return (f"the fp16 gradients overflow at loss scale {self.scale:g}, which halves on each overflow down to "
+                    f"min_loss_scale={self.opts['min_scale']:g} (where it raises)")
+        if self.loss_scale is not None:
+            return f"the fp16 gradients overflow at the fixed loss scale {self.scale:g}"
+        return f"the {low} gradients hold inf or NaN"
 
     def donating(self, *, next):
         return False if self.discarding else next()
@@ -189,6 +208,68 @@ class _PrecisionHandler(Handler):
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
         return new.replace(params=merge_trainable(state.params, low), extra={**new.extra, "master": master})
+
+
+# The norm functions and where their weight and bias are, positionally (by keyword they are
+# ``weight`` and ``bias``). torch.autocast leaves an fp32 module's norm weights in fp32: on
+# CUDA it runs layer_norm and group_norm in fp32; on the CPU it runs them as they are, and
+# their kernels take a bf16/fp16 input with fp32 weights but refuse an fp32 input (the raw
+# input, an fp32 residual) with 16-bit weights ("mixed dtype (CPU): expect parameter to have
+# scalar type of Float"); batch_norm refuses 16-bit weights beside fp32 running statistics
+# on either device.
+_NORM_WEIGHTS = {
+    F.layer_norm: (2, 3), torch.layer_norm: (2, 3),
+    F.group_norm: (2, 3), torch.group_norm: (2, 3),
+    F.batch_norm: (3, 4), torch.batch_norm: (1, 2),
+    F.instance_norm: (3, 4), torch.instance_norm: (1, 2),
+    F.rms_norm: (2,), torch.rms_norm: (2,),
+}
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class NormWeight(torch.Tensor):
+    """A 16-bit parameter as the model sees it under ``mixed_precision``: a norm function
+    (``layer_norm``, ``group_norm``, ``batch_norm``, ``instance_norm``, ``rms_norm``) given
+    it as its weight or bias computes with it in fp32, as an fp32 module's norm computes
+    under ``torch.autocast``; every other operation sees the plain tensor and returns plain
+    tensors. It is an alias of the parameter (``Tensor.as_subclass``: same storage, on the
+    autograd graph), so its gradient is the parameter's, in the parameter's dtype.
+
+    Only operations that take a parameter pass through Python here (a norm, a matmul's
+    weight), not every operation of the forward as a ``TorchFunctionMode`` would; and a
+    recomputation in backward (``fzero.remat``, Hugging Face's gradient checkpointing) sees
+    the same tensors, where a mode entered for the forward would be gone.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        >>> y = F.layer_norm(torch.randn(2, 4), (4,), w.as_subclass(NormWeight))  # an fp32 input
+        >>> type(y).__name__, y.dtype
+        ('Tensor', torch.float32)
+        >>> y.sum().backward(); w.grad.dtype
+        torch.bfloat16
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = _NORM_WEIGHTS.get(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if at is not None:
+                args = [_fp32(x) if i in at else x for i, x in enumerate(args)]
+                kwargs = {k: _fp32(v) if k in ("weight", "bias") else v for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+
+def _fp32(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+
+
+def _norm_weights(x):
+    """A 16-bit tensor as a :class:`NormWeight` (an alias); anything else as it is."""
+    if type(x) is torch.Tensor and x.dtype in _LOW:
+        return x.as_subclass(NormWeight)
+    return x
 
 
 def _round_into(p, m):
@@ -237,10 +318,12 @@ def mixed_precision(
     update is skipped when a gradient is not finite (DeepSpeed's
     ``bf16.check_grad_overflow``, on by default), unless ``check_grad_overflow=False``.
 
-    A skipped update leaves the parameters, the optimizer state (so the schedule's count)
-    and ``state.step`` as they were. The verdict is agreed by every rank under ZeRO, and is
-    for the whole update under ``accumulate`` (any micro-batch's non-finite gradient skips
-    it).
+    A skipped update leaves the parameters, the optimizer state (so the schedule's count),
+    ``state.step`` and the buffers the forward changed (BatchNorm's running statistics) as
+    they were before the step. The verdict is agreed by every rank under ZeRO, and is for
+    the whole update under ``accumulate`` (any micro-batch's non-finite gradient skips it;
+    the buffers go back to before its first micro-batch). After 10 skips in a row a
+    ``RuntimeWarning`` says why (``fzero.transforms._skip.WARN_AFTER``).
 
     Args:
         step: ``train_step(state, batch) -> (state, metrics)``.
@@ -305,6 +388,10 @@ def mixed_precision(
         # Before the inner transforms' init, so that a shard_state inside or outside this
         # transform finds the masters and partitions them (the order: transforms/_core.py).
         if "master" not in state.extra:
+            if state.tx is None:
+                from fzero.train_state import missing_optimizer
+
+                raise missing_optimizer(f"{WHERE}: step.init")
             low = DTYPES[dtype]
             # Masters for the trainable parameters only; frozen ones keep their own dtype
             # (bit-identical, as they must stay) and autocast casts them per op.
@@ -325,6 +412,8 @@ def mixed_precision(
             handler.scale = float(state.extra["loss_scale"].scale)
         else:
             handler.scale = 1.0 if loss_scale is None else float(loss_scale)
+        if handler.check and micro_batch().index == 0:  # an update starts: its forwards will change the buffers
+            handler.guard.keep(getattr(state, "buffers", None))
         # Collect what this step emits (loss_scale, skipped) into its own metrics, so the
         # transform reports them used alone as well as under compile.
         with collecting_metrics() as emitted, installed(handler):

@@ -105,6 +105,10 @@ class _ShardHandler(Handler):
 
     def init(self, state):
         params = state.params
+        if state.tx is None:
+            from fzero.train_state import missing_optimizer
+
+            raise missing_optimizer(f"{WHERE}: step.init")
         if not (isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values())):
             raise TypeError(
                 f"{WHERE}: state.params must be a dict of tensors (as fzero.functionalize returns), "
