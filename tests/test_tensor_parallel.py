@@ -115,13 +115,13 @@ def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int, *, precision
         state, losses, norms = _run(step, state, local)
     tol = precision or "fp32"  # low precision: the row of the compute dtype, as the plain step casts alike
     ft.assert_trees_close(losses, ref_losses, tol=tol, what="losses")
-    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol=tol, what="parameters")
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol=tol, what="parameters")
     if precision:
-        ft.assert_trees_close(step.gather(state.extra["master"]), dict(ref.extra["master"]), tol=tol,
+        ft.assert_trees_close(fzero.gather(state.extra["master"]), dict(ref.extra["master"]), tol=tol,
                               what="master weights")
     start = _state(tx_name, frozen).params
     for name in frozen:  # frozen, split or whole: bit-identical
-        assert torch.equal(step.gather(state.params)[name], start[name]), name
+        assert torch.equal(fzero.gather(state.params)[name], start[name]), name
     if "clipped" in tx_name:
         assert len(norms) == len(ref_norms) == steps
         assert all(float(n) > CLIP for n in ref_norms)  # the clip acted at every step
@@ -309,7 +309,7 @@ def _compiled_equals_plain(stage: int):
         losses.append(m["loss"])
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
     tp_step = step.inner  # compile's step wraps the transforms; the outermost is tensor_parallel
-    ft.assert_trees_close(tp_step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
     try:
         fzero.compile(ft.mse_step, mesh)
     except ValueError as e:
@@ -390,7 +390,7 @@ def _hf_equals_torch(make: str, plan: str, hf_loss: bool = False):
         state, m = step(state, b)
         losses.append(m["loss"])
     ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
-    ft.assert_trees_close(step.inner.gather(state.params), dict(ref.named_parameters()), tol="fp32",
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), tol="fp32",
                           what="parameters")
     if plan == "gpt2":  # the fused q/k/v split block by block: saved, exported whole, loaded back
         import os
@@ -398,7 +398,7 @@ def _hf_equals_torch(make: str, plan: str, hf_loss: bool = False):
 
         path = os.path.join(tempfile.gettempdir(), f"fzero-tp-gpt2-{os.getppid()}")
         fzero.checkpoint.save(path, state, overwrite=True)
-        whole = step.inner.gather(state.params)
+        whole = fzero.gather(state.params)
         if dist.get_rank() == 0:
             from safetensors.torch import load_file
 
@@ -529,7 +529,7 @@ def _lm_tp_equals_plain(tx_name: str, path: str):
     finally:
         del traffic.add  # the class's method again
     ft.assert_trees_close(losses, ref_losses, tol="fp32", what="losses")
-    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
     fzero.checkpoint.save(path, state)
     return shapes, [s for s in sizes if s[1] == "tp"]
 
@@ -683,7 +683,12 @@ def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False, save_to:
         state, m = step(state, ft.local_batch(b, dp, mesh.coords["dp"]))
         losses.append(m["loss"])
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
-    ft.assert_trees_close(pipe.gather(tp_step.gather(state.params)), dict(ref.params), tol="fp32", what="parameters")
+    # every stage's whole parameters on every rank, from the state alone; then back in the module
+    ft.assert_trees_close(dict(fzero.gather(state).params), dict(ref.params), tol="fp32", what="parameters")
+    fzero.load_into(model, state)
+    plain, _ = _torch_trained(_pp_model, batches, lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+    with torch.no_grad():
+        ft.assert_trees_close(model(batches[0]["x"]), plain(batches[0]["x"]), tol="fp32", what="reloaded outputs")
     if save_to is not None:
         fzero.checkpoint.save(save_to, state)
     return True
@@ -714,6 +719,115 @@ def test_dp2_by_pp2_by_tp2_under_zero_2_equals_the_plain_step(ranks):
 @pytest.mark.multirank
 def test_compile_builds_dp2_by_pp2_by_tp2_in_one_call(ranks):
     assert ranks(8).run(_tp_by_pp_equals_plain, 2, 3, True) == [True] * 8
+
+
+# --------------------------------------------------------------------------- the trained model back
+
+
+def _torch_trained(make, batches, loss_of, lr: float = 0.1, momentum: float = 0.9):
+    """The reference: ``make()`` trained by plain PyTorch (``loss.backward()``,
+    ``torch.optim.SGD``) on each whole batch, in this process; the module and its optimizer."""
+    ref = make()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    for b in batches:
+        opt.zero_grad()
+        loss_of(ref, b).backward()
+        opt.step()
+    return ref, opt
+
+
+def _own(module) -> list[str]:
+    """The submodules that hold a forward of their own (none, in a module fzero handed back)."""
+    return [name for name, m in module.named_modules() if "forward" in m.__dict__]
+
+
+def _gpt2_loss(model, ids):
+    return _lm_loss(model(ids[:, :-1]).logits, ids[:, 1:])
+
+
+def _gpt2_comes_back(plan: str):
+    """GPT-2 trained at tp=2 (its fused q/k/v split block by block, the attention's
+    split_size and num_heads divided while the step runs): outside the step the module is its
+    own, fzero.gather gives every tensor whole, and fzero.load_into makes the module compute
+    what the plain-torch trained module computes."""
+    from fzero.transforms import tp_plans
+
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(3)]
+    ref, ref_opt = _torch_trained(_gpt2, batches, _gpt2_loss)
+    model = _gpt2()
+    attn = model.transformer.h[0].attn
+    sizes = (attn.split_size, attn.num_heads)
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
+
+    def train_step(state, ids):
+        loss, grads = fzero.value_and_grad(lambda p: _lm_loss(state.apply_fn(p, ids[:, :-1]).logits,
+                                                               ids[:, 1:]))(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2),
+                         tp="auto" if plan == "auto" else tp_plans.gpt2(model))
+    state = step.init(state)
+    seen = {"after init": (_own(model), (attn.split_size, attn.num_heads))}
+    for b in batches:
+        state, _ = step(state, b)
+    seen["after the steps"] = (_own(model), (attn.split_size, attn.num_heads))
+    assert all(v == ([], sizes) for v in seen.values()), seen
+    assert tuple(state.params["transformer.h.0.attn.c_attn.weight"].shape) == (16, 24)  # this rank's slice
+    whole = fzero.gather(state)  # every tensor of the state, the momentum too
+    want = dict(ref.named_parameters())
+    ft.assert_trees_close(dict(whole.params), want, tol="fp32", what="gathered parameters")
+    momentum = whole.opt_state[1].trace  # optim.sgd's state: (scale, trace, scale)
+    ft.assert_trees_close(dict(momentum), {k: ref_opt.state[p]["momentum_buffer"] for k, p in want.items()},
+                          tol="fp32", what="gathered momentum")
+    assert "tensor_parallel" not in whole.extra  # whole: the record of the split is gone
+    ft.assert_trees_close(fzero.gather(state.params), want, tol="fp32", what="gathered params dict")
+    fzero.load_into(model, state)
+    ft.assert_trees_close(dict(model.named_parameters()), want, tol="fp32", what="loaded parameters")
+    x = batches[0][:, :-1]
+    with torch.no_grad():
+        ft.assert_trees_close(model(x).logits, ref(x).logits, tol="fp32", what="the reloaded module's logits")
+    return True
+
+
+@pytest.mark.multirank
+def test_a_tp2_trained_gpt2_comes_back_whole_into_its_own_module(ranks):
+    assert ranks(2).run(_gpt2_comes_back, "gpt2") == [True, True]
+
+
+def _net():
+    torch.manual_seed(3)
+    return Net()
+
+
+def _net_comes_back(stage: int):
+    """tp=2 x dp=2 at a ZeRO stage, through compile: fzero.gather of the params dict and
+    fzero.load_into put the whole trained weights (pieces over dp, slices over tp) into the
+    module on every rank, which then computes what plain PyTorch's trained module computes."""
+    mesh = fzero.Mesh(dp=2, tp=2)
+    batches = _batches(3, 8)
+    ref, _ = _torch_trained(_net, batches, lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+    model = _net()
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
+    step = fzero.compile(ft.mse_step, mesh, zero=stage, tp=PLAN)
+    state = step.init(state)
+    for b in batches:
+        state, _ = step(state, ft.local_batch(b, 2, mesh.coords["dp"]))
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), tol="fp32", what="gathered")
+    fzero.load_into(model, state)
+    assert _own(model) == []
+    x = batches[0]["x"]
+    with torch.no_grad():
+        ft.assert_trees_close(model(x), ref(x), tol="fp32", what="the reloaded module's outputs")
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_a_tp2_by_dp2_zero3_trained_net_comes_back_into_its_module(ranks):
+    assert ranks(4).run(_net_comes_back, 3) == [True] * 4
 
 
 # --------------------------------------------------------------------------- properties
@@ -765,7 +879,7 @@ def _random_mlp_equals_plain(d: int, hidden: int, depth: int, d_out: int, rows: 
         state, m = step(state, b)
         losses.append(m["loss"])
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
-    ft.assert_trees_close(step.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
     return "ok"
 
 

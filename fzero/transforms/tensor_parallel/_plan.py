@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from fzero import tree
+from fzero._params import Params, frozen_names
+from fzero.distributed import comm
 from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes, RowwiseParallel,
-                                                      _io, _is_conv1d)
+                                                      _io, _is_conv1d, _whole)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -68,7 +70,8 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
 class TensorParallelLayout:
     """How a state is split over the ``tp`` axis; ``init`` keeps it in
     ``state.extra["tensor_parallel"]``, where ``fzero.checkpoint`` finds it (by type) to
-    save whole tensors' slices and to re-slice them onto another ``tp``.
+    save whole tensors' slices and to re-slice them onto another ``tp``, and as the
+    ``layout`` of the state's :class:`fzero.Params`, where ``fzero.gather`` finds it.
 
     Every field is static, so the record has no leaves: a state's key paths and leaves are
     the same with and without it, and a checkpoint saved at ``tp=2`` loads into a plain
@@ -79,6 +82,9 @@ class TensorParallelLayout:
         rank: this rank's coordinate on ``tp``; it holds ``whole.chunk(size, dim)[rank]`` of
             every split parameter.
         splits: ``(name, _Split(dim, whole shape))`` per split parameter, sorted by name.
+        group: the ``tp`` process group the slices are gathered over (not compared, not
+            pickled: a layout sent to another process cannot gather).
+        timeout_s: the timeout of those gathers.
 
     A tensor of the state stored under a split parameter's name -- the parameter, its
     optimizer moments, its fp32 master -- is split as the parameter is: optax-style
@@ -89,6 +95,52 @@ class TensorParallelLayout:
     size: int = tree.field(static=True)
     rank: int = tree.field(static=True)
     splits: tuple[tuple[str, _Split], ...] = tree.field(static=True)
+    group: Any = tree.field(static=True, default=None, compare=False, repr=False)
+    timeout_s: float = tree.field(static=True, default=300.0, compare=False, repr=False)
+
+    #: The mesh axis ``fzero.gather`` puts this record's slices back together over.
+    __fzero_axis__ = "tp"
+
+    def __reduce__(self):
+        return (TensorParallelLayout, (self.size, self.rank, self.splits))
+
+    def whole(self, name: str, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of which ``piece`` is this rank's slice as parameter ``name`` is
+        split: every ``tp`` rank's slice all-gathered (a collective: every ``tp`` rank calls
+        it for the same names in the same order).
+
+        Raises:
+            RuntimeError: the layout has no process group (it was sent from another process).
+        """
+        split = dict(self.splits)[name]
+        if self.size == 1:
+            return piece.detach().clone()
+        if self.group is None:
+            raise RuntimeError(f"fzero.gather: the tensor-parallel layout of {name!r} has no process group (it "
+                               "was pickled in another process); gather on the ranks that trained it")
+        piece = piece.detach().contiguous()
+        full = torch.empty((self.size,) + tuple(piece.shape), dtype=piece.dtype, device=piece.device)
+        comm.run(f"all_gather(tp: {name})",
+                 lambda: comm.all_gather_flat(full.view(-1), piece.view(-1), group=self.group, async_op=True,
+                                              what="gather"),
+                 timeout_s=self.timeout_s, where="fzero.gather")
+        return _whole(list(full.unbind(0)), split.dim, split.parts)
+
+    def whole_params(self, params: Mapping[str, Any]) -> dict:
+        """``params`` (a :class:`fzero.Params` with this layout) with every split entry whole;
+        the result carries no layout."""
+        names = dict(self.splits)
+        out = {k: self.whole(k, v) if k in names and isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        return Params(out, frozen=frozen_names(params))
+
+    def whole_leaf(self, path, x: Any) -> Any:
+        """``x`` whole if it is stored under a split parameter's name (the last key of
+        ``path``: the parameter, a moment, a master), else ``x``."""
+        last = path[-1] if path else None
+        name = getattr(last, "entry", None)
+        if isinstance(x, torch.Tensor) and isinstance(name, str) and name in dict(self.splits):
+            return self.whole(name, x)
+        return x
 
 
 def check_plan(plan: Any, where: str = WHERE) -> None:

@@ -154,10 +154,11 @@ def _embed_local(module: torch.nn.Embedding, ids: torch.Tensor, rank: int) -> to
 
 @dataclasses.dataclass(frozen=True)
 class DivideAttributes:
-    """Divide integer attributes of a module by ``tp`` at ``init`` -- the sizes its own
-    forward reads that become per-rank once its projections are split (Hugging Face GPT-2's
-    attention reads ``split_size`` to cut the fused q/k/v output; a model that reads a head
-    count does the same with it). The module's code is unchanged.
+    """Divide integer attributes of a module by ``tp`` while the step runs -- the sizes its
+    own forward reads that become per-rank once its projections are split (Hugging Face
+    GPT-2's attention reads ``split_size`` to cut the fused q/k/v output; a model that reads
+    a head count does the same with it). The module's code is unchanged, and outside the
+    step the attributes have their own values again.
     """
 
     names: tuple[str, ...]
