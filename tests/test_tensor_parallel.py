@@ -255,6 +255,76 @@ def test_bytes_sent_are_megatrons_count(ranks):
     assert ranks(2).run(_bytes_per_step, 2) == [expect, expect]
 
 
+class Attention(torch.nn.Module):
+    """Self-attention with separate q, k and v projections (Llama's layout), reading the head
+    count from the tensors' shapes, so it runs unchanged on a rank's heads."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        def heads(t):
+            return t.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
+        return self.o(y.transpose(1, 2).flatten(2))
+
+
+class AttnBlock(torch.nn.Module):
+    def __init__(self, d: int, heads: int, hidden: int):
+        super().__init__()
+        self.ln, self.attn, self.mlp = torch.nn.LayerNorm(d), Attention(d, heads), Block(d, hidden)
+
+    def forward(self, x):
+        return self.mlp(x + self.attn(self.ln(x)))  # Block: x + proj(gelu(fc(ln(x))))
+
+
+def _attn_state():
+    torch.manual_seed(7)
+    apply, params = fzero.functionalize(torch.nn.Sequential(torch.nn.Linear(5, 8), AttnBlock(8, 4, 16),
+                                                            AttnBlock(8, 4, 16), torch.nn.Linear(8, 3)))
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
+
+
+ATTN_PLAN = {"*.attn.q": fzero.ColwiseParallel(unit=2), "*.attn.k": fzero.ColwiseParallel(unit=2),
+             "*.attn.v": fzero.ColwiseParallel(unit=2), "*.attn.o": fzero.RowwiseParallel(unit=2),
+             "*.mlp.fc": fzero.ColwiseParallel(), "*.mlp.proj": fzero.RowwiseParallel()}
+
+
+def _separate_qkv_bytes():
+    """One step of two attention + MLP blocks at tp=2, against the plain step; this rank's
+    bytes handed to tp collectives in it, and their sizes."""
+    mesh = fzero.Mesh(dp=1, tp=2)
+    g = torch.Generator().manual_seed(2)
+    batches = [{"x": torch.randn(2, 3, 5, generator=g), "y": torch.randn(2, 3, 3, generator=g)} for _ in range(2)]
+    ref, ref_losses = ft.run_steps(ft.mse_step, _attn_state(), batches)
+    step = fzero.tensor_parallel(ft.mse_step, mesh, ATTN_PLAN)
+    state = step.init(_attn_state())
+    traffic = fzero.distributed.comm.traffic
+    sent = []
+    for b in batches:
+        before = traffic.copy()
+        state, _ = step(state, b)
+        sent.append((traffic - before).bytes(what="tp"))
+    ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
+    return sent
+
+
+@pytest.mark.multirank
+def test_separate_q_k_v_all_reduce_their_input_gradient_once(ranks):
+    """Megatron's count for a block of self-attention and an MLP (Shoeybi et al. 2019, sec. 3):
+    per step, two all-reduces of the (tokens x d) activation forward (g after the attention's
+    output projection and after the MLP's contraction) and two backward (f: the input gradient
+    of q, k and v summed, then of the MLP's expansion): 4 x tokens x d x 4 bytes per block in
+    fp32. Separate q, k and v read one input, so their gradients add up before one all-reduce
+    (one each would send 6 x tokens x d x 4 bytes per block, 1.5 times the formula)."""
+    tokens, d, blocks = 2 * 3, 8, 2
+    expect = blocks * 4 * tokens * d * 4
+    assert ranks(2).run(_separate_qkv_bytes) == [[expect, expect]] * 2
+
+
 def test_a_plan_that_does_not_fit_names_every_problem():
     state = _state("sgd")
     plan = {"blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.ln": fzero.RowwiseParallel(),
@@ -385,10 +455,12 @@ def _hf_equals_torch(make: str, plan: str, hf_loss: bool = False):
                          tp="auto" if plan == "auto" else plans.get(plan, getattr(tp_plans, plan, None))(model))
     state = step.init(state)
     shapes = {k: tuple(v.shape) for k, v in state.params.items()}
-    losses = []
+    losses, traffic = [], fzero.distributed.comm.traffic
     for b in batches:
+        before = traffic.copy()
         state, m = step(state, b)
         losses.append(m["loss"])
+        shapes.setdefault("tp bytes", set()).add((traffic - before).bytes(what="tp"))
     ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
     ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), tol="fp32",
                           what="parameters")
@@ -428,7 +500,11 @@ def test_hugging_face_llama_under_the_automatic_plan_equals_torch(ranks):
 @pytest.mark.multirank
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_hugging_face_blocks_under_their_shipped_plans_equal_torch(ranks, model):
+    """And each step sends Megatron's bytes over tp: per layer, the attention's and the MLP's
+    g forward and f backward, 4 x tokens x d x 4 bytes (tokens = 2 x 8, d = 16, 2 layers).
+    Llama's q, k and v (and its gate and up) read one input each: one f per input."""
     shapes = ranks(2).run(_hf_equals_torch, model, model)[0]
+    assert shapes["tp bytes"] == {2 * 4 * (2 * 8) * 16 * 4}
     if model == "llama":  # 4 heads of 4: two per rank; 2 key/value heads: one per rank
         assert shapes["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
         assert shapes["model.layers.0.self_attn.k_proj.weight"] == (4, 16)

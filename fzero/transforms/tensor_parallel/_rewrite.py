@@ -12,6 +12,7 @@ deleted again, so the class's is found), whatever the step raised.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping
@@ -19,9 +20,24 @@ from typing import Any
 
 import torch
 
-from fzero.transforms.tensor_parallel._styles import DivideAttributes
+from fzero.transforms.tensor_parallel._styles import _SHARED_INPUT, ColwiseParallel, DivideAttributes
 
 _ABSENT = object()
+
+
+def shared_input_scope(forward):
+    """``forward`` opening a scope in which column-parallel layers that read one tensor pass
+    it through Megatron's *f* once (see ``_styles._copy_to_tp``)."""
+
+    @functools.wraps(forward)
+    def scoped(*args, **kwargs):
+        token = _SHARED_INPUT.set({})
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _SHARED_INPUT.reset(token)
+
+    return scoped
 
 
 class Rewrite:
@@ -39,16 +55,22 @@ class Rewrite:
         self.tp = tp
         self.forwards: list[tuple[torch.nn.Module, Any]] = []
         self.divided: list[tuple[torch.nn.Module, str]] = []
+        siblings: collections.Counter = collections.Counter()
         for name, style in chosen.items():
             m = module.get_submodule(name)
             if isinstance(style, DivideAttributes):
                 self.divided += [(m, attr) for attr in style.names]
                 continue
             self.forwards.append((m, functools.partial(style.forward, m, group=group, timeout_s=timeout_s)))
+            if isinstance(style, ColwiseParallel):
+                siblings[name.rpartition(".")[0]] += 1
+        # The modules whose forward calls several column-parallel children: where they read one
+        # input, it is all-reduced once in backward (Megatron's count).
+        self.scopes = [module.get_submodule(parent) for parent, n in siblings.items() if n > 1]
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """The planned forwards and divided attributes in place for the
+        """The planned forwards, shared-input scopes and divided attributes in place for the
         block; on exit the module is as it was on entry."""
         undo: list[tuple[torch.nn.Module, str, Any]] = []
 
@@ -59,6 +81,8 @@ class Rewrite:
         try:
             for m, forward in self.forwards:
                 put(m, "forward", forward)
+            for m in self.scopes:
+                put(m, "forward", shared_input_scope(m.forward))
             for m, attr in self.divided:
                 put(m, attr, getattr(m, attr) // self.tp)
             yield
