@@ -325,6 +325,64 @@ def test_separate_q_k_v_all_reduce_their_input_gradient_once(ranks):
     assert ranks(2).run(_separate_qkv_bytes) == [[expect, expect]] * 2
 
 
+def _peers_handed(case: str):
+    """tp=2 where the two ranks are handed different batches: the error each rank raises."""
+    mesh = fzero.Mesh(dp=1, tp=2)
+    step = fzero.tensor_parallel(ft.mse_step, mesh, PLAN)
+    state = step.init(_state("sgd"))
+    b = _batches(1, 4)[0]
+    if mesh.coords["tp"] == 1:
+        if case == "values":
+            b = {**b, "x": b["x"].flip(0)}  # the same rows, in another order
+        elif case == "rows":
+            b = {"x": b["x"][:3], "y": b["y"][:3]}
+        else:  # a leaf more
+            b = {**b, "mask": torch.ones(4, dtype=torch.bool)}
+    try:
+        step(state, b)
+    except fzero.transforms.BatchMismatchError as e:
+        # the pool's ranks go on: the next step, with the same batch, runs
+        step(state, _batches(1, 4)[0])
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case, says", [
+    ("values", ["batch['x'] is (4, 5) float32 on both, with different values on rank 0 and rank 1"]),
+    ("rows", ["batch['x'] is (4, 5) float32 on rank 0 and (3, 5) float32 on rank 1",
+              "batch['y'] is (4, 3) float32 on rank 0 and (3, 3) float32 on rank 1"]),
+    ("leaves", ["batch['mask'] is absent on rank 0 and (4,) bool on rank 1"]),
+])
+def test_tp_peers_handed_different_batches_fail_naming_the_leaf_both_ranks_and_shapes(ranks, case, says):
+    """Same shapes, other values (the replicated weights would drift apart silently), other
+    sizes (gloo would abort on the all-reduce) or other leaves: every peer raises the same
+    BatchMismatchError before any tp collective."""
+    msgs = ranks(2).run(_peers_handed, case)
+    assert msgs[0] == msgs[1]
+    assert msgs[0].startswith("fzero.tensor_parallel: the ranks of a tp group must be handed the same batch")
+    assert all(line in msgs[0] for line in says), msgs[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
+                                   torch.complex64])
+def test_the_batch_fingerprint_sees_one_changed_element_and_moved_blocks(dtype):
+    """Peers compare one number per leaf; it changes when any one element does, or when
+    elements move between positions further apart than a block (n / 4096 elements)."""
+    from fzero.transforms.tensor_parallel._batch import _fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 300, generator=g) * 50
+    x = x > 0 if dtype == torch.bool else x.to(dtype)
+    fp = int(_fingerprint(x))
+    assert int(_fingerprint(x.clone())) == fp and int(_fingerprint(x.t().contiguous().t())) == fp
+    for i in (0, 12345, x.numel() - 1):
+        y = x.clone().view(-1)
+        y[i] = (y[i] == 0).to(dtype) if dtype == torch.bool else y[i] + 1
+        assert int(_fingerprint(y.view_as(x))) != fp, i
+    assert int(_fingerprint(x.roll(1, 0))) != fp  # whole rows moved (swapped rows, as a shuffled batch)
+
+
 def test_a_plan_that_does_not_fit_names_every_problem():
     state = _state("sgd")
     plan = {"blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.ln": fzero.RowwiseParallel(),

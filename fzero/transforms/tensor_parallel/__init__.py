@@ -38,11 +38,12 @@ only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counte
 ``fzero.checkpoint`` saves, reshards and exports it (a layer split block by block excepted).
 """
 
+from fzero.transforms.tensor_parallel._batch import BatchMismatchError
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes,
                                                       RowwiseParallel)
 from fzero.transforms.tensor_parallel._transform import tensor_parallel
 from fzero.transforms.tensor_parallel._vocab import VocabShardedLogits
 
-__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "VocabShardedLogits",
+__all__ = ["BatchMismatchError", "ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "VocabShardedLogits",
            "auto_plan", "tensor_parallel"]

@@ -13,6 +13,7 @@ from fzero import tree
 from fzero._params import Params, frozen_names, trainable, with_values
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.transforms.tensor_parallel._batch import check_same_batch
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._rewrite import Rewrite
 from fzero.transforms.tensor_parallel._styles import WHERE, _all_reduce, _local
@@ -53,9 +54,10 @@ class _TensorParallelHandler(Handler):
 def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None) -> Step:
     """Tensor parallelism over the mesh's ``tp`` axis, as Megatron-LM splits layers.
 
-    Every ``tp`` rank of a ``dp`` coordinate passes the same batch; each holds its slice of
-    the planned layers' parameters (and, under ``shard_state``, ZeRO partitions that slice
-    over ``dp``). The step computes the same update as the plain step.
+    Every ``tp`` rank of a ``dp`` coordinate passes the same batch (checked every step, by
+    one all-gather of a few numbers over ``tp``); each holds its slice of the planned layers'
+    parameters (and, under ``shard_state``, ZeRO partitions that slice over ``dp``). The
+    step computes the same update as the plain step.
 
     Args:
         step: ``train_step(state, batch) -> (state, metrics)``.
@@ -77,6 +79,8 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
     Raises:
         TypeError: a plan that is not globs to styles.
         ValueError: at ``init``, a plan that does not fit the model (every problem named).
+        BatchMismatchError: a step whose ``tp`` peers were handed different batches (each
+            differing leaf named by key path, with both ranks and both shapes), on every peer.
 
     Example (a world of one, ``tp=1``: the plan is checked and the step runs unchanged):
         >>> import torch, fzero
@@ -138,6 +142,9 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
     def call(state, batch):
         if tp == 1:
             return inner(state, batch)
+        # Before any tp collective: peers handed different batches would hand all-reduces of
+        # different sizes to one collective (gloo aborts), or silently sum different samples.
+        check_same_batch(batch, group, device=mesh.device, timeout_s=mesh.timeout_s)
         rewrite = running.get("rewrite")
         with installed(handler), rewrite.applied() if rewrite is not None else contextlib.nullcontext():
             return inner(state, batch)
