@@ -549,10 +549,33 @@ def _hf_equals_torch(make: str, plan: str, hf_loss: bool = False):
 @pytest.mark.multirank
 def test_hugging_face_llama_under_the_automatic_plan_equals_torch(ranks):
     shapes = ranks(2).run(_hf_equals_torch, "llama", "auto")[0]
-    # AutoTP splits the MLPs (gate and up by columns, down by rows) and leaves attention whole
+    # AutoTP splits the MLPs (gate and up by columns, down by rows) and the attention by
+    # heads: 4 query heads of 4, two per rank; 2 key/value heads, one per rank (the head
+    # counts from the attention's config); Megatron's bytes, as the shipped plan
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (16, 16)
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (16, 16)
-    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (16, 16)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (4, 16)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
+    assert shapes["tp bytes"] == {2 * 4 * (2 * 8) * 16 * 4}
+
+
+@pytest.mark.multirank
+def test_hugging_face_gpt2_under_the_automatic_plan_comes_back_whole(ranks):
+    """AutoTP on GPT-2: the fused c_attn by heads block by block, c_proj by rows, the
+    attention's split_size, num_heads and embed_dim divided while the step runs, the MLP
+    by columns then rows; trained, gathered and loaded back as with its shipped plan."""
+    from transformers.pytorch_utils import Conv1D
+
+    from fzero.transforms.tensor_parallel import auto_plan
+
+    model = _gpt2()
+    plan = auto_plan(model)
+    assert plan["transformer.h.0.attn.c_attn"] == fzero.ColwiseParallel(parts=3, unit=4)
+    assert plan["transformer.h.0.attn.c_proj"] == fzero.RowwiseParallel(unit=4)
+    assert plan["transformer.h.0.attn"].names == ("split_size", "num_heads", "embed_dim")
+    assert isinstance(model.transformer.h[0].mlp.c_fc, Conv1D)
+    assert ranks(2).run(_gpt2_comes_back, "auto") == [True, True]
 
 
 @pytest.mark.multirank
