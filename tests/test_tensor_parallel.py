@@ -429,26 +429,33 @@ def _compiled_equals_plain(stage: int):
     mesh = fzero.Mesh(dp=world // 2, tp=2)
     batches = _batches(3, 4 * mesh.size("dp"))
     ref, ref_losses = ft.run_steps(ft.mse_step, _state("adamw"), batches)
-    step = fzero.compile(ft.mse_step, mesh, zero=stage, tp=PLAN)
+    step = fzero.compile(ft.mse_step, mesh, zero=stage, tp=PLAN, comm_bytes=True)
     state = step.init(_state("adamw"))
-    losses = []
+    losses, sent = [], []
     for b in batches:
         state, m = step(state, ft.local_batch(b, mesh.size("dp"), mesh.coords["dp"]))
         losses.append(m["loss"])
+        assert sum(m["comm_bytes_by_axis"].values()) == m["comm_bytes"]["total"]
+        sent.append(m["comm_bytes_by_axis"])
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
-    tp_step = step.inner  # compile's step wraps the transforms; the outermost is tensor_parallel
     ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol="fp32", what="parameters")
     try:
         fzero.compile(ft.mse_step, mesh)
     except ValueError as e:
-        return str(e)
-    return "no error"
+        return str(e), sent
+    return "no error", sent
 
 
 @pytest.mark.multirank
 def test_compile_builds_the_tp_step_from_a_plan(ranks):
-    msg = ranks(2).run(_compiled_equals_plain, 0)[0]
+    """And its comm_bytes metrics tell tp traffic from dp traffic. Over tp, per step and rank,
+    sent on the wire (an all-reduce of S bytes over 2 ranks sends S, an all-gather S): the
+    activations, Megatron's 2 x rows x d x 4 B per block; the batch check's four int64s; and
+    the non-finite verdict's fp32 flag (compile's nonfinite='skip'), summed over tp."""
+    msg, sent = ranks(2).run(_compiled_equals_plain, 0)[0]
     assert "has a tp axis of 2: pass tp={...}" in msg
+    rows, d, depth = 4, 8, 2
+    assert sent == [{"pp": 0, "dp": 0, "tp": depth * 2 * rows * d * 4 + 4 * 8 + 4, "other": 0}] * 3
 
 
 def _llama(tie: bool = False):
@@ -968,10 +975,14 @@ def _net_comes_back(stage: int):
     model = _net()
     apply, params = fzero.functionalize(model)
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
-    step = fzero.compile(ft.mse_step, mesh, zero=stage, tp=PLAN)
+    step = fzero.compile(ft.mse_step, mesh, zero=stage, tp=PLAN, comm_bytes=True)
     state = step.init(state)
     for b in batches:
-        state, _ = step(state, ft.local_batch(b, 2, mesh.coords["dp"]))
+        state, m = step(state, ft.local_batch(b, 2, mesh.coords["dp"]))
+        # tp apart from dp: Megatron's activations (4 rows per tp group, 2 blocks), the batch
+        # check and the non-finite flag over tp; ZeRO's traffic over dp; nothing else
+        by_axis = m["comm_bytes_by_axis"]
+        assert by_axis["tp"] == 2 * 2 * 4 * 8 * 4 + 4 * 8 + 4 and by_axis["dp"] > 0 and by_axis["other"] == 0, by_axis
     ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), tol="fp32", what="gathered")
     fzero.load_into(model, state)
     assert _own(model) == []
