@@ -163,7 +163,8 @@ def _tensor_parallel(check):
             state, m = step(state, _batch(k, 8))  # a host batch, as a loader hands it
             losses.append(m["loss"].item())
         whole = fzero.gather(state)
-        fzero.load_into(model, state)
+        fzero.load_into(model, state)  # the fp32 masters, whole, into the module's fp32 parameters
+        assert all(torch.equal(p.detach(), whole.extra["master"][k]) for k, p in model.named_parameters())
         return losses, {k: v.clone() for k, v in whole.extra["master"].items()}
 
 
