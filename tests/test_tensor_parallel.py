@@ -383,6 +383,35 @@ def test_the_batch_fingerprint_sees_one_changed_element_and_moved_blocks(dtype):
     assert int(_fingerprint(x.roll(1, 0))) != fp  # whole rows moved (swapped rows, as a shuffled batch)
 
 
+def test_the_rewrite_is_in_place_only_inside_its_block_whatever_the_block_raises():
+    """The split forwards, the shared-input scopes and the divided attributes are the step's:
+    on exit (here by an error) the module holds exactly what it held before, an attribute it
+    never held itself included (a class attribute stays the class's)."""
+    from fzero.transforms.tensor_parallel._rewrite import Rewrite
+
+    class Heads(torch.nn.Module):
+        n_head = 4  # a class attribute
+
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.o = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.width = 8  # an instance attribute
+
+    model = torch.nn.Sequential(Heads())
+    chosen = {"0.q": fzero.ColwiseParallel(), "0.k": fzero.ColwiseParallel(), "0.o": fzero.RowwiseParallel(),
+              "0": fzero.DivideAttributes("n_head", "width")}
+    rewrite = Rewrite(model, chosen, 2, None, 1.0)
+    before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with rewrite.applied():
+            heads = model[0]
+            assert (heads.n_head, heads.width) == (2, 4)
+            assert all("forward" in m.__dict__ for m in (heads, heads.q, heads.k, heads.o))  # heads: the scope
+            raise RuntimeError("the step failed")
+    assert {name: dict(m.__dict__) for name, m in model.named_modules()} == before
+    assert type(model[0]).n_head == model[0].n_head == 4 and "n_head" not in model[0].__dict__
+
+
 def test_a_plan_that_does_not_fit_names_every_problem():
     state = _state("sgd")
     plan = {"blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.ln": fzero.RowwiseParallel(),

@@ -6,8 +6,8 @@ Megatron's *f* or *g* around it) and a module that reads a size its projections 
 the module is the user's, and outside the step it is the user's own code again, so
 ``fzero.load_into`` can put whole weights into it and ``module(x)`` computes what the plain
 module computes. :meth:`Rewrite.applied` installs the planned forwards and divided attributes
-on entry and puts back exactly what it found on exit (a forward the instance did not have is
-deleted again, so the class's is found), whatever the step raised.
+on entry and puts back exactly what it found on exit (an attribute the instance did not hold
+itself, as ``forward``, is deleted again, so the class's is found), whatever the step raised.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Rewrite:
         undo: list[tuple[torch.nn.Module, str, Any]] = []
 
         def put(m: torch.nn.Module, attr: str, value: Any) -> None:
-            undo.append((m, attr, m.__dict__.get(attr, _ABSENT) if attr == "forward" else getattr(m, attr)))
+            undo.append((m, attr, m.__dict__.get(attr, _ABSENT)))  # the instance's own, or none
             setattr(m, attr, value)
 
         try:
@@ -89,6 +89,6 @@ class Rewrite:
         finally:
             for m, attr, old in reversed(undo):
                 if old is _ABSENT:
-                    delattr(m, attr)  # the instance had no forward of its own: the class's again
+                    delattr(m, attr)  # the instance had none of its own: the class's again
                 else:
                     setattr(m, attr, old)
