@@ -19,7 +19,7 @@ clipping); every ``tp`` rank of a ``dp`` coordinate sees the same sequences:
   param groups (foreach refuses a mix of DTensor and plain tensors in one group). With
   ``--dp 2``: FSDP2 2-D, ``fully_shard`` over ``dp`` on each block and the root, on top of TP.
 * ``fzero``  -- the pure ``train_step`` (``fzero.optim.adamw``) under
-  ``fzero.tensor_parallel(step, mesh, plan)`` (``fzero.compile`` refuses a ``tp`` axis today).
+  ``fzero.tensor_parallel(step, mesh, plan)`` (what ``fzero.compile(..., tp=plan)`` builds).
   With ``--dp 2``: ``fzero.tensor_parallel(fzero.shard_state(step, mesh, 3), mesh, plan)``.
 
 Timing, as benchmarks/zero.py: contestants built first, then run in rounds, one step of each
