@@ -22,9 +22,10 @@ A *plan* maps module names (globs, as ``fnmatch`` reads them) to a style, named 
 A column-parallel layer followed by a row-parallel one (an MLP, attention's QKV and output
 projection with the heads split) costs one all-reduce of the activation forward and one
 backward: column-parallel layers that one module's forward calls on one tensor (separate q,
-k and v; Llama's gate and up) share one *f*, as Megatron's fused layers do. Every other tensor stays whole and identical on every ``tp`` rank, and so do its
-gradients (the all-reduces make every activation outside the pairs identical), so the
-update needs no further communication.
+k and v; Llama's gate and up) share one *f*, as Megatron's fused layers do. Every other
+tensor stays whole and identical on every ``tp`` rank, and so do its gradients (the
+all-reduces make every activation outside the pairs identical), so the update needs no
+further communication.
 
 This is the narrow thing rather than DTensor: the state holds each rank's slice as a plain
 tensor, so ``shard_state`` partitions it over ``dp`` and the optimizer runs on it unchanged,
@@ -50,5 +51,5 @@ from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwisePara
 from fzero.transforms.tensor_parallel._transform import tensor_parallel
 from fzero.transforms.tensor_parallel._vocab import VocabShardedLogits
 
-__all__ = ["BatchMismatchError", "ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "VocabShardedLogits",
-           "auto_plan", "tensor_parallel"]
+__all__ = ["BatchMismatchError", "ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout",
+           "VocabShardedLogits", "auto_plan", "tensor_parallel"]
