@@ -3,10 +3,11 @@ bytes each sends counted and checked against Megatron's formula.
 
 The model: a token embedding, ``--n-layer`` pre-norm MLP blocks of a transformer
 (``x + c_proj(gelu(c_fc(ln(x))))``, nanoGPT's names, hidden = 4 x width), a final LayerNorm
-and an untied head; ~4.3M parameters at the defaults (8 blocks, width 256). Attention is left
-out: fzero's TP splits ``nn.Linear`` pairs only, and neither attention heads (the QKV split
-and the head count per rank) nor vocab-parallel embeddings are in it yet, so every block is
-the MLP half of a transformer layer, the half that TP splits the same way everywhere.
+and an untied head; ~4.3M parameters at the defaults (8 blocks, width 256): the MLP half of a
+transformer layer, the half that TP splits the same way everywhere. With ``--attention`` each
+block first adds causal self-attention with separate ``q_proj``, ``k_proj``, ``v_proj`` and
+``o_proj`` (Llama's layout, ``--n-head`` heads), which both contestants split by heads: q, k
+and v column-wise, ``o_proj`` row-wise.
 
 Both contestants split the same layers, ``blocks.*.c_fc`` column-wise and ``blocks.*.c_proj``
 row-wise, train a copy of one seeded initialisation on the same global batch, fp32, AdamW
@@ -18,7 +19,7 @@ clipping); every ``tp`` rank of a ``dp`` coordinate sees the same sequences:
   param groups (foreach refuses a mix of DTensor and plain tensors in one group). With
   ``--dp 2``: FSDP2 2-D, ``fully_shard`` over ``dp`` on each block and the root, on top of TP.
 * ``fzero``  -- the pure ``train_step`` (``fzero.optim.adamw``) under
-  ``fzero.tensor_parallel(step, mesh, plan)`` (``fzero.compile`` refuses a ``tp`` axis today).
+  ``fzero.tensor_parallel(step, mesh, plan)`` (what ``fzero.compile(..., tp=plan)`` builds).
   With ``--dp 2``: ``fzero.tensor_parallel(fzero.shard_state(step, mesh, 3), mesh, plan)``.
 
 Timing, as benchmarks/zero.py: contestants built first, then run in rounds, one step of each
@@ -36,10 +37,11 @@ functional collectives (``_c10d_functional.*``) and FSDP2's ``c10d.*`` ops, forw
 backward -- and files its bytes under ``tp`` when its process group is the mesh's ``tp``
 group, else ``dp``. Megatron's formula (Shoeybi et al.
 2019, sec. 3): per MLP block, forward one all-reduce of the (tokens x width) activation after
-the row-parallel layer (*g*), backward one of the same size for the column-parallel layer's
+the row-parallel layer (*g*), backward one of the same size for the column-parallel layers'
 input gradient (*f*): ``2 * tokens * width * 4`` bytes per block per step in fp32, tokens
-being the sequences one ``tp`` group sees. The script exits non-zero if fzero's count differs
-from it: the count is machine-independent.
+being the sequences one ``tp`` group sees; with ``--attention`` twice that (the attention's
+*g* after ``o_proj``, and one *f* for q, k and v, which read one input). The script exits
+non-zero if fzero's count differs from it: the count is machine-independent.
 
 Model-state bytes per rank: distinct storages of parameters, gradients and optimizer state
 after backward, before the update, in round 2 (``fzero.testing.storage_bytes``; a DTensor or a
@@ -51,6 +53,7 @@ Run (either form; the second re-executes itself under torchrun with 2 x dp proce
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/tensor_parallel.py --steps 10 --warmup 2
     .venv/bin/torchrun --nproc_per_node 4 benchmarks/tensor_parallel.py --dp 2 --steps 6 --warmup 2
     .venv/bin/python benchmarks/tensor_parallel.py --steps 10 --warmup 2
+    .venv/bin/python benchmarks/tensor_parallel.py --attention --n-layer 2 --steps 3 --rss off
 """
 
 from __future__ import annotations
@@ -98,6 +101,18 @@ CONTESTANTS = ("torch", "fzero")
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)")
 # The same globs for both libraries: parallelize_module matches plan keys with fnmatch too.
 COLWISE, ROWWISE = "blocks.*.c_fc", "blocks.*.c_proj"
+QKV, OUT = ("blocks.*.attn.q_proj", "blocks.*.attn.k_proj", "blocks.*.attn.v_proj"), "blocks.*.attn.o_proj"
+
+
+def plans(attention: bool, head_dim: int) -> tuple[dict, dict]:
+    """The same layers split by both libraries: (PyTorch's plan, fzero's)."""
+    torch_plan = {COLWISE: torch_tp.ColwiseParallel(), ROWWISE: torch_tp.RowwiseParallel()}
+    fzero_plan = {COLWISE: fzero.ColwiseParallel(), ROWWISE: fzero.RowwiseParallel()}
+    if attention:
+        torch_plan.update({**{g: torch_tp.ColwiseParallel() for g in QKV}, OUT: torch_tp.RowwiseParallel()})
+        fzero_plan.update({**{g: fzero.ColwiseParallel(unit=head_dim) for g in QKV},
+                           OUT: fzero.RowwiseParallel(unit=head_dim)})
+    return torch_plan, fzero_plan
 
 
 def labels(dp: int) -> dict[str, str]:
@@ -109,24 +124,47 @@ def labels(dp: int) -> dict[str, str]:
 # --------------------------------------------------------------------------- the model
 
 
-class Block(nn.Module):
-    """The MLP half of a pre-norm transformer layer (nanoGPT's names)."""
+class Attention(nn.Module):
+    """Causal self-attention with separate q, k, v projections (Llama's names). The head
+    count is read from the tensors' shapes, so it runs unchanged on a rank's heads."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, n_head: int):
         super().__init__()
+        self.head_dim = d // n_head
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        def heads(t):
+            return t.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)),
+                                           is_causal=True)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """The MLP half of a pre-norm transformer layer (nanoGPT's names); with ``n_head``,
+    attention in front of it."""
+
+    def __init__(self, d: int, n_head: int | None = None):
+        super().__init__()
+        if n_head:
+            self.ln_1, self.attn = nn.LayerNorm(d), Attention(d, n_head)
         self.ln = nn.LayerNorm(d)
         self.c_fc = nn.Linear(d, 4 * d)
         self.c_proj = nn.Linear(4 * d, d)
 
     def forward(self, x):
+        if hasattr(self, "attn"):
+            x = x + self.attn(self.ln_1(x))
         return x + self.c_proj(F.gelu(self.c_fc(self.ln(x))))
 
 
 class MLPStack(nn.Module):
-    def __init__(self, vocab_size: int, d: int, n_layer: int):
+    def __init__(self, vocab_size: int, d: int, n_layer: int, n_head: int | None = None):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab_size, bias=False)
 
@@ -137,11 +175,12 @@ class MLPStack(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def megatron_bytes(tokens: int, d: int, n_layer: int, itemsize: int = 4) -> int:
+def megatron_bytes(tokens: int, d: int, n_layer: int, itemsize: int = 4, attention: bool = False) -> int:
     """Bytes a rank hands to tp all-reduces per step: per MLP block, one (tokens x d) activation
     forward (after the row-parallel layer) and one backward (the column-parallel layer's
-    input gradient) -- Megatron-LM (Shoeybi et al. 2019), sec. 3."""
-    return n_layer * 2 * tokens * d * itemsize
+    input gradient) -- Megatron-LM (Shoeybi et al. 2019), sec. 3; an attention adds the same
+    again (after ``o_proj``; q, k and v's one input)."""
+    return n_layer * (4 if attention else 2) * tokens * d * itemsize
 
 
 # --------------------------------------------------------------------------- contestants
@@ -151,10 +190,9 @@ def megatron_bytes(tokens: int, d: int, n_layer: int, itemsize: int = 4) -> int:
 # in probe["tp"] and probe["dp"].
 
 
-def build_torch(base, dmesh, dp):
+def build_torch(base, dmesh, dp, plan):
     model = copy.deepcopy(base)
-    torch_tp.parallelize_module(model, dmesh["tp"], {COLWISE: torch_tp.ColwiseParallel(),
-                                                     ROWWISE: torch_tp.RowwiseParallel()})
+    torch_tp.parallelize_module(model, dmesh["tp"], plan)
     if dp > 1:
         for block in model.blocks:
             fully_shard(block, mesh=dmesh["dp"])
@@ -181,7 +219,7 @@ def build_torch(base, dmesh, dp):
     return step
 
 
-def build_fzero(base, mesh, dp):
+def build_fzero(base, mesh, dp, plan):
     module = copy.deepcopy(base)
     apply, params = fzero.functionalize(module)
     tx = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -194,7 +232,7 @@ def build_fzero(base, mesh, dp):
         return state.apply_gradients(grads), {"loss": loss}
 
     inner = fzero.shard_state(train_step, mesh, 3) if dp > 1 else train_step
-    compiled = fzero.tensor_parallel(inner, mesh, {COLWISE: fzero.ColwiseParallel(), ROWWISE: fzero.RowwiseParallel()})
+    compiled = fzero.tensor_parallel(inner, mesh, plan)
     box = {"state": compiled.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))}
     # What fzero.compile does after init (shard_state does it too): the module is only code
     # now, so its whole-size weights go.
@@ -228,6 +266,9 @@ def parse(argv=None):
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=256, help="width d (the hidden layer is 4 d)")
+    p.add_argument("--attention", action="store_true",
+                   help="each block adds causal self-attention with separate q/k/v projections, split by heads")
+    p.add_argument("--n-head", type=int, default=8, help="attention heads (with --attention)")
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--only", default=None, help="comma-separated contestants (default: torch,fzero)")
     p.add_argument("--rss", choices=("isolated", "off"), default="isolated",
@@ -278,10 +319,14 @@ def run(args, argv) -> dict | None:
     t_start = time.perf_counter()
 
     torch.manual_seed(0)
-    base = MLPStack(args.vocab_size, args.n_embd, args.n_layer)
+    base = MLPStack(args.vocab_size, args.n_embd, args.n_layer, args.n_head if args.attention else None)
     psi = sum(p.numel() for p in base.parameters())
-    split = sum(p.numel() for n, p in base.named_parameters() if ".c_fc." in n or ".c_proj.weight" in n)
-    builders = {"torch": lambda: build_torch(base, dmesh, args.dp), "fzero": lambda: build_fzero(base, mesh, args.dp)}
+    split = sum(p.numel() for n, p in base.named_parameters()
+                if ".c_fc." in n or ".c_proj.weight" in n or any(f".{q}." in n for q in ("q_proj", "k_proj", "v_proj"))
+                or ".o_proj.weight" in n)
+    torch_plan, fzero_plan = plans(args.attention, args.n_embd // args.n_head)
+    builders = {"torch": lambda: build_torch(base, dmesh, args.dp, torch_plan),
+                "fzero": lambda: build_fzero(base, mesh, args.dp, fzero_plan)}
     steps = {n: builders[n]() for n in names}
     del base
     gc.collect()
@@ -316,7 +361,8 @@ def run(args, argv) -> dict | None:
         "command": command_line(argv, args.dp), "world": world, "dp": args.dp, "tp": 2, "psi": psi, "psi_split": split,
         "threads": args.threads, "torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_model(),
         "batch": [args.batch_size, args.block_size], "tokens_per_tp_group": tokens,
-        "megatron_bytes": megatron_bytes(tokens, args.n_embd, args.n_layer), "n_layer": args.n_layer,
+        "megatron_bytes": megatron_bytes(tokens, args.n_embd, args.n_layer, attention=args.attention),
+        "attention": args.attention, "n_layer": args.n_layer,
         "n_embd": args.n_embd, "steps": args.steps, "warmup": warmup, "baseline_rss_mib": baseline_rss,
         "peak_rss_all_contestants_mib": float(peak), "timing_wall_s": time.perf_counter() - t_start, "results": res,
     }
@@ -332,6 +378,7 @@ def isolated_rss(args, names) -> dict[str, float]:
                 "--only", n, "--rss", "off", "--steps", str(max(args.rss_steps - 2, 0)), "--warmup", "2",
                 "--dp", str(args.dp), "--threads", str(args.threads), "--batch-size", str(args.batch_size),
                 "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+                *(["--attention", "--n-head", str(args.n_head)] if args.attention else []),
                 "--vocab-size", str(args.vocab_size), "--json", path, "--quiet"], args.dp)
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
@@ -349,7 +396,8 @@ def report(result: dict, rss: dict) -> None:
     print(f"`{result['command']}`\n")
     print(f"machine: {result['cpu']}, {result['world']} ranks (gloo; tp=2 × dp={result['dp']}) x "
           f"{result['threads']} torch thread(s), torch {result['torch']}, Python {result['python']}; "
-          f"{result['n_layer']} MLP blocks of width {result['n_embd']} ({result['psi'] / 1e6:.2f}M params, "
+          f"{result['n_layer']} {'attention + MLP' if result['attention'] else 'MLP'} blocks of width "
+          f"{result['n_embd']} ({result['psi'] / 1e6:.2f}M params, "
           f"{result['psi_split'] / 1e6:.2f}M of them split over tp), fp32, AdamW, global batch {b}x{s} "
           f"({result['tokens_per_tp_group']} tokens per tp group); {result['steps']} timed rounds after "
           f"{result['warmup']} warmup, contestants interleaved; load average at start {result['loadavg_start']}, "
@@ -367,7 +415,8 @@ def report(result: dict, rss: dict) -> None:
               f"{r['tp'] / formula:.4f} |" + (f" {r['dp'] / MIB:.3f} |" if dp_col else "")
               + f" {r['final_loss']:.5f} |")
     print()
-    print(f"Megatron's formula: 2 × tokens × d × 4 B × blocks = 2 × {result['tokens_per_tp_group']} × "
+    per = 4 if result["attention"] else 2
+    print(f"Megatron's formula: {per} × tokens × d × 4 B × blocks = {per} × {result['tokens_per_tp_group']} × "
           f"{result['n_embd']} × 4 × {result['n_layer']} = {formula} B per rank per step; counted, in bytes: "
           + ", ".join(f"{n} {r['tp']}" for n, r in res.items()))
     share = (result["psi_split"] / result["tp"] + result["psi"] - result["psi_split"]) / result["dp"]

@@ -11,7 +11,7 @@ import torch
 
 from fzero.autotune._profile import from_env as autotune_trial
 from fzero.distributed import comm
-from fzero.distributed.mesh import Mesh
+from fzero.distributed.mesh import AXES, Mesh
 from fzero.options import SPELLINGS, CompileOptions
 from fzero.train_state import TrainState, missing_optimizer
 from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, installed
@@ -108,7 +108,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     Returns:
         A :class:`Step`: call ``step.init(state)`` once, then ``step(state, batch)``.
         Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...; with
-        ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind; and
+        ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind, and
+        ``comm_bytes_by_axis``: the same bytes by the mesh axis they crossed (``pp``, ``dp``,
+        ``tp``; ``other`` for a group that is none of them); and
         with ``offload_optimizer="cpu"`` or ``offload_param="cpu"`` too, ``offload_bytes``: its
         bytes copied device→host and host→device).
 
@@ -129,7 +131,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         >>> state = step.init(state)
         >>> state, metrics = step(state, torch.ones(4, 2))
         >>> sorted(metrics)
-        ['comm_bytes', 'grad_norm', 'loss', 'skipped']
+        ['comm_bytes', 'comm_bytes_by_axis', 'grad_norm', 'loss', 'skipped']
         >>> metrics["comm_bytes"]["total"]      # one process: nothing sent
         Fraction(0, 1)
     """
@@ -272,6 +274,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if before is not None:
             spent = comm.traffic - before
             metrics["comm_bytes"] = spent.comm_bytes()
+            metrics["comm_bytes_by_axis"] = spent.sent_by_axis({axis: mesh.ranks(axis) for axis in AXES})
             if opts.offload_optimizer != "none" or opts.offload_param != "none":
                 metrics["offload_bytes"] = spent.copy_bytes()
         if monitoring is not None:

@@ -231,7 +231,8 @@ def _differentiable(x: Any) -> bool:
 def _trainable_flags(params: Any, n: int) -> list[bool]:
     """One flag per leaf of ``params`` (``n`` of them): False at the frozen entries of every
     ``Params`` inside."""
-    if type(params) is dict and all(isinstance(v, torch.Tensor) for v in params.values()):
+    if (type(params) is dict or type(params) is Params and not params.frozen) \
+            and all(isinstance(v, torch.Tensor) for v in params.values()):
         return [True] * n  # the common case, every step: no tree walk
     is_params = lambda x: isinstance(x, Params)  # noqa: E731
     flags = tree.map(
@@ -438,15 +439,20 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
     After ``step.init`` the module is only code (its parameters were released to ``meta``
     so that no dead copy of the model stays in memory); this puts full weights back so
     ``module.state_dict()``, ``torch.save`` or Hugging Face's ``save_pretrained`` save the
-    trained model. Parameters are gathered if sharded (a collective: call it on every
-    rank), taken from the fp32 masters under mixed precision, and written in the module's
-    own dtype; tied parameters stay tied; buffers are copies of ``state.buffers`` (later
-    steps do not change the module).
+    trained model. Parameters are gathered whole (:func:`fzero.gather`: over ``dp``, over
+    ``tp``, and over ``pp`` for a pipelined state; a collective: call it on every rank),
+    taken from the fp32 masters under mixed precision, and written in the module's own
+    dtype; tied parameters stay tied; buffers are copies of ``state.buffers`` (later steps
+    do not change the module). No transform's rewrite is left in the module
+    (``tensor_parallel``'s split forwards and divided attributes are in place only while its
+    step runs), so ``module(x)`` then computes what the plain module with these weights
+    computes.
 
     Args:
         module: the module that was functionalized (or one with the same names).
         state_or_params: a :class:`fzero.TrainState`, or a params dict (then buffers are
-            left as they are).
+            left as they are; a pipelined model needs the state, which records every
+            stage's parameters).
 
     Returns:
         ``module``.
@@ -476,11 +482,17 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
     params = getattr(state_or_params, "params", state_or_params)
     if not isinstance(params, dict):
         raise TypeError(f"fzero.load_into: expected a TrainState or a params dict, got {type(params).__name__}")
-    full = dict(gather(params))
-    extra = getattr(state_or_params, "extra", None) or {}
+    # Whole over every mesh axis: a TrainState carries the records of its tp split and its
+    # pipeline stages; a params dict its tp layout (docs/parallelism.md, "Getting the model back").
+    slim = state_or_params  # the optimizer state is not gathered: only what the module holds
+    if hasattr(slim, "opt_state") and hasattr(slim, "replace"):
+        slim = slim.replace(opt_state=None)
+    whole = gather(slim)
+    full = dict(getattr(whole, "params", whole))
+    extra = getattr(whole, "extra", None) or {}
     if extra.get("master") is not None:
-        full.update({k: v for k, v in gather(extra["master"]).items() if v is not None})
-    buffers = getattr(state_or_params, "buffers", None)
+        full.update({k: v for k, v in extra["master"].items() if v is not None})
+    buffers = getattr(whole, "buffers", None)
     buffers = None if not buffers else dict(buffers)
 
     def canonical(named):

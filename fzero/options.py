@@ -230,8 +230,12 @@ class CompileOptions:
     them to log). Bytes sent are the ring algorithms' (:func:`fzero.distributed.comm.sent_bytes`:
     an all-reduce of ``S`` bytes over ``N`` ranks sends ``2 S (N - 1) / N``), counted from
     the step's first collective to its last, every micro-batch of an update included.
-    Counting only reads sizes, so the step computes the same; off, ``metrics`` has no such
-    key. DeepSpeed's config spells it ``"comms_logger": {"enabled": true}``."""
+    Beside it, ``metrics["comm_bytes_by_axis"]``: the same bytes by the mesh axis they
+    crossed (``"pp"``, ``"dp"``, ``"tp"``, each present, and ``"other"`` for a group that is
+    none of them), so tensor parallelism's all-reduces read apart from ZeRO's gradient and
+    parameter traffic. Counting only reads sizes, so the step computes the same; off,
+    ``metrics`` has neither key. DeepSpeed's config spells it
+    ``"comms_logger": {"enabled": true}``."""
 
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-Offload (:func:`fzero.transforms.offload.offload_optimizer`): ``"cpu"`` keeps the

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero._params import Params, merge_trainable, trainable
+from fzero._params import Params, like_params, merge_trainable, trainable
 from fzero.transforms._core import NotApplied, bind, register_primitive
 
 __all__ = ["TrainState"]
@@ -163,7 +163,7 @@ def trainable_grads(params: Any, grads: Any, where: str) -> Any:
     name is dropped (the parameter stays as it is)."""
     if isinstance(params, Params) and isinstance(grads, dict) \
             and params.keys() - params.frozen <= grads.keys() <= params.keys():
-        grads = Params({k: None if k in params.frozen else grads[k] for k in params}, frozen=params.frozen)
+        grads = like_params(params, {k: None if k in params.frozen else grads[k] for k in params})
     tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
     pairs = list(zip(tree.leaves(grads), tree.leaves(trainable(params))))
     if any(type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape for g, p in pairs):

@@ -912,7 +912,7 @@ def _tp_run(tp, dp, zero, phase, path):
     state, losses = ft.run_steps(step, state, [rows(b) for b in batches])
     if phase == "save":
         ckpt.save(path, state)
-    gathered = step.gather(state.params) if tp > 1 else fzero.gather(state.params)
+    gathered = fzero.gather(state.params)
     return losses, {k: v.clone() for k, v in gathered.items()}
 
 

@@ -73,8 +73,8 @@ def test_bad_option_values():
         fzero.compile(ft.mse_step, clip_norm=-1)
 
 
-def test_comm_bytes_is_opt_in_and_adds_one_metric_without_changing_the_step():
-    """Off (the default), metrics are the user's and fzero's as before; on, one more key. The
+def test_comm_bytes_is_opt_in_and_adds_its_metrics_without_changing_the_step():
+    """Off (the default), metrics are the user's and fzero's as before; on, two more keys. The
     multi-rank byte counts are in tests/test_comm.py."""
     torch.manual_seed(0)
     batches = [{"x": torch.randn(8, 4), "y": torch.randn(8, 2)} for _ in range(3)]
@@ -89,8 +89,9 @@ def test_comm_bytes_is_opt_in_and_adds_one_metric_without_changing_the_step():
             state, metrics = step(state, b)
         runs[on] = (state, metrics)
     assert sorted(runs[False][1]) == ["grad_norm", "loss", "skipped"]
-    assert sorted(runs[True][1]) == ["comm_bytes", "grad_norm", "loss", "skipped"]
+    assert sorted(runs[True][1]) == ["comm_bytes", "comm_bytes_by_axis", "grad_norm", "loss", "skipped"]
     assert runs[True][1]["comm_bytes"]["total"] == 0
+    assert runs[True][1]["comm_bytes_by_axis"] == {"pp": 0, "dp": 0, "tp": 0, "other": 0}
     ft.assert_trees_close(runs[True][0].params, runs[False][0].params, tol="exact", what="params")
     with pytest.raises(ValueError, match=r"comm_bytes='yes' must be True or False"):
         fzero.compile(ft.mse_step, comm_bytes="yes")

@@ -131,7 +131,9 @@ def _pipelined(zero, check):
         for k in range(3):
             state, m = step(state, ft.local_batch(_batch(k, 16), 2, j))
             losses.append(m["loss"].item())
-        return losses, {k: v.clone() for k, v in pipe.gather(state.params).items()}
+        whole = pipe.gather(state.params)
+        assert all(torch.equal(v, whole[k]) for k, v in fzero.gather(state).params.items())  # every stage's
+        return losses, {k: v.clone() for k, v in whole.items()}
 
 
 @pytest.mark.multirank
@@ -144,6 +146,36 @@ def test_a_pipeline_over_zero_hands_collectives_and_sends_device_tensors_only(ra
         assert losses == ref_losses
         for k in ref_params:
             assert torch.equal(params[k], ref_params[k]), k
+
+
+def _tensor_parallel(check):
+    """tp=2 through compile (Linear(4, 8) by columns, Linear(8, 8) by rows, bf16, clipped):
+    the batch check, the split forwards, the gather of the whole state and load_into."""
+    with device_check.pretend() if check else contextlib.nullcontext():
+        mesh = fzero.Mesh(dp=1, tp=2)
+        model = _mlp(2)
+        apply, params = fzero.functionalize(model)
+        step = fzero.compile(ft.mse_step, mesh, tp={"0": fzero.ColwiseParallel(), "2": fzero.RowwiseParallel()},
+                             precision="bf16", clip_norm=0.5)
+        state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
+        losses = []
+        for k in range(2):
+            state, m = step(state, _batch(k, 8))  # a host batch, as a loader hands it
+            losses.append(m["loss"].item())
+        whole = fzero.gather(state)
+        fzero.load_into(model, state)  # the fp32 masters, whole, into the module's fp32 parameters
+        assert all(torch.equal(p.detach(), whole.extra["master"][k]) for k, p in model.named_parameters())
+        return losses, {k: v.clone() for k, v in whole.extra["master"].items()}
+
+
+@pytest.mark.multirank
+def test_tensor_parallel_hands_collectives_device_tensors_only(ranks):
+    pool = ranks(2)
+    checked, plain = pool.run(_tensor_parallel, True), pool.run(_tensor_parallel, False)
+    for (losses, masters), (ref_losses, ref_masters) in zip(checked, plain):
+        assert losses == ref_losses
+        assert all(torch.equal(masters[k], ref_masters[k]) for k in ref_masters)
+        assert tuple(masters["0.weight"].shape) == (8, 4)  # whole
 
 
 def _batchnormed(zero, sync, check):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from fzero.distributed import checkin, watchdog
 
 __all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
+           "group_ranks",
            "copy_", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on
@@ -125,6 +126,10 @@ class Traffic:
     ``"tied_gradients"`` (pipelines), ``"offload"`` (the ``d2h``/``h2d`` copies of
     :func:`copy_`) or ``"other"``.
 
+    Each call's wire bytes are also filed under the ranks of its group (``ranks=``), so
+    :meth:`sent_by_axis` can say what crossed each mesh axis: the ``tp`` all-reduces apart
+    from the ``dp`` gradient reductions and the ``pp`` sends.
+
     The counts only grow; a step's share is a difference (``traffic - before``, with
     ``before = traffic.copy()``), or :meth:`reset` clears them.
 
@@ -141,18 +146,27 @@ class Traffic:
         >>> step = t - before
         >>> step.bytes(), step.comm_bytes()["send"], step.comm_bytes()["total"]
         (6, Fraction(6, 1), Fraction(6, 1))
+        >>> t.add("all_reduce", "tp", torch.zeros(2), world=2, ranks=(0, 1))
+        >>> t.sent_by_axis({"dp": (0, 2), "tp": (0, 1)})["tp"]
+        Fraction(8, 1)
     """
 
     def __init__(self) -> None:
         self._bytes: collections.Counter = collections.Counter()
         self._sent: collections.Counter = collections.Counter()
+        self._by_ranks: collections.Counter = collections.Counter()
 
-    def add(self, kind: str, what: str, tensor: torch.Tensor, *, world: int = 1) -> None:
+    def add(self, kind: str, what: str, tensor: torch.Tensor, *, world: int = 1,
+            ranks: tuple[int, ...] | None = None) -> None:
         """Count a call of ``kind`` carrying ``what``: ``tensor`` is this rank's payload,
-        ``world`` the size of the group (1: a collective sends nothing; a send its payload)."""
+        ``world`` the size of the group (1: a collective sends nothing; a send its payload),
+        ``ranks`` the group's global ranks (``None``: not known)."""
         n = tensor.numel() * tensor.element_size()
+        sent = sent_bytes(kind, n, world=world)
         self._bytes[(kind, what)] += n
-        self._sent[(kind, what)] += sent_bytes(kind, n, world=world)
+        self._sent[(kind, what)] += sent
+        if sent:
+            self._by_ranks[None if ranks is None else tuple(sorted(ranks))] += sent
 
     def bytes(self, kind: str | None = None, what: str | None = None) -> int:
         """Bytes of collectives of ``kind`` carrying ``what`` (``None``: any) since the last reset."""
@@ -171,6 +185,19 @@ class Traffic:
         out["total"] = sum(out.values(), Fraction(0))
         return out
 
+    def sent_by_axis(self, axes: dict[str, tuple[int, ...]]) -> dict[str, Fraction]:
+        """Bytes this rank sent on the wire by mesh axis: ``axes`` maps each axis to the
+        global ranks of this rank's group along it (:meth:`fzero.Mesh.ranks`); a call over
+        a group that is none of them (the whole world of a mesh with two axes, a group not
+        known) is ``"other"``. Every axis of ``axes`` is present (0 if nothing crossed it):
+        what ``fzero.compile(comm_bytes=True)`` puts in ``metrics["comm_bytes_by_axis"]``."""
+        by_group = {tuple(sorted(r)): a for a, r in axes.items() if len(r) > 1}
+        out = {a: Fraction(0) for a in axes}
+        out["other"] = Fraction(0)
+        for ranks, n in self._by_ranks.items():
+            out[by_group.get(ranks, "other")] += n
+        return out
+
     def copy_bytes(self) -> dict[str, int]:
         """Bytes copied between the device and the host by kind (:data:`COPY_KINDS`, each
         present, 0 if none): what ``fzero.compile(comm_bytes=True)`` puts in an offloaded
@@ -182,12 +209,14 @@ class Traffic:
         out = Traffic()
         out._bytes.update(self._bytes)
         out._sent.update(self._sent)
+        out._by_ranks.update(self._by_ranks)
         return out
 
     def __sub__(self, other: "Traffic") -> "Traffic":
         """The counts since ``other`` (an earlier :meth:`copy` of this one)."""
         out = Traffic()
-        for mine, theirs, into in ((self._bytes, other._bytes, out._bytes), (self._sent, other._sent, out._sent)):
+        for mine, theirs, into in ((self._bytes, other._bytes, out._bytes), (self._sent, other._sent, out._sent),
+                                   (self._by_ranks, other._by_ranks, out._by_ranks)):
             for key in mine.keys() | theirs.keys():
                 if mine[key] != theirs[key]:
                     into[key] = mine[key] - theirs[key]
@@ -196,6 +225,7 @@ class Traffic:
     def reset(self) -> None:
         self._bytes.clear()
         self._sent.clear()
+        self._by_ranks.clear()
 
     def __repr__(self) -> str:
         return f"Traffic({dict(self._bytes)})"
@@ -277,11 +307,17 @@ def _watchdog_for_cpu() -> Iterator[None]:
         _WATCH_CPU -= 1
 
 
+def group_ranks(group) -> tuple[int, ...]:
+    """The global ranks of ``group`` (``None``: the default group), as :data:`traffic` files
+    a call's bytes under them."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what: str = "other",
                op=dist.ReduceOp.SUM):
     """``dist.all_reduce`` of ``tensor`` in place (a sum unless ``op`` says otherwise),
     counted in :data:`traffic` (payload: ``tensor``'s bytes)."""
-    traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group))
+    traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(tensor, what)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -289,7 +325,7 @@ def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what
 def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = False, what: str = "other"):
     """``dist.broadcast`` of global rank ``src``'s ``tensor`` in place, counted in :data:`traffic`
     (payload: ``tensor``'s bytes, on every rank)."""
-    traffic.add("broadcast", what, tensor, world=dist.get_world_size(group))
+    traffic.add("broadcast", what, tensor, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(tensor, what)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
@@ -297,7 +333,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group=None, async_op: bool = Fa
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                     what: str = "other"):
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
-    traffic.add("all_gather", what, input, world=dist.get_world_size(group))
+    traffic.add("all_gather", what, input, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(input, what)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
@@ -305,7 +341,7 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, as
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                         what: str = "other"):
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""
-    traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group))
+    traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(input, what)
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
 

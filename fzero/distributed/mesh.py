@@ -186,6 +186,22 @@ class Mesh:
             self._device_mesh = _DEVICE_MESHES[key]
         return self._device_mesh
 
+    def ranks(self, axis: Axis) -> tuple[int, ...]:
+        """The global ranks of this rank's group along ``axis``, in the axis' order.
+
+        Example:
+            >>> import fzero
+            >>> fzero.Mesh(dp=-1).ranks("tp")
+            (0,)
+        """
+        strides = {}
+        stride = 1
+        for a in reversed(AXES):  # row-major over AXES, as the coordinates are
+            strides[a] = stride
+            stride *= self.shape[a]
+        base = self.rank - self.coords[axis] * strides[axis]
+        return tuple(base + i * strides[axis] for i in range(self.shape[axis]))
+
     def group(self, axis: Axis):
         """The process group of this rank's ``axis`` (``None`` when that axis has one rank)."""
         if self.shape[axis] == 1:

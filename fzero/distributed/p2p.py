@@ -71,7 +71,7 @@ class Channel:
         """Start sending ``tensor`` to position ``to``; it is kept alive until :meth:`flush`.
         Counted as a ``"send"`` of ``what``: ``tensor``'s bytes."""
         tensor = tensor.contiguous()
-        traffic.add("send", what, tensor)
+        traffic.add("send", what, tensor, ranks=tuple(self._global))
         launched = time.monotonic()
         try:
             with device_check.guard(f"send of {name}", self.where):

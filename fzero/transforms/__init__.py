@@ -14,10 +14,10 @@ from fzero.transforms.finite import NonFiniteGradientError, check_finite
 from fzero.transforms.mixed_precision import mixed_precision
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
-from fzero.transforms.tensor_parallel import (ColwiseParallel, DivideAttributes, RowwiseParallel, VocabShardedLogits,
-                                             tensor_parallel)
+from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, RowwiseParallel,
+                                             VocabShardedLogits, tensor_parallel)
 
 
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum", "donating",
            "accumulate", "check_finite", "NonFiniteGradientError", "mixed_precision", "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel",
-           "DivideAttributes", "RowwiseParallel", "VocabShardedLogits"]
+           "DivideAttributes", "RowwiseParallel", "VocabShardedLogits", "BatchMismatchError"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero._params import Params, with_values
+from fzero._params import frozen_names, like_params, with_values
 from fzero.distributed import comm
 
 __all__ = ["KEY", "Arguments", "is_argument"]
@@ -68,7 +68,7 @@ class Arguments:
         self.leaves = leaves
         base = diff[self.at] if self.at is not None else {}
         combined = {**base, **leaves}
-        self.combined = Params(combined, frozen=base.frozen) if isinstance(base, Params) else combined
+        self.combined = like_params(base, combined, frozen_names(base))
 
     def call(self, fn: Callable, single: bool) -> Callable:
         """``fn`` (of the tuple, or of its one element if ``single``) as a function of the

@@ -13,13 +13,14 @@ from typing import Any, Literal
 import torch
 
 from fzero import means, rng, tree
-from fzero._params import Params, frozen_names, trainable
+from fzero._params import frozen_names, like_params, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.functional import loss_scale
 from fzero.transforms._core import Handler, MicroBatch, Step, as_step, bind, installed, micro_batch
 from fzero.transforms.accumulate import split_batch
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
+from fzero.transforms.pipeline._layout import PipelineLayout
 from fzero.transforms.pipeline._memory import _SavedBytes
 from fzero.transforms.pipeline._schedule import SCHEDULES, schedule
 from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, stage_params
@@ -132,7 +133,12 @@ class Pipeline:
         # On the mesh's device first: the optimizer state is built there, and the sends of
         # activations and gradients move tensors of that device.
         local = self.mesh.place(state.replace(params=local)).params
-        return state.replace(params=local, opt_state=state.tx.init(trainable(local)))
+        # The record of which stage holds what: fzero.gather(state) and fzero.load_into put every
+        # stage's parameters on every rank from it.
+        layout = PipelineLayout(self.p, self.stage, tuple(st.keys for st in self.stages), group=self.group,
+                                timeout_s=self.timeout_s)
+        return state.replace(params=local, opt_state=state.tx.init(trainable(local)),
+                             extra={**state.extra, "pipeline": layout})
 
     def transform(self, step: Callable) -> Step:
         """``step`` as a pipeline step: outermost of the transforms.
@@ -212,7 +218,7 @@ class Pipeline:
             return value, grads
         frozen = frozen_names(params)
         out = {k: grads[k] if k in grads else None if k in frozen else torch.zeros_like(v) for k, v in params.items()}
-        return value, (Params(out, frozen=frozen) if isinstance(params, Params) else out)
+        return value, like_params(params, out, frozen)
 
     # ---------------------------------------------------------------- communication
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch.func import functional_call
 
-from fzero._params import Params
+from fzero._params import like_params
 
 WHERE = "fzero.pipeline"
 
@@ -141,7 +141,4 @@ def stage_params(stages: Sequence[Stage], stage: int, params: dict) -> dict:
     if missing:
         raise KeyError(f"{WHERE}: stage {stage}'s parameters are missing from params: {missing[:8]}"
                        + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    out = {k: params[k] for k in keys}
-    if isinstance(params, Params):  # keep which of them are frozen
-        return Params(out, frozen=params.frozen & out.keys())
-    return out
+    return like_params(params, {k: params[k] for k in keys})  # keep which are frozen, and the layout

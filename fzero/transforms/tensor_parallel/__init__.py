@@ -21,28 +21,35 @@ A *plan* maps module names (globs, as ``fnmatch`` reads them) to a style, named 
 
 A column-parallel layer followed by a row-parallel one (an MLP, attention's QKV and output
 projection with the heads split) costs one all-reduce of the activation forward and one
-backward. Every other tensor stays whole and identical on every ``tp`` rank, and so do its
-gradients (the all-reduces make every activation outside the pairs identical), so the
-update needs no further communication.
+backward: column-parallel layers that one module's forward calls on one tensor (separate q,
+k and v; Llama's gate and up) share one *f*, as Megatron's fused layers do. Every other
+tensor stays whole and identical on every ``tp`` rank, and so do its gradients (the
+all-reduces make every activation outside the pairs identical), so the update needs no
+further communication.
 
 This is the narrow thing rather than DTensor: the state holds each rank's slice as a plain
 tensor, so ``shard_state`` partitions it over ``dp`` and the optimizer runs on it unchanged,
-and the model's code runs unchanged (the planned modules' forwards are replaced at ``init``,
-a few lines each) with no per-op dispatch on the step's path.
+and the model's code runs unchanged (the planned modules' forwards are replaced while the
+step runs, a few lines each, and put back when it returns: ``_rewrite.py``) with no per-op
+dispatch on the step's path. Every step first checks that the ``tp`` peers were handed the
+same batch (``_batch.py``).
 
 Reductions across parameters (``psum``: global-norm clipping, LAMB's trust ratios, the
 overflow check of ``mixed_precision``) are exact: they name each leaf's parameter
 (:class:`fzero.transforms.LeafSums`), and the handler counts a whole leaf on ``tp`` rank 0
 only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counted once.
-``init`` records the split in the state (:class:`TensorParallelLayout`), so
-``fzero.checkpoint`` saves, reshards and exports it (a layer split block by block excepted).
+``init`` records the split in the state (:class:`TensorParallelLayout`, in
+``state.extra["tensor_parallel"]`` and as the ``layout`` of ``state.params``), so
+``fzero.checkpoint`` saves, reshards and exports it, and ``fzero.gather`` /
+``fzero.load_into`` give the whole model back.
 """
 
+from fzero.transforms.tensor_parallel._batch import BatchMismatchError
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes,
                                                       RowwiseParallel)
 from fzero.transforms.tensor_parallel._transform import tensor_parallel
 from fzero.transforms.tensor_parallel._vocab import VocabShardedLogits
 
-__all__ = ["ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout", "VocabShardedLogits",
-           "auto_plan", "tensor_parallel"]
+__all__ = ["BatchMismatchError", "ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout",
+           "VocabShardedLogits", "auto_plan", "tensor_parallel"]

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from fzero import tree
+from fzero._params import Params, frozen_names
+from fzero.distributed import comm
 from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes, RowwiseParallel,
-                                                      _io, _is_conv1d)
+                                                      _io, _is_conv1d, _whole)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -27,18 +29,85 @@ class _Split:
     parts: int = 1
 
 
+# Where an attention module keeps its head counts (on itself, or on its Hugging Face config),
+# and the sizes its forward may read that become per-rank once its heads are split: the
+# attributes DeepSpeed's AutoTP divides (module_inject/auto_tp.py, update_mp_params), and
+# GPT-2's split_size, which its forward cuts the fused q/k/v output with. A head's width
+# (head_dim) and the query heads per key/value head (num_key_value_groups) do not change.
+_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attn_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "num_kv")
+_PER_RANK = ("split_size", "n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads",
+             "all_head_size", "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads", "kv_n_heads",
+             "d_model", "n_head", "n_kv_heads")
+
+
+def _count(m: torch.nn.Module, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` that ``m`` (or its ``config``) holds as an int."""
+    for owner in (m, getattr(m, "config", None)):
+        for n in names:
+            v = getattr(owner, n, None) if owner is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _mlp(layers: list[tuple[str, tuple[int, int]]]) -> dict[str, Any] | None:
+    """Expansions ``d -> h`` then their contraction ``h -> d`` (``h > d``): columns, then rows."""
+    (last, (h, d)), up = layers[-1], layers[:-1]
+    if not h > d or any(io != (d, h) for _, io in up):
+        return None
+    return {**{n: ColwiseParallel() for n, _ in up}, last: RowwiseParallel()}
+
+
+def _attention(m: torch.nn.Module, layers: list[tuple[str, tuple[int, int]]]) -> dict[str, Any] | None:
+    """Projections ``d -> heads x head_dim`` (q; k and v with their own head count; or one
+    fused q/k/v of three equal blocks) then the output projection ``heads x head_dim -> d``,
+    in a module that says its head count: columns by whole heads, then rows by whole heads."""
+    heads = _count(m, _HEADS)
+    (last, (width, d)), ins = layers[-1], layers[:-1]
+    if heads is None or width % heads:
+        return None
+    head = getattr(m, "head_dim", None)
+    head = head if isinstance(head, int) and not isinstance(head, bool) and head * heads == width else width // heads
+    kv = _count(m, _KV_HEADS) or heads
+    plan: dict[str, Any] = {}
+    for n, (i, o) in ins:
+        if i != d:
+            return None
+        if o in (heads * head, kv * head):
+            plan[n] = ColwiseParallel(unit=head)
+        elif o == 3 * heads * head and kv == heads:
+            plan[n] = ColwiseParallel(parts=3, unit=head)
+        else:
+            return None
+    plan[last] = RowwiseParallel(unit=head)
+    return plan
+
+
 def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
     """A plan for the common Linear layouts, as DeepSpeed's AutoTP finds them.
 
-    In every module whose Linear children (``nn.Linear``, Hugging Face's ``Conv1D``) are,
-    in the order the module registers them, expansions and then their contraction -- some
-    ``d -> h`` layers (an MLP's ``c_fc``; Llama's ``gate_proj`` and ``up_proj``) and last one
-    ``h -> d`` layer (``c_proj``, ``down_proj``), ``h > d`` -- the former are split by
-    columns and the latter by rows. Attention projections (``d -> d``, or a fused
-    ``d -> 3d`` beside a ``d -> d``) are left whole: splitting them needs the heads split.
-    The module must hold nothing else with parameters but a norm layer (activations,
-    dropout, a pre-norm): a model's input and output layers around its blocks are not a
-    pair.
+    It looks at every module whose only children with parameters are Linear layers
+    (``nn.Linear``, Hugging Face's ``Conv1D``) and norm layers, and reads the Linear ones in
+    the order the module registers them:
+
+    * an **MLP**: some expansions ``d -> h`` (``c_fc``; Llama's ``gate_proj`` and
+      ``up_proj``) and last their contraction ``h -> d`` (``c_proj``, ``down_proj``),
+      ``h > d``: the expansions split by columns, the contraction by rows;
+    * an **attention**: a module that says its head count (``num_heads``,
+      ``num_attention_heads``, ``n_head``, ... on itself or on its ``config``), with
+      projections ``d -> heads x head_dim`` (separate q, k and v, k and v with
+      ``num_key_value_heads`` heads; or one fused q/k/v of three equal blocks, GPT-2's
+      ``c_attn``) and last the output projection ``heads x head_dim -> d``: the projections
+      split by columns and the output by rows, by whole heads; and the attention's integer
+      sizes that become per-rank (head counts, ``split_size``, ``embed_dim``,
+      ``hidden_size``, ... as DeepSpeed's AutoTP divides them) divided while the step runs.
+      Its forward must read the head count from those attributes or from the tensors'
+      shapes (as Hugging Face's Llama and GPT-2 do), not from somewhere else.
+
+    A model's input and output layers around its blocks are not a pair, and a fused q/k/v of
+    unequal blocks (grouped key/value heads in one projection) is left whole. Check the plan
+    once (``auto_plan(model)``): the rules read the module tree, as AutoTP's do.
 
     Example:
         >>> import torch
@@ -46,6 +115,12 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
         >>> mlp = torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 16), "proj": torch.nn.Linear(16, 4)})
         >>> sorted((k, type(v).__name__) for k, v in auto_plan(torch.nn.ModuleDict({"mlp": mlp})).items())
         [('mlp.fc', 'ColwiseParallel'), ('mlp.proj', 'RowwiseParallel')]
+        >>> attn = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("q", "k", "v", "o")})
+        >>> attn.num_heads = 4
+        >>> sorted((k, type(v).__name__, getattr(v, "unit", None))
+        ...        for k, v in auto_plan(torch.nn.ModuleDict({"attn": attn})).items())  # doctest: +NORMALIZE_WHITESPACE
+        [('attn', 'DivideAttributes', None), ('attn.k', 'ColwiseParallel', 2), ('attn.o', 'RowwiseParallel', 2),
+         ('attn.q', 'ColwiseParallel', 2), ('attn.v', 'ColwiseParallel', 2)]
     """
     plan: dict[str, Any] = {}
     for name, m in module.named_modules():
@@ -53,14 +128,18 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
         others = [c for c in m.children() if not (isinstance(c, torch.nn.Linear) or _is_conv1d(c))]
         if len(layers) < 2 or any("Norm" not in type(c).__name__ and any(True for _ in c.parameters())
                                   for c in others):
-            continue  # an MLP holds its Linear layers, activations and perhaps a norm: nothing else
-        (last, (h, d)), up = layers[-1], layers[:-1]
-        if not h > d or any(io != (d, h) for _, io in up):
+            continue  # an MLP or an attention holds its Linear layers, and perhaps a norm: nothing else
+        found = _mlp(layers)
+        attention = found is None and name != ""
+        found = found or (_attention(m, layers) if attention else None)
+        if found is None:
             continue
-        down = [(last, (h, d))]
         prefix = f"{name}." if name else ""
-        plan.update({prefix + n: ColwiseParallel() for n, _ in up})
-        plan[prefix + down[0][0]] = RowwiseParallel()
+        plan.update({prefix + n: style for n, style in found.items()})
+        sizes = [a for a in _PER_RANK if attention and isinstance(getattr(m, a, None), int)
+                 and not isinstance(getattr(m, a), bool)]
+        if sizes:
+            plan[name] = DivideAttributes(*sizes)
     return plan
 
 
@@ -68,7 +147,8 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
 class TensorParallelLayout:
     """How a state is split over the ``tp`` axis; ``init`` keeps it in
     ``state.extra["tensor_parallel"]``, where ``fzero.checkpoint`` finds it (by type) to
-    save whole tensors' slices and to re-slice them onto another ``tp``.
+    save whole tensors' slices and to re-slice them onto another ``tp``, and as the
+    ``layout`` of the state's :class:`fzero.Params`, where ``fzero.gather`` finds it.
 
     Every field is static, so the record has no leaves: a state's key paths and leaves are
     the same with and without it, and a checkpoint saved at ``tp=2`` loads into a plain
@@ -79,6 +159,9 @@ class TensorParallelLayout:
         rank: this rank's coordinate on ``tp``; it holds ``whole.chunk(size, dim)[rank]`` of
             every split parameter.
         splits: ``(name, _Split(dim, whole shape))`` per split parameter, sorted by name.
+        group: the ``tp`` process group the slices are gathered over (not compared, not
+            pickled: a layout sent to another process cannot gather).
+        timeout_s: the timeout of those gathers.
 
     A tensor of the state stored under a split parameter's name -- the parameter, its
     optimizer moments, its fp32 master -- is split as the parameter is: optax-style
@@ -89,6 +172,52 @@ class TensorParallelLayout:
     size: int = tree.field(static=True)
     rank: int = tree.field(static=True)
     splits: tuple[tuple[str, _Split], ...] = tree.field(static=True)
+    group: Any = tree.field(static=True, default=None, compare=False, repr=False)
+    timeout_s: float = tree.field(static=True, default=300.0, compare=False, repr=False)
+
+    #: The mesh axis ``fzero.gather`` puts this record's slices back together over.
+    __fzero_axis__ = "tp"
+
+    def __reduce__(self):
+        return (TensorParallelLayout, (self.size, self.rank, self.splits))
+
+    def whole(self, name: str, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of which ``piece`` is this rank's slice as parameter ``name`` is
+        split: every ``tp`` rank's slice all-gathered (a collective: every ``tp`` rank calls
+        it for the same names in the same order).
+
+        Raises:
+            RuntimeError: the layout has no process group (it was sent from another process).
+        """
+        split = dict(self.splits)[name]
+        if self.size == 1:
+            return piece.detach().clone()
+        if self.group is None:
+            raise RuntimeError(f"fzero.gather: the tensor-parallel layout of {name!r} has no process group (it "
+                               "was pickled in another process); gather on the ranks that trained it")
+        piece = piece.detach().contiguous()
+        full = torch.empty((self.size,) + tuple(piece.shape), dtype=piece.dtype, device=piece.device)
+        comm.run(f"all_gather(tp: {name})",
+                 lambda: comm.all_gather_flat(full.view(-1), piece.view(-1), group=self.group, async_op=True,
+                                              what="gather"),
+                 timeout_s=self.timeout_s, where="fzero.gather")
+        return _whole(list(full.unbind(0)), split.dim, split.parts)
+
+    def whole_params(self, params: Mapping[str, Any]) -> dict:
+        """``params`` (a :class:`fzero.Params` with this layout) with every split entry whole;
+        the result carries no layout."""
+        names = dict(self.splits)
+        out = {k: self.whole(k, v) if k in names and isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        return Params(out, frozen=frozen_names(params))
+
+    def whole_leaf(self, path, x: Any) -> Any:
+        """``x`` whole if it is stored under a split parameter's name (the last key of
+        ``path``: the parameter, a moment, a master), else ``x``."""
+        last = path[-1] if path else None
+        name = getattr(last, "entry", None)
+        if isinstance(x, torch.Tensor) and isinstance(name, str) and name in dict(self.splits):
+            return self.whole(name, x)
+        return x
 
 
 def check_plan(plan: Any, where: str = WHERE) -> None:

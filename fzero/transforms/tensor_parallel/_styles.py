@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Literal
 
@@ -42,6 +43,29 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None, None
+
+
+# Inside the forward of a module that holds several column-parallel layers (Llama's q, k and v;
+# its gate and up), their one input passes through *f* once: the layers' input gradients add up
+# in autograd before the one all-reduce, as Megatron's fused QKV and gate/up layers do (one
+# all-reduce per input, not per layer). The scope is that module's forward call
+# (``_rewrite.shared_input_scope``), so nothing outlives it: not across micro-batches, not past a
+# recomputation under activation checkpointing. ``id(x) -> (x, f(x))``; the entry keeps ``x``
+# alive, so an id is never reused while it is in the map.
+_SHARED_INPUT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_tp_shared_input", default=None)
+
+
+def _copy_to_tp(x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+    """Megatron's *f* of ``x``: once per tensor inside a shared-input scope."""
+    shared = _SHARED_INPUT.get()
+    if shared is None:
+        return _CopyToTP.apply(x, group, timeout_s)
+    hit = shared.get(id(x))
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    y = _CopyToTP.apply(x, group, timeout_s)
+    shared[id(x)] = (x, y)
+    return y
 
 
 def _all_reduce(x: torch.Tensor, group, timeout_s: float, name: str, what: str = "tp") -> torch.Tensor:
@@ -106,7 +130,7 @@ class ColwiseParallel:
         return {"weight": 1 if _is_conv1d(module) else 0, "bias": 0}
 
     def forward(self, module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
-        out = _affine(module, _CopyToTP.apply(x, group, timeout_s))
+        out = _affine(module, _copy_to_tp(x, group, timeout_s))
         if self.output == "features":
             return out
         tp = dist.get_world_size(group)
@@ -154,10 +178,11 @@ def _embed_local(module: torch.nn.Embedding, ids: torch.Tensor, rank: int) -> to
 
 @dataclasses.dataclass(frozen=True)
 class DivideAttributes:
-    """Divide integer attributes of a module by ``tp`` at ``init`` -- the sizes its own
-    forward reads that become per-rank once its projections are split (Hugging Face GPT-2's
-    attention reads ``split_size`` to cut the fused q/k/v output; a model that reads a head
-    count does the same with it). The module's code is unchanged.
+    """Divide integer attributes of a module by ``tp`` while the step runs -- the sizes its
+    own forward reads that become per-rank once its projections are split (Hugging Face
+    GPT-2's attention reads ``split_size`` to cut the fused q/k/v output; a model that reads
+    a head count does the same with it). The module's code is unchanged, and outside the
+    step the attributes have their own values again.
     """
 
     names: tuple[str, ...]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import types
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from fzero import tree
-from fzero._params import trainable, with_values
-from fzero.distributed import comm
+from fzero._params import Params, frozen_names, trainable, with_values
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.transforms.tensor_parallel._batch import check_same_batch
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
-from fzero.transforms.tensor_parallel._styles import WHERE, DivideAttributes, _all_reduce, _local, _whole
+from fzero.transforms.tensor_parallel._rewrite import Rewrite
+from fzero.transforms.tensor_parallel._styles import WHERE, _all_reduce, _local
 
 
 # --------------------------------------------------------------------------- the transform
@@ -53,9 +54,10 @@ class _TensorParallelHandler(Handler):
 def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None) -> Step:
     """Tensor parallelism over the mesh's ``tp`` axis, as Megatron-LM splits layers.
 
-    Every ``tp`` rank of a ``dp`` coordinate passes the same batch; each holds its slice of
-    the planned layers' parameters (and, under ``shard_state``, ZeRO partitions that slice
-    over ``dp``). The step computes the same update as the plain step.
+    Every ``tp`` rank of a ``dp`` coordinate passes the same batch (checked every step, by
+    one all-gather of a few numbers over ``tp``); each holds its slice of the planned layers'
+    parameters (and, under ``shard_state``, ZeRO partitions that slice over ``dp``). The
+    step computes the same update as the plain step.
 
     Args:
         step: ``train_step(state, batch) -> (state, metrics)``.
@@ -67,12 +69,18 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
 
     Returns:
         A :class:`Step`. ``init`` keeps this rank's slices (before the transforms inside it
-        build anything on the parameters: make it the outermost transform but ``pipeline``).
-        ``step.gather(params)`` gives the whole parameters on every rank.
+        build anything on the parameters: make it the outermost transform but ``pipeline``)
+        in ``state.params``, a :class:`fzero.Params` whose ``layout`` records the split, so
+        ``fzero.gather(state.params)`` (or of the state) gives the whole parameters on every
+        rank. The planned layers' forwards and divided attributes are in place only while the
+        step runs: outside it the module is the user's own (``fzero.load_into`` puts the whole
+        trained weights into it).
 
     Raises:
         TypeError: a plan that is not globs to styles.
         ValueError: at ``init``, a plan that does not fit the model (every problem named).
+        BatchMismatchError: a step whose ``tp`` peers were handed different batches (each
+            differing leaf named by key path, with both ranks and both shapes), on every peer.
 
     Example (a world of one, ``tp=1``: the plan is checked and the step runs unchanged):
         >>> import torch, fzero
@@ -92,6 +100,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
     inner = as_step(step)
     splits: dict[str, _Split] = {}
     handler = _TensorParallelHandler(group, rank, mesh.timeout_s, splits)
+    running: dict[str, Rewrite] = {}  # filled by init
 
     def before(state):
         if tp > 1 and dist.get_rank(group) != rank:
@@ -115,47 +124,29 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         splits.clear()
         splits.update(found)
         handler.names = frozenset(state.params)
-        timeout_s = mesh.timeout_s
-        for name, style in chosen.items():
-            if tp == 1:
-                continue
-            m = module.get_submodule(name)
-            if isinstance(style, DivideAttributes):
-                for attr in style.names:
-                    setattr(m, attr, getattr(m, attr) // tp)
-            else:
-                m.forward = types.MethodType(lambda self, x, style=style: style.forward(self, x, group, timeout_s), m)
+        if tp == 1:
+            return state.replace(extra={**state.extra,
+                                        "tensor_parallel": TensorParallelLayout(1, 0, tuple(sorted(splits.items())))})
+        # The planned forwards and divided attributes are the step's, not the module's: they are
+        # in place only while a step runs (_rewrite.py), so the module stays the user's own.
+        running["rewrite"] = Rewrite(module, chosen, tp, group, mesh.timeout_s)
+        layout = TensorParallelLayout(tp, rank, tuple(sorted(splits.items())), group=group, timeout_s=mesh.timeout_s)
         local = {name: _local(state.params[name], s.dim, tp, rank, s.parts) for name, s in splits.items()}
-        params = with_values(state.params, local)
-        layout = TensorParallelLayout(tp, rank, tuple(sorted(splits.items())))
+        # The layout rides on the params container, as its frozen names do: gradients, masters,
+        # moments and a checkpoint loaded like the state are made from it, and fzero.gather
+        # reads it from any of them.
+        params = Params(with_values(state.params, local), frozen=frozen_names(state.params), layout=layout)
         return state.replace(params=params, opt_state=state.tx.init(trainable(params)),
                              extra={**state.extra, "tensor_parallel": layout})
 
     def call(state, batch):
         if tp == 1:
             return inner(state, batch)
-        with installed(handler):
+        # Before any tp collective: peers handed different batches would hand all-reduces of
+        # different sizes to one collective (gloo aborts), or silently sum different samples.
+        check_same_batch(batch, group, device=mesh.device, timeout_s=mesh.timeout_s)
+        rewrite = running.get("rewrite")
+        with installed(handler), rewrite.applied() if rewrite is not None else contextlib.nullcontext():
             return inner(state, batch)
 
-    def gather(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """The whole parameters, on every rank (ZeRO pieces gathered over ``dp`` first)."""
-        from fzero.distributed.gather import gather as gather_dp
-
-        params = gather_dp(params)
-        out = dict(params)
-        for name, s in splits.items():
-            if tp == 1:
-                continue
-            piece = params[name].contiguous()
-            full = torch.empty((tp,) + tuple(piece.shape), dtype=piece.dtype, device=piece.device)
-            comm.run(f"all_gather(tp: {name})",
-                     lambda: comm.all_gather_flat(full.view(-1), piece.view(-1), group=group, async_op=True,
-                                                  what="tp"),
-                     timeout_s=mesh.timeout_s, where=WHERE)
-            out[name] = _whole(list(full.unbind(0)), s.dim, s.parts)
-        return out
-
-    out = Step(call, before=before, name=f"tensor_parallel({inner.__name__}, tp={tp})", inner=inner)
-    out.gather = gather
-    out.splits = splits
-    return out
+    return Step(call, before=before, name=f"tensor_parallel({inner.__name__}, tp={tp})", inner=inner)
