@@ -38,7 +38,7 @@ class Block(nn.Module):
         B, T, D = x.shape
         q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).chunk(3, -1))
         a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, T, D)))
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, T, -1)))  # -1: a tp rank holds its heads
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
@@ -99,33 +99,54 @@ def _reference(model_args, batches, seed):
     return torch.stack(losses), dict(state.params)
 
 
-def _layout(model_args, per_rank, T, steps, seed, stage, accumulate):
+def tp_plan(head_dim):
+    """Megatron's split of TinyLM's blocks: q/k/v (one fused projection) by heads, the
+    attention's output by rows, the MLP by columns then rows; each block's head count divided."""
+    return {"blocks.*.qkv": fzero.ColwiseParallel(parts=3, unit=head_dim),
+            "blocks.*.proj": fzero.RowwiseParallel(unit=head_dim),
+            "blocks.*.fc": fzero.ColwiseParallel(), "blocks.*.out": fzero.RowwiseParallel(),
+            "blocks.?": fzero.DivideAttributes("heads")}  # ? : the blocks themselves, not their layers
+
+
+def _layout(model_args, per_rank, T, steps, seed, stage, accumulate, tp=1):
     """On every rank: the layout's run equals the one-process run."""
     n, r = dist.get_world_size(), dist.get_rank()
-    batches = _batches(per_rank * n, T, steps, seed)
+    mesh = fzero.Mesh(dp=n // tp, tp=tp)
+    dp, j = mesh.size("dp"), mesh.coords["dp"]
+    batches = _batches(per_rank * dp, T, steps, seed)
     ref_losses, ref_params = _reference(model_args, batches, seed)
     torch.manual_seed(r)  # per-rank seeding, as programs do: must change nothing
-    step = fzero.compile(lm_step, fzero.Mesh(dp=-1), zero=stage, accumulate=accumulate)
+    plan = tp_plan(model_args[1] // model_args[3]) if tp > 1 else None
+    step = fzero.compile(lm_step, mesh, zero=stage, accumulate=accumulate, tp=plan)
     state, losses = step.init(_state(model_args, seed)), []
     for b in batches:
-        state, m = step(state, ft.local_batch(b, n, r))
+        state, m = step(state, ft.local_batch(b, dp, j))
         losses.append(m["loss"])
-    what = f"world {n}, stage {stage}, accumulate {accumulate}, rank {r}"
+    what = f"dp {dp}, tp {tp}, stage {stage}, accumulate {accumulate}, rank {r}"
     ft.assert_trees_close(torch.stack(losses), ref_losses, what=f"losses ({what})")
-    ft.assert_trees_close(fzero.gather(state.params), ref_params, what=f"params ({what})")
+    ft.assert_trees_close(fzero.gather(state).params, ref_params, what=f"params ({what})")
     return [float(x) for x in losses]
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(world=st.sampled_from([1, 2, 4]), stage=st.sampled_from([0, 1, 2, 3]), accumulate=st.sampled_from([1, 2, 4]),
-       d_heads=st.sampled_from([(8, 2), (12, 3), (8, 1)]), hidden=st.integers(4, 16), depth=st.integers(1, 2),
-       p=st.sampled_from([0.1, 0.5]), rows=st.integers(1, 2), T=st.integers(2, 5), seed=st.integers(0, 99))
-def test_a_run_with_dropout_and_a_token_mean_is_the_same_at_every_layout(ranks, world, stage, accumulate, d_heads,
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dp_tp=st.sampled_from([(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]), stage=st.sampled_from([0, 1, 2, 3]),
+       accumulate=st.sampled_from([1, 2, 4]), d_heads=st.sampled_from([(8, 2), (16, 4), (8, 1)]),
+       hidden=st.sampled_from([4, 8, 16]), depth=st.integers(1, 2), p=st.sampled_from([0.1, 0.5]),
+       rows=st.integers(1, 2), T=st.integers(2, 5), seed=st.integers(0, 99))
+def test_a_run_with_dropout_and_a_token_mean_is_the_same_at_every_layout(ranks, dp_tp, stage, accumulate, d_heads,
                                                                           hidden, depth, p, rows, T, seed):
-    d, heads = d_heads
-    results = ranks(world).run(_layout, (13, d, hidden, heads, depth, p), rows * accumulate, T, 3, seed, stage,
-                               accumulate)
+    (dp, tp), (d, heads) = dp_tp, d_heads
+    if tp > 1 and heads % tp:
+        heads = tp  # tensor parallelism splits whole heads
+    results = ranks(dp * tp).run(_layout, (13, d, hidden, heads, depth, p), rows * accumulate, T, 3, seed, stage,
+                                 accumulate, tp)
     assert all(res == results[0] for res in results)
+
+
+@pytest.mark.parametrize("stage, accumulate", [(0, 1), (3, 2)])
+def test_tensor_parallel_runs_with_dropout_are_the_one_process_run(ranks, stage, accumulate):
+    ranks(2).run(_layout, (13, 8, 16, 2, 2, 0.3), 2 * accumulate, 4, 3, 7, stage, accumulate, 2)
+    ranks(4).run(_layout, (13, 8, 16, 2, 1, 0.3), 2 * accumulate, 3, 2, 8, stage, accumulate, 2)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

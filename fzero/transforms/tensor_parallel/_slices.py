@@ -160,50 +160,35 @@ def _broadcast(out: torch.Tensor, tagged) -> Slice | Unknown | None:
 
 
 def _reshaped(tag: Slice, shape: tuple, new: tuple) -> Slice | None:
-    """Where the split dim lands when ``shape`` is viewed as ``new``: one dim split into
-    several (the split goes to the first, whose inner factor must divide the offset), or
-    several merged into one (the split dim first of them)."""
-    groups = _groups(shape, new)
-    for ins, outs in groups:
-        if tag.dim not in ins:
-            continue
-        real_in = [d for d in ins if shape[d] != 1]
-        real_out = [d for d in outs if new[d] != 1]
-        if real_in == [tag.dim] and real_out:
-            first = real_out[0]
-            inner = math.prod(new[d] for d in real_out[1:])
-            if tag.parts != 1 or tag.offset % inner or tag.whole % inner:
-                return None
-            return Slice(first, tag.offset // inner, tag.whole // inner)
-        if real_out and len(real_out) == 1 and real_in and real_in[0] == tag.dim:
-            inner = math.prod(shape[d] for d in real_in[1:])
-            if tag.parts != 1:
-                return None
-            return Slice(real_out[0], tag.offset * inner, tag.whole * inner)
+    """Where the split dim lands when ``shape`` is viewed as ``new``.
+
+    A view keeps the row-major order: the split dim ``d`` (local size ``n``, ``I`` elements
+    after each of its indices) is the run of "digits" ``[I, n*I)``. It lands on the first
+    dim ``e`` of ``new`` whose elements-after-and-including is ``n*I``; if the dims after ``e``
+    hold ``J >= I`` elements, ``d`` was split (the slice is on ``e``, in units of ``J/I``),
+    else it was merged with the ``I/J`` after it. No such ``e``: ``d`` was merged with a dim
+    before it, and the slice is not one range of any dim."""
+    if tag.parts != 1:
         return None
+    n = shape[tag.dim]
+    inner = math.prod(shape[tag.dim + 1:])
+    right = [math.prod(new[k:]) for k in range(len(new) + 1)]
+    for e in range(len(new)):
+        if right[e] != n * inner:
+            continue
+        after = right[e + 1]
+        if after >= inner:
+            if after % inner:
+                return None
+            unit = after // inner
+            if tag.offset % unit or tag.whole % unit:
+                return None
+            return Slice(e, tag.offset // unit, tag.whole // unit)
+        if inner % after:
+            return None
+        unit = inner // after
+        return Slice(e, tag.offset * unit, tag.whole * unit)
     return None
-
-
-def _groups(shape: tuple, new: tuple) -> list[tuple[list[int], list[int]]]:
-    """The runs of dims of ``shape`` and ``new`` whose products are equal, in order."""
-    groups, i, j = [], 0, 0
-    while i < len(shape) or j < len(new):
-        ins, outs, a, b = [], [], 1, 1
-        while True:
-            if a <= b and i < len(shape):
-                a *= shape[i]
-                ins.append(i)
-                i += 1
-            elif j < len(new):
-                b *= new[j]
-                outs.append(j)
-                j += 1
-            else:
-                break
-            if a == b and (i == len(shape) or shape[i] != 1) and (j == len(new) or new[j] != 1):
-                break
-        groups.append((ins, outs))
-    return groups
 
 
 def _indexed(tag: Slice, x: torch.Tensor, index) -> Slice | None:

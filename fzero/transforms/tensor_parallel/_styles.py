@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fzero.distributed import comm
+from fzero.rng import Slice, with_slice
 from fzero.transforms.tensor_parallel._vocab import VocabShardedLogits
 
 
@@ -131,9 +132,13 @@ class ColwiseParallel:
 
     def forward(self, module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
         out = _affine(module, _copy_to_tp(x, group, timeout_s))
-        if self.output == "features":
-            return out
         tp = dist.get_world_size(group)
+        if self.output == "features":
+            # Where this rank's columns sit in the whole output: a dropout on it (or on what
+            # the model computes from it) draws its slice of the whole mask (_slices.py).
+            per_part = out.shape[-1] // self.parts
+            return with_slice(out, Slice(out.dim() - 1, dist.get_rank(group) * per_part, out.shape[-1] * tp,
+                                         self.parts))
         return VocabShardedLogits(out, vocab=out.shape[-1] * tp, tp=tp, rank=dist.get_rank(group), group=group,
                                   timeout_s=timeout_s)
 
@@ -160,9 +165,11 @@ class RowwiseParallel:
 
     def forward(self, module: torch.nn.Module, x: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
         if isinstance(module, torch.nn.Embedding):
-            return _ReduceFromTP.apply(_embed_local(module, x, dist.get_rank(group)), group, timeout_s)
+            return with_slice(_ReduceFromTP.apply(_embed_local(module, x, dist.get_rank(group)), group, timeout_s),
+                              None)
         out = _ReduceFromTP.apply(_affine(module, x, bias=False), group, timeout_s)
-        return out if module.bias is None else out + module.bias
+        out = out if module.bias is None else out + module.bias
+        return with_slice(out, None)  # summed over the ranks: whole again
 
 
 def _embed_local(module: torch.nn.Embedding, ids: torch.Tensor, rank: int) -> torch.Tensor:

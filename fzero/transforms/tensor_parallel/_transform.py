@@ -16,6 +16,7 @@ from fzero.transforms._core import Handler, Step, as_step, installed
 from fzero.transforms.tensor_parallel._batch import check_same_batch
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._rewrite import Rewrite
+from fzero.transforms.tensor_parallel._slices import SliceTracker
 from fzero.transforms.tensor_parallel._styles import WHERE, _all_reduce, _local
 
 
@@ -49,6 +50,16 @@ class _TensorParallelHandler(Handler):
 
     def psum(self, value, *, next):
         return next(_all_reduce(value, self.group, self.timeout_s, "all_reduce(tp: psum)", what="psum"))
+
+    def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
+        # The forward runs with split layers' outputs tagged, the tags followed to any dropout
+        # (_slices.py): its mask is the whole model's slice. Only the forward: the optimizer's
+        # operations never pay the tracker's call per operation.
+        def tracked(p, *a, **kw):
+            with SliceTracker():
+                return fn(p, *a, **kw)
+
+        return next(tracked, params, args, kwargs, **options)
 
 
 def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None) -> Step:
