@@ -479,3 +479,51 @@ def test_doctests():
         result = doctest.testmod(importlib.import_module(info.name), optionflags=doctest.NORMALIZE_WHITESPACE)
         failed, attempted = failed + result.failed, attempted + result.attempted
     assert failed == 0 and attempted >= 3, (failed, attempted)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def _bn_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6),
+                         nn.Linear(6, 2))
+
+
+def _pipelined_buffers(kind, m, steps=3, seed=4):
+    """On every rank: a pipeline's stages run on the state's buffers (BatchNorm's running
+    statistics), which equal the plain step's cut into the same micro-batches, are whole
+    again after fzero.gather, and come back in the module after load_into."""
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [{"x": torch.randn(4 * m, 3, generator=g), "y": torch.randn(4 * m, 2, generator=g)}
+               for _ in range(steps)]
+    apply, params = fzero.functionalize(_bn_model(seed))
+    ref = fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS["sgd"]())
+    ref_step = fzero.accumulate(_plain_step(_mse), m)  # BatchNorm sees the same micro-batches
+    for b in batches:
+        ref, _ = ref_step(ref, b)
+
+    model = _bn_model(seed)
+    mesh = fzero.Mesh(pp=2, dp=1)
+    pipe = pipeline(split(model, [3]), _mse, mesh, micro_batches=m, schedule=kind)
+    step = pipe.transform(_pipe_step(pipe))
+    apply, params = fzero.functionalize(model)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS["sgd"]()))
+    mine = {"1.running_mean", "1.running_var", "1.num_batches_tracked"} if pipe.stage == 0 else \
+        {"4.running_mean", "4.running_var", "4.num_batches_tracked"}
+    assert set(state.buffers) == mine  # a stage keeps its own buffers, as its parameters
+    for b in batches:
+        state, _ = step(state, b)
+    whole = fzero.gather(state)
+    ft.assert_trees_close(whole.buffers, dict(ref.buffers), what=f"buffers on rank {r}")
+    ft.assert_trees_close(dict(whole.params), dict(ref.params), what=f"params on rank {r}")
+    fzero.load_into(model, state)
+    ft.assert_trees_close(dict(model.named_buffers()), dict(ref.buffers), what=f"the module's buffers on rank {r}")
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, m", [("1f1b", 2), ("gpipe", 3)])
+def test_pipeline_stages_run_on_the_states_buffers(ranks, kind, m):
+    ranks(2).run(_pipelined_buffers, kind, m)

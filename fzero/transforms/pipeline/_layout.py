@@ -33,6 +33,8 @@ class PipelineLayout:
         stage: this rank's stage.
         keys: each stage's parameter names, in stage order (a tied weight in each stage
             that uses it).
+        buffer_keys: each stage's buffer names (``Stage.buffers``), in stage order: a
+            pipelined state's ``buffers`` hold its stage's.
         group: the ``pp`` process group (not compared, not pickled).
         timeout_s: the timeout of the gathers over it.
     """
@@ -42,12 +44,13 @@ class PipelineLayout:
     keys: tuple[tuple[str, ...], ...] = tree.field(static=True)
     group: Any = tree.field(static=True, default=None, compare=False, repr=False)
     timeout_s: float = tree.field(static=True, default=300.0, compare=False, repr=False)
+    buffer_keys: tuple[tuple[str, ...], ...] = tree.field(static=True, default=())
 
     #: The mesh axis ``fzero.gather`` puts this record's stages back together over.
     __fzero_axis__ = "pp"
 
     def __reduce__(self):
-        return (PipelineLayout, (self.size, self.stage, self.keys))
+        return (PipelineLayout, (self.size, self.stage, self.keys, None, 300.0, self.buffer_keys))
 
     def whole_tree(self, state: Any) -> Any:
         """``state`` (whole over ``dp`` and ``tp`` already) with every dict keyed by this
@@ -118,5 +121,30 @@ class PipelineLayout:
         for j, i in enumerate(where):
             like = leaves[i]
             leaves[i] = Params(merged[j], frozen=frozen[j]) if isinstance(like, Params) else merged[j]
-        return tree.unflatten(spec, leaves)
+        state = tree.unflatten(spec, leaves)
+        if self.buffer_keys and isinstance(getattr(state, "buffers", None), dict) and hasattr(state, "replace"):
+            state = state.replace(buffers=self._whole_buffers(state.buffers, device))
+        return state
+
+    def _whole_buffers(self, buffers: dict, device: torch.device) -> dict:
+        """Every stage's buffers (``buffer_keys``), each broadcast from the stage holding it
+        (a collective over ``pp``)."""
+        out: dict[str, torch.Tensor] = {}
+        for k, names in enumerate(self.buffer_keys):
+            hdr = torch.zeros(max(len(names), 1), 2 + _MAX_DIMS, dtype=torch.int64, device=device)
+            if k == self.stage:
+                for n, name in enumerate(names):
+                    if isinstance(buffers.get(name), torch.Tensor):
+                        hdr[n] = torch.tensor(_encode(buffers[name].shape, buffers[name].dtype))
+            broadcast(hdr, k, f"broadcast(buffer shapes of stage {k})", group=self.group, timeout_s=self.timeout_s,
+                      what="metadata")
+            table = hdr.cpu()
+            for n, name in enumerate(names):
+                shape, dtype = _decode(table[n])
+                value = (buffers[name].detach().contiguous() if k == self.stage
+                         else torch.empty(shape, dtype=dtype, device=device))
+                broadcast(value, k, f"broadcast(buffer {name!r} of stage {k})", group=self.group,
+                          timeout_s=self.timeout_s, what="gather")
+                out.setdefault(name, value)
+        return out
 

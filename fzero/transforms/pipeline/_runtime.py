@@ -23,7 +23,7 @@ from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, 
 from fzero.transforms.pipeline._layout import PipelineLayout
 from fzero.transforms.pipeline._memory import _SavedBytes
 from fzero.transforms.pipeline._schedule import SCHEDULES, schedule
-from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, stage_params
+from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, _ModuleStage, stage_params
 from fzero.transforms.pipeline._tied import sum_tied_grads, tied_weights
 
 
@@ -98,6 +98,7 @@ class Pipeline:
         self._shapes = Handshake(stages, loss_fn, self.stage, self.p, self.device, self.group, timeout_s)
         self.stats: dict[str, Any] = {}
         self._deferred = False  # the last call's loss used a deferred fzero.global_mean
+        self._buffers: dict | None = None  # the running step's state.buffers (this stage's)
 
     def __repr__(self) -> str:
         return (f"<fzero pipeline: {self.p} stages, {self.micro_batches} micro-batches, {self.schedule}; "
@@ -130,14 +131,17 @@ class Pipeline:
             raise ValueError(f"{WHERE}: init the pipeline before the other transforms (make pipe.transform "
                              "the outermost transform): this state is already partitioned or cast")
         local = self.stage_params(state.params)
+        # This stage's buffers only (what its forward updates), as its parameters.
+        buffers = {k: state.buffers[k] for k in self.stages[self.stage].buffers if k in state.buffers}
         # On the mesh's device first: the optimizer state is built there, and the sends of
         # activations and gradients move tensors of that device.
-        local = self.mesh.place(state.replace(params=local)).params
+        placed = self.mesh.place(state.replace(params=local, buffers=buffers))
+        local = placed.params
         # The record of which stage holds what: fzero.gather(state) and fzero.load_into put every
-        # stage's parameters on every rank from it.
+        # stage's parameters and buffers on every rank from it.
         layout = PipelineLayout(self.p, self.stage, tuple(st.keys for st in self.stages), group=self.group,
-                                timeout_s=self.timeout_s)
-        return state.replace(params=local, opt_state=state.tx.init(trainable(local)),
+                                timeout_s=self.timeout_s, buffer_keys=tuple(st.buffers for st in self.stages))
+        return state.replace(params=local, buffers=placed.buffers, opt_state=state.tx.init(trainable(local)),
                              extra={**state.extra, "pipeline": layout})
 
     def transform(self, step: Callable) -> Step:
@@ -153,8 +157,12 @@ class Pipeline:
         handler = _PipelineHandler(self)
 
         def call(state, batch):
-            with installed(handler):
-                return inner(state, batch)
+            self._buffers = getattr(state, "buffers", None)  # the stages of split() run on them
+            try:
+                with installed(handler):
+                    return inner(state, batch)
+            finally:
+                self._buffers = None
 
         return Step(call, before=self.init, name=f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches})",
                     inner=inner)
@@ -346,7 +354,10 @@ class Pipeline:
         return _Deliver.apply(loss, scale, acc, *targets)
 
     def _forward(self, st: Stage, params, inp, y, last: bool):
-        out = st.fn(params, inp)
+        if self._buffers is not None and isinstance(st.fn, _ModuleStage):
+            out = st.fn(params, inp, buffers=self._buffers)
+        else:
+            out = st.fn(params, inp)
         if last:
             since = means.mark()
             out = self.loss_fn(out, y)

@@ -30,11 +30,17 @@ class Stage:
             equal.
         in_shape: optional trailing dims the stage expects of its input (e.g. ``(64,)``);
             checked before the first step, so a mismatch names both shapes.
+        buffers: the model's buffers (by ``named_buffers()`` name) the stage runs on:
+            :func:`split` fills it, and a pipelined state keeps these in ``state.buffers``
+            (updated by the stage's forward, restored on a skipped update, checkpointed). A
+            stage written by hand (``Stage(fn, keys)``) runs on whatever buffers its ``fn``
+            holds; the state keeps none for it.
     """
 
     fn: Callable
     keys: tuple[str, ...]
     in_shape: tuple[int, ...] | None = None
+    buffers: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -44,17 +50,25 @@ class Stage:
         object.__setattr__(self, "keys", tuple(dict.fromkeys(self.keys)))
         if self.in_shape is not None:
             object.__setattr__(self, "in_shape", tuple(int(d) for d in self.in_shape))
+        object.__setattr__(self, "buffers", tuple(dict.fromkeys(self.buffers)))
 
 
 class _ModuleStage:
-    """``params, x -> sub(x)`` for a slice of an ``nn.Sequential``, parameters by full name."""
+    """``params, x -> sub(x)`` for a slice of an ``nn.Sequential``, parameters (and buffers)
+    by the full model's names."""
 
-    def __init__(self, sub: torch.nn.Module, names: dict[str, str]):
+    def __init__(self, sub: torch.nn.Module, names: dict[str, str], buffer_names: dict[str, str] | None = None):
         self.sub, self.names = sub, names  # names: the slice's own name -> the full model's
+        self.buffer_names = buffer_names or {}
 
-    def __call__(self, params: dict, x):
+    def __call__(self, params: dict, x, buffers: dict | None = None):
+        """With ``buffers`` (the state's, by the full model's names) the slice runs on them, so
+        a forward that updates a buffer (BatchNorm) updates the state's; else on its own."""
         given = {local: params[full] for local, full in self.names.items()}
-        given.update(dict(self.sub.named_buffers()))
+        if buffers is None:
+            given.update(dict(self.sub.named_buffers()))
+        else:
+            given.update({local: buffers[full] for local, full in self.buffer_names.items()})
         return functional_call(self.sub, given, (x,), strict=True, tie_weights=True)
 
     def __repr__(self) -> str:
@@ -115,10 +129,15 @@ def split(module: torch.nn.Sequential, boundaries: Sequence[int]) -> list[Stage]
     for name, p in module.named_parameters():
         full.setdefault(id(p), name)
     stages = []
+    full_buffers: dict[int, str] = {}
+    for name, b in module.named_buffers():
+        full_buffers.setdefault(id(b), name)
     for a, b in zip(cuts, cuts[1:]):
         sub = module[a:b]
         names = {local: full[id(p)] for local, p in sub.named_parameters(remove_duplicate=False)}
-        stages.append(Stage(_ModuleStage(sub, names), tuple(names.values()), _expected_shape(sub)))
+        bnames = {local: full_buffers[id(t)] for local, t in sub.named_buffers(remove_duplicate=False)}
+        stages.append(Stage(_ModuleStage(sub, names, bnames), tuple(names.values()), _expected_shape(sub),
+                            tuple(bnames.values())))
     return stages
 
 
