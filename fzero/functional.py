@@ -494,6 +494,9 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
         full.update({k: v for k, v in extra["master"].items() if v is not None})
     buffers = getattr(whole, "buffers", None)
     buffers = None if not buffers else dict(buffers)
+    # The state's own buffer tensors (gathering may hand back other objects for them): a
+    # module holding one of them gets a copy instead, never the state's tensor.
+    owned = {id(t) for t in (getattr(state_or_params, "buffers", None) or {}).values()}
 
     def canonical(named):
         by_id, pairs = {}, []
@@ -550,7 +553,7 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
                     continue
                 if id(b) not in made_b:  # a buffer under two names stays one tensor
                     value = buffers[b_canonical[prefix + bname]]
-                    if b is value or b.is_meta:  # the module gets copies, never the state's tensors
+                    if b is value or id(b) in owned or b.is_meta:  # copies, never the state's tensors
                         made_b[id(b)] = value.detach().to(b.dtype, copy=True)
                     else:
                         with torch.no_grad():

@@ -285,7 +285,8 @@ def _pipeline_traffic(schedule, m, rows, steps=3):
 def test_a_two_stage_pipeline_sends_one_boundary_tensor_per_micro_batch_each_way(ranks, schedule):
     """Stage 0 sends each micro-batch's activation (rows/m × 6 fp32, the output of
     Linear(3, 6) + Tanh) forward, stage 1 its gradient back; each receives the other's. The
-    last stage broadcasts the loss (one fp32 of shape (1,), ``4 (N-1)/N`` over the 2 stages).
+    last stage broadcasts the loss with what a deferred ``fzero.global_mean`` counted (four
+    fp64: loss, flag, count, divisor; ``32 (N-1)/N`` over the 2 stages).
     The first step also agrees on the stages' shapes (a few metadata broadcasts, once per
     input signature). And the non-finite flag (fp32's ``nonfinite="skip"``) is all-reduced
     over the stages, one fp32 scalar, so that every stage skips an update alike."""
@@ -293,7 +294,7 @@ def test_a_two_stage_pipeline_sends_one_boundary_tensor_per_micro_batch_each_way
     boundary = (rows // m) * 6 * 4
     for stage, steps in ranks(2).run(_pipeline_traffic, schedule, m, rows):
         sends = {("send", "activations" if stage == 0 else "activation_gradients"): Fraction(m * boundary)}
-        expected = {**sends, ("broadcast", "loss"): Fraction(4 * 1, 2), ("all_reduce", "psum"): 2 * 4 * Fraction(1, 2)}
+        expected = {**sends, ("broadcast", "loss"): Fraction(8 * 4, 2), ("all_reduce", "psum"): 2 * 4 * Fraction(1, 2)}
         for i, (by_what, metric, received) in enumerate(steps):
             first = {key: v for key, v in by_what.items() if key != ("broadcast", "metadata")}
             assert (first if i == 0 else by_what) == expected, (stage, i, by_what)

@@ -24,6 +24,7 @@ import torch
 
 from fzero import tree
 from fzero._params import Params as FrozenParams
+from fzero._params import like_params
 from fzero.optim._checks import check_lr, check_nonneg, check_number, check_unit, type_name
 from fzero.optim.base import (
     GradientTransformation,
@@ -488,7 +489,7 @@ def _by_name(where: str, m: dict, params: FrozenParams) -> FrozenParams:
                ([f"flags for {unknown}, which are not parameters"] if unknown else [])
         raise tree.StructureError(f"{where}: mask does not have the structure of params: it has "
                                   + " and ".join(said) + f" (frozen, so never decayed: {sorted(params.frozen)})")
-    return FrozenParams({k: None if k in params.frozen else m[k] for k in params}, frozen=params.frozen)
+    return like_params(params, {k: None if k in params.frozen else m[k] for k in params})  # frozen, layout kept
 
 
 def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
@@ -506,7 +507,7 @@ def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
         m = mask({k: v for k, v in whole.items() if k not in params.frozen} if frozen else whole)
     else:
         m = mask
-    if frozen and type(m) is dict:
+    if isinstance(params, FrozenParams) and type(m) is dict:  # frozen names, or a tp layout, on the container
         m = _by_name(where, m, params)
     if tree.structure(m) != tree.structure(params):
         # A mask may be a prefix of the params' tree (as in JAX): one bool for a whole
