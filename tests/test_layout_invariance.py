@@ -158,28 +158,32 @@ def test_every_stage_on_four_ranks_with_accumulation(ranks, stage):
 
 
 def _resumed(path, model_args, per_rank, T, seed, first, second):
-    """Two steps on layout ``first`` (stage, accumulate), saved; loaded on ``second``, two
-    more: the four steps of the one-process run."""
+    """Two steps on layout ``first`` (stage, accumulate[, tp]), saved; loaded on ``second``,
+    two more: the four steps of the one-process run."""
     n, r = dist.get_world_size(), dist.get_rank()
     batches = _batches(per_rank * n, T, 4, seed)
     ref_losses, ref_params = _reference(model_args, batches, seed)
     losses = []
-    for half, (stage, acc) in enumerate((first, second)):
-        step = fzero.compile(lm_step, fzero.Mesh(dp=-1), zero=stage, accumulate=acc)
+    for half, (stage, acc, *tp) in enumerate((first, second)):
+        tp = tp[0] if tp else 1
+        mesh = fzero.Mesh(dp=n // tp, tp=tp)
+        plan = tp_plan(model_args[1] // model_args[3]) if tp > 1 else None
+        step = fzero.compile(lm_step, mesh, zero=stage, accumulate=acc, tp=plan)
         state = step.init(_state(model_args, seed))
         if half == 1:
             state = fzero.checkpoint.load(path, like=state)
             assert int(state.step) == 2
         for b in batches[2 * half: 2 * half + 2]:
-            state, m = step(state, ft.local_batch(b, n, r))
+            state, m = step(state, ft.local_batch(b, mesh.size("dp"), mesh.coords["dp"]))
             losses.append(m["loss"])
         if half == 0:
             fzero.checkpoint.save(path, state)
     ft.assert_trees_close(torch.stack(losses), ref_losses, what=f"losses resumed {first} -> {second}")
-    ft.assert_trees_close(fzero.gather(state.params), ref_params, what=f"params resumed {first} -> {second}")
+    ft.assert_trees_close(fzero.gather(state).params, ref_params, what=f"params resumed {first} -> {second}")
 
 
-@pytest.mark.parametrize("first, second", [((0, 1), (3, 2)), ((2, 4), (1, 1))])
+@pytest.mark.parametrize("first, second", [((0, 1), (3, 2)), ((2, 4), (1, 1)), ((1, 2, 2), (3, 1)),
+                                           ((0, 1), (2, 2, 2))])
 def test_a_run_resumed_on_another_layout_is_the_same_run(ranks, tmp_path, first, second):
     ranks(2).run(_resumed, str(tmp_path / "ckpt"), (13, 8, 16, 2, 1, 0.3), 4, 3, 11, first, second)
 
