@@ -57,15 +57,7 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x))
 
 
-def lm_step(state, batch):
-    def loss_fn(p):
-        logits = state.apply_fn(p, batch["ids"]).flatten(0, 1)
-        y = batch["y"].flatten()
-        ce = F.cross_entropy(logits, y.clamp(min=0), reduction="none")
-        return fzero.global_mean(ce, where=y != -100)
-
-    loss, g = fzero.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(g), {"loss": loss}
+lm_step = ft.token_mean_step
 
 
 def _batches(rows, T, steps, seed, vocab=13):

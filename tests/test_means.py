@@ -50,15 +50,7 @@ def _plain(steps):
     return torch.stack(losses), dict(model.named_parameters())
 
 
-def _token_mean_step(state, batch):
-    def loss_fn(p):
-        logits = state.apply_fn(p, batch["ids"]).flatten(0, 1)
-        y = batch["y"].flatten()
-        ce = F.cross_entropy(logits, y.clamp(min=0), reduction="none")
-        return fzero.global_mean(ce, where=y != -100)
-
-    loss, g = fzero.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(g), {"loss": loss}
+_token_mean_step = ft.token_mean_step
 
 
 def _fzero(steps, step_fn=_token_mean_step, **options):

@@ -20,6 +20,7 @@ The modules:
 - :mod:`fzero.testing.tolerances`: ``TOLERANCES``, the one table of ``(rtol, atol, why)``
   keyed by what is compared, and ``tolerance(what)``;
 - :mod:`fzero.testing.steps`: ``mse_step`` (the plain step tests hold transforms to),
+  ``token_mean_step`` (a language model's token-mean step),
   ``run_steps``, ``local_batch``, ``Blocks`` (an MLP with ZeRO-3 units);
 - :mod:`fzero.testing.handlers`: ``RecordPsum``, ``AddOtherShard``, ``halves`` (a two-shard
   ``psum`` in one process);
@@ -31,7 +32,7 @@ The modules:
 from fzero.testing.asserts import assert_trees_close
 from fzero.testing.handlers import AddOtherShard, RecordPsum, halves
 from fzero.testing.memory import storage_bytes
-from fzero.testing.steps import Blocks, local_batch, mse_step, run_steps
+from fzero.testing.steps import Blocks, local_batch, mse_step, run_steps, token_mean_step
 from fzero.testing.strategies import FLOAT_DTYPES, ModelCase, dtypes, models, pytrees, seeds, shapes, tensors
 from fzero.testing.tolerances import TOLERANCES, Tolerance, tolerance
 
@@ -51,6 +52,7 @@ __all__ = [
     "mse_step",
     "pytrees",
     "run_steps",
+    "token_mean_step",
     "seeds",
     "shapes",
     "storage_bytes",

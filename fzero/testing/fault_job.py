@@ -109,6 +109,13 @@ def main(argv=None) -> None:
     losses = open(os.path.join(args.out, "losses.jsonl"), "a") if mesh.rank == 0 else None
     while int(state.step) < args.steps:
         i = int(state.step)
+        if fault and fault["at"] == "backward" and i == fault["step"]:
+            # The kill comes mid-step, after the last checkpoint has committed: on a loaded
+            # machine an asynchronous save can still be running one step later, and the
+            # restart would then (rightly) begin at step 0, not show a resume.
+            from fzero.checkpoint._save import wait_pending
+
+            wait_pending()
         g = torch.Generator().manual_seed(1000 * i + mesh.rank)
         batch = {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 4, generator=g)}
         state, metrics = step(state, batch)

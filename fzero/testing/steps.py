@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import fzero
 
-__all__ = ["Blocks", "local_batch", "mse_step", "run_steps"]
+__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "token_mean_step"]
 
 
 class Blocks(torch.nn.Module):
@@ -64,6 +64,26 @@ def mse_step(state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str,
 
     def loss_fn(p):
         return F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"])
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def token_mean_step(state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A language model's step with a token-mean loss: the cross-entropy of
+    ``state.apply_fn(params, batch["ids"])`` against ``batch["y"]``, averaged with
+    :func:`fzero.global_mean` over the targets that are not ``-100`` (so the whole global
+    batch's mean at any layout), one update.
+
+    Returns:
+        ``(new state, {"loss": loss})``.
+    """
+
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["ids"]).flatten(0, 1)
+        y = batch["y"].flatten()
+        ce = F.cross_entropy(logits, y.clamp(min=0), reduction="none")
+        return fzero.global_mean(ce, where=y != -100)
 
     loss, grads = fzero.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads), {"loss": loss}
