@@ -14,7 +14,7 @@ from fzero.distributed import comm
 from fzero.distributed.mesh import AXES, Mesh
 from fzero.options import SPELLINGS, CompileOptions
 from fzero.train_state import TrainState, missing_optimizer
-from fzero.transforms._core import Handler, Step, as_step, collecting_metrics, installed
+from fzero.core import Step, as_step, collecting_metrics, running
 
 __all__ = ["compile"]
 
@@ -30,13 +30,6 @@ def _with_clipping(step: Step, max_norm: float) -> Step:
         )
 
     return Step(step, after=after, name=f"clip({step.__name__})", inner=step)
-
-
-class _Donating(Handler):
-    """``compile(..., donate=True)``: the step owns the state it is given."""
-
-    def donating(self, *, next):
-        return True
 
 
 class Donated:
@@ -147,7 +140,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         raise ValueError(f"fzero.compile: {mesh} has a tp axis of {mesh.size('tp')}: pass tp={{...}}, a plan "
                          "of module-name globs to fzero.ColwiseParallel() / fzero.RowwiseParallel()")
     # The fixed order, innermost first. Each transform's handler sees the primitives of the
-    # ones inside it first (fzero/transforms/_core.py).
+    # ones inside it first (fzero/core.py).
     inner = as_step(train_step)
     if opts.clip_norm is not None:
         # Innermost: the clip joins the optimizer, so it sees the update's gradients after
@@ -238,7 +231,6 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             release_parameters(module)
         return state
 
-    donating = _Donating() if opts.donate else None
     monitoring = _monitoring(opts, cfg, mesh, lambda: step.config)
 
     def call(state, batch):
@@ -259,8 +251,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             profiler.before_call(mesh, batch)
         # The timer's handler first: outermost, it sees each primitive right above its plain
         # implementation (fzero/monitor/_timers.py).
+        # donate=True: the step owns the state it is given (the step context says so inside).
         with monitoring.running(batch) if monitoring else contextlib.nullcontext() as times, \
-                collecting_metrics() as emitted, installed(donating) if donating else contextlib.nullcontext():
+                collecting_metrics() as emitted, running(donate=opts.donate):
             out = inner(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise TypeError(
@@ -268,7 +261,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
                 f"(state, metrics) with metrics a dict, got {type(out).__name__}"
             )
         new, metrics = out
-        if donating is not None and isinstance(state, TrainState) and new is not state:
+        if opts.donate and isinstance(state, TrainState) and new is not state:
             donated(state, int(new.step))
         metrics = {**metrics, **emitted}
         if before is not None:

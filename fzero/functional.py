@@ -8,7 +8,7 @@ per-leaf gradient hooks need, and those are what ``remat``, ZeRO-3's re-gatherin
 overlapped gradient reduction stand on (``torch.func.grad`` refuses saved-tensor hooks).
 
 ``value_and_grad`` is also a *primitive*: under a transform, the transform's handler sees
-each call and may cast, gather or reduce (see :mod:`fzero.transforms._core`).
+each call and may cast, gather or reduce (see :mod:`fzero.core`).
 """
 
 from __future__ import annotations
@@ -27,26 +27,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero import means, tree
 from fzero._params import Params
-from fzero.transforms._core import bind, register_primitive
+from fzero.core import _BINDINGS, bind, loss_scale
 
-# While a ``value_and_grad`` runs, the modules its function calls keep the parameters they
-# were called with until its backward has finished (see ``Apply.__call__``).
-_BINDINGS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
-    "fzero_bindings", default=None)
-_LOSS_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("fzero_loss_scale", default=1.0)
-
-
-def loss_scale() -> float:
-    """Inside a function ``value_and_grad`` is differentiating: the factor its loss will be
-    multiplied by once it returns (``mixed_precision``'s fp16 scale; 1.0 without one).
-
-    Autograd carries the scale down to every gradient by itself; only a function that seeds
-    a backward of its own (the pipeline schedule, which runs each micro-batch's backward
-    inside the step) needs it, to seed with the same scale.
-    """
-    return _LOSS_SCALE.get()
-
-__all__ = ["functionalize", "value_and_grad", "grad", "remat", "load_into"]
+__all__ = ["functionalize", "value_and_grad", "grad", "remat", "load_into", "loss_scale"]
 
 
 # --------------------------------------------------------------------------- functionalize
@@ -222,107 +205,6 @@ def functionalize(module: torch.nn.Module) -> tuple[Apply, dict[str, torch.Tenso
 
 
 # --------------------------------------------------------------------------- value_and_grad
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
-def _trainable_flags(params: Any, n: int) -> list[bool]:
-    """One flag per leaf of ``params`` (``n`` of them): False at the frozen entries of every
-    ``Params`` inside."""
-    if (type(params) is dict or type(params) is Params and not params.frozen) \
-            and all(isinstance(v, torch.Tensor) for v in params.values()):
-        return [True] * n  # the common case, every step: no tree walk
-    is_params = lambda x: isinstance(x, Params)  # noqa: E731
-    flags = tree.map(
-        lambda x: Params({k: (None if v is None else k not in x.frozen) for k, v in x.items()}, frozen=x.frozen)
-        if is_params(x) else True,
-        params, is_leaf=is_params)
-    return tree.leaves(flags)
-
-
-@register_primitive("value_and_grad")
-def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None, loss_scale: float = 1.0):
-    """The plain implementation: differentiate ``fn`` at ``params`` on the autograd engine.
-
-    Frozen entries of a :class:`fzero.Params` are passed through undifferentiated and get
-    ``None`` as their gradient. ``grad_sink`` (used by transforms that reduce gradients
-    while backward runs) receives each trainable leaf's gradient the moment it is complete
-    -- ``grad_sink.on_grad(i, g)``, with ``i`` the leaf's index in flatten order -- and the
-    gradient is then dropped, so only what the sink keeps stays resident;
-    ``grad_sink.finish()`` returns the gradient leaves. ``loss_scale`` (the factor a
-    handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
-    runs.
-    """
-    leaves, spec = tree.flatten(params)
-    train = _trainable_flags(params, len(leaves))
-    inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
-    wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
-    bindings = contextlib.ExitStack()
-    token, scale_token = _BINDINGS.set(bindings), _LOSS_SCALE.set(loss_scale)
-    try:
-        with bindings:  # modules keep their parameters until backward is done
-            with torch.enable_grad():
-                out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
-                value, aux = _split_output(out, has_aux)
-            if grad_sink is not None:
-                out_leaves = _backward_into(grad_sink, value, inputs, wrt)
-            else:
-                grads = [None] * len(wrt)
-                if value.requires_grad and wrt:
-                    grads = list(torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True))
-                by_index = dict(zip(wrt, grads))
-                out_leaves = [by_index.get(i) for i in range(len(inputs))]
-                out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
-    finally:
-        _BINDINGS.reset(token)
-        _LOSS_SCALE.reset(scale_token)
-    out_leaves = [g if t else None for g, t in zip(out_leaves, train)]
-    value = value.detach()
-    if has_aux:
-        aux = tree.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
-        return (value, aux), tree.unflatten(spec, out_leaves)
-    return value, tree.unflatten(spec, out_leaves)
-
-
-def _backward_into(sink, value, inputs, wrt):
-    handles = []
-    for i in wrt:
-        def hook(leaf, i=i):
-            g = leaf.grad
-            leaf.grad = None  # the sink decides what stays resident
-            sink.on_grad(i, g)
-
-        handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
-    try:
-        if value.requires_grad and wrt:
-            torch.autograd.backward(value, inputs=[inputs[i] for i in wrt])
-    finally:
-        for h in handles:
-            h.remove()
-    return sink.finish()
-
-
-def _split_output(out, has_aux: bool):
-    if has_aux:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(
-                "fzero.value_and_grad: with has_aux=True, fn must return a pair (value, aux), "
-                f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
-            )
-        value, aux = out
-    else:
-        value, aux = out, None
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-        what = (
-            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
-        hint = " (use has_aux=True to return (loss, aux))" if isinstance(value, (tuple, list)) else ""
-        raise TypeError(f"fzero.value_and_grad: fn must return a floating-point scalar tensor, got {what}{hint}")
-    return value.reshape(()), aux
 
 
 def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False) -> Callable:

@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero.transforms._core import (Handler, installed, micro_batch, pipeline_micro_batch, pmean_data,
-                                    register_step_scope, rehearsing)
+from fzero.core import Handler, context, installed, pmean_data, register_step_scope, rehearsing
 
 __all__ = ["global_mean"]
 
@@ -219,7 +218,8 @@ def global_mean(values: torch.Tensor, where: torch.Tensor | None = None) -> torc
     if rehearsing():  # a shape rehearsal (a pipeline's handshake): this rank's mean, nothing counted
         return total / torch.clamp(count, min=1).to(acc)
     ledger = _LEDGER.get()
-    mb, pm = micro_batch(), pipeline_micro_batch()
+    here = context()
+    mb, pm = here.micro_batch, here.pipeline_micro_batch
     units = mb.count * pm.count
     if ledger is None or units == 1:
         divisor = pmean_data(count)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fzero import tree
-from fzero.transforms._core import data_shard, micro_batch, pipeline_micro_batch, register_step_scope, rehearsing
+from fzero.core import context, register_step_scope, rehearsing
 
 __all__ = ["Slice", "Unknown", "calls_before", "dropout_keep", "fold_in", "hash32", "mix32", "rehearsed_calls",
            "slice_of", "with_slice"]
@@ -235,7 +235,8 @@ class Randomness:
 
     def position(self) -> tuple[int, int, tuple]:
         """``(start, rows, unit)``: the running (micro-)batch's rows in the global batch."""
-        d, m, pm = data_shard(), micro_batch(), pipeline_micro_batch()
+        here = context()
+        d, m, pm = here.data_shard, here.micro_batch, here.pipeline_micro_batch
         per = self.rows // m.count if m.count > 0 else self.rows
         start = d.index * self.rows + m.index * per
         if pm.count > 1:

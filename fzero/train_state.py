@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero._params import Params, like_params, merge_trainable, trainable
-from fzero.transforms._core import NotApplied, bind, register_primitive
+from fzero._params import trainable
+from fzero.core import NotApplied, bind
 
 __all__ = ["TrainState"]
 
@@ -157,25 +157,6 @@ def missing_optimizer(where: str) -> RuntimeError:
                         "with a config whose optimizer section step.init installs")
 
 
-def trainable_grads(params: Any, grads: Any, where: str) -> Any:
-    """``grads`` in the structure of ``params.trainable()``. A plain dict of gradients (a
-    user's own) is accepted with or without the frozen names; a gradient given for a frozen
-    name is dropped (the parameter stays as it is)."""
-    if isinstance(params, Params) and isinstance(grads, dict) \
-            and params.keys() - params.frozen <= grads.keys() <= params.keys():
-        grads = like_params(params, {k: None if k in params.frozen else grads[k] for k in params})
-    tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
-    pairs = list(zip(tree.leaves(grads), tree.leaves(trainable(params))))
-    if any(type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape for g, p in pairs):
-        # Named only when wrong: the paths are not worked out on every step.
-        wrong = [f"grads{tree.keystr(k)} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
-                 for k, (g, p) in zip(tree.paths(grads), pairs)
-                 if type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape]
-        raise ValueError(f"{where}: gradients must have their parameters' shapes: " + "; ".join(wrong[:8])
-                         + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
-    return grads
-
-
 def _check_params(params: Any) -> None:
     """Every leaf of ``params`` a tensor, and no integer tensor among the trained ones."""
     where = "fzero.TrainState.create"
@@ -196,31 +177,3 @@ def _check_params(params: Any) -> None:
                         "frozen={...})) or keep them as module buffers")
 
 
-@register_primitive("apply_gradients")
-def _apply_gradients_base(state: TrainState, grads: Any) -> TrainState:
-    grads = trainable_grads(state.params, grads, "fzero.TrainState.apply_gradients")
-    # Every handler of apply_gradients has prepared the state (ZeRO's pieces, ...): the
-    # optimizer's step is a primitive of its own, so a handler can rewrite exactly it.
-    return bind("update", state, grads)
-
-
-@register_primitive("update")
-def _update_base(state: TrainState, grads: Any) -> TrainState:
-    new, opt_state = _update(state.tx, grads, state.opt_state, trainable(state.params), donate=bind("donating"))
-    return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
-
-
-def _update(tx, grads, opt_state, params, *, donate: bool = False):
-    """One optimizer update: the fused kernels where they apply (see fzero.optim.fused),
-    else the transformation chain; written into ``params`` and ``opt_state`` when the step
-    owns them (``donate``)."""
-    from fzero import optim
-    from fzero.optim.fused import fused_update
-
-    from fzero.optim.base import _update as update_of
-
-    fused = fused_update(tx, grads, opt_state, params, donate=donate)
-    if fused is not None:
-        return fused
-    updates, opt_state = update_of(tx, grads, opt_state, params, new=False, donate=donate)
-    return optim.apply_updates(params, updates, donate=donate), opt_state

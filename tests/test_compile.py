@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import fzero
 import fzero.testing as ft
 from fzero import optim, tree
-from fzero.transforms import _core
+from fzero import core
 
 
 def make(case, tx):
@@ -108,7 +108,7 @@ def test_step_output_and_init_checked():
 # --------------------------------------------------------------------------- handlers
 
 
-class Recorder(_core.Handler):
+class Recorder(core.Handler):
     def __init__(self, name, log):
         self.name, self.log = name, log
 
@@ -125,28 +125,28 @@ class Recorder(_core.Handler):
 def test_handlers_nest_innermost_first():
     log = []
     w = {"w": torch.ones(2)}
-    with _core.installed(Recorder("outer", log)), _core.installed(Recorder("inner", log)):
+    with core.installed(Recorder("outer", log)), core.installed(Recorder("inner", log)):
         _, g = fzero.value_and_grad(lambda p: p["w"].sum())(w)
     assert log == ["inner:vg", "outer:vg"]
     assert g["w"].tolist() == [4.0, 4.0]  # each handler doubled the gradient once
-    assert _core.handlers() == ()
+    assert core.handlers() == ()
 
 
 def test_handler_sees_apply_gradients_and_psum_is_identity():
     log = []
     apply, params = fzero.functionalize(torch.nn.Linear(1, 1))
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(1.0))
-    with _core.installed(Recorder("h", log)):
+    with core.installed(Recorder("h", log)):
         state.apply_gradients(tree.map(torch.zeros_like, params))
     assert log == ["h:apply"]
     x = torch.tensor(3.0)
-    assert _core.psum(x) is x
+    assert core.psum(x) is x
 
 
 def test_emit_outside_a_step_is_dropped_inside_collected():
-    _core.emit_metric("x", 1)  # no collector: nothing happens
-    with _core.collecting_metrics() as m:
-        _core.emit_metric("x", 2)
+    core.emit_metric("x", 1)  # no collector: nothing happens
+    with core.collecting_metrics() as m:
+        core.emit_metric("x", 2)
     assert m == {"x": 2}
 
 

@@ -62,7 +62,7 @@ from fzero.config import (
     _values,
 )
 from fzero.optim import schedules
-from fzero.transforms._core import installed
+from fzero.core import installed
 
 # The sample config of DeepSpeed's README ("Getting started"), unchanged.
 README_SAMPLE = {

@@ -24,7 +24,7 @@ import fzero.testing as ft
 from fzero import optim
 from fzero.distributed import comm, device_check
 from fzero.distributed.device_check import DeviceMismatchError, is_host
-from fzero.transforms._core import psum
+from fzero.core import psum
 
 MULTI = [pytest.mark.multirank, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import fzero
 from fzero import monitor, optim
 from fzero.distributed import comm
-from fzero.transforms._core import handlers
+from fzero.core import handlers
 
 D_IN, HIDDEN, D_OUT, ROWS = 8, 16, 4, 32
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import fzero.testing as ft
 from fzero import optim, tree
 from fzero.optim import alias, base, clipping, transform
-from fzero.transforms._core import collecting_metrics, installed
+from fzero.core import collecting_metrics, installed
 
 # The row of fzero.testing.TOLERANCES an optimizer is held to against torch.optim, by dtype.
 VS_TORCH = {torch.float32: "optimizer fp32 vs torch.optim", torch.float64: "optimizer fp64 vs torch.optim"}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fzero
 import fzero.testing as ft
 from fzero import optim
-from fzero.transforms._core import collecting_metrics
+from fzero.core import collecting_metrics
 
 
 class Block(torch.nn.Module):

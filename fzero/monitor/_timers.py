@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fzero.distributed import comm
-from fzero.transforms._core import Handler, installed
+from fzero.core import Handler, installed
 
 __all__ = ["PHASES", "StepTimer"]
 

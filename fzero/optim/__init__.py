@@ -18,7 +18,7 @@ Example:
     tensor([0.9989, 0.9989, 0.9989])
 """
 
-from fzero.optim import alias, clipping, deepspeed, schedules, transform
+from fzero.optim import alias, clipping, deepspeed, lowering, schedules, transform
 from fzero.optim.alias import adam, adamw, lamb, lion, sgd
 from fzero.optim.base import (
     EmptyState,

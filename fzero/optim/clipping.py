@@ -7,7 +7,7 @@ import torch
 from fzero import tree
 from fzero.optim._checks import check_number
 from fzero.optim.base import GradientTransformation, _multiply, init_empty_state
-from fzero.transforms._core import LeafSums, emit_metric, psum
+from fzero.core import LeafSums, emit_metric, psum
 
 __all__ = ["clip_by_global_norm", "global_norm", "leaf_norms"]
 

@@ -229,7 +229,7 @@ def _lamb(spec: FusedSpec, runs: list[_Run], params: Any, n_leaves: int, device,
     (exact on ZeRO's pieces and tp's slices), then per run the update (launch 2)."""
     import fzero_kernels
 
-    from fzero.transforms._core import LeafSums, psum
+    from fzero.core import LeafSums, psum
 
     param_sq = torch.zeros(n_leaves, dtype=torch.float64, device=device)
     update_sq = torch.zeros(n_leaves, dtype=torch.float64, device=device)
@@ -317,7 +317,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     s_leaves = [tree.leaves(t) for t in s_trees]
 
     from fzero.optim.clipping import _leaf_norms
-    from fzero.transforms._core import LeafSums, emit_metric, psum
+    from fzero.core import LeafSums, emit_metric, psum
 
     with torch.no_grad():
         count = _count(opt_state)

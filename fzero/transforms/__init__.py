@@ -1,14 +1,14 @@
 """Transforms: functions from a train step to a train step with the same signature.
 
-Each one installs a handler of fzero's primitives (see :mod:`fzero.transforms._core`)
-around the inner step. What a transform of one's own needs is exported here: ``Handler``,
-``Step``, ``as_step``, ``installed``; the primitives ``psum`` (with ``LeafSums``), ``emit_metric``,
-``micro_batch`` (with ``MicroBatch``) and ``donating``; and ``bind`` to run a primitive through the
-handlers.
+Each one installs a handler of fzero's primitives (see :mod:`fzero.core`) around the inner
+step and narrows the step context for it. What a transform of one's own needs is exported
+here: ``Handler``, ``Step``, ``as_step``, ``installed``; the primitives ``psum`` (with
+``LeafSums``) and ``emit_metric``; the step context (``context``, ``running``, ``StepContext``,
+``MicroBatch``); and ``bind`` to run a primitive through the handlers.
 """
 
-from fzero.transforms._core import (Handler, LeafSums, MicroBatch, NotApplied, Step, as_step, bind, donating,
-                                    emit_metric, installed, micro_batch, psum)
+from fzero.core import (Handler, LeafSums, MicroBatch, NotApplied, Step, StepContext, as_step, bind, context,
+                        emit_metric, installed, psum, running)
 from fzero.transforms.accumulate import accumulate
 from fzero.transforms.finite import NonFiniteGradientError, check_finite
 from fzero.transforms.mixed_precision import mixed_precision
@@ -18,6 +18,7 @@ from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParalle
                                              VocabShardedLogits, tensor_parallel)
 
 
-__all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "emit_metric", "installed", "micro_batch", "psum", "donating",
+__all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
+           "emit_metric", "installed", "psum", "running",
            "accumulate", "check_finite", "NonFiniteGradientError", "mixed_precision", "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel",
            "DivideAttributes", "RowwiseParallel", "VocabShardedLogits", "BatchMismatchError"]

@@ -9,7 +9,7 @@ import torch
 
 from fzero import means, tree
 from fzero.options import check_option
-from fzero.transforms._core import Handler, MicroBatch, NotApplied, Step, as_step, installed
+from fzero.core import Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running
 from fzero.transforms._deferred import is_deferred
 
 __all__ = ["accumulate", "split_batch"]
@@ -38,19 +38,13 @@ def _sum(a, b):
 class _AccumulateHandler(Handler):
     """Defers ``apply_gradients`` for the first k-1 micro-batches (summing ``grads / k``)
     and passes the accumulated gradient on at the k-th, from inside the inner step, so the
-    call still runs under every handler inside and outside this one. Answers
-    ``micro_batch`` with the micro-batch running now."""
+    call still runs under every handler inside and outside this one. (Which micro-batch runs
+    is in the step context, set by the loop in ``accumulate``.)"""
 
     def __init__(self, k: int):
         self.k = k
-        self.index = 0  # the micro-batch running now (set by the loop in ``accumulate``)
         self.seen = 0
         self.total = None
-
-    def micro_batch(self, *, next):
-        # An accumulation inside another cuts each of the outer one's micro-batches again.
-        outer = next()
-        return MicroBatch(outer.index * self.k + self.index, outer.count * self.k)
 
     def apply_gradients(self, state, grads, *, next):
         self.seen += 1
@@ -143,10 +137,11 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
         parts = split_batch(batch, k)
         handler = _AccumulateHandler(k)
         metrics = []
+        outer = context().micro_batch  # an accumulation inside another cuts each of its micro-batches again
         with installed(handler):
             for i, mb in enumerate(parts):
-                handler.index = i
-                state, m = inner(state, mb)
+                with running(micro_batch=MicroBatch(outer.index * k + i, outer.count * k)):
+                    state, m = inner(state, mb)
                 metrics.append(m)
         if handler.seen not in (0, k):
             raise RuntimeError(f"{WHERE}: the step applied gradients in {handler.seen} of {k} micro-batches; "

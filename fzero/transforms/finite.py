@@ -15,8 +15,8 @@ import torch
 
 from fzero import tree
 from fzero.distributed.flat import is_shard
-from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, emit_metric,
-                                    installed, micro_batch, psum)
+from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
+                        running)
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak
 
@@ -59,7 +59,6 @@ class _FiniteHandler(Handler):
     def __init__(self, mode: str):
         self.mode = mode
         self.pending = False  # a deferred micro-batch of this update was not finite
-        self.discarding = False
         # The buffers' values before the update's first forward, for a skip or a raise to restore.
         self.guard = BufferGuard(WHERE)
         self.streak = SkipStreak(WHERE)
@@ -97,11 +96,11 @@ class _FiniteHandler(Handler):
                 self.guard.finish(skipped=False)
             return new
         overflow = bool(flags > 0)
-        self.discarding = overflow or self.pending
-        try:
+        if overflow or self.pending:  # an update that will be discarded must not write into its input
+            with running(donate=False):
+                new = next(state, grads)
+        else:
             new = next(state, grads)
-        finally:
-            self.discarding = False
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside
             self.pending = self.pending or overflow
             return new
@@ -115,9 +114,6 @@ class _FiniteHandler(Handler):
             return NotApplied(state, "skipped")
         return new
 
-    def donating(self, *, next):
-        # An update that will be discarded must not write into the state it was given.
-        return False if self.discarding else next()
 
 
 def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
@@ -156,7 +152,7 @@ def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
     handler = _FiniteHandler(mode)
 
     def call(state, batch):
-        if micro_batch().index == 0:  # an update starts: its forwards are about to change the buffers
+        if context().micro_batch.index == 0:  # an update starts: its forwards are about to change the buffers
             handler.guard.keep(getattr(state, "buffers", None))
         with collecting_metrics() as emitted, installed(handler):
             out = inner(state, batch)

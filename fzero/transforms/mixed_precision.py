@@ -14,8 +14,8 @@ from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed.flat import is_shard
 from fzero.options import check_option
-from fzero.transforms._core import (Handler, NotApplied, Step, as_step, collecting_metrics, donating, emit_metric,
-                                    installed, micro_batch, offloaded, params_offloaded, psum)
+from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
+                        running)
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak
 from fzero.transforms.finite import count_nonfinite
@@ -97,7 +97,6 @@ class _PrecisionHandler(Handler):
         self.check = loss_scale is not None or check_grad_overflow
         self.scale = 1.0  # the scale of the step running now
         self.pending_overflow = False  # overflow seen in micro-batches whose update was deferred
-        self.discarding = False  # an update running now will be discarded (an overflow)
         # The buffers' values before the update's first forward, for a skipped update to restore.
         self.guard = BufferGuard(WHERE)
         self.streak = SkipStreak(WHERE)
@@ -146,13 +145,13 @@ class _PrecisionHandler(Handler):
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
         # accumulated gradient.
-        # An update that will be discarded must not write into the state it is given: while
-        # it runs, this handler answers that the step does not own its input.
-        self.discarding = overflow or self.pending_overflow
-        try:
+        # An update that will be discarded must not write into the state it is given: it runs
+        # in a context that says the step does not own its input.
+        if overflow or self.pending_overflow:
+            with running(donate=False):
+                new = next(state, unscaled)
+        else:
             new = next(state, unscaled)
-        finally:
-            self.discarding = False
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside:
             self.pending_overflow |= overflow  # remember, decide at the update's last micro-batch
             return new
@@ -185,9 +184,6 @@ class _PrecisionHandler(Handler):
             return f"the fp16 gradients overflow at the fixed loss scale {self.scale:g}"
         return f"the {low} gradients hold inf or NaN"
 
-    def donating(self, *, next):
-        return False if self.discarding else next()
-
     def update(self, state, grads, *, next):
         # The optimizer steps the fp32 masters, whatever partitioned them (under ZeRO these
         # are this rank's pieces, as are the parameters); the model computes with their
@@ -199,11 +195,12 @@ class _PrecisionHandler(Handler):
             grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
         new = next(state.replace(params=merge_trainable(state.params, master)), grads)
         master = trainable(new.params)
-        if offloaded() or params_offloaded():  # masters or pieces on the host: cast where the masters are
+        here = context()
+        if here.offload_optimizer or here.offload_params:  # masters or pieces on the host: cast where the masters are
             from fzero.transforms.offload import write_params
 
             low = write_params(trainable(state.params), master)
-        elif donating():  # the low-precision copies are this step's: round the masters into them
+        elif here.donate:  # the low-precision copies are this step's: round the masters into them
             low = tree.map(_round_into, trainable(state.params), master)
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
@@ -386,7 +383,7 @@ def mixed_precision(
 
     def before(state):
         # Before the inner transforms' init, so that a shard_state inside or outside this
-        # transform finds the masters and partitions them (the order: transforms/_core.py).
+        # transform finds the masters and partitions them (the order: core.py).
         if "master" not in state.extra:
             if state.tx is None:
                 from fzero.train_state import missing_optimizer
@@ -412,7 +409,7 @@ def mixed_precision(
             handler.scale = float(state.extra["loss_scale"].scale)
         else:
             handler.scale = 1.0 if loss_scale is None else float(loss_scale)
-        if handler.check and micro_batch().index == 0:  # an update starts: its forwards will change the buffers
+        if handler.check and context().micro_batch.index == 0:  # an update starts: its forwards will change the buffers
             handler.guard.keep(getattr(state, "buffers", None))
         # Collect what this step emits (loss_scale, skipped) into its own metrics, so the
         # transform reports them used alone as well as under compile.

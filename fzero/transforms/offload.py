@@ -24,7 +24,7 @@ import torch
 from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed import comm
-from fzero.transforms._core import Handler, Step, as_step, donating, installed, offloaded, params_offloaded
+from fzero.core import Handler, Step, as_step, context, installed, running
 
 __all__ = ["offload_optimizer", "write_params"]
 
@@ -45,33 +45,34 @@ def _host_copy(x: Any, pin: bool) -> Any:
 def copy_to_device(params: Any, masters: Any) -> Any:
     """The new host ``masters`` copied into the device ``params`` (each cast on the host to
     its parameter's dtype first, so only the parameter's bytes move): into ``params``
-    themselves when the step owns its state (``donating()``), else into new tensors.
+    themselves when the step owns its state (the step context's ``donate``), else into new tensors.
     Counted as ``"h2d"``. What an offloaded update ends with, whichever transform keeps the
     device parameters (this one in fp32 training, ``mixed_precision`` its 16-bit copies)."""
-    into = (lambda p: p) if donating() else torch.empty_like
+    into = (lambda p: p) if context().donate else torch.empty_like
     return tree.map(lambda p, m: comm.copy_(into(p), m.to(p.dtype), kind="h2d"), params, masters)
 
 
 def write_params(params: Any, masters: Any) -> Any:
     """The new ``masters`` written into ``params`` (each cast to its parameter's dtype),
     wherever each lives: the masters on the host when the update runs there
-    (:func:`~fzero.transforms._core.offloaded`), the parameters' pieces on the host under
-    ZeRO-3's parameter offload (:func:`~fzero.transforms._core.params_offloaded`). So:
+    (the step context's ``offload_optimizer``), the parameters' pieces on the host under
+    ZeRO-3's parameter offload (its ``offload_params``). So:
 
     * masters on the host, parameters on the device: cast on the host, copied ``"h2d"``
       (:func:`copy_to_device`);
     * masters on the device, parameters on the host: cast on the device, copied ``"d2h"``;
     * both on the host: cast on the host, nothing crosses.
 
-    Into ``params`` themselves when the step owns its state (``donating()``), else into new
+    Into ``params`` themselves when the step owns its state (``donate``), else into new
     tensors (page-locked on the host when the parameter was). What an update ends with,
     whichever transform keeps the parameters beside its masters (``offload_optimizer`` in
     fp32 training, ``mixed_precision`` its 16-bit copies).
     """
-    masters_home, params_home = offloaded(), params_offloaded()
+    here = context()
+    masters_home, params_home = here.offload_optimizer, here.offload_params
     if masters_home and not params_home:
         return copy_to_device(params, masters)
-    own = donating()
+    own = here.donate
 
     def host_like(p):
         return p if own else torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_pinned())
@@ -90,11 +91,12 @@ def write_params(params: Any, masters: Any) -> Any:
 
 
 class _OffloadHandler(Handler):
-    """Answers ``offloaded``; runs ``update`` on the host.
+    """Runs ``update`` on the host.
 
     ``copies`` is whether this transform keeps the device parameters itself (fp32 training:
     they are the host masters' copies); under ``mixed_precision`` that transform keeps its
-    low-precision copies and writes them from the host masters (``offloaded()``).
+    low-precision copies and writes them from the host masters (the step context's
+    ``offload_optimizer``, which this transform's call sets).
     """
 
     def __init__(self, pin_memory: bool, copies: bool):
@@ -123,9 +125,6 @@ class _OffloadHandler(Handler):
         self.ready = True
         return state.replace(opt_state=tree.map(host, state.opt_state),
                              extra={**state.extra, "master": tree.map(host, state.extra["master"])})
-
-    def offloaded(self, *, next):
-        return True
 
     def _to_host(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """Gradient piece ``g`` in host buffer ``i`` (made once: a new buffer every step would
@@ -201,7 +200,7 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
     handler = _OffloadHandler(pin_memory, make_masters)
 
     def call(state, batch):
-        with installed(handler):
+        with installed(handler), running(offload_optimizer=True):
             return inner(state, batch)
 
     out = Step(call, before=handler.before, after=handler.after, name=f"offload_optimizer({inner.__name__})", inner=inner)

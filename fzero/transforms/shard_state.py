@@ -47,8 +47,7 @@ from fzero.distributed.units import Units, find_units
 from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
 from fzero import rng
-from fzero.transforms._core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, donating, installed,
-                                    micro_batch, offloaded)
+from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
 from fzero.transforms.offload import _host_copy, write_params
 from fzero.transforms._deferred import Deferred
 
@@ -229,15 +228,11 @@ class _ShardHandler(Handler):
             # host tensor here is a mistake (a hidden synchronisation on a GPU) that the
             # device check names, so it is not moved.
             home = value.device
-            value = value.to(self.mesh.device, copy=True) if offloaded() else value.clone()
+            value = value.to(self.mesh.device, copy=True) if context().offload_optimizer else value.clone()
             comm.run("all_reduce(psum)", lambda: comm.all_reduce(value, group=self.group, async_op=True, what="psum"),
                      timeout_s=self.timeout_s, where=WHERE)
             value = value.to(home)
         return next(value)
-
-    def data_shard(self, *, next):
-        outer = next()  # a data-parallel axis inside another splits each of its shards again
-        return DataShard(outer.index * self.world + self.rank, outer.count * self.world)
 
     def pmean_data(self, value, *, next):
         if self.world > 1:
@@ -280,7 +275,7 @@ class _ShardHandler(Handler):
             # is reduced once, at the last (all-reduced at stage 0, reduce-scattered at 1):
             # one k-th of the traffic (DDP's no_sync; DeepSpeed stages 0-1). Stage 2 reduce-scatters each micro-batch instead, so
             # that its gradient memory stays at the partition.
-            mb = micro_batch() if self.stage < 2 else MicroBatch(0, 1)
+            mb = context().micro_batch if self.stage < 2 else MicroBatch(0, 1)
             held, self.held = (self.held if mb.index > 0 else {}), {}  # never a past update's sums
             sink = self._sink(params, held=held, hold=None if mb.last else self.held_back(), summed=mb.count > 1)
             out = next(fn, params, args, kwargs, grad_sink=sink, **options)
@@ -338,9 +333,6 @@ class _ShardHandler(Handler):
                     out[name] = Shard(Deferred(name, (b - a,), g.dtype), g.info(i, self.group))
         return out
 
-    def params_offloaded(self, *, next):
-        return True if self.offload_param else next()
-
     def update(self, state, grads, *, next):
         # Parameter offload with no masters beside the pieces (fp32 training without
         # offload_optimizer): the optimizer state is on the device, so the update runs there
@@ -365,7 +357,7 @@ class _ShardHandler(Handler):
             return NotApplied(new.state.replace(params=state.params), new.reason)
         # A donated step's full buffers are its own: the new parameters are gathered into them.
         full = all_gather_params(self.layout, new.params, group=self.group, world=self.world,
-                                 timeout_s=self.timeout_s, into=train if donating() else None)
+                                 timeout_s=self.timeout_s, into=train if context().donate else None)
         return new.replace(params=with_values(new.params, full))
 
 
@@ -482,7 +474,9 @@ def shard_state(
         rows = tree.leading_size(batch)
         handler.rows = -1 if rows is None else rows  # checked across ranks with the loss: see _mean_value
         rng.fold_in(handler.rank)  # ranks with different rows draw different numbers (fzero/rng.py)
-        with installed(handler):
+        outer = context().data_shard  # a data-parallel axis inside another splits each of its shards again
+        shard = DataShard(outer.index * handler.world + handler.rank, outer.count * handler.world)
+        with installed(handler), running(data_shard=shard, **({"offload_params": True} if handler.offload_param else {})):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
             sync_buffers(getattr(out[0], "buffers", None), mode=buffer_sync, group=handler.group,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fzero import rng, tree
 from fzero.distributed import comm
-from fzero.transforms._core import rehearsal
+from fzero.core import rehearsal
 from fzero.transforms.pipeline._stages import WHERE, StageError
 
 _MAX_DIMS = 8

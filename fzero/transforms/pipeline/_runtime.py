@@ -17,7 +17,7 @@ from fzero._params import frozen_names, like_params, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
 from fzero.functional import loss_scale
-from fzero.transforms._core import Handler, MicroBatch, Step, as_step, bind, installed, micro_batch
+from fzero.core import Handler, MicroBatch, Step, as_step, bind, context, installed, running
 from fzero.transforms.accumulate import split_batch
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
 from fzero.transforms.pipeline._layout import PipelineLayout
@@ -265,8 +265,6 @@ class Pipeline:
             if self.measure_memory else None
         acc: list[torch.Tensor | None] = [None] * len(targets)
         saved: dict[int, tuple] = {}
-        # Which micro-batch runs, for what keys itself by its rows (dropout, global means).
-        running = _RunningMicroBatch(m)
         before = means.deferred_state() if last else None
         losses: list[torch.Tensor | None] = [None] * m
         in_flight = max_in_flight = 0
@@ -282,8 +280,8 @@ class Pipeline:
                     if grads_in:
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
-                running.index = j
-                with installed(running), rng.calls_before(dropouts_before):
+                # Which micro-batch runs, for what keys itself by its rows (dropout, global means).
+                with running(pipeline_micro_batch=MicroBatch(j, m)), rng.calls_before(dropouts_before):
                     if meter is not None:
                         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
                             out = self._forward(st, params, inp, ys[j], last)
@@ -316,9 +314,9 @@ class Pipeline:
             t0 = time.perf_counter()
             if seed is not None and out.requires_grad and wrt:
                 # Backward outside autocast, as the plain step's backward runs.
-                running.index = j  # a recomputation (remat) in it keys by the same rows
-                with torch.autocast(self.device.type, enabled=False), installed(running), \
-                        rng.calls_before(dropouts_before):
+                # A recomputation (remat) in it keys by the same rows.
+                with torch.autocast(self.device.type, enabled=False), \
+                        running(pipeline_micro_batch=MicroBatch(j, m)), rng.calls_before(dropouts_before):
                     gs = torch.autograd.grad(out, wrt, seed, allow_unused=True)
             else:
                 gs = [None] * len(wrt)
@@ -394,19 +392,9 @@ class Pipeline:
             if self.stage != self.p - 1:
                 deferred = bool(out[1] > 0)  # (one read of the broadcast on the host)
                 if deferred:
-                    means.mirror(out[2], out[3], micro_batch().count * self.micro_batches)
+                    means.mirror(out[2], out[3], context().micro_batch.count * self.micro_batches)
         self._deferred = deferred
         return out[0].to(torch.float32)
-
-class _RunningMicroBatch(Handler):
-    """Answers ``pipeline_micro_batch`` while one micro-batch's forward or backward runs."""
-
-    def __init__(self, count: int):
-        self.index, self.count = 0, count
-
-    def pipeline_micro_batch(self, *, next):
-        return MicroBatch(self.index, self.count)
-
 
 class _PipelineHandler(Handler):
     def __init__(self, pipe: Pipeline):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fzero import tree
 from fzero._params import Params, frozen_names, trainable, with_values
 from fzero.distributed.mesh import Mesh
-from fzero.transforms._core import Handler, Step, as_step, installed
+from fzero.core import Handler, Step, as_step, installed
 from fzero.transforms.tensor_parallel._batch import check_same_batch
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._rewrite import Rewrite

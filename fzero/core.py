@@ -1,36 +1,30 @@
-"""The machinery every transform stands on: primitives, handlers, and steps.
+"""fzero's core: the primitives a step is made of, the handlers that rewrite them, the step
+context, and the plain implementations underneath. Everything else stands on this module;
+it stands on ``fzero.tree`` and ``fzero._params`` alone.
 
 A user's ``train_step`` touches fzero at a few *primitives* only:
 
 * ``value_and_grad`` -- where parameters are used and gradients are born
-  (:func:`fzero.value_and_grad`);
+  (:func:`fzero.value_and_grad`); its plain implementation, here, differentiates on torch's
+  autograd engine;
 * ``apply_gradients`` -- where the update happens (:meth:`fzero.TrainState.apply_gradients`);
-* ``update`` -- the optimizer's step itself, bound by ``apply_gradients``' plain
-  implementation once every handler of ``apply_gradients`` has had its say, so a handler of
-  ``update`` sees exactly the tensors the optimizer will update (this rank's pieces under
-  ZeRO, whatever the nesting): ``mixed_precision`` swaps its fp32 masters in there;
+  its plain implementation checks the gradients against the parameters and binds ``update``;
+* ``update`` -- the optimizer's step itself, bound once every handler of ``apply_gradients``
+  has had its say, so a handler of ``update`` sees exactly the tensors the optimizer will
+  update (this rank's pieces under ZeRO, whatever the nesting): ``mixed_precision`` swaps its
+  fp32 masters in there; its plain implementation is the state's optimizer, lowered
+  (:func:`register_lowering`);
 * ``psum`` -- where an optimizer sums a reduction over the leaves across the ranks holding
   them (a global norm, LAMB's per-leaf norms, the overflow flag); the contract is at
   :func:`psum`, and ``counted`` is its companion: which leaves this rank counts;
-* ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip);
-* ``micro_batch`` -- which micro-batch of its update the step is running
-  (:func:`micro_batch`), so a transform can act once per update rather than once per call;
-* ``donating`` -- whether the running step owns its input state (:func:`donating`:
-  ``fzero.compile(..., donate=True)``), so the update may write into it instead of making
-  a new one;
-* ``offloaded`` -- whether the optimizer's update runs on the host (:func:`offloaded`:
-  ZeRO-Offload, ``fzero.compile(..., offload_optimizer="cpu")``), so a transform that makes
-  device copies of what the update wrote copies them from there;
-* ``params_offloaded`` -- whether this rank's pieces of the parameters live on the host
-  between uses (:func:`params_offloaded`: ZeRO-3's ``offload_param``), so the transform
-  that writes them after an update writes them there.
-* ``data_shard``, ``pipeline_micro_batch`` -- which rows of the global batch the running
-  code holds (with ``micro_batch``): what dropout keys its masks by (:mod:`fzero.rng`);
 * ``pmean_data`` -- the mean of a value over the ranks holding different rows: what
-  :func:`fzero.global_mean` counts with.
+  :func:`fzero.global_mean` counts with;
+* ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip).
 
-The outermost step also opens what lives exactly one step, around every handler
-(:func:`register_step_scope`): the step's randomness and its global means.
+What a transform tells the code inside it -- which micro-batch runs, whether the step owns
+its input, where the optimizer's state lives -- is not a primitive but one typed value, the
+:class:`StepContext` (:func:`context`), which each transform's call narrows for the code it
+runs (:func:`running`).
 
 A transform installs a :class:`Handler` for the duration of the inner step. When a primitive
 runs, the innermost installed handler sees it first and decides what to do; it passes the
@@ -58,23 +52,29 @@ partitions parameters, masters and optimizer state; ``compile``'s clip puts itse
 of the optimizer). So ``shard_state(mixed_precision(step))`` and
 ``mixed_precision(shard_state(step))`` reach the same state: the masters exist before
 anything is partitioned, whichever is outside.
+
+The outermost step also opens what lives exactly one step, around every handler
+(:func:`register_step_scope`): the step's randomness and its global means.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from fzero import tree
+from fzero._params import Params, like_params, merge_trainable, trainable
 from fzero.tree import _USER_VIEW, user_view
 
-__all__ = ["DataShard", "Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "as_step", "bind", "data_shard",
-           "donating", "emit_metric", "installed", "micro_batch", "offloaded", "params_offloaded", "pipeline_micro_batch",
-           "pmean_data", "psum", "register_primitive", "register_step_scope", "rehearsal", "rehearsing"]
+__all__ = ["DataShard", "Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind",
+           "context", "emit_metric", "installed", "loss_scale", "pmean_data", "psum", "register_lowering",
+           "register_primitive", "register_step_scope", "rehearsal", "rehearsing", "running", "trainable_grads"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -92,7 +92,7 @@ class Handler:
     """
 
     def value_and_grad(self, fn, params, args, kwargs, *, next: Callable, **options):
-        # options: has_aux, and grad_sink (see fzero.functional._value_and_grad_base)
+        # options: has_aux, grad_sink, loss_scale (see _value_and_grad_base)
         return next(fn, params, args, kwargs, **options)
 
     def apply_gradients(self, state, grads, *, next: Callable):
@@ -114,27 +114,9 @@ class Handler:
         # names: the parameter of each leaf a LeafSums sums; returns whether this rank counts each
         return next(names)
 
-    def micro_batch(self, *, next: Callable):
-        return next()
-
-    def pipeline_micro_batch(self, *, next: Callable):
-        return next()
-
-    def data_shard(self, *, next: Callable):
-        return next()
-
     def pmean_data(self, value, *, next: Callable):
         # value: a tensor every rank holding different data averages with the others'
         return next(value)
-
-    def donating(self, *, next: Callable):
-        return next()
-
-    def offloaded(self, *, next: Callable):
-        return next()
-
-    def params_offloaded(self, *, next: Callable):
-        return next()
 
 
 class NotApplied(NamedTuple):
@@ -290,64 +272,7 @@ def _counted_base(names: tuple) -> tuple[bool, ...]:
     return (True,) * len(names)
 
 
-# --------------------------------------------------------------------------- donation
-
-
-def donating() -> bool:
-    """Whether the running step owns its input state: the caller gave it up (JAX's
-    ``donate_argnums``; ``fzero.compile(..., donate=True)``), so the optimizer's update, the
-    low-precision copies and ZeRO's parameter all-gathers may write into the input's tensors
-    instead of allocating new ones. ``False`` outside such a step.
-
-    Example:
-        >>> donating()
-        False
-    """
-    return bind("donating")
-
-
-@register_primitive("donating")
-def _donating_base() -> bool:
-    return False
-
-
-def offloaded() -> bool:
-    """Whether the running step's optimizer update runs on the host (ZeRO-Offload,
-    ``fzero.compile(..., offload_optimizer="cpu")``): the fp32 masters and the optimizer
-    state live there, so ``mixed_precision`` casts the new masters on the host and copies
-    the low-precision bytes to the device parameters. ``False`` outside such a step.
-
-    Example:
-        >>> offloaded()
-        False
-    """
-    return bind("offloaded")
-
-
-@register_primitive("offloaded")
-def _offloaded_base() -> bool:
-    return False
-
-
-def params_offloaded() -> bool:
-    """Whether this rank's pieces of the parameters live on the host between uses (ZeRO-3's
-    parameter offload, ``fzero.compile(..., zero=3, offload_param="cpu")``): each gather
-    copies them to the device, and an update's new pieces are written on the host
-    (:func:`fzero.transforms.offload.write_params`). ``False`` outside such a step.
-
-    Example:
-        >>> params_offloaded()
-        False
-    """
-    return bind("params_offloaded")
-
-
-@register_primitive("params_offloaded")
-def _params_offloaded_base() -> bool:
-    return False
-
-
-# --------------------------------------------------------------------------- micro-batches
+# --------------------------------------------------------------------------- the step context
 
 
 class MicroBatch(NamedTuple):
@@ -362,31 +287,6 @@ class MicroBatch(NamedTuple):
         return self.index == self.count - 1
 
 
-def micro_batch() -> MicroBatch:
-    """Which micro-batch of its update the running step is: ``MicroBatch(0, 1)`` unless an
-    ``accumulate`` handler says otherwise. A transform that reduces gradients asks, so that
-    it can reduce once per update rather than once per micro-batch."""
-    return bind("micro_batch")
-
-
-@register_primitive("micro_batch")
-def _micro_batch_base() -> MicroBatch:
-    return MicroBatch(0, 1)
-
-
-def pipeline_micro_batch() -> MicroBatch:
-    """Which of a pipeline's micro-batches the running forward is: ``MicroBatch(0, 1)``
-    unless a pipeline's schedule says otherwise (inside the function ``value_and_grad``
-    differentiates, which runs the schedule: unlike :func:`micro_batch`, it changes within
-    one call of ``value_and_grad``)."""
-    return bind("pipeline_micro_batch")
-
-
-@register_primitive("pipeline_micro_batch")
-def _pipeline_micro_batch_base() -> MicroBatch:
-    return MicroBatch(0, 1)
-
-
 class DataShard(NamedTuple):
     """Which of the data-parallel ranks' local batches this rank's is: ``index`` of ``count``;
     rank ``index``'s local batch holds rows ``[index * n, (index + 1) * n)`` of the global
@@ -396,15 +296,67 @@ class DataShard(NamedTuple):
     count: int
 
 
-def data_shard() -> DataShard:
-    """This rank's place among the data-parallel ranks: ``DataShard(0, 1)`` unless a
-    transform that splits the global batch over ranks (``shard_state``) says otherwise."""
-    return bind("data_shard")
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What the transforms around the running code tell it, as one typed value.
+
+    Each transform's call narrows it for the code inside (:func:`running`); outside any step
+    every field has its default.
+
+    Attributes:
+        donate: the running step owns its input state (``fzero.compile(..., donate=True)``,
+            JAX's ``donate_argnums``): the update, the low-precision copies and ZeRO's
+            parameter all-gathers may write into the input's tensors. ``mixed_precision`` and
+            ``check_finite`` turn it off while an update they will discard runs.
+        micro_batch: which micro-batch of its update the step runs (``accumulate``; nested
+            accumulations compose), so a transform can act once per update.
+        data_shard: which of the data-parallel ranks' local batches this rank's is
+            (``shard_state``).
+        pipeline_micro_batch: which of a pipeline's micro-batches the running forward or
+            backward is (the pipeline's schedule; unlike ``micro_batch`` it changes within one
+            call of ``value_and_grad``).
+        offload_optimizer: the optimizer's state and the fp32 masters live on the host
+            (ZeRO-Offload, ``offload_optimizer="cpu"``): what the update writes is copied from
+            there.
+        offload_params: this rank's pieces of the parameters live on the host between uses
+            (ZeRO-3's ``offload_param="cpu"``): an update's new pieces are written there.
+
+    Example:
+        >>> context().micro_batch
+        MicroBatch(index=0, count=1)
+        >>> with running(donate=True):
+        ...     context().donate
+        True
+    """
+
+    donate: bool = False
+    micro_batch: MicroBatch = MicroBatch(0, 1)
+    data_shard: DataShard = DataShard(0, 1)
+    pipeline_micro_batch: MicroBatch = MicroBatch(0, 1)
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
 
-@register_primitive("data_shard")
-def _data_shard_base() -> DataShard:
-    return DataShard(0, 1)
+_CONTEXT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("fzero_step_context", default=StepContext())
+
+
+def context() -> StepContext:
+    """The running code's :class:`StepContext`."""
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def running(**fields) -> Iterator[StepContext]:
+    """Within the block, the step context with ``fields`` replaced (a transform's call says
+    what it tells the code inside it)."""
+    token = _CONTEXT.set(dataclasses.replace(_CONTEXT.get(), **fields))
+    try:
+        yield _CONTEXT.get()
+    finally:
+        _CONTEXT.reset(token)
+
+
+# --------------------------------------------------------------------------- pmean_data
 
 
 def pmean_data(value: torch.Tensor) -> torch.Tensor:
@@ -447,6 +399,179 @@ def collecting_metrics() -> Iterator[dict]:
         yield sink
     finally:
         _METRICS.reset(token)
+
+
+# --------------------------------------------------------------------------- value_and_grad
+
+
+# While a ``value_and_grad`` runs, the modules its function calls keep the parameters they
+# were called with until its backward has finished (see ``Apply.__call__``).
+_BINDINGS: contextvars.ContextVar[contextlib.ExitStack | None] = contextvars.ContextVar(
+    "fzero_bindings", default=None)
+_LOSS_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("fzero_loss_scale", default=1.0)
+
+
+def loss_scale() -> float:
+    """Inside a function ``value_and_grad`` is differentiating: the factor its loss will be
+    multiplied by once it returns (``mixed_precision``'s fp16 scale; 1.0 without one).
+
+    Autograd carries the scale down to every gradient by itself; only a function that seeds
+    a backward of its own (the pipeline schedule, which runs each micro-batch's backward
+    inside the step) needs it, to seed with the same scale.
+    """
+    return _LOSS_SCALE.get()
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _trainable_flags(params: Any, n: int) -> list[bool]:
+    """One flag per leaf of ``params`` (``n`` of them): False at the frozen entries of every
+    ``Params`` inside."""
+    if (type(params) is dict or type(params) is Params and not params.frozen) \
+            and all(isinstance(v, torch.Tensor) for v in params.values()):
+        return [True] * n  # the common case, every step: no tree walk
+    is_params = lambda x: isinstance(x, Params)  # noqa: E731
+    flags = tree.map(
+        lambda x: Params({k: (None if v is None else k not in x.frozen) for k, v in x.items()}, frozen=x.frozen)
+        if is_params(x) else True,
+        params, is_leaf=is_params)
+    return tree.leaves(flags)
+
+
+@register_primitive("value_and_grad")
+def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None, loss_scale: float = 1.0):
+    """The plain implementation: differentiate ``fn`` at ``params`` on the autograd engine.
+
+    Frozen entries of a :class:`fzero.Params` are passed through undifferentiated and get
+    ``None`` as their gradient. ``grad_sink`` (used by transforms that reduce gradients
+    while backward runs) receives each trainable leaf's gradient the moment it is complete
+    -- ``grad_sink.on_grad(i, g)``, with ``i`` the leaf's index in flatten order -- and the
+    gradient is then dropped, so only what the sink keeps stays resident;
+    ``grad_sink.finish()`` returns the gradient leaves. ``loss_scale`` (the factor a
+    handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
+    runs.
+    """
+    leaves, spec = tree.flatten(params)
+    train = _trainable_flags(params, len(leaves))
+    inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
+    wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
+    bindings = contextlib.ExitStack()
+    token, scale_token = _BINDINGS.set(bindings), _LOSS_SCALE.set(loss_scale)
+    try:
+        with bindings:  # modules keep their parameters until backward is done
+            with torch.enable_grad():
+                out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
+                value, aux = _split_output(out, has_aux)
+            if grad_sink is not None:
+                out_leaves = _backward_into(grad_sink, value, inputs, wrt)
+            else:
+                grads = [None] * len(wrt)
+                if value.requires_grad and wrt:
+                    grads = list(torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True))
+                by_index = dict(zip(wrt, grads))
+                out_leaves = [by_index.get(i) for i in range(len(inputs))]
+                out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
+    finally:
+        _BINDINGS.reset(token)
+        _LOSS_SCALE.reset(scale_token)
+    out_leaves = [g if t else None for g, t in zip(out_leaves, train)]
+    value = value.detach()
+    if has_aux:
+        aux = tree.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
+        return (value, aux), tree.unflatten(spec, out_leaves)
+    return value, tree.unflatten(spec, out_leaves)
+
+
+def _backward_into(sink, value, inputs, wrt):
+    handles = []
+    for i in wrt:
+        def hook(leaf, i=i):
+            g = leaf.grad
+            leaf.grad = None  # the sink decides what stays resident
+            sink.on_grad(i, g)
+
+        handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
+    try:
+        if value.requires_grad and wrt:
+            torch.autograd.backward(value, inputs=[inputs[i] for i in wrt])
+    finally:
+        for h in handles:
+            h.remove()
+    return sink.finish()
+
+
+def _split_output(out, has_aux: bool):
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                "fzero.value_and_grad: with has_aux=True, fn must return a pair (value, aux), "
+                f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+            )
+        value, aux = out
+    else:
+        value, aux = out, None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        what = (
+            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        hint = " (use has_aux=True to return (loss, aux))" if isinstance(value, (tuple, list)) else ""
+        raise TypeError(f"fzero.value_and_grad: fn must return a floating-point scalar tensor, got {what}{hint}")
+    return value.reshape(()), aux
+
+
+# --------------------------------------------------------------------------- apply_gradients and update
+
+
+def trainable_grads(params: Any, grads: Any, where: str) -> Any:
+    """``grads`` in the structure of ``params.trainable()``. A plain dict of gradients (a
+    user's own) is accepted with or without the frozen names; a gradient given for a frozen
+    name is dropped (the parameter stays as it is)."""
+    if isinstance(params, Params) and isinstance(grads, dict) \
+            and params.keys() - params.frozen <= grads.keys() <= params.keys():
+        grads = like_params(params, {k: None if k in params.frozen else grads[k] for k in params})
+    tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
+    pairs = list(zip(tree.leaves(grads), tree.leaves(trainable(params))))
+    if any(type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape for g, p in pairs):
+        # Named only when wrong: the paths are not worked out on every step.
+        wrong = [f"grads{tree.keystr(k)} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
+                 for k, (g, p) in zip(tree.paths(grads), pairs)
+                 if type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape]
+        raise ValueError(f"{where}: gradients must have their parameters' shapes: " + "; ".join(wrong[:8])
+                         + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
+    return grads
+
+
+@register_primitive("apply_gradients")
+def _apply_gradients_base(state: Any, grads: Any) -> Any:
+    grads = trainable_grads(state.params, grads, "fzero.TrainState.apply_gradients")
+    # Every handler of apply_gradients has prepared the state (ZeRO's pieces, ...): the
+    # optimizer's step is a primitive of its own, so a handler can rewrite exactly it.
+    return bind("update", state, grads)
+
+
+# How a state's optimizer (``state.tx``) makes one update: registered by ``fzero.optim``, the
+# package that knows the optimizers (the fused kernels where they apply, in place when the step
+# owns the state). ``lower(tx)`` returns ``fn(grads, opt_state, params, *, donate) -> (params,
+# opt_state)``.
+_LOWER: list[Callable[[Any], Callable[..., tuple[Any, Any]]]] = []
+
+
+def register_lowering(lower: Callable[[Any], Callable[..., tuple[Any, Any]]]) -> None:
+    """Install how ``update``'s plain implementation turns ``state.tx`` into one update
+    (``fzero.optim`` does, at import)."""
+    _LOWER[:] = [lower]
+
+
+@register_primitive("update")
+def _update_base(state: Any, grads: Any) -> Any:
+    if not _LOWER:
+        raise RuntimeError("fzero.core: no optimizer lowering is registered (import fzero.optim)")
+    step_fn = _LOWER[0](state.tx)
+    new, opt_state = step_fn(grads, state.opt_state, trainable(state.params), donate=context().donate)
+    return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
 
 
 # --------------------------------------------------------------------------- steps
