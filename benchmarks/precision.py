@@ -24,7 +24,7 @@ columns say little about a GPU, the memory columns are the point.
 Model-state bytes per rank: the distinct storages (views count once) of parameters,
 gradients, optimizer state and fp32 master weights right after backward, before the update:
 DDP's module parameters, their ``.grad`` (views into DDP's buckets) and ``optimizer.state``;
-fzero's ``state.params``, ``state.opt_state``, ``state.extra["master"]`` and the gradients
+fzero's ``state.params``, ``state.opt_state``, ``state.master`` and the gradients
 ``fzero.value_and_grad`` returned, read inside the train step (as ``tests/test_zero.py``
 counts them). It is probed on every warmup round after the first and the largest value is
 kept (torch's AdamW allocates its state at its first applied step, which an fp16 scaler may
@@ -153,7 +153,7 @@ def build_ddp(precision):
 def build_fzero(precision, stage):
     def build(base, args, mesh):
         def held(state, grads):
-            return state.params, state.opt_state, state.extra.get("master"), grads
+            return state.params, state.opt_state, state.master, grads
 
         fzero_step = fzero_contestant(copy.deepcopy(base), mesh, held, zero=stage, precision=precision,
                                       bucket_bytes=int(args.bucket_mb * MIB))

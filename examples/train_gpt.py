@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     # step's partitioning and precision. Under tensor parallelism each rank keeps its slice of
     # the split layers, whose forwards now exchange activations: every rank evaluates and
     # samples in step, the same tokens.
-    params = fzero.gather(state.extra.get("master", state.params))
+    params = fzero.gather(state.master if state.master is not None else state.params)
     val_loss = evaluate(apply, params, val_data, args)
     ctx = torch.tensor([list(b"import ")], dtype=torch.long)
     out = generate(apply, params, ctx, args.sample_len, temperature=0.8, top_k=50,

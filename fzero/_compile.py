@@ -67,7 +67,8 @@ class Donated:
 def donated(state: TrainState, step: int) -> None:
     """Mark ``state`` as given up: its tensors were written into by the step (its buffers
     too, where it has any: the forward updates them in place)."""
-    for field in ("params", "opt_state", "extra", *(("buffers",) if state.buffers else ())):
+    for field in ("params", "opt_state", "extra", *(("buffers",) if state.buffers else ()),
+                  *(("master",) if state.master is not None else ())):
         object.__setattr__(state, field, Donated(field, step))
 
 

@@ -371,9 +371,8 @@ def load_into(module: torch.nn.Module, state_or_params: Any) -> torch.nn.Module:
         slim = slim.replace(opt_state=None)
     whole = gather(slim)
     full = dict(getattr(whole, "params", whole))
-    extra = getattr(whole, "extra", None) or {}
-    if extra.get("master") is not None:
-        full.update({k: v for k, v in extra["master"].items() if v is not None})
+    if getattr(whole, "master", None) is not None:
+        full.update({k: v for k, v in whole.master.items() if v is not None})
     buffers = getattr(whole, "buffers", None)
     buffers = None if not buffers else dict(buffers)
     # The state's own buffer tensors (gathering may hand back other objects for them): a

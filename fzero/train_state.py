@@ -25,12 +25,8 @@ class TrainState:
         opt_state: the optimizer state, ``tx.init(params)``.
         apply_fn: static; the model's pure apply function.
         tx: static; the ``fzero.optim`` gradient transformation.
-        extra: per-transform state that must be saved with the rest, keyed by name; empty
-            for a plain step. ``mixed_precision`` keeps ``"master"`` (the fp32 master
-            weights of the trainable parameters, a pytree like ``params.trainable()``; the
-            optimizer state is built over them, the update runs on them, and
-            ``shard_state`` partitions them like optimizer state) and, for fp16,
-            ``"loss_scale"``.
+        extra: what the user keeps with the state (``TrainState.create(..., **extra)``),
+            saved with the rest; fzero's transforms keep theirs in the typed fields below.
         buffers: the model's buffers by ``named_buffers()`` name (``{}`` when it has
             none). ``state.apply_fn`` runs the forward with them, so a forward that
             updates a buffer in place (BatchNorm's running statistics) updates the
@@ -40,6 +36,19 @@ class TrainState:
             dropout inside a step draws its masks from it, the update and each element's
             place in the global batch (:mod:`fzero.rng`), so they do not depend on the
             layout; checkpointed with the rest.
+        master: ``mixed_precision``'s fp32 master weights of the trainable parameters (or
+            ``offload_optimizer``'s in fp32 training), a pytree like
+            ``params.trainable()``: the optimizer state is built over them, the update runs
+            on them, and ``shard_state`` partitions them like optimizer state. ``None``
+            without.
+        loss_scaler: fp16's dynamic loss scaler (a ``LossScaler``: scale, update counter,
+            last overflow, hysteresis); ``None`` without.
+        tensor_parallel: the split of the parameters over ``tp``
+            (:class:`~fzero.transforms.tensor_parallel.TensorParallelLayout`, no leaves),
+            for checkpoints and :func:`fzero.gather`; ``None`` without.
+        pipeline: which stage holds which parameters and buffers
+            (:class:`~fzero.transforms.pipeline.PipelineLayout`, no leaves), for
+            :func:`fzero.gather`; ``None`` without.
 
     Frozen parameters (``params.frozen``, from ``requires_grad=False``) get no optimizer
     state and are never updated.
@@ -64,6 +73,10 @@ class TrainState:
     extra: dict = tree.field(default_factory=dict)
     buffers: dict = tree.field(default_factory=dict)
     seed: torch.Tensor = tree.field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    master: Any = None
+    loss_scaler: Any = None
+    tensor_parallel: Any = None
+    pipeline: Any = None
 
     @classmethod
     def create(cls, *, apply_fn: Callable, params: Any, tx: Any = None, buffers: dict | None = None,

@@ -761,7 +761,7 @@ def test_bf16_check_grad_overflow_drives_the_compiled_step(check):
     x[0, 0] = float("inf")
     state, metrics = step(state, {"x": x, "y": torch.randn(8, 2)})
     assert "loss_scale" not in metrics
-    master_finite = all(bool(torch.isfinite(m).all()) for m in state.extra["master"].values())
+    master_finite = all(bool(torch.isfinite(m).all()) for m in state.master.values())
     if check is False:
         assert "skipped" not in metrics and not master_finite and int(state.step) == 1
     else:

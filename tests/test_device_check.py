@@ -80,9 +80,9 @@ def _compiled(zero, precision, check, root):
         step = fzero.compile(ft.mse_step, mesh, zero=zero, precision=precision, accumulate=2, clip_norm=0.5)
         state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2)))
         if check:  # step.init placed the state: all but the host scalars (step, counts, loss scaler)
-            placed = [state.params, state.extra["master"], state.opt_state]
+            placed = [state.params, state.master, state.opt_state]
             assert not any(is_host(x) for x in fzero.tree.leaves(placed) if x.dim() > 0)
-            assert all(is_host(x) for x in fzero.tree.leaves([state.step, state.opt_state, state.extra["loss_scale"]])
+            assert all(is_host(x) for x in fzero.tree.leaves([state.step, state.opt_state, state.loss_scaler])
                        if x.dim() == 0)
         losses = []
         for k in range(3):
@@ -164,8 +164,8 @@ def _tensor_parallel(check):
             losses.append(m["loss"].item())
         whole = fzero.gather(state)
         fzero.load_into(model, state)  # the fp32 masters, whole, into the module's fp32 parameters
-        assert all(torch.equal(p.detach(), whole.extra["master"][k]) for k, p in model.named_parameters())
-        return losses, {k: v.clone() for k, v in whole.extra["master"].items()}
+        assert all(torch.equal(p.detach(), whole.master[k]) for k, p in model.named_parameters())
+        return losses, {k: v.clone() for k, v in whole.master.items()}
 
 
 @pytest.mark.multirank

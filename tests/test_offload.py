@@ -82,13 +82,13 @@ def _offloaded_equals_on_device(stage, precision, donate):
     # Masters and optimizer state have storage of their own, apart from the device parameters,
     # so no byte is counted twice; the device keeps exactly what the non-offloaded state's
     # parameters hold.
-    host, device = _storages(state.opt_state, state.extra["master"]), _storages(state.params)
+    host, device = _storages(state.opt_state, state.master), _storages(state.params)
     assert not host & device, f"rank {r}: host state shares storage with the device parameters"
-    assert ft.storage_bytes(state.params, state.opt_state, state.extra["master"]) == \
-        ft.storage_bytes(state.params) + ft.storage_bytes(state.opt_state, state.extra["master"])
+    assert ft.storage_bytes(state.params, state.opt_state, state.master) == \
+        ft.storage_bytes(state.params) + ft.storage_bytes(state.opt_state, state.master)
     assert ft.storage_bytes(state.params) == ft.storage_bytes(ref.params)
     owned = _owned(r, n)
-    assert ft.storage_bytes(state.extra["master"]) == 4 * owned
+    assert ft.storage_bytes(state.master) == 4 * owned
     # Each update: the fp32 gradient pieces to the host, the new pieces back in the
     # parameters' dtype; nothing else crosses.
     low = 4 if precision == "fp32" else 2
@@ -126,7 +126,7 @@ def _deepspeed_config():
         state, m = step(state, ft.local_batch(b, n, r))
         ref, _ = without(ref, ft.local_batch(b, n, r))
     # No CUDA here, so nothing is pinned (it cannot be).
-    assert not any(x.is_pinned() for x in fzero.tree.leaves(state.extra["master"]) if x.numel())
+    assert not any(x.is_pinned() for x in fzero.tree.leaves(state.master) if x.numel())
     return all(torch.equal(a, b) for a, b in zip(fzero.tree.leaves(fzero.gather(state.params)),
                                                   fzero.tree.leaves(fzero.gather(ref.params))))
 
@@ -156,12 +156,12 @@ def _checkpoint(path, stage, offload_param="none"):
     # offload keeps them (the host), apart from the device parameters.
     step2 = compiled()
     loaded = ckpt.load(path, like=step2.init(_state()))
-    assert not _storages(loaded.opt_state, loaded.extra["master"]) & _storages(loaded.params)
-    assert all(x.device.type == "cpu" for x in fzero.tree.leaves((loaded.opt_state, loaded.extra["master"])))
+    assert not _storages(loaded.opt_state, loaded.master) & _storages(loaded.params)
+    assert all(x.device.type == "cpu" for x in fzero.tree.leaves((loaded.opt_state, loaded.master)))
     for b in batches[2:]:
         loaded, _ = step2(loaded, ft.local_batch(b, n, r))
-    return all(torch.equal(a, b) for a, b in zip(fzero.tree.leaves(fzero.gather((loaded.params, loaded.extra))),
-                                                  fzero.tree.leaves(fzero.gather((state.params, state.extra)))))
+    return all(torch.equal(a, b) for a, b in zip(fzero.tree.leaves(fzero.gather((loaded.params, loaded.master))),
+                                                  fzero.tree.leaves(fzero.gather((state.params, state.master)))))
 
 
 @pytest.mark.multirank
@@ -256,19 +256,19 @@ def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True):
         _, state, spent, gathered = _run_blocks("cpu", offload_optimizer, precision, donate, world, rank)
         for what, a, b in (("parameters", state.params, ref.params), ("optimizer state", state.opt_state,
                                                                        ref.opt_state),
-                           ("masters", state.extra.get("master"), ref.extra.get("master"))):
+                           ("masters", state.master, ref.master)):
             for x, y in zip(fzero.tree.leaves(fzero.gather(a)), fzero.tree.leaves(fzero.gather(b))):
                 assert torch.equal(x, y), f"rank {rank}: {what} differ ({precision}, offload_optimizer=" \
                                           f"{offload_optimizer}, donate={donate})"
         pieces = fzero.tree.leaves(state.params)
         assert pieces and all(device_check.is_host(p) for p in pieces), f"rank {rank}: a piece is not on the host"
-        kept = [x for x in fzero.tree.leaves((state.opt_state, state.extra.get("master"))) if x.dim() > 0]
+        kept = [x for x in fzero.tree.leaves((state.opt_state, state.master)) if x.dim() > 0]
         if dist.is_initialized():
             # With a process group the state is placed on the device (Mesh.place; a process
             # without one keeps it where it was made, on the host): the device keeps the
             # moments (and bf16's masters) unless offload_optimizer moved them, never the pieces.
             assert kept and all(device_check.is_host(x) == (offload_optimizer == "cpu") for x in kept), rank
-        assert not _storages(state.params) & _storages(state.opt_state, state.extra.get("master"))
+        assert not _storages(state.params) & _storages(state.opt_state, state.master)
     expected = _expected_copies(world, rank, precision, offload_optimizer)
     assert spent == [expected] * len(spent), (rank, spent, expected)
     if world > 1:  # every byte a gather copied to the device went into an all-gather of parameters

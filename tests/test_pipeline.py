@@ -149,7 +149,7 @@ def _same_as_plain(p, m, kind, tx_name, *, steps=3, per_mb=2, width=6, depth=2, 
     full = pipe.gather(state.params)
     ft.assert_trees_close(full, ref.params, tol=precision, what=f"params on rank {r}")
     if precision:
-        ft.assert_trees_close(pipe.gather(state.extra["master"]), ref.extra["master"], tol=precision,
+        ft.assert_trees_close(pipe.gather(state.master), ref.master, tol=precision,
                               what=f"master weights on rank {r}")
     if tied and pipe.stage == p - 1:
         # The last stage's copy of the tied weight equals the first stage's, bit for bit.

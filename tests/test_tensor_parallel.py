@@ -117,7 +117,7 @@ def _tp_equals_plain(tp: int, stage: int, tx_name: str, steps: int, *, precision
     ft.assert_trees_close(losses, ref_losses, tol=tol, what="losses")
     ft.assert_trees_close(fzero.gather(state.params), dict(ref.params), tol=tol, what="parameters")
     if precision:
-        ft.assert_trees_close(fzero.gather(state.extra["master"]), dict(ref.extra["master"]), tol=tol,
+        ft.assert_trees_close(fzero.gather(state.master), dict(ref.master), tol=tol,
                               what="master weights")
     start = _state(tx_name, frozen).params
     for name in frozen:  # frozen, split or whole: bit-identical

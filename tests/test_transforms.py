@@ -75,7 +75,7 @@ def test_bf16_equals_a_plain_step_under_autocast(case, tx_name):
     step = fzero.mixed_precision(ft.mse_step, "bf16")
     state, losses = ft.run_steps(step, step.init(make(case, tx_name)), batches)
     ft.assert_trees_close(losses, ref_losses, rtol=0, atol=0)
-    ft.assert_trees_close(state.extra["master"], ref.params, rtol=0, atol=0)  # fp32 masters
+    ft.assert_trees_close(state.master, ref.params, rtol=0, atol=0)  # fp32 masters
     ft.assert_trees_close(state.params, lowp(ref.params, torch.bfloat16), rtol=0, atol=0)
     # and within bf16's tolerance of the fp32 trajectory -- under SGD: Adam divides by
     # sqrt(v), so a gradient component near zero flips its update on one bf16 rounding
@@ -104,7 +104,7 @@ def test_fp16_static_scale_equals_a_step_that_scales_the_same_way():
     step = fzero.mixed_precision(ft.mse_step, "fp16", loss_scale=128.0)
     state, losses = ft.run_steps(step, step.init(make(case, "sgd")), batches)
     ft.assert_trees_close(losses, ref_losses, rtol=0, atol=0)
-    ft.assert_trees_close(state.extra["master"], ref.params, rtol=0, atol=0)
+    ft.assert_trees_close(state.master, ref.params, rtol=0, atol=0)
     _, m = step(state, batches[0])
     assert float(m["loss_scale"]) == 128.0 and not bool(m["skipped"])
 
@@ -113,7 +113,7 @@ def test_fp16_dynamic_scale_starts_at_2_16_and_skips_overflowing_updates():
     case = ft.ModelCase((3, 4, 2), "tanh", False, True, 1)
     step = fzero.mixed_precision(ft.mse_step, "fp16")
     state = step.init(make(case, "sgd"))
-    assert float(state.extra["loss_scale"].scale) == 2.0 ** 16
+    assert float(state.loss_scaler.scale) == 2.0 ** 16
     _, m = step(state, case.batch(4, 0))
     assert float(m["loss_scale"]) == 2.0 ** 16
 
@@ -134,7 +134,7 @@ def test_fp16_overflow_skips_everything_and_hysteresis_then_halves():
         scales.append(float(m["loss_scale"]))
     # hysteresis 2: the first overflow only spends it; then the scale halves each time
     assert scales == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15]
-    assert float(state.extra["loss_scale"].scale) == 2.0 ** 14
+    assert float(state.loss_scaler.scale) == 2.0 ** 14
     ft.assert_trees_close(state.params, before.params, rtol=0, atol=0)
     ft.assert_trees_close(state.opt_state, before.opt_state, rtol=0, atol=0)
     assert int(state.step) == 1
@@ -220,7 +220,7 @@ def test_compiled_fp16_step_replays_deepspeed(name):
     assert scales == case["loss_scale"]
     assert skipped == case["skipped"]
     assert int(state.step) == skipped.count(False)
-    s, final = state.extra["loss_scale"], case["final"]
+    s, final = state.loss_scaler, case["final"]
     assert (float(s.scale), int(s.iter), int(s.last_overflow), int(s.hysteresis)) == (
         final["cur_scale"], final["cur_iter"], final["last_overflow_iter"], final["cur_hysteresis"])
 
@@ -260,7 +260,7 @@ def test_compiled_bf16_step_replays_deepspeed(name):
         assert "loss_scale" not in m  # bf16 scales nothing
         assert ("skipped" in m) == check
         skipped.append(bool(m.get("skipped", False)))
-        params_finite.append(finite(state.params) and finite(state.extra["master"]))
+        params_finite.append(finite(state.params) and finite(state.master))
     assert skipped == ds["skipped"]
     assert params_finite == ds["params_finite"]
 
@@ -285,10 +285,10 @@ def test_bf16_skipped_update_leaves_params_optimizer_state_and_step_bit_identica
     assert bool(m["skipped"]) and "loss_scale" not in m
     for what in ("params", "opt_state"):
         ft.assert_trees_close(getattr(state, what), getattr(before, what), rtol=0, atol=0, what=what)
-    ft.assert_trees_close(state.extra["master"], before.extra["master"], rtol=0, atol=0, what="master")
+    ft.assert_trees_close(state.master, before.master, rtol=0, atol=0, what="master")
     assert int(state.step) == 1
     state, m = step(state, case.batch(4, 2))
-    assert not bool(m["skipped"]) and int(state.step) == 2 and finite(state.extra["master"])
+    assert not bool(m["skipped"]) and int(state.step) == 2 and finite(state.master)
 
 
 def test_bf16_with_the_check_off_applies_a_non_finite_update():
@@ -301,7 +301,7 @@ def test_bf16_with_the_check_off_applies_a_non_finite_update():
     bad["y"][0, 0] = float("inf")
     state, m = step(state, bad)
     assert "skipped" not in m and int(state.step) == 1
-    assert not finite(state.extra["master"]) and not finite(state.params)
+    assert not finite(state.master) and not finite(state.params)
 
 
 def _bf16_inf_in_one_ranks_batch(stage):
@@ -325,8 +325,8 @@ def _bf16_inf_in_one_ranks_batch(stage):
     state, m = step(state, {"x": bad})
     after = fzero.gather(state)
     same = all(torch.equal(a, b) for a, b in zip(
-        fzero.tree.leaves((after.params, after.opt_state, after.extra["master"])),
-        fzero.tree.leaves((before.params, before.opt_state, before.extra["master"]))))
+        fzero.tree.leaves((after.params, after.opt_state, after.master)),
+        fzero.tree.leaves((before.params, before.opt_state, before.master))))
     return first_skipped, bool(m["skipped"]), same, int(state.step)
 
 
@@ -401,7 +401,7 @@ def test_norm_layers_fed_fp32_train_as_under_torch_autocast(kind, precision):
         state, m = step(state, b)
         losses.append(m["loss"])
     ft.assert_trees_close(losses, ref_losses, tol=precision)
-    ft.assert_trees_close(fzero.gather(state.extra["master"]), dict(reference.named_parameters()), tol=precision)
+    ft.assert_trees_close(fzero.gather(state.master), dict(reference.named_parameters()), tol=precision)
     # BatchNorm's running statistics stay fp32, as the module's under autocast
     ft.assert_trees_close(dict(state.buffers), dict(reference.named_buffers()), tol=precision)
     assert all(b.dtype == r.dtype for b, r in zip(state.buffers.values(), reference.buffers()))
@@ -422,7 +422,7 @@ def _norms_at_every_stage():
             for b in _norm_batches(3, rows=8):
                 state, m = step(state, {k: v[rank * 4:(rank + 1) * 4] for k, v in b.items()})
                 losses.append(m["loss"])
-            out.append((stage, kind, losses, fzero.gather(state.extra["master"]), dict(state.buffers)))
+            out.append((stage, kind, losses, fzero.gather(state.master), dict(state.buffers)))
     return out
 
 
@@ -571,5 +571,5 @@ def test_the_optimizer_steps_the_fp32_masters_whatever_the_nesting(outside):
         p.grad = g.float()
     sgd.step()
     for k, p in ref.named_parameters():
-        torch.testing.assert_close(state.extra["master"][k], p.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(state.master[k], p.detach(), rtol=0, atol=0)
         torch.testing.assert_close(state.params[k], p.detach().to(torch.bfloat16), rtol=0, atol=0)

@@ -107,7 +107,7 @@ def _memory(stage, width, depth, bucket_bytes, precision="fp32"):
 
     def train_step(state, batch):
         loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
-        seen["after_backward"] = ft.storage_bytes(state.params, state.opt_state, state.extra.get("master"), g)
+        seen["after_backward"] = ft.storage_bytes(state.params, state.opt_state, state.master, g)
         seen["grads"] = ft.storage_bytes(g)
         return state.apply_gradients(g), {"loss": loss}
 
@@ -119,7 +119,7 @@ def _memory(stage, width, depth, bucket_bytes, precision="fp32"):
     # Every byte the process holds for the model: the state and the user's module (whose
     # own parameters would otherwise be a dead fp32 copy of the initial model).
     module = state.apply_fn.module
-    between = ft.storage_bytes(state.params, state.opt_state, state.extra.get("master"),
+    between = ft.storage_bytes(state.params, state.opt_state, state.master,
                                list(module.parameters()), list(module.buffers()))
     return {"psi": psi, "between": between, **seen, "peak_gathered": step.handler.peak_gathered_bytes,
             "max_group": max(g.padded * 4 for g in step.handler.layout.groups)}
@@ -454,7 +454,7 @@ def _composed(order, stage, k, precision, seed, steps=4, per_rank=12):
     tol = {"fp32": "fp32", "bf16": "bf16 vs fp32", "fp16": "fp16 vs fp32"}[precision]
     ft.assert_trees_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), tol=tol,
                           what=f"losses, order {order}")
-    params = state.params if precision == "fp32" else state.extra["master"]
+    params = state.params if precision == "fp32" else state.master
     ft.assert_trees_close(fzero.gather(params), ref.params, tol=tol, what=f"params, order {order}")
     return True
 
@@ -649,7 +649,7 @@ def _donated(stage, precision):
     assert storages(state) == first, f"rank {r}: a donated step at stage {stage} allocated new state tensors"
     tol = "fp32" if precision == "fp32" else "bf16 vs fp32"
     ft.assert_trees_close(torch.stack(losses).float(), torch.stack(ref_losses).float(), tol=tol, what="losses")
-    params = state.params if precision == "fp32" else state.extra["master"]
+    params = state.params if precision == "fp32" else state.master
     ft.assert_trees_close(fzero.gather(params), ref.params, tol=tol, what=f"params on rank {r}")
     return True
 

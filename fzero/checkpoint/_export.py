@@ -4,7 +4,7 @@ It runs in one process from the files alone (no process group, no model needed):
 parameter is read piece by piece from whichever ranks' files hold it (a parameter split over
 ``tp`` is put together from its slices) and written under its ``named_parameters()`` name, so ``module.load_state_dict(safetensors.torch.load_file(f),
 strict=True)`` takes it. Under mixed precision a parameter is read from its fp32 master
-(``.extra['master']``), not from the low-precision copy the model computed with: what
+(``.master``), not from the low-precision copy the model computed with: what
 ``fzero.load_into`` writes, so the two ways of getting the trained model agree bit for bit.
 Two names the params dict does not have, which a strict ``load_state_dict`` wants, come
 with the module: the second names of tied parameters (``functionalize`` keeps each tied
@@ -96,7 +96,7 @@ def export(
     leaves = [r for r in man["leaves"] if r["kind"] == "tensor"]
     recs = {n: r for r in leaves if (n := _param_name(r)) is not None}
     # Mixed precision: the fp32 masters, not the low-precision copies (frozen ones have none).
-    recs.update({n: r for r in leaves if (n := _name_under(r, "extra", "master")) is not None and n in recs})
+    recs.update({n: r for r in leaves if (n := _name_under(r, "master")) is not None and n in recs})
     saved_buffers = {n: r for r in leaves if (n := _name_under(r, "buffers")) is not None}
     if not recs:
         raise CheckpointError(f"{WHERE}: {path} has no parameters: export reads the leaves at .params['name'] "

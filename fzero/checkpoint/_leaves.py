@@ -151,7 +151,7 @@ def slice_shape(shape, dim: int, size: int) -> tuple[int, ...]:
 
 def layout_of(state: Any, where: str) -> TensorParallelLayout | None:
     """The state's tp layout (``init`` of ``fzero.tensor_parallel`` keeps it in
-    ``state.extra``), or ``None``: nothing is split. A layout of ``size`` 1 splits nothing.
+    ``state.tensor_parallel``), or ``None``: nothing is split. A layout of ``size`` 1 splits nothing.
 
     Raises:
         CheckpointError: the state holds two different layouts.

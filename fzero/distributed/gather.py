@@ -17,7 +17,8 @@ def _is_sharded(x: Any) -> bool:
 
 
 def _is_record(x: Any) -> bool:
-    """A layout record a transform keeps in a state (``state.extra``): it names the mesh axis
+    """A layout record a transform keeps in a state (``state.tensor_parallel``,
+    ``state.pipeline``): it names the mesh axis
     it split the state over (``__fzero_axis__``) and knows how to put it back together."""
     return hasattr(type(x), "__fzero_axis__")
 
@@ -37,7 +38,7 @@ def gather(state: Any) -> Any:
        (``state.params`` under ``tensor_parallel``, and every tree a pytree operation made
        from it: gradients, fp32 masters, optimizer moments, a checkpoint loaded like the
        state) has each split entry all-gathered into the whole tensor. In a tree that holds a
-       ``TensorParallelLayout`` record (a ``TrainState``, in ``state.extra``) every other
+       ``TensorParallelLayout`` record (a ``TrainState``'s ``tensor_parallel``) every other
        tensor stored under a split parameter's name is too, as checkpoints read it.
     3. ``pp``: in a tree that holds a pipeline's record (a pipelined ``TrainState``), every
        dict keyed by the stage's parameter names (parameters, masters, moments) is completed
@@ -54,8 +55,8 @@ def gather(state: Any) -> Any:
         state: any pytree: a ``TrainState``, ``state.params``, gradients, a metrics dict.
 
     Returns:
-        The same structure with whole tensors (a ``TrainState`` without its layout records
-        in ``extra``).
+        The same structure with whole tensors (a ``TrainState`` without its layout records:
+        ``tensor_parallel`` and ``pipeline`` are ``None``).
 
     Raises:
         ValueError: the tree holds two different records for one axis.
@@ -92,7 +93,6 @@ def gather(state: Any) -> Any:
         out = tree.map_with_path(over_tp, out, is_leaf=_is_split)
     if "pp" in records:
         out = records["pp"].whole_tree(out)
-    extra = getattr(out, "extra", None)
-    if records and isinstance(extra, dict) and hasattr(out, "replace"):
-        out = out.replace(extra={k: v for k, v in extra.items() if not _is_record(v)})
+    if records and hasattr(out, "replace"):
+        out = out.replace(**{f: None for f in ("tensor_parallel", "pipeline") if _is_record(getattr(out, f, None))})
     return out

@@ -133,7 +133,7 @@ class Mesh:
 
         Every tensor of ``state.params`` and ``state.buffers`` moves (a module's buffers,
         ``num_batches_tracked`` too, live where its forward runs), and every tensor of the rest of the state
-        (optimizer state, ``extra``: moments, master weights) but 0-dim ones: update
+        (optimizer state, masters, ``extra``) but 0-dim ones: update
         counters and the loss scaler stay on the host, where they are read every step
         (``int(count)``, ``float(scale)``) without a device synchronisation and from where
         they never enter a collective. In a process without a process group (a world of
@@ -161,8 +161,8 @@ class Mesh:
             moved = {f: tree.map(every, getattr(state, f)) for f in ("params", "buffers")
                      if hasattr(state, f)}
             return state.replace(**moved,
-                                 **{f: tree.map(shaped, getattr(state, f)) for f in ("opt_state", "extra")
-                                    if hasattr(state, f)})
+                                 **{f: tree.map(shaped, getattr(state, f))
+                                    for f in ("opt_state", "extra", "master", "loss_scaler") if hasattr(state, f)})
         if isinstance(state, dict) and "params" in state:
             return {k: tree.map(every if k in ("params", "buffers") else shaped, v)
                     for k, v in state.items()}

@@ -162,17 +162,16 @@ class _PrecisionHandler(Handler):
         if self.loss_scale is not None:
             emit_metric("loss_scale", torch.tensor(scale))
         emit_metric("skipped", torch.tensor(overflow))
-        extra = {}
+        scaler = {}
         if self.loss_scale == "dynamic":
-            extra["loss_scale"] = _update_scaler(state.extra["loss_scale"], overflow, **self.opts)
+            scaler["loss_scaler"] = _update_scaler(state.loss_scaler, overflow, **self.opts)
         if overflow:
             # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
             # count), the step counter and (restored above) the buffers stay as they were.
-            return NotApplied(state.replace(extra={**state.extra, **extra}) if extra else state, "skipped")
+            return NotApplied(state.replace(**scaler), "skipped")
         if isinstance(new, NotApplied):  # skipped further in
-            return NotApplied(new.state.replace(extra={**new.state.extra, **extra}) if extra else new.state,
-                              new.reason)
-        return new.replace(extra={**new.extra, **extra}) if extra else new
+            return NotApplied(new.state.replace(**scaler), new.reason)
+        return new.replace(**scaler)
 
     def _why(self, state) -> str:
         """Why this transform skips updates, for the warning of a long streak."""
@@ -188,7 +187,7 @@ class _PrecisionHandler(Handler):
         # The optimizer steps the fp32 masters, whatever partitioned them (under ZeRO these
         # are this rank's pieces, as are the parameters); the model computes with their
         # low-precision copies.
-        master = state.extra["master"]
+        master = state.master
         from fzero.optim.fused import fuses
 
         if not fuses(state.tx, master):  # the fused kernels read 16-bit gradients as they are
@@ -204,7 +203,7 @@ class _PrecisionHandler(Handler):
             low = tree.map(_round_into, trainable(state.params), master)
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
-        return new.replace(params=merge_trainable(state.params, low), extra={**new.extra, "master": master})
+        return new.replace(params=merge_trainable(state.params, low), master=master)
 
 
 # The norm functions and where their weight and bias are, positionally (by keyword they are
@@ -298,7 +297,7 @@ def mixed_precision(
     """Compute in bf16 or fp16 with fp32 master weights; skip updates whose gradients are
     not finite.
 
-    ``init`` keeps fp32 master weights in ``state.extra["master"]`` (the optimizer state is
+    ``init`` keeps fp32 master weights in ``state.master`` (the optimizer state is
     built over them) and makes ``state.params`` their ``dtype`` copies, which the model
     computes with (under ``torch.autocast``, so ops torch keeps in fp32 still run in fp32)
     and which ZeRO-3 gathers (half the bytes). Gradients come out in ``dtype``; the update
@@ -384,7 +383,7 @@ def mixed_precision(
     def before(state):
         # Before the inner transforms' init, so that a shard_state inside or outside this
         # transform finds the masters and partitions them (the order: core.py).
-        if "master" not in state.extra:
+        if state.master is None:
             if state.tx is None:
                 from fzero.train_state import missing_optimizer
 
@@ -395,18 +394,16 @@ def mixed_precision(
             master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, trainable(state.params))
             params = merge_trainable(state.params,
                                      tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master))
-            state = state.replace(params=params, opt_state=state.tx.init(master),
-                                  extra={**state.extra, "master": master})
-        if loss_scale == "dynamic" and "loss_scale" not in state.extra:
-            state = state.replace(extra={**state.extra,
-                                         "loss_scale": LossScaler.create(initial_scale_power, hysteresis)})
+            state = state.replace(params=params, opt_state=state.tx.init(master), master=master)
+        if loss_scale == "dynamic" and state.loss_scaler is None:
+            state = state.replace(loss_scaler=LossScaler.create(initial_scale_power, hysteresis))
         return state
 
     def call(state, batch):
         if loss_scale == "dynamic":
-            if "loss_scale" not in state.extra:
+            if state.loss_scaler is None:
                 raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
-            handler.scale = float(state.extra["loss_scale"].scale)
+            handler.scale = float(state.loss_scaler.scale)
         else:
             handler.scale = 1.0 if loss_scale is None else float(loss_scale)
         if handler.check and context().micro_batch.index == 0:  # an update starts: its forwards will change the buffers

@@ -111,20 +111,20 @@ class _OffloadHandler(Handler):
         # fp32: the parameters stand as their own masters until shard_state, inside, cuts
         # them into this rank's pieces (as it cuts mixed_precision's) and builds the
         # optimizer state over those.
-        if self.copies and "master" not in state.extra:
+        if self.copies and state.master is None:
             master = tree.map(lambda p: p.detach(), trainable(state.params))
-            state = state.replace(extra={**state.extra, "master": master}, opt_state=state.tx.init(master))
+            state = state.replace(master=master, opt_state=state.tx.init(master))
         return state
 
     def after(self, state):
-        if "master" not in state.extra:
-            raise ValueError(f"{WHERE}: found no master weights in state.extra after the inner transforms' "
+        if state.master is None:
+            raise ValueError(f"{WHERE}: found no master weights in state.master after the inner transforms' "
                              "init: pass make_masters=True unless a mixed_precision inside makes them")
         # After shard_state: these are this rank's pieces, placed on the mesh's device.
         host = lambda x: _host_copy(x, self.pin)  # noqa: E731
         self.ready = True
         return state.replace(opt_state=tree.map(host, state.opt_state),
-                             extra={**state.extra, "master": tree.map(host, state.extra["master"])})
+                             master=tree.map(host, state.master))
 
     def _to_host(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """Gradient piece ``g`` in host buffer ``i`` (made once: a new buffer every step would
@@ -137,7 +137,7 @@ class _OffloadHandler(Handler):
     def update(self, state, grads, *, next):
         if not self.ready:
             raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
-        master = state.extra["master"]
+        master = state.master
         flat, spec = tree.flatten(grads)
         host = tree.unflatten(spec, [self._to_host(i, g) if isinstance(g, torch.Tensor) else g
                                      for i, g in enumerate(flat)])
@@ -146,7 +146,7 @@ class _OffloadHandler(Handler):
             return new
         master = trainable(new.params)
         written = write_params(trainable(state.params), master)  # on the host under parameter offload
-        return new.replace(params=merge_trainable(state.params, written), extra={**new.extra, "master": master})
+        return new.replace(params=merge_trainable(state.params, written), master=master)
 
 
 def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters: bool = True) -> Step:
@@ -154,7 +154,7 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
     there (ZeRO-Offload; DeepSpeed's ``offload_optimizer: {"device": "cpu"}``).
 
     Apply it outside :func:`fzero.shard_state` (stages 1-3), as ``fzero.compile(...,
-    offload_optimizer="cpu")`` does. ``state.extra["master"]`` holds the fp32 master
+    offload_optimizer="cpu")`` does. ``state.master`` holds the fp32 master
     weights: :func:`fzero.mixed_precision`'s, or in fp32 training this transform's own
     (``make_masters``), which shard_state partitions like any masters; ``init`` then moves
     this rank's pieces of them and of the optimizer state to the host. Each update copies
@@ -188,7 +188,7 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
         >>> step = fzero.compile(ft.mse_step, zero=1, offload_optimizer="cpu")
         >>> state = step.init(state)
         >>> state, _ = step(state, {"x": torch.ones(4, 3), "y": torch.zeros(4, 2)})
-        >>> master = fzero.gather(state.extra["master"])["weight"]
+        >>> master = fzero.gather(state.master)["weight"]
         >>> torch.equal(master, fzero.gather(state.params)["weight"])
         True
     """

@@ -138,25 +138,24 @@ class _ShardHandler(Handler):
             return state
         # fp32 master weights (mixed precision) count as optimizer state: partitioned from
         # stage 1 on, and the optimizer state is built over them.
-        extra = dict(state.extra)
-        if "master" in extra:
-            extra["master"] = with_values(extra["master"], self.layout.shard_params(
-                {k: v for k, v in extra["master"].items() if v is not None}, self.group))
+        master = state.master
+        if master is not None:
+            master = with_values(master, self.layout.shard_params(
+                {k: v for k, v in master.items() if v is not None}, self.group))
         if self.stage in (1, 2):
             full = self.layout.regroup(train)
-            target = extra.get("master", None) or with_values(
-                trainable_view(params), self.layout.piece_views(full, self.group))
-            return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), extra=extra)
+            target = master or with_values(trainable_view(params), self.layout.piece_views(full, self.group))
+            return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), master=master)
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
         self.units = Units(self.layout, [(m, self.layout.where[names[0]][0]) for m, names in found],
                            group=self.group, world=self.world, timeout_s=self.timeout_s, prefetch=self.prefetch,
                            host=self.offload_param, pin_memory=self.pin)
-        target = extra.get("master", None) or with_values(trainable_view(params), shards)
+        target = master or with_values(trainable_view(params), shards)
         opt_state = state.tx.init(target)  # on the device, beside the pieces it was built over
         if self.offload_param:
             shards = self._on_host(shards)
-        return state.replace(params=with_values(params, shards), opt_state=opt_state, extra=extra)
+        return state.replace(params=with_values(params, shards), opt_state=opt_state, master=master)
 
     def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
         """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
@@ -339,7 +338,7 @@ class _ShardHandler(Handler):
         # on a device copy of the pieces (h2d), and the new pieces are written back on the
         # host (d2h). With masters (mixed_precision's, offload_optimizer's) the transform
         # that keeps them steps them and writes the pieces (write_params).
-        if not self.offload_param or "master" in state.extra:
+        if not self.offload_param or state.master is not None:
             return next(state, grads)
         host = trainable_view(state.params)
         device = tree.map(lambda p: comm.copy_(torch.empty(p.shape, dtype=p.dtype, device=self.mesh.device), p,

@@ -1,7 +1,7 @@
 """``PipelineLayout``: the record a pipelined state keeps of which stage holds which parameters.
 
 ``pipe.transform(step).init`` keeps this stage's parameters only, and records the split in
-``state.extra["pipeline"]``, so ``fzero.gather(state)`` and ``fzero.load_into(module, state)``
+``state.pipeline``, so ``fzero.gather(state)`` and ``fzero.load_into(module, state)``
 can put every stage's parameters on every rank from the state alone.
 """
 

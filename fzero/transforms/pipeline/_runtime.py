@@ -127,7 +127,7 @@ class Pipeline:
         Raises:
             ValueError: the state was already prepared by another transform.
         """
-        if "master" in state.extra or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
+        if state.master is not None or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
             raise ValueError(f"{WHERE}: init the pipeline before the other transforms (make pipe.transform "
                              "the outermost transform): this state is already partitioned or cast")
         local = self.stage_params(state.params)
@@ -142,7 +142,7 @@ class Pipeline:
         layout = PipelineLayout(self.p, self.stage, tuple(st.keys for st in self.stages), group=self.group,
                                 timeout_s=self.timeout_s, buffer_keys=tuple(st.buffers for st in self.stages))
         return state.replace(params=local, buffers=placed.buffers, opt_state=state.tx.init(trainable(local)),
-                             extra={**state.extra, "pipeline": layout})
+                             pipeline=layout)
 
     def transform(self, step: Callable) -> Step:
         """``step`` as a pipeline step: outermost of the transforms.

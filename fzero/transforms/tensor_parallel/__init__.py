@@ -39,7 +39,7 @@ overflow check of ``mixed_precision``) are exact: they name each leaf's paramete
 (:class:`fzero.transforms.LeafSums`), and the handler counts a whole leaf on ``tp`` rank 0
 only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counted once.
 ``init`` records the split in the state (:class:`TensorParallelLayout`, in
-``state.extra["tensor_parallel"]`` and as the ``layout`` of ``state.params``), so
+``state.tensor_parallel`` and as the ``layout`` of ``state.params``), so
 ``fzero.checkpoint`` saves, reshards and exports it, and ``fzero.gather`` /
 ``fzero.load_into`` give the whole model back.
 """

@@ -146,7 +146,7 @@ def auto_plan(module: torch.nn.Module) -> dict[str, Any]:
 @tree.dataclass
 class TensorParallelLayout:
     """How a state is split over the ``tp`` axis; ``init`` keeps it in
-    ``state.extra["tensor_parallel"]``, where ``fzero.checkpoint`` finds it (by type) to
+    ``state.tensor_parallel``, where ``fzero.checkpoint`` finds it (by type) to
     save whole tensors' slices and to re-slice them onto another ``tp``, and as the
     ``layout`` of the state's :class:`fzero.Params`, where ``fzero.gather`` finds it.
 

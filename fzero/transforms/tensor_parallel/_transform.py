@@ -123,7 +123,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{WHERE}: state.apply_fn must come from fzero.functionalize(module): the plan "
                             "names the module's layers")
-        if "master" in state.extra or "tensor_parallel" in state.extra \
+        if state.master is not None or state.tensor_parallel is not None \
                 or any(hasattr(v, "__fzero_gather__") for v in tree.leaves(state.params)):
             raise ValueError(f"{WHERE}: this state is already partitioned or cast: make tensor_parallel "
                              "outside mixed_precision and shard_state (it chooses what they compute with)")
@@ -136,8 +136,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         splits.update(found)
         handler.names = frozenset(state.params)
         if tp == 1:
-            return state.replace(extra={**state.extra,
-                                        "tensor_parallel": TensorParallelLayout(1, 0, tuple(sorted(splits.items())))})
+            return state.replace(tensor_parallel=TensorParallelLayout(1, 0, tuple(sorted(splits.items()))))
         # The planned forwards and divided attributes are the step's, not the module's: they are
         # in place only while a step runs (_rewrite.py), so the module stays the user's own.
         running["rewrite"] = Rewrite(module, chosen, tp, group, mesh.timeout_s)
@@ -147,8 +146,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         # moments and a checkpoint loaded like the state are made from it, and fzero.gather
         # reads it from any of them.
         params = Params(with_values(state.params, local), frozen=frozen_names(state.params), layout=layout)
-        return state.replace(params=params, opt_state=state.tx.init(trainable(params)),
-                             extra={**state.extra, "tensor_parallel": layout})
+        return state.replace(params=params, opt_state=state.tx.init(trainable(params)), tensor_parallel=layout)
 
     def call(state, batch):
         if tp == 1:
