@@ -1,6 +1,6 @@
 """What each fault gives on 2 real ranks, and how long it takes: the table of docs/reliability.md.
 
-Each row is one ``fzero launch --nproc 2`` run of ``fzero/testing/fault_job.py`` (a tiny MLP,
+Each row is one ``fzero launch --nproc 2`` run of ``tests/harness/fault_job.py`` (a tiny MLP,
 ZeRO at ``--zero``, an asynchronous checkpoint every 2 steps, resumed from ``latest()``), with
 one fault injected. The columns: the job's exit code; the line of its output that says what
 happened (the first match of the row's pattern); and the seconds from the fault (the time
@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # fzero, and the test harness in tests/harness/
 
-import fzero.testing.fault_job as fault_job  # noqa: E402
-from fzero.testing.multirank import run_command  # noqa: E402
+from harness import fault_job  # noqa: E402
+from harness.commands import run_command  # noqa: E402
 
 # (label, job arguments, --max-restarts, pattern of the line to show)
 ROWS = [

@@ -584,8 +584,9 @@ def update_block(param_ptr, grad_ptr, flag_ptr, scale_ptr, grad_scale, sumsq_ptr
 def bf16_bits(x):
     """fp32 -> bf16 round-to-nearest-even as int16 bits, by integer ops on the fp32 pattern.
 
-    ``x.to(tl.bfloat16)`` truncates under the interpreter (DESIGN-NOTES), so the kernel
-    rounds itself to equal torch's cast bit for bit; nan becomes the quiet nan 0x7FC0.
+    ``x.to(tl.bfloat16)`` truncates under the interpreter (triton 3.9: fp32 1 + 2^-8 + 2^-9
+    becomes 0x3F80 where torch's cast gives 0x3F81), so the kernel rounds itself to equal
+    torch's cast bit for bit; nan becomes the quiet nan 0x7FC0.
     """
     b = x.to(tl.uint32, bitcast=True)
     r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16

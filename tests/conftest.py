@@ -17,7 +17,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture(scope="session")
 def ranks():
     """Real multi-rank worlds, started once per test session: ``ranks(world_size, **options)``
-    is a :class:`fzero.testing.multirank.RankPool`. A test runs module-level functions on it::
+    is a :class:`harness.ranks.RankPool` (``tests/harness/``). A test runs module-level functions on it::
 
         def _sum_ranks():
             t = torch.tensor([float(dist.get_rank())])
@@ -33,7 +33,7 @@ def ranks():
     failed job restarts its pool.
     """
     # Imported here: collecting tests stays light.
-    from fzero.testing.multirank import RankPools
+    from harness.ranks import RankPools
 
     pools = RankPools(max_pools=2)
     yield pools
@@ -71,7 +71,7 @@ def _tests_that_start_ranks_are_marked_multirank(request):
         return
     import subprocess
 
-    from fzero.testing.multirank import RankPool
+    from harness.ranks import RankPool
 
     started = []
     run, popen_init = RankPool.run, subprocess.Popen.__init__

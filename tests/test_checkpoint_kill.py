@@ -33,7 +33,7 @@ import fzero.checkpoint as ckpt
 from fzero import tree
 from fzero.checkpoint import _comm
 from fzero.distributed.flat import build_layout
-from fzero.testing.multirank import run_command
+from harness.commands import run_command
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

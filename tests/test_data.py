@@ -22,6 +22,7 @@ import fzero.checkpoint as ckpt
 import fzero.testing as ft
 from fzero import optim
 from fzero.data import DataLoader, GlobalBatchSampler
+from harness.ranks import RankError
 
 
 class Rows(tud.Dataset):
@@ -289,7 +290,7 @@ def test_a_run_killed_mid_training_resumes_with_the_identical_loss_curve(ranks, 
     straight = pool.run(_train, str(tmp_path / "straight"), None)
     assert straight[0] == straight[1] and [k for k, _ in straight[0]] == list(range(1, STEPS + 1))
     log = tmp_path / "killed.jsonl"
-    with pytest.raises(ft.multirank.RankError) as e:
+    with pytest.raises(RankError) as e:
         pool.run(_train, str(tmp_path / "killed"), str(log), KILL_AFTER)
     assert e.value.exit_codes == {0: -signal.SIGKILL, 1: -signal.SIGKILL}, e.value
     before = [tuple(json.loads(line)) for line in log.read_text().splitlines()]

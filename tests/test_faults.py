@@ -2,10 +2,10 @@
 mid-backward, mid-save, exit), and ranks given inputs that disagree.
 
 Two kinds of job. Whole training jobs run under ``fzero launch`` (torchrun) with
-``fzero/testing/fault_job.py``, a tiny MLP that checkpoints asynchronously and resumes from
+``tests/harness/fault_job.py``, a tiny MLP that checkpoints asynchronously and resumes from
 ``latest()``: the tests assert the job's exit, its message and, after a restart, that the
 loss curve equals an uninterrupted run's bit for bit. Faults inside one collective run on
-fresh :func:`~fzero.testing.multirank.run_ranks` worlds, where a stopped rank costs no
+fresh :func:`~harness.ranks.run_ranks` worlds, where a stopped rank costs no
 launcher's 30 s grace. Every subprocess is bounded and reaped (``run_command``).
 """
 
@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 import fzero
-import fzero.testing.fault_job as fault_job
 from fzero import optim
 from fzero.distributed import checkin, comm, watchdog
-from fzero.testing.multirank import RankError, run_command, run_ranks
+from harness import fault_job
+from harness.commands import run_command
+from harness.ranks import RankError, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ import torch
 
 import fzero
 from fzero import optim
-from fzero.testing.multirank import run_command
+from harness.commands import run_command
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 

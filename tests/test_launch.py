@@ -22,7 +22,7 @@ from fzero.cli import launch
 from fzero.cli.hostfile import HostfileError, parse_filter, parse_hostfile, read_hostfile, select_slots
 from fzero.cli.launch import LaunchError, find_env_file, parse_env_file
 from fzero.cli.main import build_parser, main
-from fzero.testing.multirank import run_command
+from harness.commands import run_command
 
 
 @pytest.fixture(autouse=True)

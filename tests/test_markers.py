@@ -2,6 +2,7 @@
 ``make test-fast`` (``-m "not slow and not multirank"``) starts none. tests/conftest.py checks
 it; these tests run that conftest on small suites of their own."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ markers =
 def suite(pytester):
     pytester.makeconftest(CONFTEST)
     pytester.makeini(INI)
+    shutil.copytree(Path(__file__).parent / "harness", pytester.path / "harness",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # the conftest imports it
     return pytester
 
 

@@ -1,4 +1,4 @@
-"""Tests of the multi-rank harness itself (``fzero.testing.multirank`` and the ``ranks`` fixture).
+"""Tests of the multi-rank harness itself (``tests/harness/``, the ``ranks`` fixture).
 
 The jobs are module-level functions: the ranks import them from this module by name.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fzero.testing.multirank import RankError, RankPool, RankPools, RankTimeout, current, run_ranks
+from harness.ranks import RankError, RankPool, RankPools, RankTimeout, current, run_ranks
 
 pytestmark = pytest.mark.multirank
 

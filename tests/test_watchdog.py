@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fzero.distributed import comm, p2p, watchdog
-from fzero.testing.multirank import run_command
+from harness.commands import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 

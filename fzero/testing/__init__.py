@@ -1,5 +1,5 @@
-"""Test support: hypothesis strategies, ``assert_trees_close``, one tolerance table, and a
-harness that runs a function on real ``torch.distributed`` ranks.
+"""Test support: hypothesis strategies, ``assert_trees_close``, one tolerance table, and the
+plain steps transforms are held to.
 
 fzero's own tests use these, and so can users who property-test their own steps:
 
@@ -24,9 +24,10 @@ The modules:
   ``run_steps``, ``local_batch``, ``Blocks`` (an MLP with ZeRO-3 units);
 - :mod:`fzero.testing.handlers`: ``RecordPsum``, ``AddOtherShard``, ``halves`` (a two-shard
   ``psum`` in one process);
-- :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once);
-- :mod:`fzero.testing.multirank`: ``RankPool``, ``RankPools``, ``run_ranks``, ``current``
-  (imported on its own: ``from fzero.testing.multirank import RankPool``).
+- :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once).
+
+The harness that runs fzero's own tests on real gloo ranks is test support and stays with
+the tests (``tests/harness/``), not in the installed package.
 """
 
 from fzero.testing.asserts import assert_trees_close

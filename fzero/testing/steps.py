@@ -55,8 +55,8 @@ def mse_step(state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str,
     """The plain train step: the mean squared error of ``state.apply_fn(params, batch["x"])``
     against ``batch["y"]``, its gradients by :func:`fzero.value_and_grad`, one update.
 
-    A module-level function, so a :class:`~fzero.testing.multirank.RankPool` can run it by
-    name.
+    A module-level function, so a multi-rank harness that pickles jobs by name (fzero's own,
+    in ``tests/harness/``) can run it on every rank.
 
     Returns:
         ``(new state, {"loss": loss})``.

@@ -28,14 +28,16 @@ the ranks because the parent's ``sys.path`` (and so ``tests/``) is handed down. 
 and results are pickled; CPU tensors are fine. Inside ``fn``, :func:`current` gives the
 rank and world size (``torch.distributed.get_rank()`` works too).
 
-Example:
+Example (skipped as a doctest: the suite's fast run starts no ranks, and
+``tests/test_multirank.py`` runs it):
     >>> import torch.distributed as dist
-    >>> from fzero.testing.multirank import run_ranks
-    >>> run_ranks(2, dist.get_world_size)
+    >>> from harness.ranks import run_ranks
+    >>> run_ranks(2, dist.get_world_size)  # doctest: +SKIP
     [2, 2]
 
-This module imports only the standard library at import time (the ``fzero.testing`` package
-around it imports torch and hypothesis); torch.distributed is imported when a pool starts.
+Test support, not installed with fzero: it lives in ``tests/harness/`` and is imported as
+``harness.ranks`` (pytest puts ``tests/`` on ``sys.path``). It imports only the standard
+library at import time; torch.distributed is imported when a pool starts.
 """
 
 from __future__ import annotations
@@ -60,8 +62,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Literal, NamedTuple
 
-__all__ = ["Command", "RankError", "RankInfo", "RankPool", "RankPools", "RankTimeout", "current", "reap", "run_command",
-           "run_ranks"]
+__all__ = ["RankError", "RankInfo", "RankPool", "RankPools", "RankTimeout", "current", "run_ranks"]
 
 # How long a hung rank gets to write its stack after SIGUSR1, and how long a graceful stop
 # waits for a rank to exit before it is killed.
@@ -87,7 +88,7 @@ def current() -> RankInfo:
     """
     if _CURRENT is None:
         raise RuntimeError(
-            "fzero.testing.multirank.current: not running on a RankPool rank; call it from a "
+            "harness.ranks.current: not running on a RankPool rank; call it from a "
             "function passed to RankPool.run or run_ranks"
         )
     return _CURRENT
@@ -219,7 +220,10 @@ def _watch_parent() -> None:
 # --------------------------------------------------------------------------- the pool
 
 _LIVE: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
-_BOOTSTRAP = "import os; os.environ.update(env)\nfrom fzero.testing.multirank import _child_main; _child_main(*args)"
+# ``path`` (the repository root and tests/) goes in front first: the harness is imported from
+# tests/, which a forkserver started before pytest put tests/ on sys.path would not find.
+_BOOTSTRAP = ("import os, sys; os.environ.update(env); sys.path[:0] = [p for p in path if p not in sys.path]\n"
+              "from harness.ranks import _child_main; _child_main(*args)")
 
 
 class RankPool:
@@ -354,9 +358,9 @@ class RankPool:
             port = _free_port(host)
         self._dump_dir = tempfile.mkdtemp(prefix="fzero-ranks-")
         self._dump_offsets[:] = [0] * n
-        # The repository root and its tests/ (where test modules define their jobs).
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        extra = [d for d in (root, os.path.join(root, "tests")) if os.path.isdir(d)]
+        # The repository root and its tests/ (where the harness and the test modules' jobs live).
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        extra = [os.path.dirname(tests), tests]
         sys_path = _unique([*extra, *sys.path])
         rank_env = []
         for r in range(n):
@@ -388,7 +392,8 @@ class RankPool:
             # The target is ``exec`` of a two-line bootstrap, so the environment is set in
             # the rank before anything of fzero is imported (fzero reads $FZERO_TIMEOUT at
             # import). Not daemonic: a daemonic process may not start its own (DataLoader).
-            p = ctx.Process(target=exec, args=(_BOOTSTRAP, {"env": env, "args": (r, n, child_end, rspec)}),
+            p = ctx.Process(target=exec, args=(_BOOTSTRAP, {"env": env, "path": extra,
+                                                            "args": (r, n, child_end, rspec)}),
                             name=f"fzero-rank{r}-of-{n}", daemon=False)
             p.start()
             child_end.close()
@@ -693,115 +698,6 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
         return pool.run(fn, *args, **kwargs)
 
 
-# --------------------------------------------------------------------------- commands
-
-#: The variable :func:`run_command` sets to a fresh tag in the environment of the command it
-#: starts; every process the command starts inherits it, so :func:`reap` finds them all.
-REAP_VAR = "FZERO_REAP_TAG"
-
-
-class Command(NamedTuple):
-    """What :func:`run_command` saw: the exit ``returncode`` (negative: killed by that
-    signal; ``None`` when it timed out), stdout and stderr together as ``output``, the
-    ``seconds`` it ran, and the ``reaped`` process ids it left behind and :func:`reap` killed."""
-
-    returncode: int | None
-    output: str
-    seconds: float
-    reaped: list[int]
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode is None
-
-
-def _tagged(tag: str) -> list[int]:
-    needle = f"{REAP_VAR}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:  # gone, or not ours
-            continue
-    return found
-
-
-def reap(tag: str) -> list[int]:
-    """SIGKILL every process whose environment holds ``FZERO_REAP_TAG=tag``; return their ids.
-
-    torchrun starts each rank in a session of its own (``setsid``), out of reach of a kill
-    of the launcher's process group, and a rank whose launcher died is re-parented away
-    from it: the tag in the environment, inherited by every descendant, finds them all.
-    Stopped (SIGSTOP) processes die too: SIGKILL needs no cooperation. Linux only (reads
-    ``/proc``); elsewhere nothing is found.
-    """
-    if not os.path.isdir("/proc"):
-        return []
-    killed = []
-    for _ in range(3):  # a process may fork while we look
-        pids = _tagged(tag)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        time.sleep(0.05)
-    return sorted(set(killed))
-
-
-def run_command(argv: list[str], *, timeout_s: float, cwd: str | None = None,
-                env: dict[str, str] | None = None) -> Command:
-    """Run ``argv`` (a launcher: ``fzero launch``, torchrun) to its end or ``timeout_s``, then
-    kill whatever it left running, ranks in sessions of their own included (:func:`reap`).
-
-    Args:
-        argv: the command.
-        timeout_s: the longest it may run; past it the command and every process it started
-            are killed and ``returncode`` is ``None``.
-        cwd, env: as ``subprocess.Popen``'s (``env`` defaults to this process's).
-
-    Returns:
-        A :class:`Command`.
-
-    Example:
-        >>> done = run_command(["sh", "-c", "setsid sleep 60 & echo started"], timeout_s=10)
-        >>> done.returncode, done.output, len(done.reaped), done.seconds < 10
-        (0, 'started\\n', 1, True)
-    """
-    import subprocess
-    import uuid
-
-    tag = uuid.uuid4().hex
-    env = {**(os.environ if env is None else env), REAP_VAR: tag}
-    t0 = time.monotonic()
-    # Output to a file, not a pipe: a process left behind holding the pipe would keep a
-    # reader waiting after the launcher itself ended.
-    with tempfile.TemporaryFile("w+", errors="replace") as log:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        except BaseException:  # pytest-timeout, Ctrl-C: leave nothing behind
-            reap(tag)
-            proc.kill()
-            proc.wait()
-            raise
-        seconds = time.monotonic() - t0
-        if code is None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        reaped = reap(tag)
-        proc.wait()
-        log.seek(0)
-        return Command(code, log.read(), seconds, reaped)
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -859,7 +755,7 @@ def _clean_stack(text: str) -> str:
             continue
         lines = block.splitlines()
         for i, line in enumerate(lines):
-            if line.strip().startswith('File "') and f"{os.sep}multirank.py" in line and line.endswith(" in _run_job"):
+            if line.strip().startswith('File "') and f"{os.sep}harness{os.sep}ranks.py" in line and line.endswith(" in _run_job"):
                 lines = lines[:i]
                 break
         blocks.append("\n".join(lines))

@@ -3,7 +3,7 @@
 Run under ``fzero launch`` (or torchrun) by ``tests/test_faults.py`` and
 ``benchmarks/faults.py``::
 
-    fzero launch --nproc 2 --max-restarts 1 fzero/testing/fault_job.py OUT --zero 2 --steps 8 \\
+    fzero launch --nproc 2 --max-restarts 1 tests/harness/fault_job.py OUT --zero 2 --steps 8 \\
         --fault kill:rank=1:at=backward:step=3
 
 Every rank trains a tiny MLP on its own deterministic batches, saves an asynchronous
