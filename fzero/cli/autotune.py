@@ -313,7 +313,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     bucket = cfg.compile_options().bucket_bytes
     estimate = functools.partial(estimate_bytes, num_params=num_params, world_size=nproc, precision=precision,
                                  optimizer=_optimizer_kind(base), bucket_bytes=bucket, pp=pp)
-    from fzero.cli.estimate import format_bytes
+    from fzero.memory import format_bytes
 
     print(f"fzero autotune: {len(candidates)} candidates on {nproc} ranks, Ψ = {num_params:,} parameters, "
           f"{precision}, budget {format_bytes(budget) + ' per rank' if budget else 'none'}, metric {tuning.metric}, "
