@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fzero.config._keys import (
     _BF16,
@@ -36,9 +36,6 @@ from fzero.config import _auto
 from fzero.config._sections import (BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig,
                                     offload_device)
 from fzero.config._values import WHERE, _bool, _frozen, _int, _num, _section, _short
-
-if TYPE_CHECKING:
-    from fzero.config._config import Config
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -118,9 +115,10 @@ class Known:
         return Known(**{**values, **changes})
 
 
-def from_dict(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None,
-              known: Known | None = None) -> Config:
-    """A ``cls`` (``Config``) from a config dict: ``"auto"`` values filled from ``known``,
+def from_dict(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
+              known: Known | None = None) -> Any:
+    """A ``cls`` (``Config``, which calls this: the loading stands under the data and never
+    imports it) from a config dict: ``"auto"`` values filled from ``known``,
     every key classified, every section built; all problems in one error, which names the
     file after ``fzero.Config:``."""
     cfg, notes = _read(cls, d, world_size, source, known or Known())
@@ -128,8 +126,8 @@ def from_dict(cls: type[Config], d: Mapping[str, Any], world_size: int, source: 
     return cfg
 
 
-def _read(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None,
-          known: Known) -> tuple[Config | None, _Notes]:
+def _read(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
+          known: Known) -> tuple[Any, _Notes]:
     notes = _Notes()
     paths = _auto.find(d)
     given, hidden = _auto.given_values(known.auto)
@@ -188,13 +186,12 @@ def _in_file_order(d: Mapping[str, Any], verdicts: list, autos: set[str]) -> lis
     return sorted(seen.values(), key=lambda v: order.get(v[0], len(order)))
 
 
-def check(d: Mapping[str, Any], world_size: int, source: str | None, known: Known | None = None
+def check(cls: type, d: Mapping[str, Any], world_size: int, source: str | None, known: Known | None = None
           ) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
-    """``(verdicts, problems)``: what fzero does with each key of ``d`` (``(path, verdict,
-    detail)``) and every problem loading it would raise (``(path, message)``)."""
-    from fzero.config._config import Config
-
-    _, notes = _read(Config, d, world_size, source, known or Known())
+    """``(verdicts, problems)``: what fzero does with each key of ``d`` read as a ``cls``
+    (``Config``): ``(path, verdict, detail)``, and every problem loading it would raise
+    (``(path, message)``)."""
+    _, notes = _read(cls, d, world_size, source, known or Known())
     return notes.verdicts, [(p, _message(e)) for p, e in notes.problems]
 
 
@@ -205,8 +202,8 @@ def _used(notes: _Notes, prefix: str, d: Mapping[str, Any], what: Mapping[str, s
             notes.verdicts.append((prefix + key, "used", f"{_short(value)} -> {what[key]}"))
 
 
-def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None, notes: _Notes,
-           pending: tuple[str, ...]) -> Config | None:
+def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None, notes: _Notes,
+           pending: tuple[str, ...]) -> Any:
     """Every section built, each failure noted by its path; the ``Config``, or ``None`` when
     it could not be built."""
     top = _fields("", d, _TOP, notes)
