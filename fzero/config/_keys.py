@@ -432,10 +432,6 @@ _SCHEDULERS: dict[str, tuple[str, ...]] = {
 # follows the release its DeepSpeed semantics are checked against (0.19.8).
 GRADIENT_CLIPPING_DEFAULT = 1.0
 
-# communication_data_type -> (compile's reduce_in, bytes per reduced element)
-_COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}
-
-
 # DeepSpeed's ``comms_logger`` section (deepspeed/comm/config.py, DeepSpeedCommsConfig). Its
 # ``enabled`` is ``compile(comm_bytes=)``: each step's metrics carry the bytes this rank sent,
 # by collective kind. The rest choose what DeepSpeed prints and times, which fzero does not.
