@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fzero.autotune._profile import from_env as autotune_trial
+from fzero.autotune._profile import TrialProfiler
 from fzero.config import AutoFill, Config
 from fzero.config._options import keys_of
 from fzero.core import Step, as_step, collecting_metrics, running
@@ -161,7 +161,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             fp16 scaler's settings, ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``,
             ``overlap_comm``, ``nonfinite`` (an update with an inf/NaN gradient: skipped by
             default), ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``,
-            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, and the measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken
+            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``, and the
+            measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken
             for ``zero`` and ``precision``, with a ``DeprecationWarning``.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
@@ -219,9 +220,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if layer.applies(plan):
             inner = layer.wrap(inner, plan)
 
-    # Under `fzero autotune` ($FZERO_AUTOTUNE names a trial spec), the step measures itself
-    # and ends the run, as DeepSpeed's engine does with an autotuning section (docs/autotune.md).
-    profiler = autotune_trial()
+    # An autotuning trial (compile(trial=), or the trial config fzero autotune writes): the
+    # step measures itself and ends the run, as DeepSpeed's engine does (docs/autotune.md).
+    profiler = TrialProfiler(opts.trial) if opts.trial is not None else None
 
     def before(state):
         if not isinstance(state, TrainState):

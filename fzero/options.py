@@ -26,7 +26,7 @@ from fzero.transforms._checks import CHECKS, DEFAULT_BUCKET_BYTES, boolean, choi
 from fzero.transforms.pipeline import Pipeline
 from fzero.transforms.tensor_parallel import check_plan
 
-__all__ = ["CompileOptions", "DEFAULT_BUCKET_BYTES", "RENAMED", "field_name"]
+__all__ = ["CompileOptions", "DEFAULT_BUCKET_BYTES", "RENAMED", "TrialSpec", "field_name"]
 
 # Other names of an option -> (its name now, still accepted). The accepted ones are the
 # transforms' own keywords (shard_state(stage=), mixed_precision(dtype=)), which compile took
@@ -48,6 +48,47 @@ def field_name(keyword: str) -> str:
     return RENAMED.get(keyword, (keyword,))[0]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialSpec:
+    """An autotuning trial the compiled step runs (``compile(trial=)``): what ``fzero
+    autotune`` asks of each run of the script, through its trial config's ``autotuning``
+    section (docs/autotune.md), and what a test or notebook passes to profile a step.
+
+    Example:
+        >>> TrialSpec(mode="profile", metric_path="m.json", start_profile_step=5, end_profile_step=2)
+        Traceback (most recent call last):
+            ...
+        ValueError: fzero autotune trial: need 1 <= start_profile_step <= end_profile_step, got start_profile_step=5, end_profile_step=2
+    """
+
+    mode: Literal["profile", "model_info"]
+    """``"profile"``: time calls ``start_profile_step``..``end_profile_step``, write the
+    result, end the run; ``"model_info"``: write Ψ (the trainable parameters) at
+    ``step.init`` and end the run there."""
+
+    metric_path: str
+    """Where rank 0 writes the result (JSON)."""
+
+    start_profile_step: int = 3
+    """The first timed call, 1-based (the calls before it are warm-up)."""
+
+    end_profile_step: int = 5
+    """The last timed call, inclusive."""
+
+    shutdown: bool = True
+    """Destroy the process group before ending the trial (a trial that is a whole run);
+    ``False`` leaves it to a caller that goes on."""
+
+    def __post_init__(self):
+        if self.mode not in ("profile", "model_info"):
+            raise ValueError(f"fzero autotune trial: mode must be 'profile' or 'model_info', got {self.mode!r}")
+        start, end = self.start_profile_step, self.end_profile_step
+        if not (isinstance(start, int) and isinstance(end, int) and 1 <= start <= end):
+            raise ValueError(f"fzero autotune trial: need 1 <= start_profile_step <= end_profile_step, got "
+                             f"start_profile_step={start!r}, end_profile_step={end!r}")
+        object.__setattr__(self, "metric_path", str(self.metric_path))
+
+
 def _plan(v) -> str | None:
     try:
         check_plan(v)  # the transform's own check, once
@@ -58,6 +99,10 @@ def _plan(v) -> str | None:
 
 def _pipeline(v) -> str | None:
     return None if isinstance(v, Pipeline) else "must be None or an fzero.pipeline(...) (a Pipeline)"
+
+
+def _trial(v) -> str | None:
+    return None if isinstance(v, TrialSpec) else "must be None or an fzero.autotune.TrialSpec"
 
 
 def _monitors(v) -> str | None:
@@ -82,6 +127,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "offload_optimizer": choice("none", "cpu"),
     "tp": optional(_plan),
     "pipeline": optional(_pipeline),
+    "trial": optional(_trial),
     "timers": boolean,
     "flops": boolean,
     "memory": boolean,
@@ -236,6 +282,14 @@ class CompileOptions:
     (``fzero.pipeline(stages, loss_fn, mesh, micro_batches=, schedule=)``), applied outermost
     as ``pipe.transform``. The train step computes its loss and gradients with
     ``pipe(params, x, y)``. Required when the mesh has a ``pp`` axis."""
+
+    trial: TrialSpec | None = None
+    """An autotuning trial (:class:`TrialSpec`, exported as ``fzero.autotune.TrialSpec``):
+    the step measures itself and ends the run with ``fzero.autotune.TrialDone``, a
+    ``SystemExit(0)``. ``fzero autotune`` gives it through each trial's config, DeepSpeed's
+    ``autotuning`` keys (``enabled`` with ``metric_path``, ``start_profile_step``,
+    ``end_profile_step``; or ``enabled`` with ``model_info.profile`` and
+    ``model_info_path``); ``None``, the default, measures nothing."""
 
     timers: bool = False
     """Time each step's phases into ``metrics["time"]``: seconds of ``forward``, ``backward``,

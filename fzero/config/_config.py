@@ -21,7 +21,7 @@ from fzero.config._options import COMM_DTYPES
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from fzero.config._values import WHERE, _bool, _int, _num
 from fzero.optim import GradientTransformation, schedules
-from fzero.options import CompileOptions, field_name
+from fzero.options import CompileOptions, TrialSpec, field_name
 
 _BATCH_PATHS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 
@@ -173,6 +173,13 @@ class Config:
     """The ``wandb`` section's keys as written (``enabled``, ``project``, ``group``,
     ``team``), or ``None``."""
 
+    trial: TrialSpec | None = None
+    """The ``autotuning`` section as the trial it asks of this run (``fzero.compile(trial=)``),
+    as DeepSpeed's engine reads it: ``enabled`` with ``model_info.profile`` and
+    ``model_info_path`` (write Ψ at ``step.init`` and end the run), or ``enabled`` with
+    ``metric_path`` (time ``start_profile_step``..``end_profile_step``, write the result, end
+    the run). ``None`` otherwise: the section's other keys are ``fzero autotune``'s."""
+
     dataloader_drop_last: bool | None = None
     """``dataloader_drop_last``: whether :class:`fzero.data.DataLoader` built from this config
     drops a short last global batch; ``None`` when not written (the loader then drops it)."""
@@ -227,6 +234,9 @@ class Config:
         if self.communication_data_type is not None and self.communication_data_type not in COMM_DTYPES:
             raise ValueError(f"{WHERE}: communication_data_type must be one of "
                              f"{', '.join(map(repr, COMM_DTYPES))}, got {self.communication_data_type!r}")
+        if self.trial is not None and not isinstance(self.trial, TrialSpec):
+            raise TypeError(f"{WHERE}: trial must be an fzero.autotune.TrialSpec or None, got "
+                            f"{type(self.trial).__name__}")
         if self.comms_logger is not None:
             _bool("comms_logger.enabled", self.comms_logger)
         for name in ("wall_clock_breakdown", "memory_breakdown", "flops_profiler"):

@@ -215,8 +215,9 @@ _TOP: dict[str, _Rule] = {
     "flops_profiler": _USE,  # compile(flops=)
     "comms_logger": _USE,
     "timers": _noop("DeepSpeed's throughput timers", _never),
-    # Read by `fzero autotune` (fzero.autotune.AutotuningConfig), not by the step.
-    "autotuning": _noop("read by `fzero autotune`", _never),
+    # Read by `fzero autotune` (fzero.autotune.AutotuningConfig); the step reads only the
+    # trial a tuner's trial config asks of it (Config.trial).
+    "autotuning": _USE,
     "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
     "zero_allow_untested_optimizer": _noop("fzero's ZeRO runs any fzero.optim optimizer", _never),
     "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),

@@ -36,6 +36,7 @@ from fzero.config._options import COMM_DTYPES
 from fzero.config._sections import (BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig,
                                     offload_device)
 from fzero.config._values import WHERE, _bool, _frozen, _int, _num, _section, _short
+from fzero.options import TrialSpec
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -162,6 +163,26 @@ def _read(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
         object.__setattr__(cfg, "_verdicts", tuple(notes.verdicts))
         object.__setattr__(cfg, "_foreign", tuple(notes.foreign))
     return cfg, notes
+
+
+def _trial(section: Any) -> TrialSpec | None:
+    """The trial an ``autotuning`` section asks of this run, as DeepSpeed's engine reads the
+    section: ``enabled`` with ``model_info.profile`` and ``model_info_path`` (Ψ at init, then
+    the end), or ``enabled`` with ``metric_path`` (profile, then the end); ``None`` for a
+    section that asks none (``fzero autotune`` reads the rest)."""
+    if not isinstance(section, Mapping) or section.get("enabled") is not True:
+        return None
+    info = section.get("model_info")
+    try:
+        if isinstance(info, Mapping) and info.get("profile") is True and section.get("model_info_path"):
+            return TrialSpec(mode="model_info", metric_path=section["model_info_path"])
+        if section.get("metric_path"):
+            return TrialSpec(mode="profile", metric_path=section["metric_path"],
+                             start_profile_step=section.get("start_profile_step", 3),
+                             end_profile_step=section.get("end_profile_step", 5))
+    except ValueError as e:
+        raise ValueError(f"{WHERE}: autotuning: {e}") from None
+    return None
 
 
 def _flat_paths(d: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -323,6 +344,15 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             kw["autotp_size"] = build("tensor_parallel.autotp_size",
                                       lambda: _int("tensor_parallel.autotp_size", section["autotp_size"], minimum=1))
             _used(notes, "tensor_parallel.", section)
+    tuning = top.get("autotuning")
+    if tuning is not None:
+        trial = build("autotuning", lambda: _trial(tuning))
+        if trial is not None:
+            kw["trial"] = trial
+            _used(notes, "autotuning.", tuning)
+            _used(notes, "autotuning.model_info.", tuning.get("model_info") or {})
+        elif not any(p == "autotuning" for p, _ in notes.problems):
+            notes.verdicts.append(("autotuning", "no effect", "read by `fzero autotune`"))
     logger = top.get("comms_logger")
     if logger is not None:
         section = build("comms_logger", lambda: _fields("comms_logger.", _section("comms_logger", logger),

@@ -93,6 +93,9 @@ OPTIONS: tuple[Row, ...] = (
     Row("memory", ("memory_breakdown",), lambda c: _written(c.memory_breakdown), "metrics[\"memory\"]"),
     Row("flops", ("flops_profiler.enabled",), lambda c: _written(c.flops_profiler),
         "metrics[\"flops\"], \"mfu\""),
+    Row("trial", ("autotuning.enabled", "autotuning.metric_path", "autotuning.start_profile_step",
+                  "autotuning.end_profile_step", "autotuning.model_info.profile", "autotuning.model_info_path"),
+        lambda c: _written(c.trial), "an autotuning trial: the step measures itself and ends the run"),
 )
 
 
