@@ -15,8 +15,16 @@ from fzero.functional import functionalize, grad, load_into, remat, value_and_gr
 from fzero.means import global_mean
 from fzero import rng
 from fzero.train_state import TrainState
-from fzero.transforms import (ColwiseParallel, DivideAttributes, NonFiniteGradientError, RowwiseParallel, Step, accumulate,
-                              check_finite, mixed_precision, pipeline, shard_state, tensor_parallel)
+# Step -> step transforms: each takes a train step and returns one with the same signature
+# (compile applies them in one fixed order, fzero/_compile.py's ORDER).
+from fzero.transforms import (Step, accumulate, check_finite, clip, mixed_precision, offload_optimizer, shard_state,
+                              tensor_parallel)
+# Not a step transform: fzero.pipeline(stages, loss_fn, mesh) makes a gradient function, a
+# pipelined value_and_grad the train step calls (loss, grads = pipe(params, x, y)); its
+# .transform(step) is the step transform, which compile(pipeline=pipe) applies.
+from fzero.transforms import pipeline
+# What the transforms take and raise: tensor_parallel's plan styles, check_finite's error.
+from fzero.transforms import ColwiseParallel, DivideAttributes, NonFiniteGradientError, RowwiseParallel
 from fzero._version import __version__
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "accumulate",
     "check_finite",
     "checkpoint",
+    "clip",
     "compile",
     "data",
     "functionalize",
@@ -40,6 +49,7 @@ __all__ = [
     "grad",
     "load_into",
     "mixed_precision",
+    "offload_optimizer",
     "optim",
     "pipeline",
     "RowwiseParallel",
@@ -51,11 +61,19 @@ __all__ = [
     "value_and_grad",
 ]
 
+# Subpackages reachable as attributes but imported on first use only, as SPEC 1 (lazy
+# loading, scientific Python) has it: fzero.testing needs hypothesis, a test dependency,
+# and stands above the whole package (it imports fzero), so nothing here imports it.
+_LAZY_SUBMODULES = frozenset({"testing"})
+
 
 def __getattr__(name: str):
-    # fzero.testing needs hypothesis, a test dependency: imported on first use only.
-    if name == "testing":
+    if name in _LAZY_SUBMODULES:
         import importlib
 
-        return importlib.import_module("fzero.testing")
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fzero' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY_SUBMODULES])

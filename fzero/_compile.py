@@ -1,35 +1,105 @@
-"""``fzero.compile``: one call that composes the transforms a training run asks for."""
+"""``fzero.compile``: one call that composes the transforms a training run asks for.
+
+First the options become plain data (:class:`Plan`: the keywords, the config's decided
+options, check_finite's mode, the bucket); then :data:`ORDER` wraps the step in the
+transforms they ask for, one row per transform with the reason it stands where it does;
+then the step boundary (:func:`compile`'s ``before``/``call``) fills the config's pending
+``"auto"`` values, installs its optimizer, collects metrics and marks donated states.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from fzero.autotune._profile import from_env as autotune_trial
+from fzero.autotune._profile import TrialProfiler
+from fzero.config import AutoFill, Config
+from fzero.config._options import keys_of
+from fzero.core import Step, as_step, collecting_metrics, running
 from fzero.distributed import comm
 from fzero.distributed.mesh import AXES, Mesh
-from fzero.options import SPELLINGS, CompileOptions
+from fzero.options import CompileOptions, field_name
 from fzero.train_state import TrainState, missing_optimizer
-from fzero.core import Step, as_step, collecting_metrics, running
+from fzero.transforms.accumulate import accumulate
+from fzero.transforms.clip import clip
+from fzero.transforms.finite import check_finite
+from fzero.transforms.mixed_precision import mixed_precision
+from fzero.transforms.offload import offload_optimizer
+from fzero.transforms.shard_state import release_parameters, shard_state
+from fzero.transforms.tensor_parallel import tensor_parallel
 
-__all__ = ["compile"]
+__all__ = ["compile", "ORDER", "Plan", "Layer"]
 
 
-def _with_clipping(step: Step, max_norm: float) -> Step:
-    """Clip by global norm in front of the state's optimizer (installed at ``init``)."""
-    from fzero import optim
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the transforms are built from, all of it known before the first is built."""
 
-    def after(state):  # in front of the optimizer the inner transforms built the state for
-        clip = optim.clip_by_global_norm(max_norm)
-        return state.replace(
-            tx=optim.chain(clip, state.tx), opt_state=(clip.init(state.params), state.opt_state)
-        )
+    opts: CompileOptions
+    """The options: the keywords over the config's decided ones."""
 
-    return Step(step, after=after, name=f"clip({step.__name__})", inner=step)
+    mesh: Mesh
+    """The mesh the step runs on."""
+
+    nonfinite: str | None
+    """``check_finite``'s mode, or ``None`` when it is not applied (:func:`_nonfinite`)."""
+
+    bucket_bytes: int | Callable[[], int]
+    """``shard_state``'s bucket: ``opts.bucket_bytes``, or, for a config whose
+    ``reduce_bucket_size`` is ``"auto"``, :meth:`fzero.config.AutoFill.bucket_bytes`, which
+    ``shard_state``'s ``init`` asks once ``step.init`` has filled it from the model."""
+
+
+class Layer(NamedTuple):
+    """One row of compile's order: the transform, when it applies, and why it stands there."""
+
+    name: str
+    applies: Callable[[Plan], bool]
+    wrap: Callable[[Step, Plan], Step]
+    why: str
+
+
+# The fixed order, innermost first: each row wraps the rows above it. A transform's handler
+# sees the primitives of the ones inside it first, and its init runs after theirs
+# (fzero/core.py). docs/transforms.md shows this table; tests/test_compile.py holds it to it.
+ORDER: tuple[Layer, ...] = (
+    Layer("clip", lambda p: p.opts.clip_norm is not None, lambda s, p: clip(s, p.opts.clip_norm),
+          "innermost: the clip joins the optimizer, so it sees the update's gradients after every reduction "
+          "and unscaling (the global norm, as torch's clip_grad_norm_)"),
+    Layer("accumulate", lambda p: p.opts.accumulate > 1, lambda s, p: accumulate(s, p.opts.accumulate),
+          "inside mixed precision and ZeRO: micro-batches add up before the overflow verdict and before "
+          "stage 0-1's single reduction of the sum"),
+    Layer("mixed_precision", lambda p: p.opts.precision != "fp32",
+          lambda s, p: mixed_precision(s, p.opts.precision, p.opts.loss_scale,
+                                       check_grad_overflow=p.opts.check_grad_overflow, **p.opts.scaler()),
+          "inside ZeRO: its init makes the masters and the low-precision copies, which shard_state's init then "
+          "partitions and gathers (half the bytes)"),
+    Layer("check_finite", lambda p: p.nonfinite is not None, lambda s, p: check_finite(s, p.nonfinite),
+          "outside mixed precision (it sees the unscaled gradients' verdict first) and inside ZeRO (its flags "
+          "are summed over the ranks, so every rank decides alike)"),
+    Layer("shard_state", lambda p: p.opts.zero > 0 or p.mesh.size("dp") > 1,
+          lambda s, p: shard_state(s, p.mesh, p.opts.zero, bucket_bytes=p.bucket_bytes, reduce_in=p.opts.reduce_in,
+                                   buffer_sync=p.opts.buffer_sync, overlap_comm=p.opts.overlap_comm,
+                                   offload_param=p.opts.offload_param, pin_memory=p.opts.pin_memory),
+          "ranks exchange gradients and parameters of what the inner steps built"),
+    Layer("offload_optimizer", lambda p: p.opts.offload_optimizer != "none",
+          lambda s, p: offload_optimizer(s, pin_memory=p.opts.pin_memory, make_masters=p.opts.precision == "fp32"),
+          "outside ZeRO: its init moves to the host what shard_state partitioned and placed on the device (this "
+          "rank's masters and optimizer state), and its update handler, the last before the optimizer's, steps "
+          "exactly those pieces there"),
+    Layer("tensor_parallel", lambda p: p.opts.tp is not None, lambda s, p: tensor_parallel(s, p.mesh, p.opts.tp),
+          "outside ZeRO and mixed precision: its init keeps this rank's slice of each split layer before they "
+          "cast, partition and build optimizer state on it (Ψ/tp per rank)"),
+    Layer("pipeline", lambda p: p.opts.pipeline is not None, lambda s, p: p.opts.pipeline.transform(s),
+          "outermost: its init keeps this stage's parameters before anything else is built on them, and its "
+          "handler turns a norm's psum into an all-reduce over pp too"),
+)
 
 
 class Donated:
@@ -87,13 +157,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         auto: with ``config``: values for its ``"auto"`` keys, by dotted path or Hugging
             Face argument name (``{"max_steps": 1000}``), or a ``TrainingArguments``.
         **options: the fields of :class:`fzero.CompileOptions`, each documented there:
-            ``stage`` (also spelled ``zero``), ``dtype`` (also ``precision``),
-            ``accumulate``, ``clip_norm``, ``loss_scale`` and the fp16 scaler's settings,
-            ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``, ``overlap_comm``,
-            ``nonfinite`` (an update with an inf/NaN gradient: skipped by default),
-            ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``, ``offload_param``,
-            ``pin_memory``,
-            ``tp``, ``pipeline``.
+            ``zero``, ``precision``, ``accumulate``, ``clip_norm``, ``loss_scale`` and the
+            fp16 scaler's settings, ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``,
+            ``overlap_comm``, ``nonfinite`` (an update with an inf/NaN gradient: skipped by
+            default), ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``,
+            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``, and the
+            measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken
+            for ``zero`` and ``precision``, with a ``DeprecationWarning``.
 
     After ``step.init`` the module passed to ``fzero.functionalize`` holds no weights
     (its parameters are ``meta`` tensors, so no dead copy of the model stays in memory);
@@ -140,67 +210,19 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if mesh.size("tp") > 1 and opts.tp is None:
         raise ValueError(f"fzero.compile: {mesh} has a tp axis of {mesh.size('tp')}: pass tp={{...}}, a plan "
                          "of module-name globs to fzero.ColwiseParallel() / fzero.RowwiseParallel()")
-    # The fixed order, innermost first. Each transform's handler sees the primitives of the
-    # ones inside it first (fzero/core.py).
+    fill = AutoFill(cfg, itemsize=2 if opts.reduce_in in ("fp16", "bf16") else 4,
+                    default_bucket=opts.bucket_bytes) if cfg is not None else None
+    # Everything the transforms are built from is known here, as plain data.
+    plan = Plan(opts, mesh, _nonfinite(opts),
+                fill.bucket_bytes if fill is not None and fill.bucket_pending else opts.bucket_bytes)
     inner = as_step(train_step)
-    if opts.clip_norm is not None:
-        # Innermost: the clip joins the optimizer, so it sees the update's gradients after
-        # every reduction and unscaling (the global norm, as torch's clip_grad_norm_).
-        inner = _with_clipping(inner, float(opts.clip_norm))
-    if opts.accumulate > 1:
-        # Inside mixed precision and ZeRO: micro-batches add up before the overflow verdict
-        # and before stage 0-1's single reduction of the sum.
-        from fzero.transforms.accumulate import accumulate
+    for layer in ORDER:
+        if layer.applies(plan):
+            inner = layer.wrap(inner, plan)
 
-        inner = accumulate(inner, opts.accumulate)
-    if opts.dtype != "fp32":
-        # Inside ZeRO: its init makes the masters and the low-precision copies, which
-        # shard_state's init then partitions and gathers (half the bytes).
-        from fzero.transforms.mixed_precision import mixed_precision
-
-        inner = mixed_precision(inner, opts.dtype, opts.loss_scale, check_grad_overflow=opts.check_grad_overflow,
-                                **opts.scaler())
-    finite = _nonfinite(opts)
-    if finite is not None:
-        # Outside mixed precision (it sees the unscaled gradients' verdict first) and inside
-        # ZeRO (its flags are summed over the ranks, so every rank decides alike).
-        from fzero.transforms.finite import check_finite
-
-        inner = check_finite(inner, finite)
-    if opts.stage > 0 or mesh.size("dp") > 1:
-        # Outermost: ranks exchange gradients and parameters of what the inner steps built.
-        from fzero.transforms.shard_state import shard_state
-
-        bucket = opts.bucket_bytes
-        if cfg is not None and "zero_optimization.reduce_bucket_size" in cfg.pending:
-            def bucket():  # at init, once the model's hidden size has filled the config
-                elements = step.config.zero_optimization.reduce_bucket_size
-                itemsize = 2 if opts.reduce_in in ("fp16", "bf16") else 4
-                return opts.bucket_bytes if elements is None else int(elements) * itemsize
-        inner = shard_state(inner, mesh, opts.stage, bucket_bytes=bucket,
-                            reduce_in=opts.reduce_in, buffer_sync=opts.buffer_sync, overlap_comm=opts.overlap_comm,
-                            offload_param=opts.offload_param, pin_memory=opts.pin_memory)
-    if opts.offload_optimizer != "none":
-        # Outside ZeRO: its init moves to the host what shard_state partitioned and placed on
-        # the device (this rank's masters and optimizer state), and its update handler, the
-        # last before the optimizer's, steps exactly those pieces there.
-        from fzero.transforms.offload import offload_optimizer
-
-        inner = offload_optimizer(inner, pin_memory=opts.pin_memory, make_masters=opts.dtype == "fp32")
-    if opts.tp is not None:
-        # Outside ZeRO and mixed precision: its init keeps this rank's slice of each split
-        # layer before they cast, partition and build optimizer state on it (Ψ/tp per rank).
-        from fzero.transforms.tensor_parallel import tensor_parallel
-
-        inner = tensor_parallel(inner, mesh, opts.tp)
-    if opts.pipeline is not None:
-        # Outermost: its init keeps this stage's parameters before anything else is built on
-        # them, and its handler turns a norm's psum into an all-reduce over pp too.
-        inner = opts.pipeline.transform(inner)
-
-    # Under `fzero autotune` ($FZERO_AUTOTUNE names a trial spec), the step measures itself
-    # and ends the run, as DeepSpeed's engine does with an autotuning section (docs/autotune.md).
-    profiler = autotune_trial()
+    # An autotuning trial (compile(trial=), or the trial config fzero autotune writes): the
+    # step measures itself and ends the run, as DeepSpeed's engine does (docs/autotune.md).
+    profiler = TrialProfiler(opts.trial) if opts.trial is not None else None
 
     def before(state):
         if not isinstance(state, TrainState):
@@ -210,11 +232,11 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         # First, so that every transform's init (masters, layouts, optimizer state) builds
         # on the mesh's device.
         state = mesh.place(state)
-        if cfg is not None:
-            # step.config is the config as far as it is known: the state fills its "auto"
-            # optimizer values and the bucket from the model's hidden size, the first call
-            # the batch sizes.
-            step.config = resolved = step.config.resolve(state=state)
+        if fill is not None:
+            # step.config is the config as far as it is known: the state fills the bucket
+            # from the model's hidden size (shard_state's init, inside, reads it), the first
+            # call the batch sizes.
+            step.config = resolved = fill.at_init(state)
             _report(resolved)
             # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
             state = resolved.install(state)
@@ -227,20 +249,18 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if isinstance(module, torch.nn.Module):
             # The module is only code from here on (its parameters live in the state);
             # fzero.load_into writes trained weights back.
-            from fzero.transforms.shard_state import release_parameters
-
             release_parameters(module)
         return state
 
-    monitoring = _monitoring(opts, cfg, mesh, lambda: step.config)
+    monitoring = _monitoring(opts, cfg, mesh)
 
     def call(state, batch):
         if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
             raise state.params.error()
         # The traffic counter only grows; the step's share is the difference, so a caller
         # counting over several steps (comm.traffic itself) is not disturbed.
-        if cfg is not None and step.config.pending:  # "auto" batch sizes: this batch says
-            step.config = step.config.resolve(batch=batch)
+        if fill is not None and fill.config.pending:  # "auto" batch sizes: this batch says
+            step.config = fill.at_first_call(batch)
             _report(step.config, only=("train_batch_size", "train_micro_batch_size_per_gpu"))
         if not opts.donate and isinstance(state, TrainState) and state.buffers:
             # The forward updates buffers in place (BatchNorm's statistics): an undonated step
@@ -289,9 +309,9 @@ def _nonfinite(opts: CompileOptions) -> str | None:
     """The mode of the ``check_finite`` transform ``opts`` ask for, or ``None`` (none, or
     mixed precision's own check does it)."""
     mode = opts.nonfinite
-    if opts.dtype == "fp32":
+    if opts.precision == "fp32":
         return None if mode == "apply" else mode or "skip"
-    scaled = opts.dtype == "fp16" and opts.loss_scale is not None
+    scaled = opts.precision == "fp16" and opts.loss_scale is not None
     if scaled and mode not in (None, "skip"):
         raise ValueError(f"fzero.compile: nonfinite={mode!r} with fp16's loss scaler: the scaler skips an "
                          "overflowed update and lowers the scale, which is how it finds its scale; only "
@@ -311,7 +331,7 @@ def _report(cfg: Any, only: tuple[str, ...] | None = None) -> None:
             print(text, file=sys.stderr, flush=True)
 
 
-def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh, current: Callable[[], Any]):
+def _monitoring(opts: CompileOptions, cfg: Config | None, mesh: Mesh):
     """The step's measurements and monitors (:mod:`fzero.monitor`), or ``None`` when it has
     none: then the step runs exactly as without them."""
     monitors = list(opts.monitors)
@@ -319,20 +339,21 @@ def _monitoring(opts: CompileOptions, cfg: Any, mesh: Mesh, current: Callable[[]
     if cfg is not None:
         monitors += cfg.make_monitors()  # on every rank: a missing package fails them all alike
         if cfg.optimizer is not None:
-            built: dict = {}  # the schedule of the config it was built from
+            # The config's learning rate: its optimizer and scheduler values never wait for the
+            # state or a batch ("auto" ones are filled at Config.load), so this is what
+            # step.init installs. Built at the first use.
+            @functools.cache
+            def schedule():
+                lr0 = cfg.optimizer.hyperparameters()["lr"]
+                return cfg.make_schedule() if cfg.scheduler is not None else (lambda _: float(lr0))
 
-            def lr(count: int) -> float:  # the config as step.init resolved it ("auto" lr included)
-                resolved = current()
-                if built.get("of") is not resolved:
-                    lr0 = resolved.optimizer.hyperparameters()["lr"]
-                    built.update(of=resolved, fn=resolved.make_schedule() if resolved.scheduler is not None
-                                 else (lambda _: float(lr0)))
-                return built["fn"](count)
+            def lr(count: int) -> float:
+                return schedule()(count)
     if not (opts.timers or opts.flops or opts.memory or monitors):
         return None
     from fzero.monitor._run import Monitoring
 
-    return Monitoring(device=torch.device(mesh.device), rank=mesh.rank, dp=mesh.size("dp"), dtype=opts.dtype,
+    return Monitoring(device=torch.device(mesh.device), rank=mesh.rank, dp=mesh.size("dp"), dtype=opts.precision,
                       timers=opts.timers, flops=opts.flops, memory=opts.memory, peak_flops=opts.peak_flops,
                       tokens_per_batch=opts.tokens_per_batch, monitors=monitors, lr=lr)
 
@@ -342,15 +363,13 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh, auto: Any = None
     config, never contradict it (it fills the config's ``"auto"`` values)."""
     cfg = None
     if config is not None:
-        from fzero.config import Config
-
-        fields = {SPELLINGS.get(key, key): value for key, value in keywords.items()}
-        cfg = Config.load(config, world_size=mesh.size("dp"), auto=auto, options=fields)
-    opts = CompileOptions.from_keywords("fzero.compile", keywords, cfg.compile_options() if cfg else None)
+        cfg = Config.load(config, world_size=mesh.size("dp"), auto=auto, options=keywords)
+    opts = CompileOptions.from_keywords("fzero.compile", keywords, cfg.compile_options() if cfg else None,
+                                        stacklevel=3)
     if cfg is not None:
         decided = cfg.decided_options()
-        fields = {key: SPELLINGS.get(key, key) for key in keywords}
-        clash = [f"{key}={keywords[key]!r} contradicts the config's {f}={decided[f]!r}"
+        fields = {key: field_name(key) for key in keywords}
+        clash = [f"{key}={keywords[key]!r} contradicts the config's {f}={decided[f]!r} ({', '.join(keys_of(f))})"
                  for key, f in fields.items() if f in decided and decided[f] != getattr(opts, f)]
         if clash:
             raise ValueError("fzero.compile: option " + "; ".join(clash) + "; set each in one place")
@@ -363,12 +382,12 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh, auto: Any = None
         if cfg.autotp_size > 1 and cfg.autotp_size != mesh.size("tp"):
             raise ValueError(f"fzero.compile: the config's tensor_parallel.autotp_size={cfg.autotp_size} but "
                              f"{mesh} has tp={mesh.size('tp')}: make the mesh's tp axis that size")
-    if opts.offload_optimizer != "none" and opts.stage == 0:
+    if opts.offload_optimizer != "none" and opts.zero == 0:
         raise ValueError(f"fzero.compile: offload_optimizer={opts.offload_optimizer!r} needs ZeRO stage 1, 2 or 3 "
                          "(it moves this rank's partition of the optimizer state to the host, as DeepSpeed's "
                          "ZeRO-Offload does); got stage=0")
-    if opts.offload_param != "none" and opts.stage != 3:
+    if opts.offload_param != "none" and opts.zero != 3:
         raise ValueError(f"fzero.compile: offload_param={opts.offload_param!r} needs ZeRO stage 3 (it moves this "
                          f"rank's partition of the parameters to the host, as DeepSpeed's offload_param does); "
-                         f"got stage={opts.stage}")
+                         f"got stage={opts.zero}")
     return opts, cfg

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "OPTIMIZER_STATES",
+__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "format_bytes", "OPTIMIZER_STATES",
            "PRECISIONS", "REDUCE_BUFFERS"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -207,3 +207,16 @@ def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = 
     a = sum(one[k] for k, s in parts if stage < s)
     b = sum(one[k] for k, s in parts if stage >= s)
     return a, b
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``'2.42 GiB'``, ``'976.56 KiB'``, ``'12 B'``.
+
+    Example:
+        >>> format_bytes(2_600_000_000), format_bytes(1_000_000), format_bytes(12)
+        ('2.42 GiB', '976.56 KiB', '12 B')
+    """
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

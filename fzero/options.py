@@ -1,85 +1,108 @@
 """``CompileOptions``: every option of ``fzero.compile``, typed, one name per concept.
 
-A field's name is the keyword of the transform that acts on it (``shard_state(stage=,
-bucket_bytes=, reduce_in=, buffer_sync=)``, ``mixed_precision(dtype=, loss_scale=,
-initial_scale_power=, ...)``, ``accumulate(k)``), and :meth:`fzero.Config.compile_options`
-answers in the same names. The checks live here once (:func:`check_option`): the dataclass
-runs them in ``__post_init__`` and the transforms run them on their own keywords, so a bad
-value gets the same message wherever it is given.
+A field's name is the keyword ``compile`` takes (the public contract's ``zero=``,
+``precision=``, ``accumulate=``, ``clip_norm=``, ``tp=``, ``pipeline=``; the transforms'
+own names elsewhere), its docstring says which transform acts on it, and
+:meth:`fzero.Config.compile_options` answers in the same names (``fzero/config/_options.py``
+holds the one table from DeepSpeed's keys to these fields). A field that feeds a
+transform's keyword is checked by that keyword's check (:mod:`fzero.transforms._checks`),
+so a bad value gets the same message wherever it is given.
 
-``fzero.compile`` also takes the two spellings the public contract gives it, ``zero=`` for
-``stage`` and ``precision=`` for ``dtype`` (:data:`SPELLINGS`).
+The module stands above the transforms: it checks ``tp=`` with the tensor-parallel plan's
+own check and ``pipeline=`` against :class:`~fzero.transforms.pipeline.Pipeline`; nothing
+below it imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import numbers
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-__all__ = ["CompileOptions", "DEFAULT_BUCKET_BYTES", "SPELLINGS", "check_option"]
+from fzero.transforms._checks import CHECKS, DEFAULT_BUCKET_BYTES, boolean, choice, optional, positive_int, \
+    positive_number
+from fzero.transforms.pipeline import Pipeline
+from fzero.transforms.tensor_parallel import check_plan
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (25 MB buckets)
+__all__ = ["CompileOptions", "DEFAULT_BUCKET_BYTES", "RENAMED", "TrialSpec", "field_name"]
 
-# compile()'s spellings in the public contract -> the field they set.
-SPELLINGS = {"zero": "stage", "precision": "dtype"}
-# Names of earlier versions -> the field that replaced them (a clear error, never a silent no-op).
-_RENAMED = {"bucket_size": "bucket_bytes", "reduce_dtype": "reduce_in",
-            "loss_scale_options": "initial_scale_power=, loss_scale_window=, hysteresis=, "
-                                  "consecutive_hysteresis= and min_loss_scale="}
-
-
-def _choice(*allowed) -> Callable[[Any], str | None]:
-    text = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
-
-    def check(v):
-        return None if any(v == a and type(v) is type(a) for a in allowed) else f"must be {text}"
-
-    return check
-
-
-def _positive_int(v) -> str | None:
-    ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
-    return None if ok else "must be a positive int"
+# Other names of an option -> (its name now, still accepted). The accepted ones are the
+# transforms' own keywords (shard_state(stage=), mixed_precision(dtype=)), which compile took
+# as its fields before the contract's names did; giving one says the name now. The others
+# are names of earlier versions: an error naming what replaced them, never a silent no-op.
+RENAMED: dict[str, tuple[str, bool]] = {
+    "stage": ("zero", True),
+    "dtype": ("precision", True),
+    "bucket_size": ("bucket_bytes", False),
+    "reduce_dtype": ("reduce_in", False),
+    "loss_scale_options": ("initial_scale_power=, loss_scale_window=, hysteresis=, consecutive_hysteresis= and "
+                           "min_loss_scale=", False),
+}
 
 
-def _positive_number(v) -> str | None:
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0
-    return None if ok else "must be a positive number"
+def field_name(keyword: str) -> str:
+    """The :class:`CompileOptions` field a keyword of ``compile`` sets: itself, or the
+    field a transform's name of it (:data:`RENAMED`) now is."""
+    return RENAMED.get(keyword, (keyword,))[0]
 
 
-def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    def optional(v):
-        why = None if v is None else check(v)
-        return None if why is None else f"{why} or None"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialSpec:
+    """An autotuning trial the compiled step runs (``compile(trial=)``): what ``fzero
+    autotune`` asks of each run of the script, through its trial config's ``autotuning``
+    section (docs/autotune.md), and what a test or notebook passes to profile a step.
 
-    return optional
+    Example:
+        >>> TrialSpec(mode="profile", metric_path="m.json", start_profile_step=5, end_profile_step=2)
+        Traceback (most recent call last):
+            ...
+        ValueError: fzero autotune trial: need 1 <= start_profile_step <= end_profile_step, got start_profile_step=5, end_profile_step=2
+    """
 
+    mode: Literal["profile", "model_info"]
+    """``"profile"``: time calls ``start_profile_step``..``end_profile_step``, write the
+    result, end the run; ``"model_info"``: write Ψ (the trainable parameters) at
+    ``step.init`` and end the run there."""
 
-def _bool(v) -> str | None:
-    return None if isinstance(v, bool) else "must be True or False"
+    metric_path: str
+    """Where rank 0 writes the result (JSON)."""
+
+    start_profile_step: int = 3
+    """The first timed call, 1-based (the calls before it are warm-up)."""
+
+    end_profile_step: int = 5
+    """The last timed call, inclusive."""
+
+    shutdown: bool = True
+    """Destroy the process group before ending the trial (a trial that is a whole run);
+    ``False`` leaves it to a caller that goes on."""
+
+    def __post_init__(self):
+        if self.mode not in ("profile", "model_info"):
+            raise ValueError(f"fzero autotune trial: mode must be 'profile' or 'model_info', got {self.mode!r}")
+        start, end = self.start_profile_step, self.end_profile_step
+        if not (isinstance(start, int) and isinstance(end, int) and 1 <= start <= end):
+            raise ValueError(f"fzero autotune trial: need 1 <= start_profile_step <= end_profile_step, got "
+                             f"start_profile_step={start!r}, end_profile_step={end!r}")
+        object.__setattr__(self, "metric_path", str(self.metric_path))
 
 
 def _plan(v) -> str | None:
-    if v is None:
-        return None
-    from fzero.transforms.tensor_parallel import check_plan  # the transform's own check, once
-
     try:
-        check_plan(v)
+        check_plan(v)  # the transform's own check, once
     except TypeError:
         return "must be None, 'auto' or a dict of module-name globs to ColwiseParallel() / RowwiseParallel()"
     return None
 
 
 def _pipeline(v) -> str | None:
-    if v is None:
-        return None
-    from fzero.transforms.pipeline import Pipeline
-
     return None if isinstance(v, Pipeline) else "must be None or an fzero.pipeline(...) (a Pipeline)"
+
+
+def _trial(v) -> str | None:
+    return None if isinstance(v, TrialSpec) else "must be None or an fzero.autotune.TrialSpec"
 
 
 def _monitors(v) -> str | None:
@@ -88,49 +111,34 @@ def _monitors(v) -> str | None:
     return None if ok else "must be a list of monitors (objects with write(scalars, *, step, samples) and close())"
 
 
-def _loss_scale(v) -> str | None:
-    return None if v in ("dynamic", None) or _positive_number(v) is None else \
-        "must be 'dynamic', a positive number or None"
-
-
+# Each field's check: the check of the transform keyword it feeds, or compile's own.
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
-    "stage": _choice(0, 1, 2, 3),
-    "dtype": _choice("fp32", "bf16", "fp16"),
-    "accumulate": _positive_int,
-    "clip_norm": _optional(_positive_number),
-    "loss_scale": _loss_scale,
-    "initial_scale_power": lambda v: None if isinstance(v, numbers.Integral) and not isinstance(v, bool)
-    else "must be an int",
-    "loss_scale_window": _positive_int,
-    "hysteresis": _positive_int,
-    "consecutive_hysteresis": _bool,
-    "min_loss_scale": _positive_number,
-    "check_grad_overflow": _bool,
-    "nonfinite": _optional(_choice("skip", "raise", "apply")),
-    "reduce_in": _optional(_choice("fp32", "bf16", "fp16")),
-    "bucket_bytes": _positive_int,
-    "overlap_comm": _bool,
-    "buffer_sync": _choice("broadcast", "mean", "local"),
-    "donate": _bool,
-    "comm_bytes": _bool,
-    "offload_optimizer": _choice("none", "cpu"),
-    "offload_param": _choice("none", "cpu"),
-    "pin_memory": _bool,
-    "tp": _plan,
-    "pipeline": _pipeline,
-    "timers": _bool,
-    "flops": _bool,
-    "memory": _bool,
-    "peak_flops": _optional(_positive_number),
-    "tokens_per_batch": _optional(_positive_int),
+    "zero": CHECKS["stage"],  # shard_state(stage=)
+    "precision": choice("fp32", "bf16", "fp16"),  # mixed_precision(dtype=) beyond fp32
+    "accumulate": CHECKS["micro_batches"],  # accumulate(micro_batches=)
+    "clip_norm": optional(CHECKS["clip_norm"]),  # clip(clip_norm=)
+    **{name: CHECKS[name] for name in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                                       "consecutive_hysteresis", "min_loss_scale", "check_grad_overflow",
+                                       "reduce_in", "bucket_bytes", "overlap_comm", "buffer_sync", "offload_param",
+                                       "pin_memory")},
+    "nonfinite": optional(choice("skip", "raise", "apply")),
+    "donate": boolean,
+    "comm_bytes": boolean,
+    "offload_optimizer": choice("none", "cpu"),
+    "tp": optional(_plan),
+    "pipeline": optional(_pipeline),
+    "trial": optional(_trial),
+    "timers": boolean,
+    "flops": boolean,
+    "memory": boolean,
+    "peak_flops": optional(positive_number),
+    "tokens_per_batch": optional(positive_int),
     "monitors": _monitors,
 }
 
 
-def check_option(where: str, name: str, value: Any, field: str | None = None) -> None:
-    """Raise ``ValueError("<where>: <name>=<value> must be ...")`` if ``value`` is not valid
-    for the option ``field`` (default: ``name``), as spelled ``name`` by the caller."""
-    why = _CHECKS[field or name](value)
+def _check(where: str, name: str, value: Any, field: str) -> None:
+    why = _CHECKS[field](value)
     if why is not None:
         raise ValueError(f"{where}: {name}={value!r} {why}")
 
@@ -141,29 +149,33 @@ class CompileOptions:
 
     Example:
         >>> from fzero import CompileOptions
-        >>> opts = CompileOptions(stage=2, dtype="bf16", accumulate=4)
-        >>> opts.stage, opts.bucket_bytes == 25 * 2**20
+        >>> opts = CompileOptions(zero=2, precision="bf16", accumulate=4)
+        >>> opts.zero, opts.bucket_bytes == 25 * 2**20
         (2, True)
-        >>> CompileOptions(stage=5)
+        >>> CompileOptions(zero=5)
         Traceback (most recent call last):
             ...
-        ValueError: fzero.CompileOptions: stage=5 must be 0, 1, 2 or 3
+        ValueError: fzero.CompileOptions: zero=5 must be 0, 1, 2 or 3
     """
 
-    stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage over the mesh's ``dp`` axis (:func:`fzero.shard_state`): 0 replicates (DDP
-    on more than one rank), 1 partitions optimizer state, 2 also gradients, 3 also
-    parameters. ``compile`` also takes it as ``zero=``."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage over the mesh's ``dp`` axis (:func:`fzero.shard_state`'s ``stage``): 0
+    replicates (DDP on more than one rank), 1 partitions optimizer state, 2 also gradients,
+    3 also parameters. ``compile`` still takes the transform's name, ``stage=``, with a
+    ``DeprecationWarning``."""
 
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype; ``"bf16"`` / ``"fp16"`` keep fp32 master weights
-    (:func:`fzero.mixed_precision`). ``compile`` also takes it as ``precision=``."""
+    (:func:`fzero.mixed_precision`'s ``dtype``). ``compile`` still takes the transform's
+    name, ``dtype=``, with a ``DeprecationWarning``."""
 
     accumulate: int = 1
-    """Micro-batches per update (:func:`fzero.accumulate`)."""
+    """Micro-batches per update (:func:`fzero.accumulate`'s ``micro_batches``; not
+    :func:`fzero.pipeline`'s ``micro_batches``, which pipeline one update's batch)."""
 
     clip_norm: float | None = None
-    """Clip gradients to this global L2 norm; ``metrics["grad_norm"]`` is the norm before."""
+    """Clip gradients to this global L2 norm (:func:`fzero.clip`); ``metrics["grad_norm"]``
+    is the norm before. torch's and optax's ``max_norm``, DeepSpeed's ``gradient_clipping``."""
 
     loss_scale: Literal["dynamic"] | float | None = "dynamic"
     """fp16 only: ``"dynamic"`` (DeepSpeed's scaler), a fixed float, or ``None``."""
@@ -265,11 +277,19 @@ class CompileOptions:
     ``"auto"`` (DeepSpeed's AutoTP: the common Linear layouts). Required when the mesh has a
     ``tp`` axis."""
 
-    pipeline: Any = None
+    pipeline: Pipeline | None = None
     """The :class:`fzero.transforms.pipeline.Pipeline` over the mesh's ``pp`` axis
     (``fzero.pipeline(stages, loss_fn, mesh, micro_batches=, schedule=)``), applied outermost
     as ``pipe.transform``. The train step computes its loss and gradients with
     ``pipe(params, x, y)``. Required when the mesh has a ``pp`` axis."""
+
+    trial: TrialSpec | None = None
+    """An autotuning trial (:class:`TrialSpec`, exported as ``fzero.autotune.TrialSpec``):
+    the step measures itself and ends the run with ``fzero.autotune.TrialDone``, a
+    ``SystemExit(0)``. ``fzero autotune`` gives it through each trial's config, DeepSpeed's
+    ``autotuning`` keys (``enabled`` with ``metric_path``, ``start_profile_step``,
+    ``end_profile_step``; or ``enabled`` with ``model_info.profile`` and
+    ``model_info_path``); ``None``, the default, measures nothing."""
 
     timers: bool = False
     """Time each step's phases into ``metrics["time"]``: seconds of ``forward``, ``backward``,
@@ -306,14 +326,15 @@ class CompileOptions:
         object.__setattr__(self, "monitors", tuple(self.monitors) if isinstance(self.monitors, list)
                            else self.monitors)
         for f in dataclasses.fields(self):
-            check_option("fzero.CompileOptions", f.name, getattr(self, f.name))
+            _check("fzero.CompileOptions", f.name, getattr(self, f.name), f.name)
 
     @classmethod
-    def from_keywords(cls, where: str, keywords: Mapping[str, Any], base: "CompileOptions | None" = None
-                      ) -> "CompileOptions":
+    def from_keywords(cls, where: str, keywords: Mapping[str, Any], base: "CompileOptions | None" = None,
+                      *, stacklevel: int = 2) -> "CompileOptions":
         """``base`` (default: the defaults) with ``keywords`` applied, the way ``compile``
-        takes them: the public spellings (:data:`SPELLINGS`) accepted, every unknown or
-        renamed keyword named at once, a bad value named as the caller spelled it.
+        takes them: a transform's name of a field (:data:`RENAMED`: ``stage=``, ``dtype=``)
+        accepted with a ``DeprecationWarning`` naming the field, every unknown keyword or
+        earlier name named at once, a bad value named as the caller spelled it.
 
         Raises:
             TypeError: unknown or renamed keywords, or one option given under both names.
@@ -322,11 +343,11 @@ class CompileOptions:
         names = [f.name for f in dataclasses.fields(cls)]
         bad, fields = [], {}
         for key, value in keywords.items():
-            field = SPELLINGS.get(key, key)
-            if key in _RENAMED:
-                bad.append(f"{key!r} is now {_RENAMED[key]}")
+            field, accepted = RENAMED.get(key, (key, True))
+            if not accepted:
+                bad.append(f"{key!r} is now {field}")
             elif field not in names:
-                close = difflib.get_close_matches(key, names + list(SPELLINGS), n=1)
+                close = difflib.get_close_matches(key, names, n=1)
                 bad.append(f"unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
             elif field in fields:
                 bad.append(f"{key!r} and {fields[field][0]!r} are one option; give it once")
@@ -335,7 +356,11 @@ class CompileOptions:
         if bad:
             raise TypeError(f"{where}: " + "; ".join(bad) + f" (valid options: {', '.join(names)})")
         for field, (key, value) in fields.items():
-            check_option(where, key, value, field)
+            _check(where, key, value, field)
+            if key != field:
+                warnings.warn(f"{where}: {key}= is now {field}= (the option's name in compile, CompileOptions and "
+                              f"docs/transforms.md; {key}= is the transform's own keyword)", DeprecationWarning,
+                              stacklevel=stacklevel + 1)
         return dataclasses.replace(base or cls(), **{f: v for f, (_, v) in fields.items()})
 
     def replace(self, **changes) -> "CompileOptions":

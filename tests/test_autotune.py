@@ -22,8 +22,7 @@ import torch
 
 import fzero
 from fzero import optim
-from fzero.autotune import (AutotuningConfig, Candidate, TrialDone, apply, estimate_bytes, grid, search)
-from fzero.autotune._profile import ENV
+from fzero.autotune import (AutotuningConfig, Candidate, TrialDone, TrialSpec, apply, estimate_bytes, grid, search)
 from fzero.cli.autotune import _why, trial_args
 from fzero.config import ConfigKeyError
 
@@ -39,39 +38,32 @@ def _train_step(state, batch):
     return state.apply_gradients(g), {"loss": loss}
 
 
-def _run_trial(config: dict, spec_path: str, max_steps: int = 20):
-    """One trial in this process (a rank of the pool, or the test itself): the step under
-    $FZERO_AUTOTUNE runs until it ends the trial; rank 0's metric file, or None."""
-    os.environ[ENV] = spec_path
+def _run_trial(config: dict, trial: TrialSpec, max_steps: int = 20):
+    """One trial in this process (a rank of the pool, or the test itself): the step compiled
+    with trial= runs until it ends the trial; rank 0's metric file, or None."""
+    mesh = fzero.Mesh(dp=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        cfg = fzero.Config.load(config, world_size=mesh.size("dp"))
+    apply_fn, params = fzero.functionalize(_model())
+    state = fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.adam(1e-3))
+    step = fzero.compile(_train_step, mesh, config=cfg, trial=trial)
+    gen = torch.Generator().manual_seed(mesh.rank)
     try:
-        mesh = fzero.Mesh(dp=-1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            cfg = fzero.Config.load(config, world_size=mesh.size("dp"))
-        apply_fn, params = fzero.functionalize(_model())
-        state = fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.adam(1e-3))
-        step = fzero.compile(_train_step, mesh, config=cfg)
-        gen = torch.Generator().manual_seed(mesh.rank)
-        try:
-            state = step.init(state)
-            for _ in range(max_steps):
-                x = torch.randn(cfg.local_batch_size, 64, generator=gen)
-                state, _ = step(state, (x, x[:, :16]))
-        except TrialDone as done:
-            assert done.code == 0
-            spec = json.loads(Path(spec_path).read_text())
-            return json.loads(Path(spec["metric_path"]).read_text()) if mesh.rank == 0 else None
-        raise AssertionError(f"the step did not end the trial in {max_steps} steps")
-    finally:
-        os.environ.pop(ENV, None)
+        state = step.init(state)
+        for _ in range(max_steps):
+            x = torch.randn(cfg.local_batch_size, 64, generator=gen)
+            state, _ = step(state, (x, x[:, :16]))
+    except TrialDone as done:
+        assert done.code == 0
+        return json.loads(Path(trial.metric_path).read_text()) if mesh.rank == 0 else None
+    raise AssertionError(f"the step did not end the trial in {max_steps} steps")
 
 
-def _spec(tmp_path: Path, name: str, **fields) -> str:
+def _spec(tmp_path: Path, name: str, **fields) -> TrialSpec:
     d = tmp_path / name
     d.mkdir(parents=True, exist_ok=True)
-    spec = {"mode": "profile", "metric_path": str(d / "metrics.json"), "shutdown": False, **fields}
-    (d / "trial.json").write_text(json.dumps(spec))
-    return str(d / "trial.json")
+    return TrialSpec(**{"mode": "profile", "metric_path": str(d / "metrics.json"), "shutdown": False, **fields})
 
 
 # --------------------------------------------------------------------------- the known best
@@ -121,15 +113,10 @@ def test_profiler_counts_the_trainable_parameters_at_init_and_ends_the_trial(tmp
     model = _model()
     model[0].bias.requires_grad_(False)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    spec = _spec(tmp_path, "info", mode="model_info")
-    os.environ[ENV] = spec
-    try:
-        apply_fn, params = fzero.functionalize(model)
-        step = fzero.compile(_train_step, stage=1)
-        with pytest.raises(TrialDone):
-            step.init(fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.sgd(0.1)))
-    finally:
-        os.environ.pop(ENV)
+    apply_fn, params = fzero.functionalize(model)
+    step = fzero.compile(_train_step, zero=1, trial=_spec(tmp_path, "info", mode="model_info"))
+    with pytest.raises(TrialDone):
+        step.init(fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.sgd(0.1)))
     assert json.loads((tmp_path / "info" / "metrics.json").read_text()) == {"num_params": psi, "world_size": 1}
 
 
@@ -140,25 +127,63 @@ def test_profiled_step_measures_the_samples_of_the_profile_steps_on_one_process(
     assert res["latency"] == pytest.approx(res["seconds"] / 4)
 
 
-def test_without_the_variable_the_step_is_untouched():
-    assert ENV not in os.environ
+def test_without_a_trial_the_step_is_untouched():
+    assert fzero.compile(_train_step).options.trial is None
+    assert "FZERO_AUTOTUNE" not in os.environ  # no environment variable changes what a step does
     apply_fn, params = fzero.functionalize(_model())
-    step = fzero.compile(_train_step)
+    step = fzero.compile(_train_step, config={"train_batch_size": 2, "autotuning": {"enabled": True,
+                                                                                     "start_profile_step": 1}})
     state = step.init(fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.sgd(0.1)))
     for _ in range(8):  # past any default profile window
         state, m = step(state, (torch.ones(2, 64), torch.ones(2, 16)))
     assert int(state.step) == 8
 
 
-def test_a_bad_trial_spec_is_named(tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV, str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="missing.json"):
-        fzero.compile(_train_step)
-    (tmp_path / "bad.json").write_text(json.dumps({"mode": "profile", "metric_path": "m.json",
-                                                   "start_profile_step": 5, "end_profile_step": 2}))
-    monkeypatch.setenv(ENV, str(tmp_path / "bad.json"))
+def test_a_bad_trial_spec_is_named(tmp_path):
+    with pytest.raises(ValueError, match="trial=.*must be None or an fzero.autotune.TrialSpec"):
+        fzero.compile(_train_step, trial={"mode": "profile", "metric_path": "m.json"})
     with pytest.raises(ValueError, match="start_profile_step=5, end_profile_step=2"):
-        fzero.compile(_train_step)
+        TrialSpec(mode="profile", metric_path="m.json", start_profile_step=5, end_profile_step=2)
+    with pytest.raises(ValueError, match="autotuning: .*start_profile_step=5, end_profile_step=2"):
+        fzero.compile(_train_step, config={"train_batch_size": 2, "autotuning": {
+            "enabled": True, "metric_path": "m.json", "start_profile_step": 5, "end_profile_step": 2}})
+
+
+def test_the_trial_config_fzero_autotune_writes_asks_the_step_for_the_trial(tmp_path):
+    """DeepSpeed's keys, as its autotuner writes each experiment's config: enabled with
+    metric_path (profile) or with model_info.profile and model_info_path (Ψ at init)."""
+    metrics = str(tmp_path / "metrics.json")
+    profile = {"train_batch_size": 2, "autotuning": {"enabled": True, "metric_path": metrics,
+                                                     "start_profile_step": 2, "end_profile_step": 4}}
+    assert fzero.compile(_train_step, config=profile).options.trial == TrialSpec(
+        mode="profile", metric_path=metrics, start_profile_step=2, end_profile_step=4)
+    info = {"train_batch_size": 2, "autotuning": {"enabled": True, "model_info": {"profile": True},
+                                                  "model_info_path": metrics}}
+    assert fzero.compile(_train_step, config=info).options.trial == TrialSpec(mode="model_info", metric_path=metrics)
+    # A keyword may not contradict the config's trial; without one in the config it adds it.
+    with pytest.raises(ValueError, match="trial=.* contradicts the config's trial="):
+        fzero.compile(_train_step, config=info, trial=TrialSpec(mode="profile", metric_path=metrics))
+    # the section's other keys are the tuner's: no trial, and no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = fzero.Config.load({"train_batch_size": 2, "autotuning": {"enabled": True, "metric": "latency",
+                                                                         "model_info": {"profile": True}}})
+    assert plain.trial is None and "trial" not in plain.decided_options()
+
+
+def test_a_trial_config_makes_the_step_profile_itself_and_end_the_run(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    step = fzero.compile(_train_step, config={"train_micro_batch_size_per_gpu": 4, "autotuning": {
+        "enabled": True, "metric_path": str(metrics), "start_profile_step": 2, "end_profile_step": 3}})
+    apply_fn, params = fzero.functionalize(_model())
+    state = step.init(fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.sgd(0.1)))
+    calls = 0
+    with pytest.raises(TrialDone):
+        for calls in range(1, 10):
+            state, _ = step(state, (torch.ones(4, 64), torch.ones(4, 16)))
+    assert calls == 3
+    res = json.loads(metrics.read_text())
+    assert res["samples"] == 4 * 2 and res["profiled_steps"] == 2 and res["world_size"] == 1
 
 
 # --------------------------------------------------------------------------- the search loop

@@ -1,6 +1,8 @@
 """compile() in one process: the same trajectory as the plain step, options, errors,
 and the handler machinery every transform stands on."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,8 +154,13 @@ def test_emit_outside_a_step_is_dropped_inside_collected():
 
 def test_options_are_one_typed_dataclass_with_the_contracts_spellings():
     step = fzero.compile(ft.mse_step, zero=1, precision="bf16", bucket_bytes=2**20)
-    assert step.options == fzero.CompileOptions(stage=1, dtype="bf16", bucket_bytes=2**20)
-    assert fzero.compile(ft.mse_step, stage=1, dtype="bf16").options == fzero.CompileOptions(stage=1, dtype="bf16")
+    assert step.options == fzero.CompileOptions(zero=1, precision="bf16", bucket_bytes=2**20)
+    # the transforms' own names, shard_state(stage=) and mixed_precision(dtype=), still set them
+    with pytest.warns(DeprecationWarning) as caught:
+        assert fzero.compile(ft.mse_step, stage=1, dtype="bf16").options == \
+            fzero.CompileOptions(zero=1, precision="bf16")
+    assert sorted(str(w.message).split(" (")[0] for w in caught) == [
+        "fzero.compile: dtype= is now precision=", "fzero.compile: stage= is now zero="]
     with pytest.raises(TypeError, match="'stage' and 'zero' are one option"):
         fzero.compile(ft.mse_step, zero=1, stage=1)
 
@@ -170,8 +177,8 @@ def test_a_keyword_may_add_to_a_config_but_not_contradict_it():
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 1}}
     step = fzero.compile(ft.mse_step, config=config, buffer_sync="mean")  # the config says nothing of it
-    assert step.options.stage == 1 and step.options.buffer_sync == "mean"
-    with pytest.raises(ValueError, match=r"zero=2 contradicts the config's stage=1"):
+    assert step.options.zero == 1 and step.options.buffer_sync == "mean"
+    with pytest.raises(ValueError, match=r"zero=2 contradicts the config's zero=1 \(zero_optimization.stage\)"):
         fzero.compile(ft.mse_step, config=config, zero=2)
 
 
@@ -214,7 +221,7 @@ def test_a_donated_step_writes_into_its_input_and_computes_the_same_bits(tx_name
     for donate in (False, True):
         torch.manual_seed(0)
         apply, params = fzero.functionalize(make_model())
-        step = fzero.compile(ft.mse_step, dtype=precision, donate=donate)
+        step = fzero.compile(ft.mse_step, precision=precision, donate=donate)
         state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=DONATING_TXS[tx_name]()))
         first, losses = _storages(state), []
         for b in batches:
@@ -288,3 +295,41 @@ def test_a_donated_state_cannot_be_used_again():
         fzero.checkpoint.save("/nonexistent/never-written", state)
     new, _ = step(new, batch)  # the returned state goes on
     assert int(new.step) == 2
+
+
+# --------------------------------------------------------------------------- the order
+
+
+def _doc_table(path: Path, heading: str) -> list[list[str]]:
+    """The rows of the first table after ``heading`` in a docs page, cells stripped."""
+    text = path.read_text()
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split(" | ")])
+    return rows
+
+
+def test_the_order_is_one_table_and_the_docs_show_it():
+    from fzero._compile import ORDER
+
+    rows = _doc_table(Path(__file__).parents[1] / "docs" / "transforms.md", "### The order")
+    assert [(int(r[0]), r[1], r[3]) for r in rows] == [(i, f"`{layer.name}`", layer.why)
+                                                     for i, layer in enumerate(ORDER, 1)]
+
+
+def test_compile_wraps_the_transforms_in_the_tables_order():
+    """Every option at once, one process: the compiled step's chain of inner steps is ORDER's
+    rows that apply, outermost last."""
+    from fzero._compile import ORDER
+
+    step = fzero.compile(ft.mse_step, zero=1, precision="bf16", accumulate=2, clip_norm=1.0, nonfinite="raise",
+                         offload_optimizer="cpu")
+    names, s = [], step.inner
+    while s.inner is not None:
+        names.append(s.__name__.split("(")[0])
+        s = s.inner
+    assert names[::-1] == [layer.name for layer in ORDER if layer.name not in ("tensor_parallel", "pipeline")]

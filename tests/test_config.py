@@ -99,8 +99,8 @@ def test_readme_sample_works_unchanged():
     assert triple(cfg) == (8, 8, 1)
     assert cfg.ignored == ()
     assert cfg.decided_options() == {
-        "stage": 1,  # "zero_optimization": true is DeepSpeed's legacy form of stage 1
-        "dtype": "fp16",
+        "zero": 1,  # "zero_optimization": true is DeepSpeed's legacy form of stage 1
+        "precision": "fp16",
         "loss_scale": "dynamic",  # fp16.loss_scale 0 (the default) is the dynamic scaler
         "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
         "consecutive_hysteresis": False, "min_loss_scale": 1.0,
@@ -555,7 +555,7 @@ def test_fp16_settings_reach_the_compile_options():
                           "loss_scale_window": 500, "hysteresis": 1, "consecutive_hysteresis": True,
                           "min_loss_scale": 0.5}))
     opts = cfg.compile_options()
-    assert opts.dtype == "fp16" and opts.loss_scale == 128.0
+    assert opts.precision == "fp16" and opts.loss_scale == 128.0
     assert opts.scaler() == {"initial_scale_power": 12, "loss_scale_window": 500,
                              "hysteresis": 1, "consecutive_hysteresis": True,
                              "min_loss_scale": 0.5}
@@ -588,7 +588,7 @@ def test_bf16_check_grad_overflow_must_be_a_bool():
     (base(bfloat16={"enabled": True}), "bf16"),  # DeepSpeed's older name
 ])
 def test_precision(d, precision):
-    assert load(d).compile_options().dtype == precision
+    assert load(d).compile_options().precision == precision
 
 
 @pytest.mark.parametrize("d, match", [
@@ -611,7 +611,7 @@ def test_bad_values_name_the_key(d, match):
 
 @pytest.mark.parametrize("zero, stage", [(True, 1), (False, 0), ({"stage": 3}, 3), ({}, 0)])
 def test_zero_stage(zero, stage):
-    assert load(base(zero_optimization=zero)).compile_options().stage == stage
+    assert load(base(zero_optimization=zero)).compile_options().zero == stage
 
 
 @pytest.mark.parametrize("extra, bucket, reduce_in", [
@@ -738,7 +738,7 @@ def test_deepspeed_readme_sample_runs_through_compile():
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.sgd(1.0))
 
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=README_SAMPLE)
-    assert step.options.stage == 1 and step.options.dtype == "fp16"
+    assert step.options.zero == 1 and step.options.precision == "fp16"
     state = step.init(state)
     assert state.params["weight"].dtype == torch.float16
     state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
@@ -862,3 +862,32 @@ def test_offload_optimizer_needs_a_zero_stage():
         fzero.compile(lambda s, b: (s, {}), offload_optimizer="cpu")
     with pytest.raises(ValueError, match=r"offload_optimizer='disk' must be 'none' or 'cpu'"):
         fzero.compile(lambda s, b: (s, {}), zero=1, offload_optimizer="disk")
+
+
+def test_one_table_maps_deepspeed_keys_to_compiles_options_and_the_docs_show_it():
+    """docs/config.md's table is fzero/config/_options.py's: the same fields, the same keys,
+    in the same order; and every field it names is a CompileOptions field."""
+    import dataclasses
+    from pathlib import Path
+
+    from fzero.config._options import OPTIONS
+
+    text = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    lines = text[text.index("### The one table"):].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| field"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        field, keys = [c.strip() for c in ln.strip().strip("|").split(" | ")][:2]
+        rows.append((field.strip("`"), tuple(k.strip().strip("`") for k in keys.split(","))))
+    assert rows == [(row.field, row.keys) for row in OPTIONS]
+    fields = {f.name for f in dataclasses.fields(fzero.CompileOptions)}
+    assert {row.field for row in OPTIONS} <= fields
+    # every decided field comes from the table, by that name
+    cfg = load({"train_batch_size": 8, "fp16": {"enabled": True}, "communication_data_type": "bf16",
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": 100, "overlap_comm": False,
+                                      "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+                "comms_logger": {"enabled": True}, "wall_clock_breakdown": True})
+    assert set(cfg.decided_options()) <= {row.field for row in OPTIONS}
+    assert cfg.decided_options()["bucket_bytes"] == 200 and cfg.decided_options()["reduce_in"] == "bf16"

@@ -862,7 +862,7 @@ def _tp_by_pp_equals_plain(dp: int, stage: int, compiled: bool = False, save_to:
         config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
                   "pipeline": {"stages": 2}, "zero_optimization": {"stage": stage}}
         step = fzero.compile(train_step, mesh, config=config, tp=plan, pipeline=pipe)
-        assert step.options.stage == stage
+        assert step.options.zero == stage
         tp_step = step.inner.inner
         assert tp_step.__name__.startswith("tensor_parallel(")
     else:

@@ -1,8 +1,9 @@
 """The trial side of ``fzero autotune``: a compiled step that measures itself and ends the run.
 
-The tuner starts each trial with ``$FZERO_AUTOTUNE`` naming a small JSON file (the *trial
-spec*). ``fzero.compile`` reads it (:func:`from_env`) and, as DeepSpeed's engine does when
-its config has an ``autotuning`` section, the compiled step
+``fzero.compile(trial=TrialSpec(...))`` is the hook: the tuner gives it to each run of the
+script through the trial's config, whose ``autotuning`` section holds DeepSpeed's trial keys
+(``Config.trial``), as DeepSpeed's autotuner hands its engine each experiment's config.
+The compiled step then, as DeepSpeed's engine does,
 
 * in ``"model_info"`` mode: writes the model's trainable parameter count at ``step.init``
   and ends the run there (the tuner needs Ψ for ``fzero estimate``);
@@ -27,11 +28,10 @@ from typing import Any
 
 import torch
 
+from fzero.options import TrialSpec
 from fzero.tree import leading_size
 
-ENV = "FZERO_AUTOTUNE"
-
-__all__ = ["ENV", "TrialDone", "TrialProfiler", "from_env", "count_params"]
+__all__ = ["TrialDone", "TrialProfiler", "TrialSpec", "count_params"]
 
 
 class TrialDone(SystemExit):
@@ -64,28 +64,21 @@ def _write(path: str, record: dict) -> None:
 
 
 class TrialProfiler:
-    """Measures one trial's compiled step (see the module docstring).
+    """Measures one trial's compiled step (see the module docstring); ``fzero.compile``
+    makes one from its ``trial`` option.
 
     Args:
-        mode: ``"profile"`` or ``"model_info"``.
-        metric_path: where rank 0 writes the result (JSON).
-        start_profile_step, end_profile_step: the 1-based step calls timed, inclusive.
-        shutdown: destroy the process group before ending the trial (the default, for a
-            trial that is a whole run); ``False`` leaves it to a caller that goes on.
+        spec: the :class:`TrialSpec`: the mode, where rank 0 writes the result, the 1-based
+            step calls timed (inclusive), and whether to destroy the process group first.
         clock: seconds as a float (default ``time.perf_counter``).
     """
 
-    def __init__(self, mode: str, metric_path: str, *, start_profile_step: int = 3, end_profile_step: int = 5,
-                 shutdown: bool = True, clock=time.perf_counter):
-        if mode not in ("profile", "model_info"):
-            raise ValueError(f"fzero autotune trial: mode must be 'profile' or 'model_info', got {mode!r}")
-        if not (isinstance(start_profile_step, int) and isinstance(end_profile_step, int)
-                and 1 <= start_profile_step <= end_profile_step):
-            raise ValueError(f"fzero autotune trial: need 1 <= start_profile_step <= end_profile_step, got "
-                             f"start_profile_step={start_profile_step!r}, end_profile_step={end_profile_step!r}")
-        self.mode, self.metric_path = mode, str(metric_path)
-        self.start, self.end, self.clock = start_profile_step, end_profile_step, clock
-        self.shutdown = bool(shutdown)
+    def __init__(self, spec: TrialSpec, *, clock=time.perf_counter):
+        if not isinstance(spec, TrialSpec):
+            raise TypeError(f"fzero autotune trial: expected a TrialSpec, got {type(spec).__name__}")
+        self.mode, self.metric_path = spec.mode, spec.metric_path
+        self.start, self.end, self.clock = spec.start_profile_step, spec.end_profile_step, clock
+        self.shutdown = spec.shutdown
         self.calls = 0
         self.num_params: int | None = None
         self._t0: float | None = None
@@ -154,25 +147,3 @@ def _shutdown(mesh, destroy: bool) -> None:
         dist.barrier()
         if destroy:
             dist.destroy_process_group()
-
-
-def from_env(environ=None) -> TrialProfiler | None:
-    """The profiler ``$FZERO_AUTOTUNE``'s trial spec asks for, or ``None`` outside a trial.
-
-    The spec is JSON: ``{"mode": "profile" | "model_info", "metric_path": PATH,
-    "start_profile_step": 3, "end_profile_step": 5, "shutdown": true}``.
-
-    Raises:
-        ValueError: the spec cannot be read or has bad values (the file is named).
-    """
-    path = (os.environ if environ is None else environ).get(ENV)
-    if not path:
-        return None
-    try:
-        spec = json.loads(Path(path).read_text())
-        return TrialProfiler(spec["mode"], spec["metric_path"],
-                             start_profile_step=spec.get("start_profile_step", 3),
-                             end_profile_step=spec.get("end_profile_step", 5),
-                             shutdown=spec.get("shutdown", True))
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"fzero.compile: ${ENV}={path!r} is not a readable autotuning trial spec: {e!r}") from None

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from fzero.autotune._config import METRICS
-from fzero.memory import OPTIMIZER_STATES, model_state_bytes, reduce_buffer_bytes
+from fzero.memory import OPTIMIZER_STATES, format_bytes, model_state_bytes, reduce_buffer_bytes
 
 __all__ = ["Candidate", "Trial", "TrialFailed", "SearchResult", "grid", "estimate_bytes", "search", "apply"]
 
@@ -72,8 +72,6 @@ class SearchResult:
 
     def table(self) -> str:
         """The trials as a text table; the best is marked ``*``."""
-        from fzero.cli.estimate import format_bytes
-
         unit = {"throughput": "samples/s", "latency": "s/step", "flops": "samples/s"}[self.metric]
         head = ["", "trial", "stage", "tp", "micro", "accum", "batch", "estimate", "status", f"{self.metric} ({unit})"]
         rows = []

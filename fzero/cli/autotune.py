@@ -11,10 +11,12 @@
 4. prunes every candidate whose ``fzero estimate`` total exceeds ``--memory``;
 5. runs each other one as a short real trial: ``fzero launch`` of the script with the
    candidate's config (written to ``exps_dir/NAME/ds_config.json`` and passed in place of the
-   script's ``--deepspeed_config``/``--config`` value, and as ``$FZERO_CONFIG``) and
-   ``$FZERO_AUTOTUNE`` naming the trial spec; the compiled step times its profile steps,
-   writes ``exps_dir/NAME/metrics.json`` and ends the run (:mod:`fzero.autotune._profile`);
-   a failed trial is recorded and the search goes on;
+   script's ``--deepspeed_config``/``--config`` value, and as ``$FZERO_CONFIG``), whose
+   ``autotuning`` section asks for the trial in DeepSpeed's keys (``enabled``,
+   ``metric_path``, ``start_profile_step``, ``end_profile_step``); the compiled step it is
+   passed to times its profile steps, writes ``exps_dir/NAME/metrics.json`` and ends the run
+   (``fzero.compile``'s ``trial`` option, :mod:`fzero.autotune._profile`); a failed trial is
+   recorded and the search goes on;
 6. prints the table of trials and writes the best config (the base with the winning values)
    to ``--out`` and ``results_dir/ds_config_optimal.json``, the table to
    ``results_dir/summary.txt`` and every trial to ``results_dir/trials.json``.
@@ -38,7 +40,6 @@ from pathlib import Path
 
 from fzero.autotune import (AutotuningConfig, Candidate, OutOfMemoryError, TrialFailed, apply, estimate_bytes,
                             grid, search)
-from fzero.autotune._profile import ENV
 from fzero.autotune._search import _optimizer_kind
 
 __all__ = ["add_parser", "run", "CONFIG_ENV", "CONFIG_FLAGS"]
@@ -147,7 +148,15 @@ class Runner:
     tuning: AutotuningConfig
     timeout: float | None = None
 
-    def _launch(self, name: str, config: dict, spec: dict) -> dict:
+    def _section(self, mode: str, metrics: Path) -> dict:
+        """The ``autotuning`` section of a trial's config: DeepSpeed's keys that ask the step
+        to measure itself (``Config.trial``) and write ``metrics``."""
+        if mode == "model_info":
+            return {"enabled": True, "model_info": {"profile": True}, "model_info_path": str(metrics.resolve())}
+        return {"enabled": True, "metric_path": str(metrics.resolve()),
+                "start_profile_step": self.tuning.start_profile_step, "end_profile_step": self.tuning.end_profile_step}
+
+    def _launch(self, name: str, config: dict, mode: str) -> dict:
         exp = Path(self.tuning.exps_dir) / name
         exp.mkdir(parents=True, exist_ok=True)
         metrics = exp / "metrics.json"
@@ -155,14 +164,15 @@ class Runner:
             return json.loads(metrics.read_text())
         metrics.unlink(missing_ok=True)
         cfg_path = exp / "ds_config.json"
+        # The trial rides in the config the script passes to fzero.compile, as DeepSpeed's
+        # autotuner writes each experiment's: its autotuning section asks the step to measure.
+        config = {**config, "autotuning": self._section(mode, metrics)}
         cfg_path.write_text(json.dumps(config, indent=1))
-        spec_path = exp / "trial.json"
-        spec_path.write_text(json.dumps({**spec, "metric_path": str(metrics.resolve())}, indent=1))
         flat = {k: v for k, v in config.items() if not isinstance(v, dict)}
         args = trial_args(self.script_args, str(cfg_path), flat, self.tuning.arg_mappings)
         argv = [sys.executable, "-c", "import sys; from fzero.cli.main import main; sys.exit(main())",
                 "launch", "--nproc", str(self.nproc), self.script, *args]
-        env = {**os.environ, ENV: str(spec_path.resolve()), CONFIG_ENV: str(cfg_path.resolve())}
+        env = {**os.environ, CONFIG_ENV: str(cfg_path.resolve())}
         (exp / "cmd.txt").write_text(" ".join(argv) + "\n")
         with open(exp / "stdout.log", "w") as out, open(exp / "stderr.log", "w") as err:
             proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
@@ -182,19 +192,18 @@ class Runner:
         if "out of memory" in log.lower() or "OutOfMemoryError" in log:
             raise OutOfMemoryError(_why(log))
         if rc == 0:
-            raise TrialFailed(f"the script ended before step {spec.get('end_profile_step')} without a metric file: "
+            until = "step.init" if mode == "model_info" else f"step {self.tuning.end_profile_step}"
+            raise TrialFailed(f"the script ended before {until} without a metric file: "
                               "does it pass its config to fzero.compile and call the step that often?")
         raise TrialFailed(f"exit code {rc}: {_why(log)}")
 
     def trial(self, c: Candidate) -> dict:
         """Profile one candidate; its measurement (``throughput``, ``latency``, ...)."""
-        return self._launch(c.name, apply(self.base, c), {
-            "mode": "profile", "start_profile_step": self.tuning.start_profile_step,
-            "end_profile_step": self.tuning.end_profile_step})
+        return self._launch(c.name, apply(self.base, c), "profile")
 
     def num_params(self, c: Candidate) -> int:
         """Ψ, measured by a run that ends at ``step.init``."""
-        return int(self._launch("model_info", apply(self.base, c), {"mode": "model_info"})["num_params"])
+        return int(self._launch("model_info", apply(self.base, c), "model_info")["num_params"])
 
 
 def _load_base(path: str | None) -> tuple[dict, str | None]:
@@ -313,7 +322,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     bucket = cfg.compile_options().bucket_bytes
     estimate = functools.partial(estimate_bytes, num_params=num_params, world_size=nproc, precision=precision,
                                  optimizer=_optimizer_kind(base), bucket_bytes=bucket, pp=pp)
-    from fzero.cli.estimate import format_bytes
+    from fzero.memory import format_bytes
 
     print(f"fzero autotune: {len(candidates)} candidates on {nproc} ranks, Ψ = {num_params:,} parameters, "
           f"{precision}, budget {format_bytes(budget) + ' per rank' if budget else 'none'}, metric {tuning.metric}, "

@@ -33,7 +33,7 @@ def _auto_arg(text: str) -> tuple[str, object]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out=None) -> int:
-    from fzero.config import _load
+    from fzero.config import Config, _load
     from fzero.config._values import WHERE
 
     out = out or sys.stdout
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, out=None) -> 
     known = _load.Known(auto=dict(args.auto or ()), options=options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        verdicts, problems = _load.check(d, args.world_size, source, known)
+        verdicts, problems = _load.check(Config, d, args.world_size, source, known)
     width = max((len(path) for path, _, _ in verdicts), default=0)
     print(f"{source}: {len(verdicts)} keys, world size {args.world_size}", file=out)
     for path, verdict, detail in verdicts:

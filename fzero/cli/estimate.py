@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from decimal import Decimal, InvalidOperation
 
-from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, REDUCE_BUFFERS, coefficients, model_state_bytes,
-                          rank_share, reduce_buffer_bytes)
+from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, REDUCE_BUFFERS, coefficients, format_bytes,
+                          model_state_bytes, rank_share, reduce_buffer_bytes)
 
 __all__ = ["add_parser", "parse_count", "format_bytes", "render", "run"]
 
@@ -44,19 +44,6 @@ def parse_count(text: str) -> int:
     if value < 1:
         raise ValueError(f"{text!r}: the parameter count must be positive")
     return int(value)
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in binary units: ``'2.42 GiB'``, ``'976.56 KiB'``, ``'12 B'``.
-
-    Example:
-        >>> format_bytes(2_600_000_000), format_bytes(1_000_000), format_bytes(12)
-        ('2.42 GiB', '976.56 KiB', '12 B')
-    """
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def _count(n: int) -> str:

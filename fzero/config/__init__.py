@@ -28,12 +28,13 @@ Example:
     >>> cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage
     (8, 1)
     >>> opts = cfg.compile_options()
-    >>> opts.dtype, opts.loss_scale, opts.accumulate
+    >>> opts.precision, opts.loss_scale, opts.accumulate
     ('fp16', 'dynamic', 1)
     >>> cfg.make_optimizer().fused.kind      # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
     'adamw'
 """
 
+from fzero.config._auto import AutoFill
 from fzero.config._config import Config
 from fzero.config._keys import GRADIENT_CLIPPING_DEFAULT, ConfigError, ConfigKeyError
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
@@ -41,6 +42,7 @@ from fzero.config._values import WHERE
 from fzero.optim.deepspeed import ScaleByDeepSpeedLambState  # here before it moved to fzero.optim
 
 __all__ = [
+    "AutoFill",
     "BF16Config",
     "Config",
     "ConfigError",

@@ -26,8 +26,10 @@ A value that none of these gives is an error naming its path and how to give it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
+
+from fzero.config._options import fills
 
 AUTO = "auto"
 
@@ -46,14 +48,8 @@ _HF_NAMES: dict[str, tuple[str, ...]] = {
 }
 _HF_EXTRA = ("adam_beta1", "adam_beta2", "hidden_size")
 
-# compile's keyword fields -> the auto paths they fill.
-_FROM_OPTIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "gradient_accumulation_steps": lambda o: o.get("accumulate"),
-    "gradient_clipping": lambda o: None if "clip_norm" not in o else (o["clip_norm"] or 0.0),
-    "fp16.enabled": lambda o: None if "dtype" not in o else o["dtype"] == "fp16",
-    "bf16.enabled": lambda o: None if "dtype" not in o else o["dtype"] == "bf16",
-    "zero_optimization.stage": lambda o: o.get("stage"),
-}
+# The auto paths compile's keywords fill: {path: (field, its value from the field's keyword)}.
+_FROM_OPTIONS = fills()
 
 # Hugging Face's defaults (TrainingArguments) where fzero knows nothing better.
 _DEFAULTS: dict[str, tuple[Any, str]] = {
@@ -210,9 +206,9 @@ def resolve(paths: list[str], d: Mapping[str, Any], *, given: Mapping[str, Any],
         if path in given and given[path] is not None and not (isinstance(given[path], str) and given[path] == AUTO):
             take(path, given[path], "auto=")
             continue
-        if path in _FROM_OPTIONS and _FROM_OPTIONS[path](options) is not None:
-            value = _FROM_OPTIONS[path](options)
-            take(path, value, "fzero.compile's keyword")
+        field, fill = _FROM_OPTIONS.get(path, (None, None))
+        if field in options and fill(options[field]) is not None:
+            take(path, fill(options[field]), "fzero.compile's keyword")
             continue
         if path in _BATCH:
             other = _BATCH[1 - _BATCH.index(path)]
@@ -282,3 +278,50 @@ def _get(d: Mapping[str, Any], path: str) -> Any:
 def _is_auto(d: Mapping[str, Any], path: str) -> bool:
     v = _get(d, path)
     return isinstance(v, str) and v == AUTO
+
+
+class AutoFill:
+    """One compiled run's config while its ``"auto"`` values are filled: ``fzero.compile``
+    holds one, and the run fills what ``Config.load`` could not, in this order.
+
+    1. :meth:`at_init`, from ``step.init``'s state: the model's hidden size fills the
+       bucket (``zero_optimization.reduce_bucket_size`` = hidden², Hugging Face's rule).
+    2. :meth:`bucket_bytes`, ``shard_state``'s bucket when the config's is ``"auto"``: a
+       hook of no arguments that ``shard_state``'s ``init`` calls, after (1) (compile's
+       ``before`` runs first), in bytes of the reduced dtype.
+    3. :meth:`at_first_call`, from the first batch: its leading size is micro-batch ×
+       accumulation steps.
+
+    :attr:`config` is the config as far as it is known (``step.config``).
+
+    Args:
+        config: the :class:`fzero.Config` as loaded (its ``pending`` paths are what waits).
+        itemsize: bytes of one reduced gradient element (2 with a 16-bit ``reduce_in``).
+        default_bucket: the bucket in bytes when the model has no hidden size.
+    """
+
+    def __init__(self, config: Any, *, itemsize: int, default_bucket: int):
+        self.config = config
+        self.itemsize, self.default_bucket = itemsize, default_bucket
+
+    @property
+    def bucket_pending(self) -> bool:
+        """Whether the bucket waits for the model (``reduce_bucket_size: "auto"``)."""
+        return _BUCKET in self.config.pending
+
+    def at_init(self, state: Any) -> Any:
+        """The config with what ``state`` says filled (its model's hidden size)."""
+        self.config = self.config.resolve(state=state)
+        return self.config
+
+    def at_first_call(self, batch: Any) -> Any:
+        """The config with what ``batch`` says filled (the batch sizes)."""
+        self.config = self.config.resolve(batch=batch)
+        return self.config
+
+    def bucket_bytes(self) -> int:
+        """``shard_state``'s bucket in bytes, once :meth:`at_init` has run: the filled
+        ``reduce_bucket_size`` × ``itemsize``, or ``default_bucket`` for a model without a
+        hidden size."""
+        elements = self.config.zero_optimization.reduce_bucket_size
+        return self.default_bucket if elements is None else int(elements) * self.itemsize

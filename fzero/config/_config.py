@@ -15,13 +15,15 @@ from typing import Any, Literal
 
 import torch
 
-from fzero.config import _load
-from fzero.config._keys import _COMM_DTYPES, GRADIENT_CLIPPING_DEFAULT
+from fzero.config import _load, _options
+from fzero.config._keys import GRADIENT_CLIPPING_DEFAULT
+from fzero.config._options import COMM_DTYPES
 from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from fzero.config._values import WHERE, _bool, _int, _num
+from fzero.optim import GradientTransformation, schedules
+from fzero.options import CompileOptions, TrialSpec, field_name
 
 _BATCH_PATHS = ("train_batch_size", "train_micro_batch_size_per_gpu")
-from fzero.optim import GradientTransformation, schedules
 
 __all__ = ["Config"]
 
@@ -89,7 +91,7 @@ class Config:
         >>> cfg.train_batch_size, cfg.local_batch_size
         (16, 8)
         >>> opts = cfg.compile_options()
-        >>> opts.stage, opts.dtype, opts.accumulate, opts.clip_norm, opts.bucket_bytes
+        >>> opts.zero, opts.precision, opts.accumulate, opts.clip_norm, opts.bucket_bytes
         (2, 'bf16', 2, 1.0, 200000000)
         >>> lr = cfg.make_schedule()
         >>> [round(lr(k), 5) for k in (0, 1, 6, 11, 100)]
@@ -171,6 +173,13 @@ class Config:
     """The ``wandb`` section's keys as written (``enabled``, ``project``, ``group``,
     ``team``), or ``None``."""
 
+    trial: TrialSpec | None = None
+    """The ``autotuning`` section as the trial it asks of this run (``fzero.compile(trial=)``),
+    as DeepSpeed's engine reads it: ``enabled`` with ``model_info.profile`` and
+    ``model_info_path`` (write Ψ at ``step.init`` and end the run), or ``enabled`` with
+    ``metric_path`` (time ``start_profile_step``..``end_profile_step``, write the result, end
+    the run). ``None`` otherwise: the section's other keys are ``fzero autotune``'s."""
+
     dataloader_drop_last: bool | None = None
     """``dataloader_drop_last``: whether :class:`fzero.data.DataLoader` built from this config
     drops a short last global batch; ``None`` when not written (the loader then drops it)."""
@@ -222,9 +231,12 @@ class Config:
                              "refuses both too)")
         object.__setattr__(self, "gradient_clipping",
                            _num("gradient_clipping", self.gradient_clipping, minimum=0.0))
-        if self.communication_data_type is not None and self.communication_data_type not in _COMM_DTYPES:
+        if self.communication_data_type is not None and self.communication_data_type not in COMM_DTYPES:
             raise ValueError(f"{WHERE}: communication_data_type must be one of "
-                             f"{', '.join(map(repr, _COMM_DTYPES))}, got {self.communication_data_type!r}")
+                             f"{', '.join(map(repr, COMM_DTYPES))}, got {self.communication_data_type!r}")
+        if self.trial is not None and not isinstance(self.trial, TrialSpec):
+            raise TypeError(f"{WHERE}: trial must be an fzero.autotune.TrialSpec or None, got "
+                            f"{type(self.trial).__name__}")
         if self.comms_logger is not None:
             _bool("comms_logger.enabled", self.comms_logger)
         for name in ("wall_clock_breakdown", "memory_breakdown", "flops_profiler"):
@@ -287,6 +299,8 @@ class Config:
                 the exception types above).
             FileNotFoundError: ``src`` names no file.
         """
+        # compile's keywords by the field they set (a transform's name of one, stage=, too)
+        options = {field_name(key): value for key, value in (options or {}).items()}
         if isinstance(src, Config):
             world = src.world_size if world_size is None else world_size
             if src._raw is not None and (auto is not None or options or world != src.world_size):
@@ -371,68 +385,19 @@ class Config:
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
 
     def decided_options(self) -> dict[str, Any]:
-        """The :class:`fzero.CompileOptions` fields this config decides, by field name.
+        """The :class:`fzero.CompileOptions` fields this config decides, by field name: a
+        keyword of ``fzero.compile`` may set the others, never contradict these.
 
-        Always ``stage``, ``dtype``, ``loss_scale`` (``"dynamic"`` or a float; it matters
-        under fp16 only), the fp16 dynamic scaler's ``initial_scale_power``,
-        ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis`` and
-        ``min_loss_scale``, ``check_grad_overflow`` (``bf16.check_grad_overflow`` under bf16;
-        true otherwise, as DeepSpeed always checks under fp16), ``accumulate``
-        (gradient_accumulation_steps) and ``clip_norm`` (gradient_clipping, ``None`` for 0);
-        ``bucket_bytes`` (reduce_bucket_size in bytes) and ``overlap_comm`` when the config
-        writes them, ``reduce_in`` when ``communication_data_type`` is a 16-bit type,
-        ``comm_bytes`` (``comms_logger.enabled``) when the config has a ``comms_logger``
-        section, ``offload_optimizer`` and ``pin_memory`` when it has
-        ``zero_optimization.offload_optimizer``, ``offload_param`` and ``pin_memory`` when it
-        has ``zero_optimization.offload_param``; ``timers``, ``memory`` and ``flops`` when it
-        writes ``wall_clock_breakdown``, ``memory_breakdown`` or ``flops_profiler``. A keyword
-        of ``fzero.compile`` may set the others, never contradict these.
+        One table says which DeepSpeed keys decide which field, and how
+        (``fzero/config/_options.py``, shown in docs/config.md). Always decided: ``zero``,
+        ``precision``, ``loss_scale`` and the fp16 scaler's settings, ``check_grad_overflow``,
+        ``accumulate``, ``clip_norm``; the others only when the config writes their keys.
         """
-        comm_dtype, itemsize = _COMM_DTYPES[self.communication_data_type or "fp32"]
-        zero = self.zero_optimization
-        fp16 = self.fp16
-        opts: dict[str, Any] = {
-            "stage": zero.stage,
-            "dtype": self.precision,
-            "loss_scale": float(fp16.loss_scale) if fp16.enabled and fp16.loss_scale > 0 else "dynamic",
-            "initial_scale_power": int(fp16.initial_scale_power),
-            "loss_scale_window": int(fp16.loss_scale_window),
-            "hysteresis": int(fp16.hysteresis),
-            "consecutive_hysteresis": bool(fp16.consecutive_hysteresis),
-            "min_loss_scale": float(fp16.min_loss_scale),
-            # DeepSpeed reads bf16.check_grad_overflow only under bf16 and always checks
-            # under fp16 (DeepSpeedEngine._configure_zero_optimizer).
-            "check_grad_overflow": self.bf16.check_grad_overflow if self.bf16.enabled else True,
-            "accumulate": self.gradient_accumulation_steps,
-            "clip_norm": self.gradient_clipping or None,
-        }
-        if zero.reduce_bucket_size is not None:
-            opts["bucket_bytes"] = zero.reduce_bucket_size * itemsize
-        if zero.overlap_comm is not None:
-            opts["overlap_comm"] = zero.overlap_comm
-        if zero.offload_optimizer is not None:
-            opts["offload_optimizer"] = zero.offload_optimizer
-            opts["pin_memory"] = zero.pin_memory
-        if zero.offload_param is not None:
-            opts["offload_param"] = zero.offload_param
-            opts["pin_memory"] = zero.pin_memory
-        if comm_dtype is not None:
-            opts["reduce_in"] = comm_dtype
-        if self.autotp_size > 1:
-            opts["tp"] = "auto"
-        if self.comms_logger is not None:
-            opts["comm_bytes"] = self.comms_logger
-        for field, key in (("timers", "wall_clock_breakdown"), ("memory", "memory_breakdown"),
-                           ("flops", "flops_profiler")):
-            if getattr(self, key) is not None:
-                opts[field] = getattr(self, key)
-        return opts
+        return _options.decided(self)
 
-    def compile_options(self) -> "CompileOptions":
+    def compile_options(self) -> CompileOptions:
         """The options of ``fzero.compile`` this config asks for: :meth:`decided_options`
         over the defaults of :class:`fzero.CompileOptions`."""
-        from fzero.options import CompileOptions
-
         return CompileOptions(**self.decided_options())
 
     def make_schedule(self, *, base_lr: float | None = None) -> schedules.Schedule:

@@ -215,8 +215,9 @@ _TOP: dict[str, _Rule] = {
     "flops_profiler": _USE,  # compile(flops=)
     "comms_logger": _USE,
     "timers": _noop("DeepSpeed's throughput timers", _never),
-    # Read by `fzero autotune` (fzero.autotune.AutotuningConfig), not by the step.
-    "autotuning": _noop("read by `fzero autotune`", _never),
+    # Read by `fzero autotune` (fzero.autotune.AutotuningConfig); the step reads only the
+    # trial a tuner's trial config asks of it (Config.trial).
+    "autotuning": _USE,
     "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
     "zero_allow_untested_optimizer": _noop("fzero's ZeRO runs any fzero.optim optimizer", _never),
     "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),
@@ -431,10 +432,6 @@ _SCHEDULERS: dict[str, tuple[str, ...]] = {
 # 1.0 since deepspeedai/DeepSpeed#8068 in the 0.19 series; 0, no clipping, before). fzero
 # follows the release its DeepSpeed semantics are checked against (0.19.8).
 GRADIENT_CLIPPING_DEFAULT = 1.0
-
-# communication_data_type -> (compile's reduce_in, bytes per reduced element)
-_COMM_DTYPES = {"fp32": (None, 4), "fp16": ("fp16", 2), "bfp16": ("bf16", 2), "bf16": ("bf16", 2)}
-
 
 # DeepSpeed's ``comms_logger`` section (deepspeed/comm/config.py, DeepSpeedCommsConfig). Its
 # ``enabled`` is ``compile(comm_bytes=)``: each step's metrics carry the bytes this rank sent,

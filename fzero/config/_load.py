@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fzero.config._keys import (
     _BF16,
     _CANONICAL,
-    _COMM_DTYPES,
     _COMMS_LOGGER,
     _FLOPS_PROFILER,
     _FP16,
@@ -32,13 +31,12 @@ from fzero.config._keys import (
     _Rule,
     _PIPELINE,
 )
-from fzero.config import _auto
+from fzero.config import _auto, _options
+from fzero.config._options import COMM_DTYPES
 from fzero.config._sections import (BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig,
                                     offload_device)
 from fzero.config._values import WHERE, _bool, _frozen, _int, _num, _section, _short
-
-if TYPE_CHECKING:
-    from fzero.config._config import Config
+from fzero.options import TrialSpec
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -118,9 +116,10 @@ class Known:
         return Known(**{**values, **changes})
 
 
-def from_dict(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None,
-              known: Known | None = None) -> Config:
-    """A ``cls`` (``Config``) from a config dict: ``"auto"`` values filled from ``known``,
+def from_dict(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
+              known: Known | None = None) -> Any:
+    """A ``cls`` (``Config``, which calls this: the loading stands under the data and never
+    imports it) from a config dict: ``"auto"`` values filled from ``known``,
     every key classified, every section built; all problems in one error, which names the
     file after ``fzero.Config:``."""
     cfg, notes = _read(cls, d, world_size, source, known or Known())
@@ -128,8 +127,8 @@ def from_dict(cls: type[Config], d: Mapping[str, Any], world_size: int, source: 
     return cfg
 
 
-def _read(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None,
-          known: Known) -> tuple[Config | None, _Notes]:
+def _read(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
+          known: Known) -> tuple[Any, _Notes]:
     notes = _Notes()
     paths = _auto.find(d)
     given, hidden = _auto.given_values(known.auto)
@@ -166,6 +165,26 @@ def _read(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str 
     return cfg, notes
 
 
+def _trial(section: Any) -> TrialSpec | None:
+    """The trial an ``autotuning`` section asks of this run, as DeepSpeed's engine reads the
+    section: ``enabled`` with ``model_info.profile`` and ``model_info_path`` (Ψ at init, then
+    the end), or ``enabled`` with ``metric_path`` (profile, then the end); ``None`` for a
+    section that asks none (``fzero autotune`` reads the rest)."""
+    if not isinstance(section, Mapping) or section.get("enabled") is not True:
+        return None
+    info = section.get("model_info")
+    try:
+        if isinstance(info, Mapping) and info.get("profile") is True and section.get("model_info_path"):
+            return TrialSpec(mode="model_info", metric_path=section["model_info_path"])
+        if section.get("metric_path"):
+            return TrialSpec(mode="profile", metric_path=section["metric_path"],
+                             start_profile_step=section.get("start_profile_step", 3),
+                             end_profile_step=section.get("end_profile_step", 5))
+    except ValueError as e:
+        raise ValueError(f"{WHERE}: autotuning: {e}") from None
+    return None
+
+
 def _flat_paths(d: Mapping[str, Any], prefix: str = "") -> list[str]:
     out = []
     for key, value in d.items():
@@ -188,25 +207,29 @@ def _in_file_order(d: Mapping[str, Any], verdicts: list, autos: set[str]) -> lis
     return sorted(seen.values(), key=lambda v: order.get(v[0], len(order)))
 
 
-def check(d: Mapping[str, Any], world_size: int, source: str | None, known: Known | None = None
+def check(cls: type, d: Mapping[str, Any], world_size: int, source: str | None, known: Known | None = None
           ) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
-    """``(verdicts, problems)``: what fzero does with each key of ``d`` (``(path, verdict,
-    detail)``) and every problem loading it would raise (``(path, message)``)."""
-    from fzero.config._config import Config
-
-    _, notes = _read(Config, d, world_size, source, known or Known())
+    """``(verdicts, problems)``: what fzero does with each key of ``d`` read as a ``cls``
+    (``Config``): ``(path, verdict, detail)``, and every problem loading it would raise
+    (``(path, message)``)."""
+    _, notes = _read(cls, d, world_size, source, known or Known())
     return notes.verdicts, [(p, _message(e)) for p, e in notes.problems]
 
 
-def _used(notes: _Notes, prefix: str, d: Mapping[str, Any], what: Mapping[str, str]) -> None:
-    """Note the verdict of each used key of a section."""
+_SAYS = _options.says()
+
+
+def _used(notes: _Notes, prefix: str, d: Mapping[str, Any], what: Mapping[str, str] | None = None) -> None:
+    """Note the verdict of each used key of a section: ``what`` it does, or by default the
+    :class:`fzero.CompileOptions` field it decides (:data:`fzero.config._options.OPTIONS`)."""
     for key, value in d.items():
-        if key in what:
-            notes.verdicts.append((prefix + key, "used", f"{_short(value)} -> {what[key]}"))
+        said = _SAYS.get(prefix + key) if what is None else what.get(key)
+        if said is not None:
+            notes.verdicts.append((prefix + key, "used", f"{_short(value)} -> {said}"))
 
 
-def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str | None, notes: _Notes,
-           pending: tuple[str, ...]) -> Config | None:
+def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None, notes: _Notes,
+           pending: tuple[str, ...]) -> Any:
     """Every section built, each failure noted by its path; the ``Config``, or ``None`` when
     it could not be built."""
     top = _fields("", d, _TOP, notes)
@@ -254,17 +277,17 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                 kw["scheduler"] = build("scheduler", lambda: SchedulerConfig(type=sec["type"], params=params))
                 _used(notes, "scheduler.params.", params, dict.fromkeys(params, f"the {sec['type']} schedule"))
 
-    what = {"enabled": "the compute dtype", "check_grad_overflow": "skip non-finite updates"}
     if "fp16" in top:
         fields = build("fp16", lambda: _fields("fp16.", _section("fp16", top["fp16"]), _FP16, notes))
         if fields is not None:
-            _used(notes, "fp16.", fields, {k: "fp16 compute and loss scaling" for k in fields})
+            _used(notes, "fp16.", fields)
             kw["fp16"] = build("fp16", lambda: FP16Config(**fields))
     bf16_key = "bf16" if "bf16" in top else "bfloat16" if "bfloat16" in top else None
     if bf16_key is not None:
         fields = build(bf16_key, lambda: _fields(f"{bf16_key}.", _section(bf16_key, top[bf16_key]), _BF16, notes))
         if fields is not None:
-            _used(notes, f"{bf16_key}.", fields, what)
+            # DeepSpeed's older name "bfloat16" says what "bf16" says.
+            _used(notes, f"{bf16_key}.", fields, {k: _SAYS[f"bf16.{k}"] for k in fields if f"bf16.{k}" in _SAYS})
             kw["bf16"] = build(bf16_key, lambda: BF16Config(**fields))
 
     zero = top.get("zero_optimization")
@@ -277,14 +300,12 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
         if fields is not None:
             offload = fields.pop("offload_optimizer", None)
             param = fields.pop("offload_param", None)
-            _used(notes, "zero_optimization.", fields, {
-                "stage": "the ZeRO stage", "reduce_bucket_size": "bucket_bytes",
-                "overlap_comm": "overlap_comm (reduce during backward, or after it)"})
+            _used(notes, "zero_optimization.", fields)
             if offload is not None:  # DeepSpeed's default is None: no offload
                 p = "zero_optimization.offload_optimizer"
                 offload = build(p, lambda: _fields(p + ".", _section(p, offload), _OFFLOAD_OPTIMIZER, notes))
                 if offload is not None:
-                    _used(notes, p + ".", offload, {"device": "offload_optimizer", "pin_memory": "pin_memory"})
+                    _used(notes, p + ".", offload)
                     fields["offload_optimizer"] = offload.get("device", "none")
                     fields["pin_memory"] = build(p + ".pin_memory",
                                                  lambda: _bool(p + ".pin_memory", offload.get("pin_memory", False)))
@@ -296,14 +317,14 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                 pin = None if param is None else build(q + ".pin_memory",
                                                        lambda: _bool(q + ".pin_memory", param.get("pin_memory", False)))
                 if device is not None and pin is not None:
-                    _used(notes, q + ".", param, {"device": "offload_param", "pin_memory": "pin_memory"})
+                    _used(notes, q + ".", param)
                     fields["offload_param"] = device
                     fields["pin_memory"] = bool(fields.get("pin_memory")) or pin  # either section pins
             kw["zero_optimization"] = build("zero_optimization", lambda: ZeroConfig(**fields))
     if top.get("gradient_clipping") is not None:
         kw["gradient_clipping"] = build("gradient_clipping",
                                         lambda: _num("gradient_clipping", top["gradient_clipping"], minimum=0.0))
-        _used(notes, "", {"gradient_clipping": top["gradient_clipping"]}, {"gradient_clipping": "clip_norm"})
+        _used(notes, "", {"gradient_clipping": top["gradient_clipping"]})
     pipe = top.get("pipeline")
     if pipe is not None:
         section = build("pipeline", lambda: _fields("pipeline.", _section("pipeline", pipe), _PIPELINE, notes))
@@ -322,7 +343,16 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
         if section is not None and section.get("autotp_size") is not None:
             kw["autotp_size"] = build("tensor_parallel.autotp_size",
                                       lambda: _int("tensor_parallel.autotp_size", section["autotp_size"], minimum=1))
-            _used(notes, "tensor_parallel.", section, {"autotp_size": "tp=\"auto\" over the mesh's tp axis"})
+            _used(notes, "tensor_parallel.", section)
+    tuning = top.get("autotuning")
+    if tuning is not None:
+        trial = build("autotuning", lambda: _trial(tuning))
+        if trial is not None:
+            kw["trial"] = trial
+            _used(notes, "autotuning.", tuning)
+            _used(notes, "autotuning.model_info.", tuning.get("model_info") or {})
+        elif not any(p == "autotuning" for p, _ in notes.problems):
+            notes.verdicts.append(("autotuning", "no effect", "read by `fzero autotune`"))
     logger = top.get("comms_logger")
     if logger is not None:
         section = build("comms_logger", lambda: _fields("comms_logger.", _section("comms_logger", logger),
@@ -330,19 +360,19 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
         if section is not None:
             kw["comms_logger"] = build("comms_logger.enabled",
                                        lambda: _bool("comms_logger.enabled", section.get("enabled", False)))
-            _used(notes, "comms_logger.", section, {"enabled": "metrics[\"comm_bytes\"]"})
+            _used(notes, "comms_logger.", section)
     # Measuring and logging (fzero.monitor): the timers, memory, FLOPs and the writers.
-    for key, field in (("wall_clock_breakdown", "timers"), ("memory_breakdown", "memory")):
+    for key in ("wall_clock_breakdown", "memory_breakdown"):
         if top.get(key) is not None:
             kw[key] = build(key, lambda key=key: _bool(key, top[key]))
-            _used(notes, "", {key: top[key]}, {key: field})
+            _used(notes, "", {key: top[key]})
     if top.get("flops_profiler") is not None:
         section = build("flops_profiler", lambda: _fields("flops_profiler.", _section(
             "flops_profiler", top["flops_profiler"]), _FLOPS_PROFILER, notes))
         if section is not None:
             kw["flops_profiler"] = build("flops_profiler.enabled",
                                          lambda: _bool("flops_profiler.enabled", section.get("enabled", False)))
-            _used(notes, "flops_profiler.", section, {"enabled": "flops (metrics[\"flops\"], \"mfu\")"})
+            _used(notes, "flops_profiler.", section)
     for key, rules in _MONITORS.items():
         if top.get(key) is not None:
             section = build(key, lambda key=key, rules=rules: _fields(f"{key}.", _section(key, top[key]), rules, notes))
@@ -351,13 +381,13 @@ def _build(cls: type[Config], d: Mapping[str, Any], world_size: int, source: str
                 _used(notes, f"{key}.", section, dict.fromkeys(section, f"the {key} writer (fzero.monitor)"))
     comm = top.get("communication_data_type")
     if comm is not None:
-        if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:
+        if not isinstance(comm, str) or comm.lower() not in COMM_DTYPES:
             notes.problem("communication_data_type", ValueError(
-                f"{WHERE}: communication_data_type must be one of {', '.join(map(repr, _COMM_DTYPES))}, "
+                f"{WHERE}: communication_data_type must be one of {', '.join(map(repr, COMM_DTYPES))}, "
                 f"got {_short(comm)}"))
         else:
             kw["communication_data_type"] = comm.lower()
-            _used(notes, "", {"communication_data_type": comm}, {"communication_data_type": "reduce_in"})
+            _used(notes, "", {"communication_data_type": comm})
     if top.get("dataloader_drop_last") is not None:
         kw["dataloader_drop_last"] = build("dataloader_drop_last",
                                            lambda: _bool("dataloader_drop_last", top["dataloader_drop_last"]))

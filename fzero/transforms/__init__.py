@@ -10,8 +10,10 @@ here: ``Handler``, ``Step``, ``as_step``, ``installed``; the primitives ``psum``
 from fzero.core import (Handler, LeafSums, MicroBatch, NotApplied, Step, StepContext, as_step, bind, context,
                         emit_metric, installed, psum, running)
 from fzero.transforms.accumulate import accumulate
+from fzero.transforms.clip import clip
 from fzero.transforms.finite import NonFiniteGradientError, check_finite
 from fzero.transforms.mixed_precision import mixed_precision
+from fzero.transforms.offload import offload_optimizer
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
 from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, RowwiseParallel,
@@ -20,5 +22,6 @@ from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParalle
 
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
            "emit_metric", "installed", "psum", "running",
-           "accumulate", "check_finite", "NonFiniteGradientError", "mixed_precision", "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel",
-           "DivideAttributes", "RowwiseParallel", "VocabShardedLogits", "BatchMismatchError"]
+           "accumulate", "check_finite", "clip", "NonFiniteGradientError", "mixed_precision", "offload_optimizer",
+           "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
+           "VocabShardedLogits", "BatchMismatchError"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fzero import means, tree
-from fzero.options import check_option
+from fzero.transforms._checks import check_option
 from fzero.core import Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running
 from fzero.transforms._deferred import is_deferred
 
@@ -129,7 +129,7 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
         >>> int(state.step)
         1
     """
-    check_option(WHERE, "micro_batches", micro_batches, "accumulate")
+    check_option(WHERE, "micro_batches", micro_batches)
     inner = as_step(step)
     k = micro_batches
 

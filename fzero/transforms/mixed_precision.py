@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed.flat import is_shard
-from fzero.options import check_option
+from fzero.transforms._checks import check_option
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
                         running)
 from fzero.transforms._deferred import is_deferred

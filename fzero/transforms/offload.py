@@ -25,6 +25,7 @@ from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed import comm
 from fzero.core import Handler, Step, as_step, context, installed, running
+from fzero.transforms._checks import check_option
 
 __all__ = ["offload_optimizer", "write_params"]
 
@@ -192,8 +193,6 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
         >>> torch.equal(master, fzero.gather(state.params)["weight"])
         True
     """
-    from fzero.options import check_option
-
     check_option(WHERE, "pin_memory", pin_memory)
     check_option(WHERE, "make_masters", make_masters, "pin_memory")  # a bool, the same check
     inner = as_step(step)

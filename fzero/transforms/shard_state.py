@@ -44,7 +44,7 @@ from fzero.distributed.flat import Layout, Shard, build_layout
 from fzero.distributed.mesh import Mesh
 from fzero.distributed.reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
 from fzero.distributed.units import Units, find_units
-from fzero.options import DEFAULT_BUCKET_BYTES, check_option
+from fzero.transforms._checks import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)

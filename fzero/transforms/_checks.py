@@ -1,0 +1,92 @@
+"""What a transform's keyword may be: one check per keyword, written once.
+
+The transforms check their own keywords here (``shard_state(stage=, bucket_bytes=, ...)``,
+``mixed_precision(loss_scale=, ...)``, ``accumulate(micro_batches=)``, ``clip(clip_norm=)``,
+``offload_optimizer(pin_memory=)``), and :class:`fzero.CompileOptions` checks the option
+that feeds each keyword with the same function, so a bad value gets the same message
+wherever it is given. This module imports nothing of fzero: every transform may use it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["CHECKS", "DEFAULT_BUCKET_BYTES", "check_option"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (25 MB buckets)
+
+Check = Callable[[Any], "str | None"]  # None when the value is valid, else why not ("must be ...")
+
+
+def choice(*allowed) -> Check:
+    text = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+
+    def check(v):
+        return None if any(v == a and type(v) is type(a) for a in allowed) else f"must be {text}"
+
+    return check
+
+
+def positive_int(v) -> str | None:
+    ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+    return None if ok else "must be a positive int"
+
+
+def positive_number(v) -> str | None:
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0
+    return None if ok else "must be a positive number"
+
+
+def optional(check: Check) -> Check:
+    def optional(v):
+        why = None if v is None else check(v)
+        return None if why is None else f"{why} or None"
+
+    return optional
+
+
+def boolean(v) -> str | None:
+    return None if isinstance(v, bool) else "must be True or False"
+
+
+def _loss_scale(v) -> str | None:
+    return None if v in ("dynamic", None) or positive_number(v) is None else \
+        "must be 'dynamic', a positive number or None"
+
+
+def _int(v) -> str | None:
+    return None if isinstance(v, numbers.Integral) and not isinstance(v, bool) else "must be an int"
+
+
+# Each transform's keyword, by the name the transform takes it under.
+CHECKS: dict[str, Check] = {
+    # shard_state
+    "stage": choice(0, 1, 2, 3),
+    "bucket_bytes": positive_int,
+    "reduce_in": optional(choice("fp32", "bf16", "fp16")),
+    "overlap_comm": boolean,
+    "buffer_sync": choice("broadcast", "mean", "local"),
+    "offload_param": choice("none", "cpu"),
+    "pin_memory": boolean,  # and offload_optimizer's
+    # mixed_precision (its dtype is checked there: "bf16" or "fp16")
+    "loss_scale": _loss_scale,
+    "initial_scale_power": _int,
+    "loss_scale_window": positive_int,
+    "hysteresis": positive_int,
+    "consecutive_hysteresis": boolean,
+    "min_loss_scale": positive_number,
+    "check_grad_overflow": boolean,
+    # accumulate, clip
+    "micro_batches": positive_int,
+    "clip_norm": positive_number,
+}
+
+
+def check_option(where: str, name: str, value: Any, check: str | None = None) -> None:
+    """Raise ``ValueError("<where>: <name>=<value> must be ...")`` if ``value`` is not valid
+    for the keyword ``check`` (default: ``name``), as spelled ``name`` by the caller."""
+    why = CHECKS[check or name](value)
+    if why is not None:
+        raise ValueError(f"{where}: {name}={value!r} {why}")
