@@ -1,5 +1,6 @@
-"""The fused path: ``adam``, ``adamw``, ``lamb``, ``lion`` and ``sgd`` updates run by
-``fzero_kernels`` instead of the chain, one launch per flat run of leaves.
+"""The fused path: the chains of ``adam``, ``adamw``, ``lamb``, ``lion`` and ``sgd``
+(:func:`~fzero.optim.fused_spec_of`) run by ``fzero_kernels`` instead, one launch per flat
+run of leaves. The lowering (:mod:`fzero.optim.lowering`) takes it where :func:`fuses` says.
 
 When is it used (``FZERO_FUSED``, or :func:`use_fused`):
 
@@ -27,9 +28,9 @@ tensors: no clones. Otherwise each run's spans are copied once and updated.
 The result equals the unfused chain's within fp32 rounding (the kernels follow
 torch.optim's order of operations, the chain optax's; the clip coefficient and
 ``grad_norm`` are the chain's bit for bit; ``tests/test_fused_step.py``), and the optimizer state keeps the chain's structure, so a
-checkpoint does not care which path wrote it. Only an alias alone, or
-``chain(clip_by_global_norm(c), alias)``, is fused (:func:`fzero.optim.fused_spec_of`);
-anything else runs unfused.
+checkpoint does not care which path wrote it. Only the chains
+:func:`~fzero.optim.fused_spec_of` recognises are fused, optionally after one
+``clip_by_global_norm``; anything else runs unfused.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from typing import Any, Literal
 import torch
 
 from fzero import tree
-from fzero.optim.base import FusedSpec, GradientTransformation, fused_spec_of
+from fzero.optim._known import FusedSpec, fused_spec_of
+from fzero.optim.base import GradientTransformation
 from fzero.optim.transform import ScaleByAdamState, ScaleByLionState, ScaleByScheduleState, TraceState, _resolve_mask
 
 __all__ = ["fused_update", "use_fused"]
@@ -265,10 +267,7 @@ def fuses(tx: GradientTransformation, params: Any) -> bool:
         ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
     mode = _mode()
-    if mode == "off":
-        return False
-    spec = fused_spec_of(tx)
-    if spec is None or spec.kind not in _NODE or (spec.kind != "lamb" and spec.eps_root):
+    if mode == "off" or fused_spec_of(tx) is None:
         return False
     p_leaves = tree.leaves(params)
     if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
@@ -281,7 +280,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     """``(new_params, new_opt_state)`` by the fused kernels, or ``None`` to run unfused.
 
     Args:
-        tx: the optimizer (its :func:`~fzero.optim.fused_spec_of` says whether and how).
+        tx: the optimizer (:func:`~fzero.optim.fused_spec_of` says whether and how).
         grads, opt_state, params: as ``tx.update``'s; leaves may be ZeRO's pieces.
         donate: the caller gives ``params`` and ``opt_state`` up: the kernels write into
             them (no copies). Otherwise nothing passed in is written to.
