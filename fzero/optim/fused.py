@@ -260,9 +260,6 @@ def _lamb(spec: FusedSpec, runs: list[_Run], params: Any, n_leaves: int, device,
 def fuses(tx: GradientTransformation, params: Any) -> bool:
     """Whether :func:`fused_update` runs ``tx`` on ``params`` (fp32 leaves) in this mode.
 
-    A caller that prepares the gradients asks it first: the kernels read bf16/fp16
-    gradients as they are, so a gradient need not be cast to fp32 (a copy per leaf) for them.
-
     Raises:
         ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
