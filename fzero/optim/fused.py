@@ -2,13 +2,17 @@
 (:func:`~fzero.optim.fused_spec_of`) run by ``fzero_kernels`` instead, one launch per flat
 run of leaves. The lowering (:mod:`fzero.optim.lowering`) takes it where :func:`fuses` says.
 
-When is it used (``FZERO_FUSED``, or :func:`use_fused`):
+When is it used (:func:`use_fused`):
 
-* ``"auto"`` (default): when the parameters are on a GPU, where ``fzero_kernels`` runs its
-  Triton kernels;
+* ``"auto"`` (default): where ``fzero_kernels`` runs its compiled Triton kernels: parameters
+  on a GPU, unless ``FZERO_KERNELS_BACKEND=reference`` (or ``fzero_kernels.force_backend``)
+  asks the kernels for their torch reference -- then the chain runs;
 * ``"on"``: always (on a CPU the kernels' torch reference runs, or the Triton kernel under
   ``TRITON_INTERPRET=1`` -- the tests use both);
 * ``"off"``: never.
+
+``FZERO_FUSED=auto|on|off``, the old environment name of this choice, is still read (when
+set, it decides outside a ``use_fused`` block); ``FZERO_KERNELS_BACKEND`` is the one name now.
 
 One launch per *flat run*: leaves whose parameters, gradients and optimizer-state tensors
 each lie back to back in one storage (ZeRO's pieces of a flat group at stages 1-3: the
@@ -69,10 +73,20 @@ def use_fused(mode: Mode) -> Iterator[None]:
 def _mode() -> Mode:
     if _forced:
         return _forced[-1]
-    mode = os.environ.get("FZERO_FUSED", "auto")
+    mode = os.environ.get("FZERO_FUSED", "auto")  # the old name, still honoured when set
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"fzero.optim: FZERO_FUSED={mode!r} must be 'auto', 'on' or 'off'")
     return mode  # type: ignore[return-value]
+
+
+def _compiled(p: torch.Tensor) -> bool:
+    """Whether ``fzero_kernels`` runs its compiled Triton kernels on ``p``: a GPU tensor whose
+    kernels are not sent to their torch reference (``FZERO_KERNELS_BACKEND``)."""
+    if p.device.type != "cuda":
+        return False
+    import fzero_kernels
+
+    return fzero_kernels.backend_for(p) == "triton"
 
 
 # --------------------------------------------------------------------------- the state
@@ -269,7 +283,7 @@ def fuses(tx: GradientTransformation, params: Any) -> bool:
     p_leaves = tree.leaves(params)
     if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
         return False
-    return mode == "on" or p_leaves[0].device.type == "cuda"
+    return mode == "on" or _compiled(p_leaves[0])
 
 
 def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any, *, donate: bool = False,
