@@ -13,7 +13,7 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
   has had its say, so a handler of ``update`` sees exactly the tensors the optimizer will
   update (this rank's pieces under ZeRO, whatever the nesting): ``mixed_precision`` swaps its
   fp32 masters in there; its plain implementation is the state's optimizer, lowered
-  (:func:`register_lowering`);
+  (:func:`register_lowering`, :class:`Lowered`);
 * ``psum`` -- where an optimizer sums a reduction over the leaves across the ranks holding
   them (a global norm, LAMB's per-leaf norms, the overflow flag); the contract is at
   :func:`psum`, and ``counted`` is its companion: which leaves this rank counts;
@@ -72,8 +72,8 @@ from fzero import tree
 from fzero._params import Params, like_params, merge_trainable, trainable
 from fzero.tree import _USER_VIEW, user_view
 
-__all__ = ["DataShard", "Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind",
-           "context", "emit_metric", "installed", "loss_scale", "pmean_data", "psum", "register_lowering",
+__all__ = ["DataShard", "Handler", "LeafSums", "Lowered", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step",
+           "bind", "context", "emit_metric", "installed", "loss_scale", "lower", "pmean_data", "psum", "register_lowering",
            "register_primitive", "register_step_scope", "rehearsal", "rehearsing", "running", "trainable_grads"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
@@ -552,25 +552,47 @@ def _apply_gradients_base(state: Any, grads: Any) -> Any:
     return bind("update", state, grads)
 
 
+class Lowered(NamedTuple):
+    """One update by an optimizer, as the registered lowering runs it (:func:`lower`).
+
+    Attributes:
+        update: ``(grads, opt_state, params, *, donate) -> (params, opt_state)``; with
+            ``donate`` the step owns ``params`` and ``opt_state`` and they may be written.
+        reads_low_precision: the update reads bf16/fp16 gradients as they are (the fused
+            kernels do); else it wants them in the parameters' dtypes, and a transform
+            holding 16-bit gradients beside fp32 masters casts them before handing them on
+            (so that what the handlers outside it do to them, a rescale, a copy to the host,
+            happens in fp32).
+    """
+
+    update: Callable[..., tuple[Any, Any]]
+    reads_low_precision: bool
+
+
 # How a state's optimizer (``state.tx``) makes one update: registered by ``fzero.optim``, the
 # package that knows the optimizers (the fused kernels where they apply, in place when the step
-# owns the state). ``lower(tx)`` returns ``fn(grads, opt_state, params, *, donate) -> (params,
-# opt_state)``.
-_LOWER: list[Callable[[Any], Callable[..., tuple[Any, Any]]]] = []
+# owns the state).
+_LOWER: list[Callable[[Any, Any], Lowered]] = []
 
 
-def register_lowering(lower: Callable[[Any], Callable[..., tuple[Any, Any]]]) -> None:
-    """Install how ``update``'s plain implementation turns ``state.tx`` into one update
-    (``fzero.optim`` does, at import)."""
+def register_lowering(lower: Callable[[Any, Any], Lowered]) -> None:
+    """Install ``lower(tx, params) -> Lowered``, how ``update``'s plain implementation turns
+    ``state.tx`` into one update of ``params`` (``fzero.optim`` does, at import)."""
     _LOWER[:] = [lower]
+
+
+def lower(tx: Any, params: Any) -> Lowered:
+    """The update ``tx`` makes of ``params``, the tensors it steps, as the registered lowering
+    runs it."""
+    if not _LOWER:
+        raise RuntimeError("fzero.core: no optimizer lowering is registered (import fzero.optim)")
+    return _LOWER[0](tx, params)
 
 
 @register_primitive("update")
 def _update_base(state: Any, grads: Any) -> Any:
-    if not _LOWER:
-        raise RuntimeError("fzero.core: no optimizer lowering is registered (import fzero.optim)")
-    step_fn = _LOWER[0](state.tx)
-    new, opt_state = step_fn(grads, state.opt_state, trainable(state.params), donate=context().donate)
+    params = trainable(state.params)
+    new, opt_state = lower(state.tx, params).update(grads, state.opt_state, params, donate=context().donate)
     return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
 
 

@@ -111,7 +111,7 @@ def test_readme_sample_works_unchanged():
     assert cfg.compile_options() == fzero.CompileOptions(**cfg.decided_options())
     # DeepSpeed's "Adam" is FusedAdam in AdamW mode (adam_w_mode defaults to true), weight
     # decay 0 (FusedAdam's default, not torch.optim.AdamW's 0.01).
-    assert cfg.make_optimizer().fused == optim.adamw(0.00015, 0.9, 0.999, 1e-8, 0.0).fused
+    assert optim.fused_spec_of(cfg.make_optimizer()) == optim.fused_spec_of(optim.adamw(0.00015, 0.9, 0.999, 1e-8, 0.0))
     assert cfg.local_batch_size == 8
 
 
@@ -246,7 +246,7 @@ def _cfg_tx(opt, **extra):
 ])
 def test_each_optimizer_builds_the_fzero_optimizer_with_deepspeeds_hyperparameters(opt, expected):
     tx = _cfg_tx(opt)
-    assert tx.fused == expected.fused
+    assert optim.fused_spec_of(tx) == optim.fused_spec_of(expected) is not None
     torch.manual_seed(0)
     params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
     grads = tree.map(torch.randn_like, params)
@@ -307,7 +307,7 @@ def test_lamb_is_deepspeeds_fused_lamb(eps_inside_sqrt, bias_correction):
     tx = _cfg_tx({"type": "Lamb", "params": {
         "lr": hp["lr"], "betas": [hp["b1"], hp["b2"]], "eps": hp["eps"], "weight_decay": hp["wd"],
         "eps_inside_sqrt": eps_inside_sqrt, "bias_correction": bias_correction}})
-    assert tx.fused is None  # not optax's lamb: no fused-kernel record
+    assert optim.fused_spec_of(tx) is None  # not optax's lamb: never fused
     p, state = dict(params), tx.init(params)
     for g in grads_seq:
         u, state = tx.update(g, state, p)
@@ -402,7 +402,7 @@ def test_each_scheduler_is_fzeros_deepspeed_schedule(kind, params, direct):
                     scheduler={"type": kind, "params": params}))
     sched, expected = cfg.make_schedule(), direct(params)
     assert [sched(k) for k in range(40)] == [expected(k) for k in range(40)]
-    spec = cfg.make_optimizer().fused  # the schedule is the optimizer's learning rate
+    spec = optim.fused_spec_of(cfg.make_optimizer())  # the schedule is the optimizer's learning rate
     assert spec.kind == "adamw"
     assert [spec.learning_rate(k) for k in range(40)] == [expected(k) for k in range(40)]
 
@@ -686,7 +686,8 @@ def test_install_puts_the_config_optimizer_into_the_state():
     cfg = load(base(optimizer={"type": "AdamW", "params": {"lr": 0.01}},
                     scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}}))
     new = cfg.install(state)
-    assert new.tx.fused.kind == "adamw" and callable(new.tx.fused.learning_rate)
+    spec = optim.fused_spec_of(new.tx)
+    assert spec.kind == "adamw" and callable(spec.learning_rate)
     assert int(new.opt_state[0].count) == 0  # a fresh ScaleByAdamState
     assert load(base()).install(state) is state
     with pytest.raises(NotImplementedError, match="scheduler section without an optimizer"):

@@ -206,7 +206,7 @@ def test_a_state_without_an_optimizer_needs_a_config_that_has_one():
 def test_pending_auto_values_block_building_the_optimizer_until_filled():
     cfg = quiet_load(HF_STYLE, auto={"max_steps": 10})
     assert not [p for p in cfg.pending if p.startswith(("optimizer.", "scheduler."))]
-    assert cfg.make_optimizer().fused.weight_decay == 0.0  # Hugging Face's defaults: nothing waits
+    assert optim.fused_spec_of(cfg.make_optimizer()).weight_decay == 0.0  # Hugging Face's defaults: nothing waits
     with pytest.raises(ValueError, match="micro-batch size is \"auto\""):
         cfg.local_batch_size
 

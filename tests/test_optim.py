@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import fzero.testing as ft
 from fzero import optim, tree
-from fzero.optim import alias, base, clipping, transform
+from fzero.optim import _known, alias, base, clipping, transform
 from fzero.core import collecting_metrics, installed
 
 # The row of fzero.testing.TOLERANCES an optimizer is held to against torch.optim, by dtype.
@@ -339,8 +339,9 @@ def test_lion_matches_optax_definition(problem, lr, b1, b2, wd, mask_seed):
 
 
 def test_lamb_and_lion_take_optax_defaults():
-    assert optim.lamb(1e-3).fused == base.FusedSpec("lamb", 1e-3, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0)
-    assert optim.lion(1e-3).fused == base.FusedSpec("lion", 1e-3, b1=0.9, b2=0.99, weight_decay=1e-3)
+    assert optim.fused_spec_of(optim.lamb(1e-3)) == optim.FusedSpec("lamb", 1e-3, b1=0.9, b2=0.999, eps=1e-6,
+                                                                     eps_root=0.0)
+    assert optim.fused_spec_of(optim.lion(1e-3)) == optim.FusedSpec("lion", 1e-3, b1=0.9, b2=0.99, weight_decay=1e-3)
 
 
 def test_trust_ratio_is_one_for_zero_params():
@@ -599,20 +600,47 @@ def test_chain_never_overwrites_a_state_it_shares():
 
 def test_fused_specs():
     sched = lambda c: 1e-3  # noqa: E731
-    spec = optim.adamw(sched, b2=0.95, weight_decay=0.1).fused
+    spec = optim.fused_spec_of(optim.adamw(sched, b2=0.95, weight_decay=0.1))
     assert (spec.kind, spec.learning_rate, spec.b1, spec.b2, spec.eps, spec.weight_decay) == ("adamw", sched, 0.9, 0.95, 1e-8, 0.1)
-    assert optim.adam(1e-3, weight_decay=0.1).fused.kind == "adam"
-    sgd = optim.sgd(0.1, momentum=0.9, nesterov=True).fused
+    assert optim.fused_spec_of(optim.adam(1e-3, weight_decay=0.1)).kind == "adam"
+    sgd = optim.fused_spec_of(optim.sgd(0.1, momentum=0.9, nesterov=True))
     assert (sgd.kind, sgd.momentum, sgd.nesterov) == ("sgd", 0.9, True)
-    assert optim.chain(optim.adamw(1e-3)).fused is None
+    # An optimizer is optax's pair and nothing more; what it is, is read from its members.
+    assert optim.adamw(1e-3)._fields == optim.chain(optim.adamw(1e-3))._fields == ("init", "update")
+    assert optim.fused_spec_of(optim.chain(optim.adamw(1e-3))) == optim.fused_spec_of(optim.adamw(1e-3))
     assert optim.fused_spec_of(optim.lion(1e-4)).kind == "lion"
     clipped = optim.fused_spec_of(optim.chain(optim.clip_by_global_norm(2.0), optim.lamb(1e-3)))
     assert (clipped.kind, clipped.clip_norm) == ("lamb", 2.0)
     assert optim.fused_spec_of(optim.chain(optim.scale(0.5), optim.adamw(1e-3))) is None
     assert optim.fused_spec_of(optim.scale(0.5)) is None
-    # Specs ride in TrainState's static fields: equal specs hash alike, dict masks included.
-    a, b = optim.adamw(1e-3, mask={"w": True}).fused, optim.adamw(1e-3, mask={"w": True}).fused
+    # Equal specs hash alike, dict masks included.
+    a, b = (optim.fused_spec_of(optim.adamw(1e-3, mask={"w": True})) for _ in range(2))
     assert a == b and hash(a) == hash(b)
+
+
+def test_a_known_chain_is_recognised_by_its_members_whoever_chained_them():
+    by_hand = optim.chain(optim.clip_by_global_norm(1.0), optim.scale_by_adam(b2=0.95),
+                          optim.add_decayed_weights(0.1, mask={"w": True}), optim.scale_by_learning_rate(1e-3))
+    spec = optim.fused_spec_of(by_hand)
+    assert spec == optim.fused_spec_of(optim.chain(optim.clip_by_global_norm(1.0),
+                                                   optim.adamw(1e-3, b2=0.95, weight_decay=0.1, mask={"w": True})))
+    assert (spec.kind, spec.clip_norm, spec.mask) == ("adamw", 1.0, {"w": True})
+    lamb = optim.chain(optim.scale_by_adam(), optim.add_decayed_weights(), optim.scale_by_trust_ratio(),
+                       optim.scale_by_learning_rate(1e-3))
+    assert optim.fused_spec_of(lamb).kind == "lamb"
+    # Not the kernels' math: another trust ratio, an ascent step, eps_root outside LAMB, a
+    # momentum of 0, a transformation of one's own.
+    for tx in [optim.chain(optim.scale_by_adam(), optim.add_decayed_weights(), optim.scale_by_trust_ratio(min_norm=1.0),
+                           optim.scale_by_learning_rate(1e-3)),
+               optim.chain(optim.scale_by_adam(), optim.add_decayed_weights(),
+                           optim.scale_by_learning_rate(1e-3, flip_sign=False)),
+               optim.chain(optim.scale_by_adam(eps_root=1e-8), optim.add_decayed_weights(),
+                           optim.scale_by_learning_rate(1e-3)),
+               optim.chain(optim.add_decayed_weights(), optim.trace(0.0), optim.scale_by_learning_rate(1e-3)),
+               optim.chain(optim.GradientTransformation(lambda p: optim.EmptyState(), lambda u, s, p=None: (u, s)),
+                           optim.scale_by_adam(), optim.add_decayed_weights(), optim.scale_by_learning_rate(1e-3)),
+               optim.masked(optim.adamw(1e-3), {"w": True})]:
+        assert optim.fused_spec_of(tx) is None, tx
 
 
 # --------------------------------------------------------------------------- apply_updates
@@ -706,7 +734,7 @@ def test_chain_rejects_a_foreign_state():
 # --------------------------------------------------------------------------- docs
 
 
-@pytest.mark.parametrize("module", [optim, base, transform, clipping, alias], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [optim, base, _known, transform, clipping, alias], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0

@@ -20,6 +20,7 @@ DeepSpeed's semantics were read from ``deepspeed/runtime/config.py``,
 (``_configure_basic_optimizer``) and ``ops/{adam,lamb,lion}`` of DeepSpeed 0.19.8.
 
 Example:
+    >>> from fzero import optim
     >>> from fzero.config import Config      # fzero.Config once fzero/__init__.py exports it
     >>> cfg = Config.load({
     ...     "train_batch_size": 8, "gradient_accumulation_steps": 1,
@@ -30,7 +31,7 @@ Example:
     >>> opts = cfg.compile_options()
     >>> opts.precision, opts.loss_scale, opts.accumulate
     ('fp16', 'dynamic', 1)
-    >>> cfg.make_optimizer().fused.kind      # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
+    >>> optim.fused_spec_of(cfg.make_optimizer()).kind   # DeepSpeed's "Adam" is AdamW unless adam_w_mode=false
     'adamw'
 """
 

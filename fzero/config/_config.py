@@ -434,7 +434,8 @@ class Config:
         Example:
             >>> cfg = Config.load({"train_batch_size": 4,
             ...                    "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
-            >>> spec = cfg.make_optimizer().fused
+            >>> from fzero import optim
+            >>> spec = optim.fused_spec_of(cfg.make_optimizer())
             >>> spec.kind, spec.learning_rate, spec.b2, spec.weight_decay
             ('lion', 0.0001, 0.999, 0.0)
         """

@@ -20,15 +20,8 @@ Example:
 
 from fzero.optim import alias, clipping, deepspeed, lowering, schedules, transform
 from fzero.optim.alias import adam, adamw, lamb, lion, sgd
-from fzero.optim.base import (
-    EmptyState,
-    FusedSpec,
-    GradientTransformation,
-    apply_updates,
-    chain,
-    fused_spec_of,
-    identity,
-)
+from fzero.optim._known import FusedSpec, fused_spec_of
+from fzero.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
 from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb
 from fzero.optim.fused import use_fused

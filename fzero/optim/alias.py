@@ -2,8 +2,8 @@
 
 ``adam``, ``adamw`` and ``sgd`` compute what ``torch.optim.Adam``, ``AdamW`` and ``SGD``
 compute; ``lamb`` and ``lion`` what optax's ``lamb`` and ``lion`` compute, with optax's
-defaults. Each records its kind and hyperparameters in ``tx.fused`` (a
-:class:`~fzero.optim.base.FusedSpec`) for a fused-kernel back end.
+defaults. Each is nothing but its chain: the lowering recognises the chain by its members
+(:func:`~fzero.optim.fused_spec_of`) to run it as the fused kernels.
 
 Every learning rate may be a float or a schedule ``fn(count) -> float`` with ``count`` the
 0-based index of the update (``fzero.optim.schedules``).
@@ -11,10 +11,10 @@ Every learning rate may be a float or a schedule ``fn(count) -> float`` with ``c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from fzero.optim._checks import check_lr, check_nonneg, check_unit
-from fzero.optim.base import FusedSpec, GradientTransformation, ScalarOrSchedule, chain, identity
+from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain, identity
 from fzero.optim.transform import (
     add_decayed_weights,
     scale_by_adam,
@@ -27,25 +27,23 @@ from fzero.optim.transform import (
 __all__ = ["adam", "adamw", "lamb", "lion", "sgd"]
 
 
-def _where(spec: FusedSpec) -> str:
-    """The alias's public name, which its errors (raised by its members too) start with."""
-    return f"fzero.optim.{spec.kind}"
+class _Adam(NamedTuple):
+    where: str
+    learning_rate: ScalarOrSchedule
+    b1: float
+    b2: float
+    eps: float
+    eps_root: float
+    weight_decay: float
 
 
-def _optimizer(spec: FusedSpec, *transforms: GradientTransformation) -> GradientTransformation:
-    """``chain(*transforms, scale_by_learning_rate(lr))``, recording ``spec`` as ``fused``."""
-    lr = scale_by_learning_rate(spec.learning_rate, where=_where(spec))
-    return chain(*transforms, lr)._replace(fused=spec)
-
-
-def _adam_spec(kind: str, learning_rate: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, weight_decay: Any,
-               mask: Any = None) -> FusedSpec:
-    """The Adam family's hyperparameters, checked in the order of the signature."""
+def _adam_args(kind: str, learning_rate: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, weight_decay: Any) -> _Adam:
+    """The Adam family's hyperparameters, checked in the order of the signature (the members
+    check them again, in the chain's order)."""
     where = f"fzero.optim.{kind}"
-    return FusedSpec(kind, check_lr(where, learning_rate), b1=check_unit(where, "b1", b1),
-                     b2=check_unit(where, "b2", b2), eps=check_nonneg(where, "eps", eps),
-                     eps_root=check_nonneg(where, "eps_root", eps_root),
-                     weight_decay=check_nonneg(where, "weight_decay", weight_decay), mask=mask)
+    return _Adam(where, check_lr(where, learning_rate), check_unit(where, "b1", b1), check_unit(where, "b2", b2),
+                 check_nonneg(where, "eps", eps), check_nonneg(where, "eps_root", eps_root),
+                 check_nonneg(where, "weight_decay", weight_decay))
 
 
 def sgd(
@@ -68,7 +66,7 @@ def sgd(
 
     Returns:
         ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov) or identity(),
-        scale_by_learning_rate(learning_rate))`` with ``fused.kind == "sgd"``.
+        scale_by_learning_rate(learning_rate))``.
 
     Raises:
         TypeError: a learning rate that is neither a number nor callable, or a non-number.
@@ -93,10 +91,10 @@ def sgd(
     mom = None if momentum is None else check_unit(where, "momentum", momentum, closed=True)
     if nesterov and not mom:
         raise ValueError(f"{where}: nesterov=True needs a momentum > 0 (as torch.optim.SGD), got momentum={momentum!r}")
-    return _optimizer(
-        FusedSpec("sgd", lr, weight_decay=wd, momentum=mom, nesterov=bool(nesterov)),
+    return chain(
         add_decayed_weights(wd, where=where),
         trace(mom, nesterov, where=where) if mom else identity(),
+        scale_by_learning_rate(lr, where=where),
     )
 
 
@@ -121,7 +119,7 @@ def adam(
 
     Returns:
         ``chain(add_decayed_weights(weight_decay), scale_by_adam(b1, b2, eps),
-        scale_by_learning_rate(learning_rate))`` with ``fused.kind == "adam"``.
+        scale_by_learning_rate(learning_rate))``.
 
     Raises:
         TypeError: a learning rate that is neither a number nor callable, or a non-number.
@@ -136,12 +134,11 @@ def adam(
         >>> optim.apply_updates(params, updates)["w"]
         tensor([-0.1000,  0.1000])
     """
-    spec = _adam_spec("adam", learning_rate, b1, b2, eps, 0.0, weight_decay)
-    where = _where(spec)
-    return _optimizer(
-        spec,
-        add_decayed_weights(spec.weight_decay, where=where),
-        scale_by_adam(spec.b1, spec.b2, spec.eps, where=where),
+    a = _adam_args("adam", learning_rate, b1, b2, eps, 0.0, weight_decay)
+    return chain(
+        add_decayed_weights(a.weight_decay, where=a.where),
+        scale_by_adam(a.b1, a.b2, a.eps, where=a.where),
+        scale_by_learning_rate(a.learning_rate, where=a.where),
     )
 
 
@@ -171,7 +168,7 @@ def adamw(
 
     Returns:
         ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate))`` with ``fused.kind == "adamw"``.
+        scale_by_learning_rate(learning_rate))``.
 
     Raises:
         TypeError: a learning rate that is neither a number nor callable, or a non-number;
@@ -189,12 +186,11 @@ def adamw(
         >>> optim.apply_updates(params, updates)
         {'w': tensor([0.9500]), 'b': tensor([1.])}
     """
-    spec = _adam_spec("adamw", learning_rate, b1, b2, eps, 0.0, weight_decay, mask)
-    where = _where(spec)
-    return _optimizer(
-        spec,
-        scale_by_adam(spec.b1, spec.b2, spec.eps, where=where),
-        add_decayed_weights(spec.weight_decay, mask, where=where),
+    a = _adam_args("adamw", learning_rate, b1, b2, eps, 0.0, weight_decay)
+    return chain(
+        scale_by_adam(a.b1, a.b2, a.eps, where=a.where),
+        add_decayed_weights(a.weight_decay, mask, where=a.where),
+        scale_by_learning_rate(a.learning_rate, where=a.where),
     )
 
 
@@ -224,8 +220,7 @@ def lamb(
 
     Returns:
         ``chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
-        scale_by_trust_ratio(), scale_by_learning_rate(learning_rate))`` with
-        ``fused.kind == "lamb"``.
+        scale_by_trust_ratio(), scale_by_learning_rate(learning_rate))``.
 
     Raises:
         TypeError, ValueError: as :func:`adamw`.
@@ -239,13 +234,12 @@ def lamb(
         >>> updates["w"]
         tensor([-0.5000, -0.0000])
     """
-    spec = _adam_spec("lamb", learning_rate, b1, b2, eps, eps_root, weight_decay, mask)
-    where = _where(spec)
-    return _optimizer(
-        spec,
-        scale_by_adam(spec.b1, spec.b2, spec.eps, spec.eps_root, where=where),
-        add_decayed_weights(spec.weight_decay, mask, where=where),
-        scale_by_trust_ratio(where=where),
+    a = _adam_args("lamb", learning_rate, b1, b2, eps, eps_root, weight_decay)
+    return chain(
+        scale_by_adam(a.b1, a.b2, a.eps, a.eps_root, where=a.where),
+        add_decayed_weights(a.weight_decay, mask, where=a.where),
+        scale_by_trust_ratio(where=a.where),
+        scale_by_learning_rate(a.learning_rate, where=a.where),
     )
 
 
@@ -270,7 +264,7 @@ def lion(
 
     Returns:
         ``chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate))`` with ``fused.kind == "lion"``.
+        scale_by_learning_rate(learning_rate))``.
 
     Raises:
         TypeError, ValueError: as :func:`adamw`.
@@ -285,11 +279,10 @@ def lion(
         tensor([-0.1000,  0.1000])
     """
     where = "fzero.optim.lion"
-    spec = FusedSpec("lion", check_lr(where, learning_rate), b1=check_unit(where, "b1", b1, closed=True),
-                     b2=check_unit(where, "b2", b2, closed=True),
-                     weight_decay=check_nonneg(where, "weight_decay", weight_decay), mask=mask)
-    return _optimizer(
-        spec,
-        scale_by_lion(spec.b1, spec.b2, where=where),
-        add_decayed_weights(spec.weight_decay, mask, where=where),
+    lr = check_lr(where, learning_rate)
+    b1, b2 = check_unit(where, "b1", b1, closed=True), check_unit(where, "b2", b2, closed=True)
+    return chain(
+        scale_by_lion(b1, b2, where=where),
+        add_decayed_weights(check_nonneg(where, "weight_decay", weight_decay), mask, where=where),
+        scale_by_learning_rate(lr, where=where),
     )

@@ -7,9 +7,9 @@ A :class:`GradientTransformation` is ``(init, update)`` as in optax:
   updates and returns the next state. It never mutates its inputs.
 
 ``apply_updates(params, updates)`` adds the result to the parameters. An optimizer such as
-``adamw`` is nothing but a chain of small transformations; its third field ``fused`` records
-which optimizer it is and with which hyperparameters, so a later stage can run one fused
-kernel over flat shards instead of the chain (see :class:`FusedSpec`).
+``adamw`` is nothing but a chain of small transformations. Running one as fused kernels, or
+in place, is not the transformation's business but the lowering's
+(:mod:`fzero.optim.lowering`), which recognises known chains by what their members are.
 
 Example:
     >>> import torch
@@ -24,18 +24,17 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from fzero import tree
+from fzero.optim import _known
 from fzero.optim._checks import type_name
 
 __all__ = [
     "EmptyState",
-    "FusedSpec",
     "GradientTransformation",
     "OptState",
     "Params",
@@ -44,7 +43,6 @@ __all__ = [
     "Updates",
     "apply_updates",
     "chain",
-    "fused_spec_of",
     "identity",
     "init_empty_state",
 ]
@@ -56,100 +54,24 @@ OptState = PyTree
 Schedule = Callable[[int], float]
 ScalarOrSchedule = float | Schedule
 
-FusedKind = Literal["adam", "adamw", "sgd", "lamb", "lion"]
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedSpec:
-    """Which optimizer an alias is, and its hyperparameters, for a fused-kernel back end.
-
-    ``adam``, ``adamw``, ``sgd``, ``lamb`` and ``lion`` set ``GradientTransformation.fused``
-    to one of these; the chain they return computes the same update unfused. Fields an
-    optimizer does not use are ``None``.
-
-    Attributes:
-        kind: ``"adam"`` (L2 weight decay added to the gradient, as ``torch.optim.Adam``),
-            ``"adamw"`` (decoupled, as ``torch.optim.AdamW``), ``"sgd"``, ``"lamb"``, ``"lion"``.
-        learning_rate: a float, or a schedule ``fn(count) -> float`` (``count`` 0-based).
-        b1, b2, eps, eps_root: the moment decay rates and stabilisers, as in optax.
-        weight_decay: the weight-decay coefficient (0.0 when off).
-        mask: the weight-decay mask (pytree of bools or callable) or ``None`` for all leaves.
-        momentum, nesterov: SGD's momentum (``None`` when off) and Nesterov flag.
-        clip_norm: set only on a chain's spec (:func:`chain`'s ``fusable``), when the alias
-            is chained after ``clip_by_global_norm(clip_norm)``.
-    """
-
-    kind: FusedKind
-    learning_rate: ScalarOrSchedule
-    b1: float | None = None
-    b2: float | None = None
-    eps: float | None = None
-    eps_root: float | None = None
-    weight_decay: float = 0.0
-    mask: Any = None
-    momentum: float | None = None
-    nesterov: bool = False
-    clip_norm: float | None = None
-
-    def __hash__(self) -> int:
-        # A spec rides in TrainState's static fields, which may be hashed; a mask given as a
-        # dict is not hashable itself, so hash its structure and leaves instead.
-        def key(x):
-            try:
-                hash(x)
-                return x
-            except TypeError:
-                return (tree.structure(x), tuple(tree.leaves(x)))
-
-        return hash(tuple(key(getattr(self, f.name)) for f in dataclasses.fields(self)))
-
-
-Output = Literal["new", "passthrough", "shared"]
-
 
 class GradientTransformation(NamedTuple):
     """An optimizer as a value: ``init(params) -> state`` and
-    ``update(updates, state, params=None) -> (updates, state)``, both pure.
+    ``update(updates, state, params=None) -> (updates, state)``, both pure (optax's pair).
 
-    The fields after ``update`` declare what a faster path may rely on. Their defaults
-    claim nothing, so ``GradientTransformation(init, update)`` is a complete transformation;
-    :func:`chain` derives its own from its members'.
+    ``GradientTransformation(init, update)`` of one's own functions is a complete
+    transformation: it chains, masks and runs as any other.
 
     Attributes:
         init: ``params -> state``.
         update: ``(updates, state, params=None) -> (updates, state)``; never writes into its
-            arguments, unless called with ``inplace=True`` (see ``inplace``) or
-            ``donate=True`` (see ``donates``).
-        fused: which optimizer this is, with its hyperparameters, for a fused-kernel back end
-            (:class:`FusedSpec`): set by the aliases ``adam``, ``adamw``, ``sgd``, ``lamb``,
-            ``lion``; ``None`` elsewhere, a chain included.
-        inplace: ``update`` also takes ``inplace=True``, and may then overwrite the incoming
-            update tensors. :func:`chain` passes it only for tensors its previous member just
-            made: on a CPU, allocating and page-faulting a fresh parameter-sized tensor costs
-            more than the arithmetic.
-        donates: ``update`` also takes ``donate=True``: the caller gives ``state`` up, and the
-            returned state may be it, written in place (its moments updated where they are:
-            no fresh state-sized tensors, and the same arithmetic, so the same bits). A
-            compiled step whose state is donated (``fzero.compile(..., donate=True)``)
-            passes it; :func:`chain` passes it to the members that declare it.
-        output: the update tensors ``update`` returns: ``"new"``, made by this call and held by
-            nothing else; ``"passthrough"``, the incoming ones wherever it made none (so new
-            exactly when those were); ``"shared"``, possibly held elsewhere (by the state, say),
-            never to be overwritten.
-        clip_norm: set by :func:`~fzero.optim.clip_by_global_norm`: its bound, which a fused
-            kernel folds in.
-        fusable: set by :func:`chain`: the :class:`FusedSpec` of the whole chain when a fused
-            kernel can run it (see :func:`fused_spec_of`), else ``None``.
+            arguments. (fzero's own take keyword-only extras, ``inplace=True`` or
+            ``donate=True``, that the lowering passes where writing in place computes the
+            same bits: see :mod:`fzero.optim._known`.)
     """
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
-    fused: FusedSpec | None = None
-    inplace: bool = False
-    donates: bool = False
-    output: Output = "shared"
-    clip_norm: float | None = None
-    fusable: FusedSpec | None = None
 
 
 class EmptyState(NamedTuple):
@@ -194,20 +116,9 @@ def _increment(count: torch.Tensor) -> torch.Tensor:
     return count + 1
 
 
-def _update(tx: GradientTransformation, updates, state, params, new: bool, donate: bool = False):
-    """``tx.update(updates, state, params)``, writing into ``updates`` when they are ``new``
-    and into ``state`` when it is donated, each where ``tx`` declares it can."""
-    kwargs = {}
-    if new and tx.inplace:
-        kwargs["inplace"] = True
-    if donate and tx.donates:
-        kwargs["donate"] = True
-    return tx.update(updates, state, params, **kwargs)
-
-
 def _multiply(updates: Updates, factor: Any, inplace: bool) -> Updates:
     """``updates`` times ``factor`` (a number, a 0-dim tensor or one per leaf); written into
-    ``updates`` when ``inplace`` (see :attr:`GradientTransformation.inplace`)."""
+    ``updates`` when ``inplace`` (the lowering says so only for tensors nothing else holds)."""
     leaves, spec = tree.flatten(updates)
     if not leaves:
         return updates
@@ -216,11 +127,6 @@ def _multiply(updates: Updates, factor: Any, inplace: bool) -> Updates:
             torch._foreach_mul_(leaves, factor)
             return updates
         return tree.unflatten(spec, torch._foreach_mul(leaves, factor))
-
-
-def _still_new(output: Output, new: bool) -> bool:
-    """Whether a member's returned updates are new, given whether its incoming ones were."""
-    return output == "new" or (output == "passthrough" and new)
 
 
 # --------------------------------------------------------------------------- combinators
@@ -244,27 +150,7 @@ def identity() -> GradientTransformation:
         del params
         return updates, state
 
-    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="passthrough")
-
-
-def _chain_output(txs: tuple[GradientTransformation, ...]) -> Output:
-    out: Output = "passthrough"
-    for t in txs:
-        out = out if t.output == "passthrough" else t.output
-    return out
-
-
-def _chain_fusable(txs: tuple[GradientTransformation, ...]) -> FusedSpec | None:
-    """An alias, after at most one ``clip_by_global_norm`` (folded into ``clip_norm``)."""
-    if not txs:
-        return None
-    *before, last = txs
-    spec = fused_spec_of(last)
-    if spec is None or not before:
-        return spec
-    if len(before) == 1 and before[0].clip_norm is not None and spec.clip_norm is None:
-        return dataclasses.replace(spec, clip_norm=before[0].clip_norm)
-    return None
+    return _known.record(GradientTransformation(init_empty_state, update_fn), _known.Identity())
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -275,8 +161,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     Returns:
         A :class:`GradientTransformation` whose state is a tuple with one entry per transform
-        (key paths read ``[1].mu['w']``), whose ``fused`` is ``None`` and whose ``fusable``
-        is the spec a fused kernel can run instead (see :func:`fused_spec_of`).
+        (key paths read ``[1].mu['w']``).
 
     Raises:
         TypeError: an argument is not a :class:`GradientTransformation`.
@@ -296,6 +181,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(t.init(params) for t in txs)
 
     def update_fn(updates, state, params=None, *, inplace=False, donate=False):
+        # inplace/donate: the lowering's extras (fzero.optim._known), passed on to the members
+        # whose records allow them; without them the chain is optax's.
         if not isinstance(state, tuple) or len(state) != len(txs):
             raise ValueError(
                 f"fzero.optim.chain: the state must be the tuple of {len(txs)} states that init "
@@ -305,36 +192,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_states = []
         new = inplace
         for t, s in zip(txs, state):
-            updates, s = _update(t, updates, s, params, new, donate)
-            new = _still_new(t.output, new)
+            updates, s = _known.update(t, updates, s, params, new=new, donate=donate)
+            new = _known.still_new(t, new)
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init_fn, update_fn, inplace=True, donates=any(t.donates for t in txs),
-                                  output=_chain_output(txs), fusable=_chain_fusable(txs))
-
-
-def fused_spec_of(tx: GradientTransformation) -> FusedSpec | None:
-    """The :class:`FusedSpec` of ``tx`` when a fused kernel can compute it, else ``None``.
-
-    That is the case for an alias (``adam``, ``adamw``, ``sgd``, ``lamb``, ``lion``: its
-    ``fused``) and for a chain of one, or of ``clip_by_global_norm(c)`` then one (its
-    ``fusable``, with ``clip_norm=c``). Anything else (other chains, masks around an alias,
-    ...) returns ``None`` and runs unfused.
-
-    The state of such a chain is ``(EmptyState(), alias_state)``.
-
-    Example:
-        >>> from fzero import optim
-        >>> spec = optim.fused_spec_of(optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3)))
-        >>> spec.kind, spec.clip_norm, spec.weight_decay
-        ('adamw', 1.0, 0.01)
-        >>> optim.fused_spec_of(optim.chain(optim.scale(2.0), optim.adamw(1e-3))) is None
-        True
-    """
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"fzero.optim.fused_spec_of: expected a GradientTransformation, got {type_name(tx)}")
-    return tx.fused if tx.fused is not None else tx.fusable
+    return _known.record(GradientTransformation(init_fn, update_fn), _known.Chain(txs))
 
 
 # --------------------------------------------------------------------------- apply

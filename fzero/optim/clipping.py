@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fzero import tree
+from fzero.optim import _known
 from fzero.optim._checks import check_number
 from fzero.optim.base import GradientTransformation, _multiply, init_empty_state
 from fzero.core import LeafSums, emit_metric, psum
@@ -134,4 +135,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             coef = [coef.to(x.device) for x in leaves]  # a model placed on several devices by hand
         return _multiply(updates, coef, inplace), state
 
-    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="new", clip_norm=max_norm)
+    return _known.record(GradientTransformation(init_empty_state, update_fn), _known.ClipByGlobalNorm(max_norm))

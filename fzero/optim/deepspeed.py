@@ -54,8 +54,8 @@ def deepspeed_lamb(
         ratio = clamp(||p|| / ||u||, min_coeff, max_coeff)  1 if a norm is 0
         p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u    (the factor is 1 without bias correction)
 
-    The per-tensor norms are :func:`~fzero.optim.leaf_norms`, exact on ZeRO shards. It has no
-    fused-kernel record (``tx.fused is None``): ``fzero_kernels``' LAMB is optax's.
+    The per-tensor norms are :func:`~fzero.optim.leaf_norms`, exact on ZeRO shards. It is never
+    fused (``fused_spec_of(tx) is None``): ``fzero_kernels``' LAMB is optax's.
 
     Args:
         learning_rate: a float or a schedule ``fn(count) -> float``.
@@ -134,4 +134,4 @@ def deepspeed_lamb(
         return tree.unflatten(spec, out), ScaleByDeepSpeedLambState(
             count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu))
 
-    return chain(GradientTransformation(init_fn, update_fn, output="new"), scale_by_learning_rate(lr, where=where))
+    return chain(GradientTransformation(init_fn, update_fn), scale_by_learning_rate(lr, where=where))

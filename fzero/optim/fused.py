@@ -1,13 +1,18 @@
-"""The fused path: ``adam``, ``adamw``, ``lamb``, ``lion`` and ``sgd`` updates run by
-``fzero_kernels`` instead of the chain, one launch per flat run of leaves.
+"""The fused path: the chains of ``adam``, ``adamw``, ``lamb``, ``lion`` and ``sgd``
+(:func:`~fzero.optim.fused_spec_of`) run by ``fzero_kernels`` instead, one launch per flat
+run of leaves. The lowering (:mod:`fzero.optim.lowering`) takes it where :func:`fuses` says.
 
-When is it used (``FZERO_FUSED``, or :func:`use_fused`):
+When is it used (:func:`use_fused`):
 
-* ``"auto"`` (default): when the parameters are on a GPU, where ``fzero_kernels`` runs its
-  Triton kernels;
+* ``"auto"`` (default): where ``fzero_kernels`` runs its compiled Triton kernels: parameters
+  on a GPU, unless ``FZERO_KERNELS_BACKEND=reference`` (or ``fzero_kernels.force_backend``)
+  asks the kernels for their torch reference -- then the chain runs;
 * ``"on"``: always (on a CPU the kernels' torch reference runs, or the Triton kernel under
   ``TRITON_INTERPRET=1`` -- the tests use both);
 * ``"off"``: never.
+
+``FZERO_FUSED=auto|on|off``, the old environment name of this choice, is still read (when
+set, it decides outside a ``use_fused`` block); ``FZERO_KERNELS_BACKEND`` is the one name now.
 
 One launch per *flat run*: leaves whose parameters, gradients and optimizer-state tensors
 each lie back to back in one storage (ZeRO's pieces of a flat group at stages 1-3: the
@@ -27,9 +32,9 @@ tensors: no clones. Otherwise each run's spans are copied once and updated.
 The result equals the unfused chain's within fp32 rounding (the kernels follow
 torch.optim's order of operations, the chain optax's; the clip coefficient and
 ``grad_norm`` are the chain's bit for bit; ``tests/test_fused_step.py``), and the optimizer state keeps the chain's structure, so a
-checkpoint does not care which path wrote it. Only an alias alone, or
-``chain(clip_by_global_norm(c), alias)``, is fused (:func:`fzero.optim.fused_spec_of`);
-anything else runs unfused.
+checkpoint does not care which path wrote it. Only the chains
+:func:`~fzero.optim.fused_spec_of` recognises are fused, optionally after one
+``clip_by_global_norm``; anything else runs unfused.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from typing import Any, Literal
 import torch
 
 from fzero import tree
-from fzero.optim.base import FusedSpec, GradientTransformation, fused_spec_of
+from fzero.optim._known import FusedSpec, fused_spec_of
+from fzero.optim.base import GradientTransformation
 from fzero.optim.transform import ScaleByAdamState, ScaleByLionState, ScaleByScheduleState, TraceState, _resolve_mask
 
 __all__ = ["fused_update", "use_fused"]
@@ -67,10 +73,20 @@ def use_fused(mode: Mode) -> Iterator[None]:
 def _mode() -> Mode:
     if _forced:
         return _forced[-1]
-    mode = os.environ.get("FZERO_FUSED", "auto")
+    mode = os.environ.get("FZERO_FUSED", "auto")  # the old name, still honoured when set
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"fzero.optim: FZERO_FUSED={mode!r} must be 'auto', 'on' or 'off'")
     return mode  # type: ignore[return-value]
+
+
+def _compiled(p: torch.Tensor) -> bool:
+    """Whether ``fzero_kernels`` runs its compiled Triton kernels on ``p``: a GPU tensor whose
+    kernels are not sent to their torch reference (``FZERO_KERNELS_BACKEND``)."""
+    if p.device.type != "cuda":
+        return False
+    import fzero_kernels
+
+    return fzero_kernels.backend_for(p) == "triton"
 
 
 # --------------------------------------------------------------------------- the state
@@ -258,22 +274,16 @@ def _lamb(spec: FusedSpec, runs: list[_Run], params: Any, n_leaves: int, device,
 def fuses(tx: GradientTransformation, params: Any) -> bool:
     """Whether :func:`fused_update` runs ``tx`` on ``params`` (fp32 leaves) in this mode.
 
-    A caller that prepares the gradients asks it first: the kernels read bf16/fp16
-    gradients as they are, so a gradient need not be cast to fp32 (a copy per leaf) for them.
-
     Raises:
         ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
     mode = _mode()
-    if mode == "off":
-        return False
-    spec = fused_spec_of(tx)
-    if spec is None or spec.kind not in _NODE or (spec.kind != "lamb" and spec.eps_root):
+    if mode == "off" or fused_spec_of(tx) is None:
         return False
     p_leaves = tree.leaves(params)
     if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
         return False
-    return mode == "on" or p_leaves[0].device.type == "cuda"
+    return mode == "on" or _compiled(p_leaves[0])
 
 
 def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any, *, donate: bool = False,
@@ -281,7 +291,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     """``(new_params, new_opt_state)`` by the fused kernels, or ``None`` to run unfused.
 
     Args:
-        tx: the optimizer (its :func:`~fzero.optim.fused_spec_of` says whether and how).
+        tx: the optimizer (:func:`~fzero.optim.fused_spec_of` says whether and how).
         grads, opt_state, params: as ``tx.update``'s; leaves may be ZeRO's pieces.
         donate: the caller gives ``params`` and ``opt_state`` up: the kernels write into
             them (no copies). Otherwise nothing passed in is written to.

@@ -1,35 +1,66 @@
 """How a state's optimizer makes one update: the lowering ``fzero.core``'s ``update`` runs.
 
-An optimizer is optax's pair ``(init, update)``; one update of a state is ``tx.update`` and
-:func:`fzero.optim.apply_updates`. Where the chain is one the fused kernels know (adam, adamw,
-lamb, lion, sgd, alone or after a global-norm clip: :mod:`fzero.optim.fused`), the update runs
-as those kernels instead, and when the step owns its state (``donate``) it is written in place.
+An optimizer is optax's pair ``(init, update)``; it knows nothing of kernels or of writing
+in place. This pass turns it into one update, ``(grads, opt_state, params, *, donate) ->
+(params, opt_state)``, from what the optimizer's members are (their records,
+:mod:`fzero.optim._known`):
+
+* a chain the fused kernels compute (:func:`~fzero.optim.fused_spec_of`: adam, adamw, lamb,
+  lion, sgd, optionally after a global-norm clip), where :func:`fzero.optim.fused.fuses`
+  says so, runs as those kernels, one launch per flat run of leaves; they read bf16/fp16
+  gradients as they are;
+* anything else runs as ``tx.update`` then :func:`~fzero.optim.apply_updates`. When the step
+  owns its state (``donate``), each member whose record allows it writes its new moments
+  into the old ones and ``apply_updates`` adds into the parameters; within the chain, a
+  member overwrites the updates its predecessor just made. The same bits either way.
+
+The lowered update says which gradients it reads (:class:`fzero.core.Lowered`): a transform
+holding 16-bit gradients beside fp32 masters (``mixed_precision``) casts them to fp32 before
+handing them on only where the update does not read them as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from typing import Any
 
-from fzero.core import register_lowering
-from fzero.optim.base import _update as update_of
+import torch
+
+from fzero import tree
+from fzero.core import Lowered, register_lowering
+from fzero.optim import _known, fused
 from fzero.optim.base import apply_updates
-from fzero.optim.fused import fused_update
 
 __all__ = ["lower"]
 
 
-def lower(tx: Any) -> Callable[..., tuple[Any, Any]]:
-    """``fn(grads, opt_state, params, *, donate) -> (params, opt_state)``: one update by ``tx``."""
+def lower(tx: Any, params: Any) -> Lowered:
+    """One update by ``tx`` of ``params`` (the tensors the optimizer steps: the masters under
+    mixed precision, this rank's pieces under ZeRO)."""
+    if fused.fuses(tx, params):
+        return Lowered(functools.partial(_fused, tx), reads_low_precision=True)
+    return Lowered(functools.partial(_chain, tx), reads_low_precision=False)
 
-    def step(grads, opt_state, params, *, donate: bool = False):
-        fused = fused_update(tx, grads, opt_state, params, donate=donate)
-        if fused is not None:
-            return fused
-        updates, opt_state = update_of(tx, grads, opt_state, params, new=False, donate=donate)
-        return apply_updates(params, updates, donate=donate), opt_state
 
-    return step
+def _chain(tx, grads, opt_state, params, *, donate: bool = False):
+    updates, opt_state = _known.update(tx, grads, opt_state, params, new=False, donate=donate)
+    return apply_updates(params, updates, donate=donate), opt_state
+
+
+def _fused(tx, grads, opt_state, params, *, donate: bool = False):
+    out = fused.fused_update(tx, grads, opt_state, params, donate=donate)  # by name: tests watch it
+    if out is not None:
+        return out
+    # The kernels did not take these operands after all: the chain, on the gradients in the
+    # parameters' dtypes, as a caller told "reads_low_precision" did not cast them.
+    return _chain(tx, tree.map(_widen, grads, params), opt_state, params, donate=donate)
+
+
+def _widen(g: Any, p: Any) -> Any:
+    if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor) and g.dtype != p.dtype \
+            and g.dtype in (torch.bfloat16, torch.float16):
+        return g.to(p.dtype)
+    return g
 
 
 register_lowering(lower)

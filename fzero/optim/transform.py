@@ -3,9 +3,12 @@
 Each is a state NamedTuple plus a factory returning a :class:`GradientTransformation`, in
 optax's shape. The per-leaf math runs as ``torch._foreach_*`` ops over the flattened leaf
 lists (one multi-tensor kernel per op on GPU, not a Python loop of small ops), out of place:
-the incoming updates, state and params are never written to (inside a :func:`chain`, a
-member may overwrite tensors the previous member just made, which nothing else references).
-The math runs under ``torch.no_grad()``; differentiating through an update is not supported.
+the incoming updates, state and params are never written to. Each factory records what it
+built (:mod:`fzero.optim._known`); from that record the lowering may pass the keyword-only
+``inplace=True`` (overwrite the incoming updates: tensors the previous member just made,
+which nothing else references) or ``donate=True`` (write the new moments into the old ones),
+which compute the same bits. The math runs under ``torch.no_grad()``; differentiating through
+an update is not supported.
 
 Counters (``count``) are 0-dim int64 CPU tensors so a schedule reads ``int(count)`` without
 a device sync; moments have their parameters' dtype and device.
@@ -25,6 +28,8 @@ import torch
 from fzero import tree
 from fzero._params import Params as FrozenParams
 from fzero._params import like_params
+from fzero.optim import _known
+from fzero.optim._known import record
 from fzero.optim._checks import check_lr, check_nonneg, check_number, check_unit, type_name
 from fzero.optim.base import (
     GradientTransformation,
@@ -35,7 +40,6 @@ from fzero.optim.base import (
     _increment,
     _multiply,
     _new_count,
-    _update,
     init_empty_state,
 )
 from fzero.optim.clipping import leaf_norms
@@ -147,7 +151,7 @@ def scale(step_size: float) -> GradientTransformation:
         del params
         return _multiply(updates, step_size, inplace), state
 
-    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="new")
+    return record(GradientTransformation(init_empty_state, update_fn), _known.Scale(step_size))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -193,7 +197,7 @@ def scale_by_schedule(step_size_fn: Callable[[int], float]) -> GradientTransform
         step_size = _schedule_value(where, step_size_fn, int(state.count))
         return _multiply(updates, step_size, inplace), ScaleByScheduleState(count=_increment(state.count))
 
-    return GradientTransformation(init_fn, update_fn, inplace=True, output="new")
+    return record(GradientTransformation(init_fn, update_fn), _known.ScaleBySchedule(step_size_fn))
 
 
 def scale_by_learning_rate(
@@ -226,8 +230,10 @@ def scale_by_learning_rate(
     lr = check_lr(where, learning_rate)
     sign = -1.0 if flip_sign else 1.0
     if callable(lr):
-        return scale_by_schedule(lambda count: sign * _schedule_value(where, lr, count))
-    return scale(sign * lr)
+        tx = scale_by_schedule(lambda count: sign * _schedule_value(where, lr, count))
+    else:
+        tx = scale(sign * lr)
+    return record(tx, _known.ScaleByLearningRate(lr, flip_sign))  # what it is, more precisely
 
 
 # --------------------------------------------------------------------------- adam
@@ -325,7 +331,7 @@ def scale_by_adam(
             count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu)
         )
 
-    return GradientTransformation(init_fn, update_fn, donates=True, output="new")
+    return record(GradientTransformation(init_fn, update_fn), _known.ScaleByAdam(b1, b2, eps, eps_root))
 
 
 # --------------------------------------------------------------------------- lion
@@ -383,7 +389,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, where: str = "fzero.opti
                 new_mu = torch._foreach_lerp(mu, g, 1.0 - b2)
         return tree.unflatten(spec, out), ScaleByLionState(count=count, mu=tree.unflatten(spec, new_mu))
 
-    return GradientTransformation(init_fn, update_fn, donates=True, output="new")
+    return record(GradientTransformation(init_fn, update_fn), _known.ScaleByLion(b1, b2))
 
 
 # --------------------------------------------------------------------------- trust ratio
@@ -447,7 +453,8 @@ def scale_by_trust_ratio(
             ratios = [r.to(x.device) for r, x in zip(ratio.unbind(0), u)]
         return _multiply(updates, ratios, inplace), state
 
-    return GradientTransformation(init_empty_state, update_fn, inplace=True, output="new")
+    return record(GradientTransformation(init_empty_state, update_fn),
+                  _known.ScaleByTrustRatio(min_norm, trust_coefficient, eps))
 
 
 # --------------------------------------------------------------------------- masks
@@ -584,14 +591,12 @@ def masked(inner: GradientTransformation, mask: Any, *, where: str = "fzero.opti
                                        names=("params", "updates"))
         sub_params = None if params is None else _select(spec, tree.leaves(params), flags)
         sub = _select(spec, u_leaves, flags)
-        new_sub, inner_state = _update(inner, sub, state.inner_state, sub_params, inplace, donate)
+        new_sub, inner_state = _known.update(inner, sub, state.inner_state, sub_params, new=inplace, donate=donate)
         it = iter(tree.leaves(new_sub))
         out = [next(it) if f else u for u, f in zip(u_leaves, flags)]
         return tree.unflatten(spec, out), MaskedState(inner_state=inner_state)
 
-    # Masked-out leaves pass through: the output is new only where the input was too.
-    output = "shared" if inner.output == "shared" else "passthrough"
-    return GradientTransformation(init_fn, update_fn, inplace=True, donates=inner.donates, output=output)
+    return record(GradientTransformation(init_fn, update_fn), _known.Masked(inner, mask))
 
 
 # --------------------------------------------------------------------------- weight decay
@@ -639,8 +644,7 @@ def add_decayed_weights(
                 return updates, state
             return tree.unflatten(spec, torch._foreach_add(u, p, alpha=weight_decay)), state
 
-    tx = GradientTransformation(init_empty_state, update_fn, inplace=True,
-                                output="passthrough" if weight_decay == 0.0 else "new")
+    tx = record(GradientTransformation(init_empty_state, update_fn), _known.AddDecayedWeights(weight_decay))
     return tx if mask is None else masked(tx, mask, where=where)
 
 
@@ -700,6 +704,5 @@ def trace(decay: float, nesterov: bool = False, *, where: str = "fzero.optim.tra
             out = torch._foreach_add(g, new_t, alpha=decay) if nesterov else new_t
         return tree.unflatten(spec, out), TraceState(trace=tree.unflatten(spec, new_t))
 
-    # Without nesterov the update is the new trace itself: shared with the state, not fresh.
-    return GradientTransformation(init_fn, update_fn, donates=True, output="new" if nesterov else "shared")
+    return record(GradientTransformation(init_fn, update_fn), _known.Trace(decay, nesterov))
 

@@ -14,8 +14,8 @@ from fzero import tree
 from fzero._params import merge_trainable, trainable
 from fzero.distributed.flat import is_shard
 from fzero.transforms._checks import check_option
-from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
-                        running)
+from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, lower,
+                        psum, running)
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak
 from fzero.transforms.finite import count_nonfinite
@@ -188,9 +188,10 @@ class _PrecisionHandler(Handler):
         # are this rank's pieces, as are the parameters); the model computes with their
         # low-precision copies.
         master = state.master
-        from fzero.optim.fused import fuses
-
-        if not fuses(state.tx, master):  # the fused kernels read 16-bit gradients as they are
+        if not lower(state.tx, master).reads_low_precision:
+            # The update wants fp32 gradients (the fused kernels read 16-bit ones as they are):
+            # cast here, so that the handlers outside (global_mean's rescale, offload's copy
+            # to the host) act on fp32, as the optimizer will.
             grads = tree.map(lambda g, m: g.to(m.dtype), grads, master)
         new = next(state.replace(params=merge_trainable(state.params, master)), grads)
         master = trainable(new.params)
