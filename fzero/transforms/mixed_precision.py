@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
-from fzero.distributed.flat import is_shard
+from fzero.transforms.shard_state import is_shard
 from fzero.options import check_option
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
                         running)
