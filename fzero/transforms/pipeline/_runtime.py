@@ -16,9 +16,8 @@ from fzero import means, rng, tree
 from fzero._params import frozen_names, like_params, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
-from fzero.functional import loss_scale
-from fzero.core import Handler, MicroBatch, Step, as_step, bind, context, installed, running
-from fzero.transforms.accumulate import split_batch
+from fzero.core import Handler, MicroBatch, Step, as_step, bind, context, installed, loss_scale, running
+from fzero.transforms._batches import split_batch
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
 from fzero.transforms.pipeline._layout import PipelineLayout
 from fzero.transforms.pipeline._memory import _SavedBytes
