@@ -41,7 +41,7 @@ from fzero.options import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
-from fzero.transforms.offload import _host_copy, write_params
+from fzero.transforms.offload import host_copy, write_params
 from fzero.transforms._deferred import Deferred
 from fzero.transforms.shard_state._checks import check_same_model
 from fzero.transforms.shard_state._collectives import all_gather_params, sync_buffers
@@ -162,7 +162,7 @@ class _ShardHandler(Handler):
         locked with ``pin_memory``), the pieces views of it, so a gather copies one slice."""
         out = {}
         for g in self.layout.groups:
-            own = _host_copy(g.pack_own(shards), self.pin)
+            own = host_copy(g.pack_own(shards), self.pin)
             out.update(zip(g.names, g.pieces(own, self.group)))
         return {k: out[k] for k in shards}
 
