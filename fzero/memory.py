@@ -57,7 +57,7 @@ PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2), the bucket being
 # filled and the one sent before it; a bucket's buffer is taken only once fewer reduce-scatters
 # are outstanding, and the pool allocates only when none of its buffers fits
-# (fzero/distributed/reduce.py).
+# (fzero/transforms/shard_state/_reduce.py).
 REDUCE_BUFFERS = 2
 
 

@@ -70,7 +70,7 @@ class StructureError(ValueError):
 # a ZeRO ``Shard`` is one node (this rank's piece of a leaf, and where it sits) to an
 # optimizer, which updates pieces; to the ``train_step`` a user wrote for one device it is
 # one tensor with global semantics, so ``leaves(grads)`` there yields the Shards, never the
-# rank-local pieces. ``fzero.distributed.flat`` registers Shard here.
+# rank-local pieces. ``fzero.transforms.shard_state`` registers its Shard here.
 _USER_LEAVES: list[type] = []
 _USER_VIEW: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_user_view", default=False)
 

@@ -27,7 +27,8 @@ import fzero.checkpoint as ckpt
 import fzero.testing as ft
 from fzero import optim, tree
 from fzero.checkpoint.cli import main as cli_main
-from fzero.distributed.flat import Shard, ShardInfo, build_layout
+from fzero.transforms.shard_state import Shard, ShardInfo
+from fzero.transforms.shard_state._layout import build_layout
 
 MULTI = [pytest.mark.multirank, pytest.mark.slow]
 

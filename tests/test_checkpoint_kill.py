@@ -32,7 +32,7 @@ import torch.distributed as dist
 import fzero.checkpoint as ckpt
 from fzero import tree
 from fzero.checkpoint import _comm
-from fzero.distributed.flat import build_layout
+from fzero.transforms.shard_state._layout import build_layout
 from harness.commands import run_command
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]

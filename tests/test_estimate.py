@@ -247,7 +247,7 @@ def _census(stage, precision):
     import fzero
     from fzero import optim
 
-    from fzero.distributed.reduce import ReduceSink
+    from fzero.transforms.shard_state._reduce import ReduceSink
 
     before = _process_tensor_bytes()
     seen = {"peak": 0}

@@ -16,7 +16,7 @@ import fzero
 import fzero.testing as ft
 import fzero_kernels
 from fzero import optim
-from fzero.distributed.flat import build_layout
+from fzero.transforms.shard_state._layout import build_layout
 from fzero_kernels import _common
 
 CASE = ft.ModelCase((3, 5, 2), "tanh", True, True, 3)  # three Linear layers: six leaves

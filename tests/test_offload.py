@@ -19,6 +19,7 @@ import fzero.checkpoint as ckpt
 import fzero.testing as ft
 from fzero import optim
 from fzero.distributed import comm
+from fzero.transforms.shard_state import is_shard
 
 
 # 4*5 + 5 + 5*3 + 3 = 43 parameters: one flat group padded to 44 over 2 ranks, so rank 0
@@ -53,7 +54,7 @@ def _owned(rank, world):
 def _storages(*trees):
     out = set()
     for x in fzero.tree.leaves(trees):
-        x = x.local if fzero.distributed.flat.is_shard(x) else x
+        x = x.local if is_shard(x) else x
         if isinstance(x, torch.Tensor) and x.numel() > 0:
             out.add(x.untyped_storage().data_ptr())
     return out

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fzero
 import fzero.testing as ft
 from fzero import optim
-from fzero.transforms.mixed_precision import LossScaler, _update_scaler
+from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
 TXS = {"sgd": lambda: optim.sgd(0.05, momentum=0.9), "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1)}
 
@@ -168,10 +168,10 @@ def test_scaler_replays_deepspeed(name):
     for u in range(case["updates"]):
         if u == case["raises_at"]:
             with pytest.raises(FloatingPointError, match="minimum loss scale"):
-                _update_scaler(s, u in bad, **scaler_options(case))
+                update_scaler(s, u in bad, **scaler_options(case))
             break
         scales.append(float(s.scale))
-        s = _update_scaler(s, u in bad, **scaler_options(case))
+        s = update_scaler(s, u in bad, **scaler_options(case))
         hysteresis.append(int(s.hysteresis))
     assert scales == case["loss_scale"]
     assert hysteresis == case["hysteresis"]
@@ -228,7 +228,7 @@ def test_compiled_fp16_step_replays_deepspeed(name):
 def test_overflow_at_min_scale_is_an_error():
     s = LossScaler(torch.tensor(1.0, dtype=torch.float64), torch.tensor(5), torch.tensor(4), torch.tensor(1))
     with pytest.raises(FloatingPointError, match="minimum loss scale 1"):
-        _update_scaler(s, True, window=1000, hysteresis=2, consecutive=False, min_scale=1.0)
+        update_scaler(s, True, window=1000, hysteresis=2, consecutive=False, min_scale=1.0)
 
 
 def test_check_grad_overflow_off_with_a_loss_scaler_is_an_error():

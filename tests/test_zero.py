@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import fzero
 import fzero.testing as ft
 from fzero import optim
+from fzero.transforms.shard_state import is_shard
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -208,7 +209,7 @@ def _lm_step(state, batch):
 def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
     """Runs on every rank: a stage-3 TinyGPT's trajectory against the plain step's, with the
     order reductions start in, the order units are gathered in, and the reduce buffers' peak."""
-    from fzero.distributed.reduce import ReduceSink
+    from fzero.transforms.shard_state._reduce import ReduceSink
 
     n, r = dist.get_world_size(), dist.get_rank()
 
@@ -640,7 +641,7 @@ def _donated(stage, precision):
 
     def storages(s):
         leaves = fzero.tree.leaves((s.params, s.opt_state, s.extra))
-        return [(x.local if fzero.distributed.flat.is_shard(x) else x).data_ptr() for x in leaves if x.numel() > 1]
+        return [(x.local if is_shard(x) else x).data_ptr() for x in leaves if x.numel() > 1]
 
     first, losses = storages(state), []
     for b in batches:
@@ -694,7 +695,7 @@ def _overlap(stage, overlap):
     """The gradient bytes already sent when backward ends (the sink's finish), and the
     trajectory, with the reduction overlapped or not."""
     from fzero.distributed import comm
-    from fzero.distributed.reduce import ReduceSink
+    from fzero.transforms.shard_state._reduce import ReduceSink
 
     n, r = dist.get_world_size(), dist.get_rank()
     make_model, batches = _model_and_batches((5, 8, 3, 3), 2, 3, 4 * n)

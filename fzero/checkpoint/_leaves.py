@@ -24,7 +24,7 @@ import torch
 
 from fzero import tree
 from fzero.checkpoint._format import CheckpointError
-from fzero.distributed.flat import Shard, is_shard
+from fzero.transforms.shard_state import Shard, is_shard
 from fzero.transforms.tensor_parallel import TensorParallelLayout
 
 __all__ = ["TPSlice", "flatten", "keystr", "json_entries", "layout_of", "piece_name", "is_value", "slice_problem",

@@ -36,7 +36,7 @@ from fzero.checkpoint._format import (
     Files,
     Progress,
 )
-from fzero.distributed.flat import Shard
+from fzero.transforms.shard_state import Shard
 
 __all__ = ["load", "metadata", "manifest", "verify"]
 

@@ -37,7 +37,7 @@ import torch
 
 from fzero.checkpoint import _comm, _format, _leaves
 from fzero.checkpoint._format import CheckpointError
-from fzero.distributed.flat import Shard, ShardInfo
+from fzero.transforms.shard_state import Shard, ShardInfo
 
 __all__ = ["Plan", "plan"]
 

@@ -35,7 +35,7 @@ from fzero._version import __version__
 from fzero.checkpoint import _comm, _format, _rng
 from fzero.checkpoint._format import MANIFEST, MARKER, CheckpointError, Progress
 from fzero.checkpoint._plan import Plan, plan as make_plan
-from fzero.distributed.flat import Shard
+from fzero.transforms.shard_state import Shard
 
 __all__ = ["SaveHandle", "latest", "save"]
 

@@ -30,7 +30,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import checkin, watchdog
+from fzero.distributed import checkin, device_check, watchdog
+from fzero.distributed._errors import CollectiveError
 
 __all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
            "group_ranks",
@@ -346,10 +347,6 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or did not complete in time; the message names it and the rank."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -432,8 +429,6 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
     every tensor ``fn`` hands to torch's collectives is checked first: see
     :mod:`fzero.distributed.device_check`.
     """
-    from fzero.distributed import device_check
-
     _LAUNCH.device, _LAUNCH.what = None, "other"
     launched = time.monotonic()
     try:

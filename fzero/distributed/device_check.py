@@ -41,7 +41,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fzero.distributed.comm import CollectiveError
+from fzero.distributed._errors import CollectiveError
 
 __all__ = ["ENV", "PRETEND_DEVICE", "DeviceMismatchError", "guard", "is_host", "on_host", "pretend", "pretending"]
 

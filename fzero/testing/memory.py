@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fzero import tree
-from fzero.distributed.flat import Shard
+from fzero.transforms.shard_state import Shard
 
 __all__ = ["storage_bytes"]
 
@@ -24,7 +24,7 @@ __all__ = ["storage_bytes"]
 def storage_bytes(*trees: Any) -> int:
     """Bytes of the distinct storages reachable from the leaves of ``trees`` (views count once).
 
-    A partitioned leaf counts the piece this rank holds: a :class:`~fzero.distributed.flat.Shard`
+    A partitioned leaf counts the piece this rank holds: a :class:`~fzero.transforms.shard_state.Shard`
     (inside a train step) its ``local``, a ``DTensor`` its local tensor. Meta tensors, empty
     storages and leaves that are not tensors count nothing.
     """

@@ -7,6 +7,8 @@ here: ``Handler``, ``Step``, ``as_step``, ``installed``; the primitives ``psum``
 ``MicroBatch``); and ``bind`` to run a primitive through the handlers.
 """
 
+import sys
+
 from fzero.core import (Handler, LeafSums, MicroBatch, NotApplied, Step, StepContext, as_step, bind, context,
                         emit_metric, installed, psum, running)
 from fzero.transforms.accumulate import accumulate
@@ -17,11 +19,15 @@ from fzero.transforms.offload import offload_optimizer
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
 from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, RowwiseParallel,
-                                             VocabShardedLogits, tensor_parallel)
+                                             VocabShardedLogits, plans as tp_plans, tensor_parallel)
+
+# The plans live in the tensor_parallel package; their public path stays
+# fzero.transforms.tp_plans, importable as a module too (as os.path is).
+sys.modules[f"{__name__}.tp_plans"] = tp_plans
 
 
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
            "emit_metric", "installed", "psum", "running",
            "accumulate", "check_finite", "clip", "NonFiniteGradientError", "mixed_precision", "offload_optimizer",
            "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
-           "VocabShardedLogits", "BatchMismatchError"]
+           "VocabShardedLogits", "BatchMismatchError", "tp_plans"]

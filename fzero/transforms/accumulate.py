@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from fzero import means, tree
 from fzero.transforms._checks import check_option
 from fzero.core import Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running
+from fzero.transforms._batches import split_batch
 from fzero.transforms._deferred import is_deferred
 
-__all__ = ["accumulate", "split_batch"]
+__all__ = ["accumulate"]
 
 WHERE = "fzero.accumulate"
 
@@ -56,35 +56,6 @@ class _AccumulateHandler(Handler):
             return NotApplied(state, "deferred")
         total, self.total = self.total, None
         return next(state, total)
-
-
-def split_batch(batch: Any, k: int, *, where: str = WHERE) -> list[Any]:
-    """Split every tensor leaf of ``batch`` on its leading dim into ``k`` equal parts.
-
-    Raises:
-        ValueError: a leaf's leading size does not divide by ``k`` (names the leaf's key
-            path and both numbers), or the leaves disagree on the leading size.
-    """
-    paths, leaves, spec = tree.flatten_with_path(batch)
-    sizes = {}
-    for p, x in zip(paths, leaves):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            sizes[tree.keystr(p) or "<batch>"] = x.shape[0]
-    if not sizes:
-        raise ValueError(f"{where}: the batch has no tensor with a leading dim to split into {k} micro-batches")
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"{where}: batch leaves disagree on the leading size: "
-                         + ", ".join(f"{n}: {s}" for n, s in sizes.items()))
-    name, n = next(iter(sizes.items()))
-    if n % k:
-        raise ValueError(f"{where}: the batch's leading size {n} (at {name}) does not divide into "
-                         f"{k} micro-batches")
-    parts = [[] for _ in range(k)]
-    for x in leaves:
-        chunks = x.chunk(k) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * k
-        for i in range(k):
-            parts[i].append(chunks[i])
-    return [tree.unflatten(spec, p) for p in parts]
 
 
 def _mean_metrics(all_metrics: list[dict]) -> dict:
@@ -134,7 +105,7 @@ def accumulate(step: Callable, micro_batches: int) -> Step:
     k = micro_batches
 
     def call(state, batch):
-        parts = split_batch(batch, k)
+        parts = split_batch(batch, k, where=WHERE)
         handler = _AccumulateHandler(k)
         metrics = []
         outer = context().micro_batch  # an accumulation inside another cuts each of its micro-batches again

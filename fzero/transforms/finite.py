@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
-from fzero.distributed.flat import is_shard
+from fzero.transforms.shard_state import is_shard
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
                         running)
 from fzero.transforms._deferred import is_deferred

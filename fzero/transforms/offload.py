@@ -27,12 +27,12 @@ from fzero.distributed import comm
 from fzero.core import Handler, Step, as_step, context, installed, running
 from fzero.transforms._checks import check_option
 
-__all__ = ["offload_optimizer", "write_params"]
+__all__ = ["host_copy", "offload_optimizer", "write_params"]
 
 WHERE = "fzero.offload_optimizer"
 
 
-def _host_copy(x: Any, pin: bool) -> Any:
+def host_copy(x: Any, pin: bool) -> Any:
     """A new host tensor holding ``x`` (pinned when ``pin``); never ``x`` itself, so the host
     copy has storage of its own even when the device is the host."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0:  # counters stay where Mesh.place keeps them
@@ -122,7 +122,7 @@ class _OffloadHandler(Handler):
             raise ValueError(f"{WHERE}: found no master weights in state.master after the inner transforms' "
                              "init: pass make_masters=True unless a mixed_precision inside makes them")
         # After shard_state: these are this rank's pieces, placed on the mesh's device.
-        host = lambda x: _host_copy(x, self.pin)  # noqa: E731
+        host = lambda x: host_copy(x, self.pin)  # noqa: E731
         self.ready = True
         return state.replace(opt_state=tree.map(host, state.opt_state),
                              master=tree.map(host, state.master))

@@ -26,7 +26,8 @@ all-reduces over ``pp`` as well.
 The code, one job per module: ``_stages`` (:class:`Stage`, :func:`split`, which parameters
 a stage owns), ``_schedule`` (the op orders, pure functions), ``_handshake`` (the shapes
 agreed once), ``_runtime`` (:class:`Pipeline`: the schedule run inside one
-``value_and_grad`` call, and :func:`pipeline`), ``_tied`` (tied weights' gradients summed
+``value_and_grad`` call, and :func:`pipeline`), ``_deliver`` (the gradients it accumulated
+handed to ``value_and_grad`` through the autograd engine), ``_tied`` (tied weights' gradients summed
 over their stages), ``_memory`` (what ``measure_memory=True`` counts).
 """
 

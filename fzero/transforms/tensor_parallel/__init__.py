@@ -42,6 +42,9 @@ only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counte
 ``state.tensor_parallel`` and as the ``layout`` of ``state.params``), so
 ``fzero.checkpoint`` saves, reshards and exports it, and ``fzero.gather`` /
 ``fzero.load_into`` give the whole model back.
+
+Plans for the models people train (Hugging Face Llama and GPT-2, the example GPT) are in
+``plans.py``, public as ``fzero.transforms.tp_plans``.
 """
 
 from fzero.transforms.tensor_parallel._batch import BatchMismatchError

@@ -9,7 +9,7 @@ logits in the user's loss code instead: it reshapes and slices over the token di
 (the max over the vocabulary, then the sum of exponentials and the target's logit in one),
 as Megatron does (Shoeybi et al. 2019, §3). Anything that would need the whole vocabulary
 on one rank (an argmax, a softmax, a matmul, the values) is refused by name, as
-:class:`fzero.distributed.flat.Shard` refuses what would be rank-local -- never a silent
+:class:`fzero.transforms.shard_state.Shard` refuses what would be rank-local -- never a silent
 wrong value.
 """
 

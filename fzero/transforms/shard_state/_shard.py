@@ -1,26 +1,17 @@
-"""Flat groups: how ZeRO lays parameters out and cuts them between ranks.
-
-Parameters are packed into *groups* (a transformer block, or a bucket of consecutive
-parameters up to a byte budget). A group's parameters are concatenated, in order, into one
-flat buffer padded to a multiple of the ``dp`` size ``N``; rank ``r`` owns the contiguous
-slice ``[r*c, (r+1)*c)`` with ``c = padded / N``. This is FSDP1's layout, chosen over
-per-parameter sharding because both collectives then work on the flat buffer as it is:
-``all_gather_into_tensor`` writes the gathered group straight into the storage the
-parameters view, and ``reduce_scatter_tensor`` reads the group's gradient straight from
-the flat gradient: no copy in, no copy out.
+"""``Shard``: this rank's piece of a leaf ZeRO partitions, standing for the whole tensor.
 
 A leaf of the training state that is partitioned becomes a :class:`Shard`: a pytree node
 whose one child is this rank's piece of the leaf (the part of the leaf that falls in the
-owned slice: possibly empty, possibly the whole leaf) and whose static metadata says where
-the piece sits. Optimizers see the pieces as ordinary leaves; :func:`fzero.gather` and
-checkpoints read the metadata.
+owned slice of its flat group, see :mod:`._layout`: possibly empty, possibly the whole leaf)
+and whose static metadata (:class:`ShardInfo`) says where the piece sits. Optimizers see the
+pieces as ordinary leaves; :func:`fzero.gather` and checkpoints read the metadata. Inside the
+user's own step a Shard is one tensor with global semantics (see ``fzero.tree.user_view``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
@@ -28,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from fzero import tree
-from fzero.distributed import comm
+from fzero.distributed import comm, device_check
 from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
-__all__ = ["Group", "Layout", "Shard", "ShardInfo", "build_layout"]
-
+__all__ = ["Shard", "ShardInfo", "is_shard"]
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -333,8 +323,6 @@ def _collective_device(t: torch.Tensor, group) -> torch.device:
     device in tests, :mod:`fzero.distributed.device_check`)."""
     if t.device.type != "cpu":
         return t.device
-    from fzero.distributed import device_check
-
     if device_check.pretending():
         return device_check.PRETEND_DEVICE
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
@@ -356,198 +344,3 @@ def is_shard(x: Any) -> bool:
 
 
 tree._USER_LEAVES.append(Shard)  # one tensor to the user's step (see fzero.tree.user_view)
-
-
-@dataclasses.dataclass
-class Group:
-    """One flat group: parameter names, their offsets, the padded size and the owned slice."""
-
-    index: int
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    offsets: list[int]
-    numel: int
-    padded: int
-    world: int
-    rank: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def chunk(self) -> int:
-        return self.padded // self.world
-
-    @property
-    def owned(self) -> tuple[int, int]:
-        return self.rank * self.chunk, (self.rank + 1) * self.chunk
-
-    def info(self, i: int, group=None) -> ShardInfo:
-        return ShardInfo(tuple(self.shapes[i]), self.offsets[i], self.chunk, self.world, self.rank, group)
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter as a view into the group's full flat buffer.
-
-        One ``split`` rather than a slice per parameter: under autograd a slice's backward
-        zero-fills a gradient the size of the whole buffer for every parameter, while
-        ``split``'s backward concatenates once (measured: 72 full-unit fills per step at
-        ZeRO-3 on the 10.8M GPT, gone with this).
-        """
-        sizes = [math.prod(s) for s in self.shapes]
-        parts = flat.split(sizes + [flat.numel() - self.numel])
-        return [t.view(s) for t, s in zip(parts, self.shapes)]
-
-    def pieces(self, local: torch.Tensor, group=None) -> list[Shard]:
-        """Each parameter's piece as a view into the rank's owned slice ``local``."""
-        infos = [self.info(i, group) for i in range(len(self.names))]
-        return [Shard(local[self._in_owned(info)], info) for info in infos]
-
-    def pack_own(self, pieces: Mapping[str, Shard]) -> torch.Tensor:
-        """This rank's owned slice, packed from its pieces by name (padding zero): what the
-        rank sends to an all-gather of the group. A new tensor, not a view of ``pieces``.
-
-        Example (rank 1 of 2 owns elements 3-5 of the group ``b, a``: ``a[1:]`` and padding):
-            >>> params = {"a": torch.arange(3.), "b": torch.arange(3., 5.)}
-            >>> layout = build_layout(params, world=2, rank=1)
-            >>> layout.groups[0].pack_own(layout.shard_params(params)).tolist()
-            [1.0, 2.0, 0.0]
-        """
-        own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
-        for i, name in enumerate(self.names):
-            own[self._in_owned(self.info(i))] = pieces[name].local.reshape(-1)
-        return own
-
-    def _in_owned(self, info: ShardInfo) -> slice:
-        """Where a parameter's piece sits in the rank's owned slice."""
-        a, b = info.piece()
-        lo = info.offset + a - self.rank * self.chunk
-        return slice(lo, lo + (b - a))
-
-
-@dataclasses.dataclass
-class Layout:
-    """All groups of a params dict, where each name lives, and the order the groups'
-    gradients are reduced in (see :func:`build_layout`)."""
-
-    groups: list[Group]
-    where: dict[str, tuple[int, int]]  # name -> (group index, position in group)
-    reduce_order: list[int]  # group indices, in the order their gradient collectives start
-
-    def flatten_full(self, params: dict[str, torch.Tensor], g: Group) -> torch.Tensor:
-        dtype = params[g.names[0]].dtype  # the group's own dtype, or its masters' (fp32)
-        flat = torch.zeros(g.padded, dtype=dtype, device=g.device)
-        for name, o, s in zip(g.names, g.offsets, g.shapes):
-            flat[o: o + math.prod(s)] = params[name].detach().reshape(-1)
-        return flat
-
-    def regroup(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full parameters (copies) as views into one flat buffer per group, the buffers an
-        all-gather of the groups writes into."""
-        return {name: view for g in self.groups for name, view in zip(g.names, g.views(self.flatten_full(params, g)))}
-
-    def shard_params(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
-        """Cut full parameters into this rank's pieces (copies: the full tensors can go)."""
-        out = {}
-        for g in self.groups:
-            lo, hi = g.owned
-            local = self.flatten_full(params, g)[lo:hi].clone()
-            for name, piece in zip(g.names, g.pieces(local, group)):
-                out[name] = piece
-        return {k: out[k] for k in params}
-
-    def piece_views(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
-        """This rank's pieces of full parameters, as views (no copy)."""
-        out = {}
-        for name, p in params.items():
-            gi, i = self.where[name]
-            info = self.groups[gi].info(i, group)
-            a, b = info.piece()
-            out[name] = Shard(p.reshape(-1)[a:b], info)
-        return out
-
-
-def build_layout(
-    params: dict[str, torch.Tensor],
-    *,
-    world: int,
-    rank: int,
-    units: Sequence[Sequence[str]] | None = None,
-    bucket_bytes: int = 25 * 2**20,
-) -> Layout:
-    """Group ``params`` and lay each group out flat.
-
-    Args:
-        params: full parameters by name (their order is the registration order).
-        world, rank: the ``dp`` size and this rank's index.
-        units: explicit groups of names (ZeRO-3's per-block units), in order; names not in
-            any unit form further groups by ``bucket_bytes``.
-        bucket_bytes: the size budget of a group formed from loose parameters.
-
-    The layout's ``reduce_order`` (the order the groups' gradients are reduced in) is
-    backward's: groups by the registration position of their earliest parameter, latest
-    first. Backward runs the model from its last layer to its first, so a group is complete
-    about when its earliest-registered parameter's gradient arrives (a tied embedding that
-    the head uses too is registered early and completes last). It follows from the
-    parameters' order alone, the same on every rank, so every rank starts the collectives
-    in the same order. Loose buckets, cut from the reversed registration order, keep their
-    index order; units, first in the index order (forward order, which their gathers
-    follow), are reduced last block first.
-
-    Example (ZeRO-3: two blocks as units, loose parameters around them; then every
-    parameter loose, as at stages 0-2):
-        >>> names = ["emb", "h.0.w", "h.1.w", "head"]
-        >>> layout = build_layout({n: torch.zeros(2) for n in names}, world=1, rank=0,
-        ...                       units=[["h.0.w"], ["h.1.w"]], bucket_bytes=8)
-        >>> [g.names for g in layout.groups], layout.reduce_order
-        ([['h.0.w'], ['h.1.w'], ['head'], ['emb']], [2, 1, 0, 3])
-        >>> build_layout({n: torch.zeros(2) for n in names}, world=1, rank=0, bucket_bytes=8).reduce_order
-        [0, 1, 2, 3]
-
-    Raises:
-        ValueError: a unit names a parameter that does not exist, or names one twice.
-    """
-    names = list(params)
-    groups_names: list[list[str]] = []
-    seen: set[str] = set()
-    for unit in units or ():
-        for n in unit:
-            if n not in params:
-                raise ValueError(f"fzero.shard_state: unit parameter {n!r} is not in the params")
-            if n in seen:
-                raise ValueError(f"fzero.shard_state: parameter {n!r} is in two units")
-            seen.add(n)
-        if unit:
-            groups_names.append(list(unit))
-    # Loose parameters, grouped in *reverse* registration order, which approximates the
-    # order in which backward produces their gradients (DDP buckets the same way).
-    loose = [n for n in reversed(names) if n not in seen]
-    cur: list[str] = []
-    cur_bytes = 0
-    for n in loose:
-        p = params[n]
-        if cur and (cur_bytes + p.numel() * p.element_size() > bucket_bytes or p.dtype != params[cur[0]].dtype):
-            groups_names.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(n)
-        cur_bytes += p.numel() * p.element_size()
-    if cur:
-        groups_names.append(cur)
-
-    position = {n: i for i, n in enumerate(names)}
-    earliest = [min(position[n] for n in gnames) for gnames in groups_names]
-    reduce_order = sorted(range(len(groups_names)), key=lambda gi: earliest[gi], reverse=True)
-    groups, where = [], {}
-    for gi, gnames in enumerate(groups_names):
-        dtypes = {params[n].dtype for n in gnames}
-        if len(dtypes) > 1:
-            raise ValueError(f"fzero.shard_state: unit {gnames} mixes dtypes {sorted(map(str, dtypes))}")
-        offsets, off = [], 0
-        for n in gnames:
-            offsets.append(off)
-            off += params[n].numel()
-        padded = max(world, -(-off // world) * world)
-        first = params[gnames[0]]
-        groups.append(Group(gi, gnames, [tuple(params[n].shape) for n in gnames], offsets, off, padded,
-                            world, rank, first.dtype, first.device))
-        for i, n in enumerate(gnames):
-            where[n] = (gi, i)
-    return Layout(groups, where, reduce_order)

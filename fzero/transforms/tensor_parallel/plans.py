@@ -1,4 +1,5 @@
-"""Tensor-parallel plans for models people train, for :func:`fzero.tensor_parallel`.
+"""Tensor-parallel plans for models people train, for :func:`fzero.tensor_parallel`; public
+as ``fzero.transforms.tp_plans``.
 
 Each takes the model (its sizes decide the head width) and returns a plan: module-name globs
 to styles. Attention is split by heads (q, k, v by columns, the output projection by rows,
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fzero.transforms.tensor_parallel import ColwiseParallel, DivideAttributes, RowwiseParallel
+from fzero.transforms.tensor_parallel._styles import ColwiseParallel, DivideAttributes, RowwiseParallel
 
 __all__ = ["gpt", "gpt2", "llama"]
 

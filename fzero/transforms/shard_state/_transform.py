@@ -22,36 +22,35 @@ model) just before the unit's forward, freed after it, and gathered again when b
 first needs them.
 
 This module is the handler, the partitioning at ``init`` and the transform; the parts are
-in ``fzero/distributed/``: ``flat.py`` (the layout and ``Shard``), ``reduce.py`` (the
-gradient sink), ``collectives.py`` (parameter all-gathers, buffer sync) and ``units.py``
-(ZeRO-3's units and their lifecycle).
+its neighbours in this package (see its ``__init__``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from fzero import tree
 from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
-from fzero.distributed import checkin, comm
-from fzero.distributed.collectives import all_gather_params, sync_buffers
-from fzero.distributed.flat import Layout, Shard, build_layout
+from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
-from fzero.distributed.reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
-from fzero.distributed.units import Units, find_units
 from fzero.transforms._checks import DEFAULT_BUCKET_BYTES, check_option
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
-from fzero.transforms.offload import _host_copy, write_params
+from fzero.transforms.offload import host_copy, write_params
 from fzero.transforms._deferred import Deferred
+from fzero.transforms.shard_state._checks import check_same_model
+from fzero.transforms.shard_state._collectives import all_gather_params, sync_buffers
+from fzero.transforms.shard_state._layout import Layout, build_layout
+from fzero.transforms.shard_state._reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
+from fzero.transforms.shard_state._shard import Shard
+from fzero.transforms.shard_state._units import Units, find_units
 
-__all__ = ["shard_state"]
+__all__ = ["release_parameters", "shard_state"]
 
 WHERE = "fzero.shard_state"
 
@@ -60,9 +59,9 @@ class _ShardHandler(Handler):
     """The handler ``shard_state`` installs: ``init`` partitions the state; the primitives
     (``value_and_grad``, ``apply_gradients``, ``psum``) run on the partitioned state.
 
-    ``layout`` is the flat groups of the trainable parameters (``fzero/distributed/flat.py``);
-    ``units`` (stage 3) the gathered units (``fzero/distributed/units.py``); ``pool`` the
-    stage 2-3 reduce buffers kept between steps (``fzero/distributed/reduce.py``).
+    ``layout`` is the flat groups of the trainable parameters (``_layout.py``); ``units``
+    (stage 3) the gathered units (``_units.py``); ``pool`` the stage 2-3 reduce buffers
+    kept between steps (``_reduce.py``).
     """
 
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
@@ -113,7 +112,8 @@ class _ShardHandler(Handler):
                 f"{WHERE}: state.params must be a dict of tensors (as fzero.functionalize returns), "
                 f"got {type(params).__name__}"
             )
-        self._check_replicated(params)
+        check_same_model(params, stage=self.stage, group=self.group, world=self.world,
+                         timeout_s=self.timeout_s, device=self.mesh.device)
         # Frozen parameters stay out of the flat groups: no gradient buffer, no reduction,
         # no optimizer state. They are kept whole on every rank (their bytes are the model's,
         # not the training state's).
@@ -162,61 +162,9 @@ class _ShardHandler(Handler):
         locked with ``pin_memory``), the pieces views of it, so a gather copies one slice."""
         out = {}
         for g in self.layout.groups:
-            own = _host_copy(g.pack_own(shards), self.pin)
+            own = host_copy(g.pack_own(shards), self.pin)
             out.update(zip(g.names, g.pieces(own, self.group)))
         return {k: out[k] for k in shards}
-
-    def _check_replicated(self, params: dict) -> None:
-        if self.world == 1:
-            return
-        self._check_structure(params)
-        stats = []
-        for v in params.values():
-            stats.append(v.numel())
-            stats.append(int(v.detach().double().sum().mul(1e6).round().clamp(-2**62, 2**62).item()))
-        allstats = comm.all_gather_ints("all_gather(parameter fingerprints)", [len(params)] + stats, self.group,
-                                        timeout_s=self.timeout_s, where=WHERE, device=self.mesh.device)
-        if not bool((allstats == allstats[0]).all()):
-            bad_rank = int((allstats != allstats[0]).any(dim=1).nonzero()[0])
-            if int(allstats[bad_rank, 0]) != len(params):
-                raise ValueError(f"{WHERE}: rank {bad_rank} has {int(allstats[bad_rank, 0])} parameters, "
-                                 f"rank 0 has {int(allstats[0, 0])}")
-            col = int((allstats[bad_rank] != allstats[0]).nonzero()[0]) - 1
-            name = list(params)[col // 2]
-            what = "shape" if col % 2 == 0 else "values"
-            raise ValueError(f"{WHERE}: parameter {name!r} differs in {what} between rank 0 and rank {bad_rank}: "
-                             "every rank must start from the same parameters (seed the model identically)")
-
-    def _check_structure(self, params: dict) -> None:
-        """The ZeRO stage and the parameters' names, shapes and dtypes, agreed through the
-        store before any collective whose sizes follow from them (where a difference would
-        end in gloo's size mismatch abort, or be reported as a difference of values)."""
-        mine = {"stage": self.stage, "params": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
-                                                for k, v in params.items()}}
-        said = checkin.agree("the parameters' structure and the ZeRO stage", mine, group=self.group,
-                             timeout_s=self.timeout_s, where=WHERE)
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world))
-        problems = []
-        stages = [s["stage"] for s in said]
-        if len(set(stages)) > 1:
-            problems.append("ZeRO stage: " + ", ".join(f"rank {r} compiled stage {s}" for r, s in zip(ranks, stages)))
-        ref = said[0]["params"]
-        for r, s in zip(ranks[1:], said[1:]):
-            other = s["params"]
-            only_ref = [k for k in ref if k not in other]
-            only_other = [k for k in other if k not in ref]
-            if only_ref:
-                problems.append(f"rank {ranks[0]} has {', '.join(map(repr, only_ref))}, which rank {r} has not")
-            if only_other:
-                problems.append(f"rank {r} has {', '.join(map(repr, only_other))}, which rank {ranks[0]} has not")
-            for k in ref:
-                if k in other and other[k] != ref[k]:
-                    problems.append(f"parameter {k!r} is {_desc(ref[k])} on rank {ranks[0]} and {_desc(other[k])} "
-                                    f"on rank {r}")
-        if problems:
-            raise ValueError(f"{WHERE}: the ranks of the data-parallel group do not hold the same model; every rank "
-                             "must build the same model and compile it with the same options:\n  "
-                             + "\n  ".join(problems))
 
     # ---------------------------------------------------------------- primitives
 
@@ -321,7 +269,7 @@ class _ShardHandler(Handler):
 
     def held_back(self) -> dict:
         """Placeholders for the gradients a micro-batch adds into the held sums, in the
-        structure :func:`fzero.distributed.reduce.gradients` gives the reduced ones."""
+        structure :func:`._reduce.gradients` gives the reduced ones."""
         out = {}
         for g in self.layout.groups:
             for i, name in enumerate(g.names):
@@ -485,8 +433,3 @@ def shard_state(
     out = Step(call, after=after, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
     out.handler = handler
     return out
-
-
-def _desc(shape_dtype) -> str:
-    shape, dtype = shape_dtype
-    return f"{dtype}[{', '.join(map(str, shape))}]"

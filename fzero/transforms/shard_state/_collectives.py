@@ -1,9 +1,9 @@
 """ZeRO's collectives on parameters and buffers, as plain functions of explicit arguments.
 
-As FSDP2's ``_fsdp_collectives.py``: the lifecycle code (``fzero.distributed.units``, the
-handler of ``fzero.transforms.shard_state``) decides *when*; these say *what* moves, over
-which group, with which name (every collective's name is in its error) and timeout.
-Gradient reductions are in :mod:`fzero.distributed.reduce`.
+As FSDP2's ``_fsdp_collectives.py``: the lifecycle code (``_units.py``, the handler in
+``_transform.py``) decides *when*; these say *what* moves, over which group, with which
+name (every collective's name is in its error) and timeout. Gradient reductions are in
+``_reduce.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from fzero.distributed import comm
-from fzero.distributed.flat import Group, Layout, Shard
+from fzero.transforms.shard_state._layout import Group, Layout
+from fzero.transforms.shard_state._shard import Shard
 
 __all__ = ["all_gather_params", "start_all_gather", "sync_buffers"]
 
@@ -45,7 +46,7 @@ def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world:
     copied), else into a fresh one (parameters a user or a loader put in the state).
 
     Example (a world of one):
-        >>> from fzero.distributed.flat import build_layout
+        >>> from fzero.transforms.shard_state._layout import build_layout
         >>> params = {"w": torch.arange(4.)}
         >>> layout = build_layout(params, world=1, rank=0)
         >>> all_gather_params(layout, layout.shard_params(params), group=None, world=1, timeout_s=1.0)["w"].tolist()

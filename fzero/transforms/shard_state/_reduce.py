@@ -1,12 +1,12 @@
 """Gradient reduction for ZeRO: a sink that reduces flat groups while backward runs.
 
-:class:`ReduceSink` is the ``grad_sink`` of ``fzero.functional._value_and_grad_base``: the
+:class:`ReduceSink` is the ``grad_sink`` of ``fzero.core._value_and_grad_base``: the
 autograd engine hands it each parameter's gradient the moment it is complete; it copies the
 gradient into its group's flat buffer and, once a group is complete, starts the group's
 collective (all-reduce at stage 0, reduce-scatter at stages 1-3) while backward goes on.
 Everything it needs is passed in: the layout, the ``dp`` group, the stage, the reduction
-dtype, the buffer pool and the timeout (see ``fzero.transforms.shard_state`` for the
-handler that builds one per ``value_and_grad``).
+dtype, the buffer pool and the timeout (see ``_transform.py`` for the handler that builds
+one per ``value_and_grad``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fzero.distributed import comm
-from fzero.distributed.flat import Layout
+from fzero.transforms.shard_state._layout import Layout
 
 __all__ = ["MAX_IN_FLIGHT", "BufferPool", "ReduceSink", "gradients", "reduce_dtype"]
 

@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fzero.distributed import comm
-from fzero.distributed.collectives import start_all_gather
-from fzero.distributed.flat import Group, Layout, Shard
+from fzero.transforms.shard_state._collectives import start_all_gather
+from fzero.transforms.shard_state._layout import Group, Layout
+from fzero.transforms.shard_state._shard import Shard
 
 __all__ = ["Units", "find_units"]
 
@@ -53,7 +54,7 @@ class Units:
             flight included), over every step so far.
 
     Example (a world of one, where a gather is a copy; the hooks call these in a step):
-        >>> from fzero.distributed.flat import build_layout
+        >>> from fzero.transforms.shard_state._layout import build_layout
         >>> params = {"w": torch.ones(2, 2)}
         >>> layout = build_layout(params, world=1, rank=0, units=[["w"]])
         >>> units = Units(layout, [(torch.nn.Linear(2, 2), 0)], group=None, world=1, timeout_s=1.0)

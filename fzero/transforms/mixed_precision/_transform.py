@@ -1,5 +1,6 @@
 """``mixed_precision``: low-precision compute, fp32 master weights, DeepSpeed's loss scaler
-and overflow check."""
+and overflow check: the handler and the transform (the scaler is ``_scaler.py``, the norm
+weights ``_norm.py``)."""
 
 from __future__ import annotations
 
@@ -8,86 +9,23 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
-from fzero.distributed.flat import is_shard
+from fzero.transforms.shard_state import is_shard
 from fzero.transforms._checks import check_option
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, lower,
                         psum, running)
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak
 from fzero.transforms.finite import count_nonfinite
+from fzero.transforms.mixed_precision._norm import norm_weights
+from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
-__all__ = ["LossScaler", "mixed_precision"]
+__all__ = ["mixed_precision"]
 
 WHERE = "fzero.mixed_precision"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@tree.dataclass
-class LossScaler:
-    """DeepSpeed's dynamic loss scaler state (``deepspeed.runtime.fp16.loss_scaler``), as
-    0-dim CPU tensors so it is saved with the state.
-
-    Attributes:
-        scale: the current scale (float64).
-        iter: updates seen, skipped ones included (DeepSpeed's ``cur_iter``).
-        last_overflow: ``iter`` of the last overflow, -1 if none.
-        hysteresis: overflows still tolerated before the scale drops (``cur_hysteresis``).
-    """
-
-    scale: torch.Tensor
-    iter: torch.Tensor
-    last_overflow: torch.Tensor
-    hysteresis: torch.Tensor
-
-    @classmethod
-    def create(cls, initial_scale_power: int = 16, hysteresis: int = 2) -> "LossScaler":
-        return cls(torch.tensor(2.0 ** initial_scale_power, dtype=torch.float64),
-                   torch.tensor(0), torch.tensor(-1), torch.tensor(hysteresis))
-
-
-def _update_scaler(s: LossScaler, overflow: bool, *, window: int, hysteresis: int, consecutive: bool,
-                   min_scale: float) -> LossScaler:
-    """One step of DeepSpeed 0.19.8's ``DynamicLossScaler.update_scale``, as its ZeRO
-    optimizers (stages 1-3) call it once per update, skipped ones included.
-
-    On overflow: with ``hysteresis == 1``, or once the hysteresis left is 1, the scale
-    halves (never below ``min_scale``); otherwise one unit of hysteresis is spent. On a
-    clean update: ``consecutive`` refills the hysteresis at once; the scale doubles when
-    ``iter - last_overflow - 1`` is positive and a multiple of ``window`` (and, without
-    ``consecutive``, the hysteresis refills then).
-
-    Raises:
-        FloatingPointError: an overflow at the minimum scale (DeepSpeed's
-            ``raise_error_at_min_scale``), rather than skipping forever.
-    """
-    scale, it, last, hyst = float(s.scale), int(s.iter), int(s.last_overflow), int(s.hysteresis)
-    if overflow:
-        if hysteresis == 1 or hyst == 1:
-            if scale == min_scale:
-                raise FloatingPointError(
-                    f"{WHERE}: gradients overflowed at the minimum loss scale {min_scale:g} "
-                    f"(update {it}): the loss or gradients are not finite at any scale")
-            scale = max(scale / 2.0, min_scale)
-        else:
-            hyst -= 1
-        last = it
-    else:
-        if consecutive:
-            hyst = hysteresis
-        # it - last - 1 updates lie strictly between the last overflow and this one, all
-        # clean: DeepSpeed 0.19.8's stable_interval. ``(it - last) % window`` would double
-        # one update early.
-        stable_interval = it - last - 1
-        if stable_interval > 0 and stable_interval % window == 0:
-            if not consecutive:
-                hyst = hysteresis
-            scale *= 2.0
-    return LossScaler(torch.tensor(scale, dtype=torch.float64), torch.tensor(it + 1), torch.tensor(last),
-                      torch.tensor(hyst))
 
 
 class _PrecisionHandler(Handler):
@@ -112,7 +50,7 @@ class _PrecisionHandler(Handler):
             # (NormWeights); every other op runs as autocast runs it.
             device = next_device(p)
             with torch.autocast(device_type=device, dtype=dtype):
-                out = fn(tree.map(_norm_weights, p), *a, **kw)
+                out = fn(tree.map(norm_weights, p), *a, **kw)
             if scale == 1.0:
                 return out
             if has_aux:
@@ -164,7 +102,7 @@ class _PrecisionHandler(Handler):
         emit_metric("skipped", torch.tensor(overflow))
         scaler = {}
         if self.loss_scale == "dynamic":
-            scaler["loss_scaler"] = _update_scaler(state.loss_scaler, overflow, **self.opts)
+            scaler["loss_scaler"] = update_scaler(state.loss_scaler, overflow, **self.opts)
         if overflow:
             # DeepSpeed skips the update: parameters, optimizer state (so the schedule's
             # count), the step counter and (restored above) the buffers stay as they were.
@@ -205,68 +143,6 @@ class _PrecisionHandler(Handler):
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
         return new.replace(params=merge_trainable(state.params, low), master=master)
-
-
-# The norm functions and where their weight and bias are, positionally (by keyword they are
-# ``weight`` and ``bias``). torch.autocast leaves an fp32 module's norm weights in fp32: on
-# CUDA it runs layer_norm and group_norm in fp32; on the CPU it runs them as they are, and
-# their kernels take a bf16/fp16 input with fp32 weights but refuse an fp32 input (the raw
-# input, an fp32 residual) with 16-bit weights ("mixed dtype (CPU): expect parameter to have
-# scalar type of Float"); batch_norm refuses 16-bit weights beside fp32 running statistics
-# on either device.
-_NORM_WEIGHTS = {
-    F.layer_norm: (2, 3), torch.layer_norm: (2, 3),
-    F.group_norm: (2, 3), torch.group_norm: (2, 3),
-    F.batch_norm: (3, 4), torch.batch_norm: (1, 2),
-    F.instance_norm: (3, 4), torch.instance_norm: (1, 2),
-    F.rms_norm: (2,), torch.rms_norm: (2,),
-}
-_LOW = (torch.bfloat16, torch.float16)
-
-
-class NormWeight(torch.Tensor):
-    """A 16-bit parameter as the model sees it under ``mixed_precision``: a norm function
-    (``layer_norm``, ``group_norm``, ``batch_norm``, ``instance_norm``, ``rms_norm``) given
-    it as its weight or bias computes with it in fp32, as an fp32 module's norm computes
-    under ``torch.autocast``; every other operation sees the plain tensor and returns plain
-    tensors. It is an alias of the parameter (``Tensor.as_subclass``: same storage, on the
-    autograd graph), so its gradient is the parameter's, in the parameter's dtype.
-
-    Only operations that take a parameter pass through Python here (a norm, a matmul's
-    weight), not every operation of the forward as a ``TorchFunctionMode`` would; and a
-    recomputation in backward (``fzero.remat``, Hugging Face's gradient checkpointing) sees
-    the same tensors, where a mode entered for the forward would be gone.
-
-    Example:
-        >>> import torch, torch.nn.functional as F
-        >>> w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
-        >>> y = F.layer_norm(torch.randn(2, 4), (4,), w.as_subclass(NormWeight))  # an fp32 input
-        >>> type(y).__name__, y.dtype
-        ('Tensor', torch.float32)
-        >>> y.sum().backward(); w.grad.dtype
-        torch.bfloat16
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        at = _NORM_WEIGHTS.get(func)
-        with torch._C.DisableTorchFunctionSubclass():
-            if at is not None:
-                args = [_fp32(x) if i in at else x for i, x in enumerate(args)]
-                kwargs = {k: _fp32(v) if k in ("weight", "bias") else v for k, v in kwargs.items()}
-            return func(*args, **kwargs)
-
-
-def _fp32(x):
-    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
-
-
-def _norm_weights(x):
-    """A 16-bit tensor as a :class:`NormWeight` (an alias); anything else as it is."""
-    if type(x) is torch.Tensor and x.dtype in _LOW:
-        return x.as_subclass(NormWeight)
-    return x
 
 
 def _round_into(p, m):

@@ -1,0 +1,71 @@
+"""Norm weights under ``mixed_precision``: a 16-bit parameter that a norm function computes
+with in fp32, as an fp32 module's norm does under ``torch.autocast``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NormWeight", "norm_weights"]
+
+
+# The norm functions and where their weight and bias are, positionally (by keyword they are
+# ``weight`` and ``bias``). torch.autocast leaves an fp32 module's norm weights in fp32: on
+# CUDA it runs layer_norm and group_norm in fp32; on the CPU it runs them as they are, and
+# their kernels take a bf16/fp16 input with fp32 weights but refuse an fp32 input (the raw
+# input, an fp32 residual) with 16-bit weights ("mixed dtype (CPU): expect parameter to have
+# scalar type of Float"); batch_norm refuses 16-bit weights beside fp32 running statistics
+# on either device.
+_NORM_WEIGHTS = {
+    F.layer_norm: (2, 3), torch.layer_norm: (2, 3),
+    F.group_norm: (2, 3), torch.group_norm: (2, 3),
+    F.batch_norm: (3, 4), torch.batch_norm: (1, 2),
+    F.instance_norm: (3, 4), torch.instance_norm: (1, 2),
+    F.rms_norm: (2,), torch.rms_norm: (2,),
+}
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class NormWeight(torch.Tensor):
+    """A 16-bit parameter as the model sees it under ``mixed_precision``: a norm function
+    (``layer_norm``, ``group_norm``, ``batch_norm``, ``instance_norm``, ``rms_norm``) given
+    it as its weight or bias computes with it in fp32, as an fp32 module's norm computes
+    under ``torch.autocast``; every other operation sees the plain tensor and returns plain
+    tensors. It is an alias of the parameter (``Tensor.as_subclass``: same storage, on the
+    autograd graph), so its gradient is the parameter's, in the parameter's dtype.
+
+    Only operations that take a parameter pass through Python here (a norm, a matmul's
+    weight), not every operation of the forward as a ``TorchFunctionMode`` would; and a
+    recomputation in backward (``fzero.remat``, Hugging Face's gradient checkpointing) sees
+    the same tensors, where a mode entered for the forward would be gone.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        >>> y = F.layer_norm(torch.randn(2, 4), (4,), w.as_subclass(NormWeight))  # an fp32 input
+        >>> type(y).__name__, y.dtype
+        ('Tensor', torch.float32)
+        >>> y.sum().backward(); w.grad.dtype
+        torch.bfloat16
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = _NORM_WEIGHTS.get(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if at is not None:
+                args = [_fp32(x) if i in at else x for i, x in enumerate(args)]
+                kwargs = {k: _fp32(v) if k in ("weight", "bias") else v for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+
+def _fp32(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+
+
+def norm_weights(x):
+    """A 16-bit tensor as a :class:`NormWeight` (an alias); anything else as it is."""
+    if type(x) is torch.Tensor and x.dtype in _LOW:
+        return x.as_subclass(NormWeight)
+    return x
