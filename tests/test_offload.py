@@ -62,7 +62,7 @@ def _storages(*trees):
 
 def _run(offload, stage, precision, donate):
     n, r = dist.get_world_size(), dist.get_rank()
-    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, dtype=precision, accumulate=2, clip_norm=1.0,
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, precision=precision, accumulate=2, clip_norm=1.0,
                          bucket_bytes=BIG_BUCKET, offload_optimizer=offload, comm_bytes=True, donate=donate)
     state, spent = step.init(_state()), []
     for b in _batches(n):
@@ -143,7 +143,7 @@ def _checkpoint(path, stage, offload_param="none"):
     batches = _batches(n, steps=4)
 
     def compiled():
-        return fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, dtype="bf16", bucket_bytes=BIG_BUCKET,
+        return fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, precision="bf16", bucket_bytes=BIG_BUCKET,
                              offload_optimizer="cpu", offload_param=offload_param)
 
     step = compiled()
@@ -231,7 +231,7 @@ def _expected_copies(world, rank, precision, offload_optimizer):
 
 
 def _run_blocks(offload_param, offload_optimizer, precision, donate, world, rank, steps=3):
-    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=3, dtype=precision, accumulate=MICRO, clip_norm=1.0,
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=3, precision=precision, accumulate=MICRO, clip_norm=1.0,
                          offload_param=offload_param, offload_optimizer=offload_optimizer, comm_bytes=True,
                          donate=donate)
     state, spent, gathered = step.init(_blocks_state()), [], []
