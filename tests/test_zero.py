@@ -636,7 +636,7 @@ def _donated(stage, precision):
     for b in batches:
         ref, m = ref_step(ref, b)
         ref_losses.append(m["loss"])
-    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, dtype=precision, donate=True)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, precision=precision, donate=True)
     state = step.init(_state(make_model, tx_name))
 
     def storages(s):
