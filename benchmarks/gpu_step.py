@@ -1,5 +1,5 @@
 """One GPU, one training step: plain PyTorch, the same under ``torch.compile``, and
-``fzero.compile``, side by side in one run.
+``fzero.compile`` eager and with ``jit=True``, side by side in one run.
 
 The contestants do the same math on the same batches from the same initial weights: a GPT
 (``examples/gpt.py``) in GPT-2 124M or 350M shapes, bf16 autocast with fp32 weights,
@@ -10,33 +10,57 @@ to global norm 1.0.
   ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (``foreach`` on a CPU);
 * ``compiled``: the same with ``torch.compile(module)``;
 * ``fzero``: the pure ``train_step`` under ``fzero.compile(precision="bf16",
-  clip_norm=1.0)``, one process.
+  clip_norm=1.0)``, one process;
+* ``fzero-jit``: the same with ``jit=True`` (the model's forward and backward under
+  ``torch.compile`` inside the step). Where this fzero has no such option (``compile``
+  raises ``TypeError`` naming it), the contestant is reported ``unavailable`` with the
+  message, and the others run;
+* ``fzero-offload``: ``fzero`` with ``zero=1, offload_optimizer="cpu"`` (not in the default set).
 
-What it prints, per contestant: the median step time over paired rounds (one step of each
-per round, the order rotating, so drift in the machine hits all alike), its ratio to plain,
-tokens/s, MFU (the step's FLOPs, counted once with ``torch.utils.flop_counter`` on the plain
-step, over the median time, over the device's dense bf16 peak from
-``fzero.monitor.peak_flops``; none on a CPU) and the peak memory of the contestant alone
-(``torch.cuda.max_memory_allocated`` over a few steps run by itself, everything else freed
-first). With ``--largest`` it then searches the deepest GPT of the preset's width that
-trains a step on this GPU with and without ``offload_optimizer="cpu"`` (ZeRO-Offload).
+Each contestant is built alone and run for ``--build-steps`` steps (its compilation, if any,
+happens there): its peak memory is ``torch.cuda.max_memory_allocated`` over those steps less
+what was allocated before it was built (the contestants built before it stay resident but
+idle, so this is its own footprint). Then the paired rounds: one step of each per round, the
+order rotating, so drift in the machine hits all alike. Per contestant: the median step time,
+its ratio to plain (the median over rounds of the two times in the same round), tokens/s and
+MFU (the step's FLOPs, counted once with ``torch.utils.flop_counter`` on the plain step, over
+the median time, over the device's dense bf16 peak from ``fzero.monitor.peak_flops``; none
+on a CPU).
+
+With ``--largest`` it searches the deepest GPT of the preset's width that trains two steps
+with ``fzero`` and with ``fzero-offload`` (ZeRO-Offload: the optimizer's state and update on
+the host). To keep the search inside minutes, the GPU's memory is capped at
+``--largest-memory-gib`` (``torch.cuda.set_per_process_memory_fraction``): the ratio of the
+two sizes is what is measured, and it hardly depends on the cap. The offload search starts at
+3x the parameters of the deepest non-offloaded model (the target), doubles while it trains
+(never past what half the host's memory holds) and bisects to 3% otherwise.
+
+``--time-limit`` bounds the whole run: a contestant still building when its share runs out is
+stopped and reported ``timeout``; the rounds and the search stop at the limit with what they
+have. ``--json PATH`` writes the results, rewritten after every stage (so a run killed from
+outside still leaves what it had measured).
 
 Run on a GPU::
 
-    python benchmarks/gpu_step.py --preset 124m --steps 20
-    python benchmarks/gpu_step.py --preset 350m --steps 20 --largest
+    python benchmarks/gpu_step.py --preset 124m --steps 30
+    python benchmarks/gpu_step.py --preset 350m --contestants none --largest
 
-On a CPU it runs too (``--device cpu --preset tiny``), to check the script, not to measure.
+On a CPU it runs too (``--device cpu --preset tiny --compile-backend eager``), to check the
+script, not to measure. ``benchmarks/gpu_check.py`` (``make gpu-check``) runs it on a lent GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import os
+import signal
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +78,39 @@ PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch
     "350m": (24, 16, 1024, 1024, 50304, 4),
     "tiny": (2, 2, 64, 64, 256, 4),
 }
+CONTESTANTS = ("plain", "fzero", "compiled", "fzero-jit")  # the cheap to build first
 LR, BETAS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
+MIB = 2**20
+
+
+class Unavailable(Exception):
+    """The contestant cannot be built by this fzero (an option it does not have yet)."""
+
+
+class OutOfTime(BaseException):
+    """Raised by the timer inside whatever runs when a time share ends. A BaseException, so
+    that no ``except Exception`` on the way (torch.compile has several) swallows it."""
+
+
+@contextlib.contextmanager
+def time_box(seconds: float):
+    """Raise :class:`OutOfTime` in the main thread after ``seconds`` (SIGALRM)."""
+    if seconds <= 0:
+        raise OutOfTime()
+    if seconds == float("inf"):
+        yield
+        return
+
+    def ring(signum, frame):
+        raise OutOfTime()
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def sync(device: torch.device) -> None:
@@ -62,16 +118,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def make_model(cfg: GPTConfig, device: torch.device, seed: int = 0) -> GPT:
+    """The GPT, its weights drawn on ``device`` itself (drawing a billion on the host first
+    would take longer than the step it is for)."""
     torch.manual_seed(seed)
-    return GPT(cfg).to(device)
+    with torch.device(device):
+        return GPT(cfg)
 
 
-def plain_step(module: torch.nn.Module, device: torch.device, compiled: bool = False):
+def plain_step(module: torch.nn.Module, device: torch.device, compiled: bool = False, backend: str | None = None):
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(module.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                             fused=fused, foreach=None if fused else True)
-    model = torch.compile(module) if compiled else module
+    model = (torch.compile(module, backend=backend) if backend else torch.compile(module)) if compiled else module
 
     def step(batch):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
@@ -99,7 +164,13 @@ def fzero_step(module: torch.nn.Module, **options):
         loss, grads = fzero.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads), {"loss": loss}
 
-    step = fzero.compile(train_step, fzero.Mesh(dp=1), precision="bf16", clip_norm=CLIP, **options)
+    try:
+        step = fzero.compile(train_step, fzero.Mesh(dp=1), precision="bf16", clip_norm=CLIP, **options)
+    except TypeError as e:
+        missing = [k for k in options if k in str(e)]
+        if missing:  # this fzero has no such option
+            raise Unavailable(f"fzero.compile({', '.join(f'{k}=...' for k in missing)}): {e}") from None
+        raise
     holder = {"state": step.init(state)}
 
     def run(batch):
@@ -123,65 +194,174 @@ def count_flops(cfg: GPTConfig, device: torch.device, batch: dict) -> int:
     counted, as MFU conventionally leaves it out)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from fzero.monitor._flops import CPU_ATTENTION  # the CPU's fused attention, counted as CUDA's
+
     module = make_model(cfg, device)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
             logits = module(batch["x"])
         F.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten()).backward()
     del module
+    free(device)
     return counter.get_total_flops()
 
 
-def build(name: str, cfg: GPTConfig, device: torch.device):
+def build(name: str, cfg: GPTConfig, device: torch.device, backend: str | None = None):
     module = make_model(cfg, device)
     if name == "plain":
         return plain_step(module, device)
     if name == "compiled":
-        return plain_step(module, device, compiled=True)
+        return plain_step(module, device, compiled=True, backend=backend)
     if name == "fzero":
         return fzero_step(module)
+    if name == "fzero-jit":
+        return fzero_step(module, jit=True)
     if name == "fzero-offload":
         return fzero_step(module, zero=1, offload_optimizer="cpu", pin_memory=device.type == "cuda")
     raise ValueError(f"unknown contestant {name!r}")
 
 
-def timed_rounds(names, cfg, device, data, steps, warmup):
-    """Median seconds per step of each contestant, in paired rounds, and each one's losses."""
-    runs = {n: build(n, cfg, device) for n in names}
-    times = {n: [] for n in names}
-    losses = {n: [] for n in names}
-    for i in range(warmup + steps):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for n in order:
-            batch = data[i % len(data)]
-            sync(device)
+def _error(e: BaseException) -> str:
+    """The exception and the last lines of its traceback, short enough for a JSON field."""
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    return (f"{type(e).__name__}: {e}".strip()[:600] + " | " + "".join(tb[-3:]).strip()[-600:]).strip(" |")
+
+
+def params_of(cfg: GPTConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def with_depth(cfg: GPTConfig, n_layer: int) -> GPTConfig:
+    return GPTConfig(**{**vars(cfg), "n_layer": n_layer})
+
+
+# --------------------------------------------------------------------------- the step contest
+
+
+class Bench:
+    """The contest of one preset; ``self.result`` is what ``--json`` writes."""
+
+    def __init__(self, args, cfg: GPTConfig, device: torch.device, batch: int, deadline: float, emit):
+        self.args, self.cfg, self.device, self.batch, self.deadline, self.emit = args, cfg, device, batch, deadline, emit
+        self.tokens = batch * cfg.block_size
+
+    def run(self, names: list[str], result: dict) -> None:
+        args, cfg, device = self.args, self.cfg, self.device
+        data = batches(cfg, self.batch, 4, device)
+        from fzero.monitor import peak_flops
+
+        peak = peak_flops(device, "bf16")
+        flops = count_flops(cfg, device, data[0])
+        result.update(flops_per_step=flops, peak_flops=peak, tokens_per_step=self.tokens,
+                      contestants={n: {"status": "pending"} for n in names})
+        self.emit()
+        runs = {}
+        # Each build may take what is left less a reserve for the rounds.
+        reserve = max(2.0, 0.1 * args.time_limit) if args.time_limit else 0.0
+        for n in names:
+            entry = result["contestants"][n]
+            left = self.deadline - time.monotonic() - reserve
+            if left <= 0:
+                entry.update(status="timeout", error="not built: the time limit was reached before its turn")
+                self.emit()
+                continue
+            free(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             t0 = time.perf_counter()
-            loss = runs[n](batch)
-            sync(device)
-            if i >= warmup:
-                times[n].append(time.perf_counter() - t0)
-            losses[n].append(float(loss))
-    del runs
-    return {n: statistics.median(t) for n, t in times.items()}, losses
+            run, losses = None, []
+            try:
+                with time_box(left):
+                    run = build(n, cfg, device, args.compile_backend)
+                    for i in range(args.build_steps):
+                        losses.append(float(run(data[i % len(data)])))
+                    sync(device)
+            except Unavailable as e:
+                entry.update(status="unavailable", error=str(e)[:1200])
+            except OutOfTime:
+                entry.update(status="timeout", error=f"still building after {time.perf_counter() - t0:.0f} s, "
+                                                     "when its share of the time limit ran out")
+            except torch.cuda.OutOfMemoryError as e:
+                entry.update(status="oom", error=_error(e))
+            except Exception as e:  # noqa: BLE001 - one contestant's failure is recorded, the rest run
+                entry.update(status="failed", error=_error(e))
+            else:
+                entry.update(status="ok", build_s=round(time.perf_counter() - t0, 2), first_loss=losses[0])
+                if device.type == "cuda":
+                    peak_bytes = torch.cuda.max_memory_allocated(device) - base
+                    entry.update(peak_mem_bytes=int(peak_bytes), peak_mem_mib=round(peak_bytes / MIB, 1))
+                else:
+                    entry.update(peak_mem_bytes=None, peak_mem_mib=None)
+                runs[n] = run
+            if n not in runs:
+                del run
+                free(device)
+            self.emit()
+        self.rounds(runs, data, result, flops, peak)
+
+    def rounds(self, runs: dict, data: list, result: dict, flops: int, peak: float | None) -> None:
+        args, device = self.args, self.device
+        names = list(runs)
+        times = {n: [] for n in names}
+        ratios = {n: [] for n in names}
+        cut = False
+        total = args.warmup + args.steps
+        i = 0
+        while i < total and names:
+            if time.monotonic() > self.deadline:
+                cut = True
+                break
+            order = names[i % len(names):] + names[:i % len(names)]
+            this = {}
+            for n in list(order):
+                sync(device)
+                t0 = time.perf_counter()
+                try:
+                    loss = runs[n](data[i % len(data)])
+                    sync(device)
+                    float(loss)
+                except Exception as e:  # noqa: BLE001
+                    result["contestants"][n].update(status="failed", error="in the timed rounds: " + _error(e))
+                    names.remove(n)
+                    del runs[n]
+                    continue
+                this[n] = time.perf_counter() - t0
+            if i >= args.warmup:
+                for n, t in this.items():
+                    times[n].append(t)
+                    if "plain" in this:
+                        ratios[n].append(t / this["plain"])
+            i += 1
+        del runs
+        free(device)
+        result["rounds"] = max(0, i - args.warmup)
+        result["rounds_cut_by_time_limit"] = cut
+        ref = statistics.median(times["plain"]) if times.get("plain") else None
+        for n in times:
+            entry = result["contestants"][n]
+            if not times[n]:
+                entry.update(status="failed" if entry["status"] == "ok" else entry["status"],
+                             error=entry.get("error") or "no timed round finished inside the time limit")
+                continue
+            t = statistics.median(times[n])
+            entry.update(
+                step_ms=round(t * 1e3, 3),
+                step_ms_min=round(min(times[n]) * 1e3, 3),
+                timed_steps=len(times[n]),
+                vs_plain=round(statistics.median(ratios[n]), 4) if ratios[n] else None,
+                vs_plain_of_medians=round(t / ref, 4) if ref else None,
+                tokens_per_s=round(self.tokens / t, 1),
+                mfu=round(flops / t / peak, 4) if peak else None,
+            )
+            plain_mem = result["contestants"].get("plain", {}).get("peak_mem_bytes")
+            mem = entry.get("peak_mem_bytes")
+            entry["mem_vs_plain"] = round(mem / plain_mem, 4) if mem is not None and plain_mem else None
+        self.emit()
 
 
-def peak_memory(name, cfg, device, data, steps=3) -> int | None:
-    """Peak bytes allocated by one contestant run alone (CUDA only)."""
-    if device.type != "cuda":
-        return None
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    run = build(name, cfg, device)
-    for i in range(steps):
-        run(data[i % len(data)])
-    sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del run
-    gc.collect()
-    torch.cuda.empty_cache()
-    return peak
+# --------------------------------------------------------------------------- the largest model
 
 
 def trains(name: str, cfg: GPTConfig, device: torch.device, batch: int) -> bool:
@@ -196,84 +376,243 @@ def trains(name: str, cfg: GPTConfig, device: torch.device, batch: int) -> bool:
         return True
     except torch.cuda.OutOfMemoryError:
         return False
+    except RuntimeError as e:  # the host's pinned memory, or an allocation inside a kernel library
+        if "out of memory" in str(e).lower():
+            return False
+        raise
     finally:
         del run
-        gc.collect()
-        torch.cuda.empty_cache()
+        free(device)
 
 
-def deepest(name: str, base: GPTConfig, device: torch.device, batch: int, hi: int = 1024) -> int:
-    """The most blocks of ``base``'s width that ``name`` trains (doubling, then bisecting)."""
-    lo, n = 0, max(1, base.n_layer)
-    while n <= hi and trains(name, GPTConfig(**{**vars(base), "n_layer": n}), device, batch):
-        lo, n = n, n * 2
-    hi = min(n, hi + 1)
-    while hi - lo > 1:
+def deepest(fits, start: int, cap: int, deadline: float, rel: float = 1 / 32) -> dict:
+    """The most blocks ``n`` in ``[1, cap]`` with ``fits(n)`` (monotone: fits up to some depth,
+    not beyond): from ``start``, doubling while it fits, then bisecting until the bounds are
+    within ``rel`` of each other; stops at ``deadline`` with the bounds it has.
+
+    Returns ``{"depth": deepest seen to fit (0: none), "fails_at": shallowest seen to fail
+    (None: none failed), "exact": bounds met, "tries": [[n, fits], ...]}``.
+
+    Example:
+        >>> r = deepest(lambda n: n <= 37, 12, 1000, float("inf"))
+        >>> r["depth"], r["fails_at"], r["exact"]
+        (37, 38, True)
+        >>> deepest(lambda n: True, 12, 100, float("inf"))["depth"]
+        100
+    """
+    lo, hi, tries = 0, None, []
+
+    def out_of_time():
+        return time.monotonic() > deadline
+
+    def check(n):
+        """fits(n), or None when the deadline came first (a try is stopped there)."""
+        try:
+            with time_box(deadline - time.monotonic()):
+                ok = fits(n)
+        except OutOfTime:
+            tries.append([n, None])
+            return None
+        tries.append([n, ok])
+        return ok
+
+    n = max(1, min(start, cap))
+    while not out_of_time():
+        ok = check(n)
+        if ok is None:
+            break
+        if ok:
+            lo = n
+            if n >= cap:
+                break
+            n = min(cap, n * 2)
+        else:
+            hi = n
+            break
+    while hi is not None and hi - lo > max(1, int(lo * rel)) and not out_of_time():
         mid = (lo + hi) // 2
-        if trains(name, GPTConfig(**{**vars(base), "n_layer": mid}), device, batch):
+        ok = check(mid)
+        if ok is None:
+            break
+        if ok:
             lo = mid
         else:
             hi = mid
-    return lo
+    exact = (hi is not None and hi - lo <= max(1, int(lo * rel))) or (hi is None and lo >= cap)
+    return {"depth": lo, "fails_at": hi, "exact": bool(exact), "tries": tries}
 
 
-def params_of(cfg: GPTConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(cfg).parameters())
+def largest(args, cfg: GPTConfig, device: torch.device, batch: int, deadline: float, result: dict, emit) -> None:
+    """The ``--largest`` search, into ``result``."""
+    if device.type != "cuda":
+        result.update(status="skipped", reason="needs a GPU: it searches what fits in the device's memory")
+        emit()
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap_bytes = min(total, int(args.largest_memory_gib * 2**30)) if args.largest_memory_gib else total
+    torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_layer = params_of(with_depth(cfg, 2)) - params_of(with_depth(cfg, 1))
+    fixed = params_of(with_depth(cfg, 1)) - per_layer
+
+    def depth_for(n_params: float) -> int:
+        return max(1, int((n_params - fixed) // per_layer))
+
+    # ZeRO-Offload keeps fp32 masters, the two Adam moments and the fp32 gradient pieces on
+    # the host: 16 B a parameter; never ask for more than half the host's memory.
+    host_cap = depth_for(0.5 * host / 16)
+    result.update(status="running", width=cfg.n_embd, batch=batch, block_size=cfg.block_size,
+                  device_memory_cap_bytes=cap_bytes, device_memory_bytes=total, host_memory_bytes=host,
+                  params_per_block=per_layer, params_outside_blocks=fixed)
+    emit()
+    share = (deadline - time.monotonic()) * 0.35  # the search without offload is the quicker one
+    base = deepest(lambda n: trains("fzero", with_depth(cfg, n), device, batch), cfg.n_layer, 4096,
+                   time.monotonic() + share)
+    base["params"] = params_of(with_depth(cfg, base["depth"])) if base["depth"] else 0
+    result["fzero"] = base
+    emit()
+    if not base["depth"]:
+        result.update(status="failed", reason="fzero trained no depth of this width under the memory cap")
+        emit()
+        return
+    start = depth_for(3 * base["params"])
+    off = deepest(lambda n: trains("fzero-offload", with_depth(cfg, n), device, batch), start, host_cap, deadline)
+    off["params"] = params_of(with_depth(cfg, off["depth"])) if off["depth"] else 0
+    off["host_cap_depth"] = host_cap
+    result["fzero-offload"] = off
+    result["ratio"] = round(off["params"] / base["params"], 4)
+    result["ratio_is_lower_bound"] = not off["exact"] or off["fails_at"] is None
+    result["status"] = "ok"
+    emit()
 
 
-def main() -> None:
+# --------------------------------------------------------------------------- main
+
+
+def versions(device: torch.device) -> dict:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "fzero": fzero.__version__}
+    for mod in ("triton", "optree"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    return out
+
+
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default="124m")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--contestants", default="plain,compiled,fzero")
+    p.add_argument("--steps", type=int, default=20, help="timed paired rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the build steps")
+    p.add_argument("--build-steps", type=int, default=3,
+                   help="steps each contestant runs alone when built (compilation, peak memory)")
+    p.add_argument("--contestants", default=",".join(CONTESTANTS),
+                   help=f"comma-separated, or 'none' (default: {','.join(CONTESTANTS)})")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile's backend for every compile in the process (default: torch's, "
+                        "inductor); 'eager' makes a CPU dry run quick")
     p.add_argument("--largest", action="store_true", help="also search the deepest GPT that trains, with and "
                                                          "without offload (CUDA only)")
-    args = p.parse_args()
+    p.add_argument("--largest-memory-gib", type=float, default=12.0,
+                   help="GPU memory the --largest search may use (0: all of it)")
+    p.add_argument("--largest-batch", type=int, default=None, help="sequences per step in the search "
+                                                                  "(default: the preset's)")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole run")
+    p.add_argument("--json", default=None, help="write the results here (rewritten after every stage)")
+    args = p.parse_args(argv)
+    start = time.monotonic()
+    deadline = start + args.time_limit if args.time_limit else float("inf")
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the memory cap and the peak counters want an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.compile_backend:  # every torch.compile of the process, fzero's jit included
+        real_compile = torch.compile
+
+        def compile_with_backend(*a, **k):
+            k.setdefault("backend", args.compile_backend)
+            return real_compile(*a, **k)
+
+        torch.compile = compile_with_backend
     n_layer, n_head, n_embd, block, vocab, batch = PRESETS[args.preset]
     batch = args.batch or batch
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    names = [n.strip() for n in args.contestants.split(",") if n.strip()]
-    data = batches(cfg, batch, 4, device)
-    tokens = batch * block
+    names = [] if args.contestants.strip() == "none" else [n.strip() for n in args.contestants.split(",") if n.strip()]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {"preset": args.preset, "device": where, "versions": versions(device), "params": params_of(cfg),
+              "config": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block,
+                         "vocab_size": vocab, "batch": batch, "precision": "bf16 autocast, fp32 weights",
+                         "optimizer": "AdamW lr 3e-4 betas (0.9, 0.95) wd 0.1, clip 1.0",
+                         "compile_backend": args.compile_backend or "default"},
+              "steps": args.steps, "warmup": args.warmup, "build_steps": args.build_steps,
+              "time_limit_s": args.time_limit, "status": "running"}
 
-    from fzero.monitor import peak_flops
+    def emit():
+        result["seconds"] = round(time.monotonic() - start, 2)
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(tmp, args.json)
 
-    peak = peak_flops(device, "bf16")
-    flops = count_flops(cfg, device, data[0])
-    medians, losses = timed_rounds(names, cfg, device, data, args.steps, args.warmup)
-    mems = {n: peak_memory(n, cfg, device, data) for n in names}
+    emit()
+    try:
+        if names:
+            # With a search to follow, the contest takes 60% of the time.
+            until = start + 0.6 * args.time_limit if args.largest and args.time_limit else deadline
+            Bench(args, cfg, device, batch, until, emit).run(names, result)
+            print_table(result)
+        if args.largest:
+            result["largest"] = {}
+            try:
+                largest(args, cfg, device, args.largest_batch or batch, deadline, result["largest"], emit)
+            except Exception as e:  # noqa: BLE001
+                result["largest"].update(status="failed", reason=_error(e))
+            print_largest(result["largest"])
+        result["status"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        result.update(status="failed", error=_error(e))
+        raise
+    finally:
+        emit()
+    return result
 
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"device: {where}; torch {torch.__version__}; GPT {args.preset}: {params_of(cfg) / 1e6:.1f}M parameters, "
-          f"batch {batch} x {block} tokens; bf16 autocast, AdamW, clip 1.0; {args.steps} paired rounds after "
-          f"{args.warmup} warmup; {flops / 1e12:.3f} TFLOP per step (counted on the plain step)")
-    print("| contestant | median step (ms) | × plain | tokens/s | MFU | peak memory (MiB) | × plain |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    ref_t, ref_m = medians.get("plain"), mems.get("plain")
-    for n in names:
-        t, m = medians[n], mems[n]
-        mfu = f"{flops / t / peak:.1%}" if peak else "n/a"
-        ratio = f"{t / ref_t:.3f}" if ref_t else "n/a"
-        mem = f"{m / 2**20:.0f}" if m is not None else "n/a"
-        mratio = f"{m / ref_m:.3f}" if m is not None and ref_m else "n/a"
-        print(f"| {n} | {t * 1e3:.1f} | {ratio} | {tokens / t:,.0f} | {mfu} | {mem} | {mratio} |")
-    first = {n: losses[n][0] for n in names}
+
+def print_table(r: dict) -> None:
+    cfg = r["config"]
+    print(f"device: {r['device']}; torch {r['versions']['torch']}; GPT {r['preset']}: {r['params'] / 1e6:.1f}M "
+          f"parameters, batch {cfg['batch']} x {cfg['block_size']} tokens; bf16 autocast, AdamW, clip 1.0; "
+          f"{r.get('rounds', 0)} paired rounds after {r['warmup']} warmup; {r['flops_per_step'] / 1e12:.3f} TFLOP "
+          "per step (counted on the plain step)")
+    print("| contestant | median step (ms) | × plain | tokens/s | MFU | peak memory (MiB) | × plain | status |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    for n, e in r["contestants"].items():
+        print(f"| {n} | {f(e.get('step_ms'), '.1f')} | {f(e.get('vs_plain'), '.3f')} | "
+              f"{f(e.get('tokens_per_s'), ',.0f')} | {f(e.get('mfu'), '.1%')} | {f(e.get('peak_mem_mib'), '.0f')} | "
+              f"{f(e.get('mem_vs_plain'), '.3f')} | {e['status']} |")
+        if e.get("error"):
+            print(f"  {n}: {e['error'][:300]}")
+    first = {n: e["first_loss"] for n, e in r["contestants"].items() if "first_loss" in e}
     print("first-step losses (same weights, same batch):", ", ".join(f"{n} {v:.5f}" for n, v in first.items()))
 
-    if args.largest:
-        if device.type != "cuda":
-            print("--largest: needs a GPU (it searches what fits in its memory)")
-            return
-        print(f"deepest GPT of width {n_embd} that trains two steps at batch {batch} x {block}:")
-        for n in ("fzero", "fzero-offload"):
-            depth = deepest(n, cfg, device, batch)
-            size = params_of(GPTConfig(**{**vars(cfg), "n_layer": depth})) if depth else 0
-            print(f"  {n}: {depth} blocks, {size / 1e6:.0f}M parameters")
+
+def print_largest(r: dict) -> None:
+    if r.get("status") != "ok":
+        print(f"--largest: {r.get('status')}: {r.get('reason', '')}")
+        return
+    print(f"deepest GPT of width {r['width']} that trains two steps at batch {r['batch']} x {r['block_size']}, "
+          f"device memory capped at {r['device_memory_cap_bytes'] / 2**30:.1f} GiB:")
+    for n in ("fzero", "fzero-offload"):
+        e = r[n]
+        print(f"  {n}: {e['depth']} blocks, {e['params'] / 1e6:.0f}M parameters "
+              f"(fails at {e['fails_at']}; {'exact' if e['exact'] else 'search cut short'})")
+    print(f"  ratio {r['ratio']:.2f}{' (a lower bound)' if r['ratio_is_lower_bound'] else ''}")
 
 
 if __name__ == "__main__":

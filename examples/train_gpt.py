@@ -53,7 +53,7 @@ def load_stdlib(max_bytes: int) -> tuple[torch.Tensor, int]:
         if total >= max_bytes:
             break
     data = b"".join(chunks)[:max_bytes]
-    if len(data) < 1_000_000:
+    if len(data) < min(max_bytes, 1_000_000):
         raise RuntimeError(f"train_gpt: found only {len(data)} bytes of .py files under {root}")
     # frombuffer shares the bytes object's memory; clone so the tensor owns (and may write) it.
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone(), len(chunks)

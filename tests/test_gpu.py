@@ -32,15 +32,19 @@ def _train(tmp_path: Path, zero: int, precision: str, steps: int = 6) -> list[fl
                         "--precision", precision, "--no-progress", "--sample-len", "8", "--max-bytes", "200000",
                         "--log-losses", str(out)], timeout_s=600, cwd=str(ROOT))
     assert done.returncode == 0, done.output
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["losses"]
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_the_example_trains_on_the_gpu_over_nccl(tmp_path):
     losses = _train(tmp_path, 0, "bf16", steps=20)
     assert len(losses) == 20 and all(map(lambda v: v == v, losses))
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_every_stage_in_a_world_of_one_gives_stage_0s_losses(tmp_path, precision):
     ref = _train(tmp_path, 0, precision)
