@@ -76,3 +76,10 @@ def test_the_fused_path_on_the_gpu_equals_the_unfused_path():
     fused, plain = run("on"), run("off")
     for k in plain:
         torch.testing.assert_close(fused[k], plain[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_the_nonfinite_check_sees_nan_and_inf_on_the_gpu():
+    """The check is one multi-tensor max-abs per dtype: CUDA's must propagate NaN."""
+    from test_nonfinite import _flags_case
+
+    _flags_case("cuda")

@@ -358,3 +358,23 @@ def test_a_gradient_of_the_wrong_shape_is_named_with_both_shapes():
     # a gradient that would broadcast is refused too
     with pytest.raises(ValueError, match=re.escape("grads['b'] has shape (1,), the parameter (3,)")):
         state.apply_gradients({"w": torch.ones(2), "b": torch.ones(1)})
+
+
+def _flags_case(device):
+    """Leaves of several dtypes, an empty one, a huge finite one, one NaN or inf among many."""
+    from fzero.transforms.finite import nonfinite_flags
+
+    big = torch.randn(1 << 16, device=device)
+    big[12345] = float("nan")
+    half = torch.randn(300, device=device, dtype=torch.bfloat16)
+    half[-1] = float("-inf")
+    leaves = [torch.randn(7, 3, device=device), big, torch.zeros(0, device=device),
+              torch.full((5,), 3e38, device=device), half, torch.randn(4, device=device, dtype=torch.bfloat16)]
+    want = torch.tensor([(~torch.isfinite(x)).any().item() for x in leaves], dtype=torch.float32)
+    got = nonfinite_flags(leaves, None)
+    assert got.device == leaves[0].device and got.tolist() == want.tolist() == [0, 1, 0, 0, 1, 0]
+    assert nonfinite_flags(leaves[:1] + leaves[3:4], None).tolist() == [0, 0]  # one group, in order
+
+
+def test_the_nonfinite_check_is_isfinite_per_leaf():
+    _flags_case("cpu")

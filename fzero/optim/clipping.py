@@ -24,8 +24,8 @@ def _leaf_norms(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     is fp64; one multi-tensor kernel when the leaves share a precision.
     """
     acc = torch.float32
-    for x in xs:
-        acc = torch.promote_types(acc, x.dtype)
+    for dtype in {x.dtype for x in xs}:  # the dtypes, not a dispatch per leaf
+        acc = torch.promote_types(acc, dtype)
     if acc == torch.float32:
         norms = torch._foreach_norm(xs, 2, dtype=torch.float32)
     elif all(x.dtype == acc for x in xs):

@@ -9,6 +9,7 @@ overflow checks, and fzero's default), or fail fast naming the non-finite gradie
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -42,6 +43,33 @@ def _device_of(leaves: list, state) -> torch.device | None:
     return tensors[0].device if tensors else None
 
 
+def nonfinite_flags(leaves: list, state) -> torch.Tensor:
+    """1.0 for each of ``leaves`` that holds an inf or NaN, else 0.0: an fp32 vector on their
+    device, in their order.
+
+    One multi-tensor max-abs (``torch._foreach_norm(ord=inf)``, which propagates NaN) per
+    device and dtype, not a chain of element-wise kernels per leaf: on a GPU the check is a
+    handful of launches whatever the number of parameters. A max-abs is finite exactly when
+    every element is (no overflow, unlike a sum of squares); empty leaves are finite.
+    """
+    device = _device_of(leaves, state)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(leaves):
+        if g.numel() and (g.is_floating_point() or g.is_complex()):
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    if len(groups) == 1 and len(next(iter(groups.values()))) == len(leaves):  # the usual case: one kernel, in order
+        return _bad(leaves, device)
+    flags = torch.zeros(len(leaves), dtype=torch.float32, device=device)
+    for idx in groups.values():
+        flags.index_copy_(0, torch.tensor(idx, device=device), _bad([leaves[i] for i in idx], device))
+    return flags
+
+
+def _bad(leaves: list, device) -> torch.Tensor:
+    peaks = torch.stack(torch._foreach_norm(leaves, math.inf))
+    return (~torch.isfinite(peaks)).to(device=device, dtype=torch.float32)
+
+
 def count_nonfinite(leaves: list, state) -> torch.Tensor:
     """How many of ``leaves`` hold an inf or NaN, as a 0-dim fp32 tensor on their device.
 
@@ -49,10 +77,7 @@ def count_nonfinite(leaves: list, state) -> torch.Tensor:
     rank is counted tp times, and the count is still > 0 exactly when some gradient is not
     finite (no LeafSums, no per-leaf vector).
     """
-    bad = torch.zeros((), dtype=torch.float32, device=_device_of(leaves, state))
-    for g in leaves:
-        bad = bad + (~torch.isfinite(g)).any().float()
-    return bad
+    return nonfinite_flags(leaves, state).sum()
 
 
 class _FiniteHandler(Handler):
@@ -76,8 +101,7 @@ class _FiniteHandler(Handler):
         if self.mode == "raise":
             # One flag per leaf, summed over the ranks (each holds its pieces of the
             # gradients under ZeRO): every rank learns which leaves, and all raise together.
-            flags = torch.stack([(~torch.isfinite(g)).any() for g in leaves]).float() if leaves \
-                else torch.zeros(0, device=_device_of(leaves, state))
+            flags = nonfinite_flags(leaves, state)
         else:
             flags = count_nonfinite(leaves, state)
         flags = psum(flags)

@@ -139,17 +139,27 @@ class _PrecisionHandler(Handler):
 
             low = write_params(trainable(state.params), master)
         elif here.donate:  # the low-precision copies are this step's: round the masters into them
-            low = tree.map(_round_into, trainable(state.params), master)
+            low = _round_into(trainable(state.params), master)
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
         return new.replace(params=merge_trainable(state.params, low), master=master)
 
 
-def _round_into(p, m):
-    """``m`` (an fp32 master, or this rank's piece of one) rounded into ``p`` in place."""
-    with torch.no_grad():
-        (p.local if is_shard(p) else p).copy_(m.local if is_shard(m) else m)
-    return p
+def _round_into(params, masters):
+    """``masters`` (fp32, or this rank's pieces of them) rounded into the 16-bit ``params`` in
+    place: one multi-tensor copy, not a copy per parameter."""
+    low, high = [], []
+
+    def pair(p, m):
+        low.append(p.local if is_shard(p) else p)
+        high.append(m.local if is_shard(m) else m)
+        return p
+
+    out = tree.map(pair, params, masters)
+    if low:
+        with torch.no_grad():
+            torch._foreach_copy_(low, high)
+    return out
 
 
 def next_device(params) -> str:
