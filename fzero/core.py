@@ -320,6 +320,13 @@ class StepContext:
             there.
         offload_params: this rank's pieces of the parameters live on the host between uses
             (ZeRO-3's ``offload_param="cpu"``): an update's new pieces are written there.
+        skip_flag: a 0-dim device tensor, nonzero when the running update is to be discarded
+            (``mixed_precision``'s and ``check_finite``'s verdict on the gradients, still on
+            the device). The update reads it there where it can (the fused kernels write
+            nothing when it is set: :attr:`Lowered.honours_skip_flag`), else ``update``'s plain
+            implementation reads it first and leaves the state as it was; so a discarded
+            update writes nothing of its input, and the host waits for the verdict once,
+            after the update is on its way.
 
     Example:
         >>> context().micro_batch
@@ -335,6 +342,7 @@ class StepContext:
     pipeline_micro_batch: MicroBatch = MicroBatch(0, 1)
     offload_optimizer: bool = False
     offload_params: bool = False
+    skip_flag: Any = None
 
 
 _CONTEXT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("fzero_step_context", default=StepContext())
@@ -563,10 +571,13 @@ class Lowered(NamedTuple):
             holding 16-bit gradients beside fp32 masters casts them before handing them on
             (so that what the handlers outside it do to them, a rescale, a copy to the host,
             happens in fp32).
+        honours_skip_flag: ``update`` takes ``found_inf=``, a device flag that discards the
+            update on the device (no host read): the step context's ``skip_flag``.
     """
 
     update: Callable[..., tuple[Any, Any]]
     reads_low_precision: bool
+    honours_skip_flag: bool = False
 
 
 # How a state's optimizer (``state.tx``) makes one update: registered by ``fzero.optim``, the
@@ -591,8 +602,18 @@ def lower(tx: Any, params: Any) -> Lowered:
 
 @register_primitive("update")
 def _update_base(state: Any, grads: Any) -> Any:
-    params = trainable(state.params)
-    new, opt_state = lower(state.tx, params).update(grads, state.opt_state, params, donate=context().donate)
+    params, here = trainable(state.params), context()
+    lowered = lower(state.tx, params)
+    flag = here.skip_flag
+    if flag is not None and not lowered.honours_skip_flag:
+        if bool(flag > 0):  # discarded, and this update cannot read the verdict on the device:
+            # it runs on copies (what it reports, a clip's norm, is still reported) and the
+            # state stays as it was
+            lowered.update(grads, state.opt_state, params, donate=False)
+            return state.replace(step=state.step + 1)
+        flag = None
+    extra = {} if flag is None else {"found_inf": flag}
+    new, opt_state = lowered.update(grads, state.opt_state, params, donate=here.donate, **extra)
     return state.replace(step=state.step + 1, params=merge_trainable(state.params, new), opt_state=opt_state)
 
 

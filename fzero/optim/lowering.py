@@ -38,7 +38,7 @@ def lower(tx: Any, params: Any) -> Lowered:
     """One update by ``tx`` of ``params`` (the tensors the optimizer steps: the masters under
     mixed precision, this rank's pieces under ZeRO)."""
     if fused.fuses(tx, params):
-        return Lowered(functools.partial(_fused, tx), reads_low_precision=True)
+        return Lowered(functools.partial(_fused, tx), reads_low_precision=True, honours_skip_flag=True)
     return Lowered(functools.partial(_chain, tx), reads_low_precision=False)
 
 
@@ -47,10 +47,12 @@ def _chain(tx, grads, opt_state, params, *, donate: bool = False):
     return apply_updates(params, updates, donate=donate), opt_state
 
 
-def _fused(tx, grads, opt_state, params, *, donate: bool = False):
-    out = fused.fused_update(tx, grads, opt_state, params, donate=donate)  # by name: tests watch it
+def _fused(tx, grads, opt_state, params, *, donate: bool = False, found_inf: torch.Tensor | None = None):
+    out = fused.fused_update(tx, grads, opt_state, params, donate=donate, found_inf=found_inf)  # by name: tests watch it
     if out is not None:
         return out
+    if found_inf is not None and bool(found_inf > 0):  # discarded: the chain cannot read the flag on the device
+        return params, opt_state
     # The kernels did not take these operands after all: the chain, on the gradients in the
     # parameters' dtypes, as a caller told "reads_low_precision" did not cast them.
     return _chain(tx, tree.map(_widen, grads, params), opt_state, params, donate=donate)

@@ -119,16 +119,19 @@ class _FiniteHandler(Handler):
             if not (isinstance(new, NotApplied) and new.reason == "deferred"):
                 self.guard.finish(skipped=False)
             return new
-        overflow = bool(flags > 0)
-        if overflow or self.pending:  # an update that will be discarded must not write into its input
-            with running(donate=False):
-                new = next(state, grads)
-        else:
+        if self.pending:  # a deferred micro-batch of this update was not finite
+            flags = flags + 1.0
+        if context().skip_flag is not None:  # a verdict from outside too
+            flags = flags + context().skip_flag
+        # The verdict stays on the device while the update is enqueued (the step context's
+        # skip_flag): a discarded update writes nothing of its input, and the host reads the
+        # verdict once, with the update on its way.
+        with running(skip_flag=flags):
             new = next(state, grads)
+        overflow = bool(flags > 0)
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside
-            self.pending = self.pending or overflow
+            self.pending = overflow
             return new
-        overflow = overflow or self.pending
         self.pending = False
         emit_metric("skipped", torch.tensor(overflow))
         self.guard.finish(skipped=overflow)

@@ -75,25 +75,26 @@ class _PrecisionHandler(Handler):
         # pieces are finite still skips when another rank's are not (DeepSpeed all-reduces
         # its overflow flag with MAX), the same count check_finite takes.
         leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
-        overflow = bool(psum(count_nonfinite(leaves, state)) > 0)
+        flag = psum(count_nonfinite(leaves, state))
+        if self.pending_overflow:  # a deferred micro-batch of this update was not finite
+            flag = flag + 1.0
+        if context().skip_flag is not None:  # a verdict from outside too
+            flag = flag + context().skip_flag
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
         unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
         # The update goes on even on overflow and is discarded below: an accumulation
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
-        # accumulated gradient.
-        # An update that will be discarded must not write into the state it is given: it runs
-        # in a context that says the step does not own its input.
-        if overflow or self.pending_overflow:
-            with running(donate=False):
-                new = next(state, unscaled)
-        else:
+        # accumulated gradient. The verdict stays on the device while the update is enqueued
+        # (the step context's skip_flag): a discarded update writes nothing of the state it
+        # is given, and the host reads the verdict once, below, with the update on its way.
+        with running(skip_flag=flag):
             new = next(state, unscaled)
+        overflow = bool(flag > 0)
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside:
-            self.pending_overflow |= overflow  # remember, decide at the update's last micro-batch
+            self.pending_overflow = overflow  # remember, decide at the update's last micro-batch
             return new
-        overflow |= self.pending_overflow
         self.pending_overflow = False
         self.guard.finish(skipped=overflow)  # before the scaler, which may raise at its minimum
         self.streak.record(overflow, lambda: self._why(state), step=int(state.step))
