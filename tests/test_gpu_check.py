@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py (``make gpu-check``) on the CPU: the dry run writes the JSON a GPU
 run writes, with the GPU-only phases recorded as skipped, and benchmarks/gpu_table.py renders
-it; the tests phase records each test's outcome, a test past its timeout and one cut by the
-phase's time limit included; a rerun of one phase with ``--merge`` keeps the others.
+it; the tests phase records each test's outcome, a test past its timeout, a file that does
+not import and a test cut by the phase's time limit included; a rerun of one phase with
+``--merge`` keeps the others.
 
 The GPU run itself is in docs/performance.md, section GPU.
 """
@@ -110,14 +111,17 @@ def test_the_tests_phase_records_each_outcome_a_timeout_and_a_cut(tmp_path):
         def test_hangs_past_its_timeout():
             time.sleep(60)
     """))
+    (tmp_path / "test_broken.py").write_text("import a_module_that_is_not_there\n")
     log = gpu_check.Log(tmp_path / "work" / "log")
-    res = gpu_check.run_tests(sys.executable, ["test_sample.py"], 40, 3, tmp_path / "work", log,
+    res = gpu_check.run_tests(sys.executable, ["test_broken.py", "test_sample.py"], 40, 3, tmp_path / "work", log,
                               cwd=tmp_path)
-    outcomes = {nid.split("::")[1]: t["outcome"] for nid, t in res["tests"].items()}
-    assert outcomes == {"test_passes": "passed", "test_fails": "failed", "test_skipped": "skipped",
-                        "test_hangs_past_its_timeout": "failed"}, res
+    outcomes = {nid: t["outcome"] for nid, t in res["tests"].items()}
+    assert outcomes == {"test_broken.py": "error", "test_sample.py::test_passes": "passed",
+                        "test_sample.py::test_fails": "failed", "test_sample.py::test_skipped": "skipped",
+                        "test_sample.py::test_hangs_past_its_timeout": "failed"}, res
     assert "Timeout" in res["tests"]["test_sample.py::test_hangs_past_its_timeout"]["message"]
-    assert (res["passed"], res["failed"], res["skipped"], res["status"]) == (1, 2, 1, "failed")
+    assert "a_module_that_is_not_there" in res["tests"]["test_broken.py"]["message"]
+    assert (res["passed"], res["failed"], res["skipped"], res["status"]) == (1, 3, 1, "failed")
 
     # The phase's time runs out while a test runs: that test is unfinished, not failed.
     (tmp_path / "test_slow.py").write_text("import time\n\ndef test_slow():\n    time.sleep(60)\n")
