@@ -27,11 +27,11 @@ def _run_line(report: dict) -> str:
     v = report.get("versions") or {}
     parts = [f"{name} {v[key]}" for key, name in (("torch", "torch"), ("cuda", "CUDA"), ("triton", "triton"))
              if v.get(key)]
-    commit = (report.get("commit") or "")[:7] or "unknown commit"
+    commit = f"commit {report['commit'][:7]}" if report.get("commit") else "unknown commit"
     when = (report.get("finished") or report.get("started") or "")[:10]
     dry = "; a dry run on the CPU: not measurements" if report.get("dry_run") else ""
     return (f"`{report.get('command', 'benchmarks/gpu_check.py')}` — {report.get('device') or 'unknown device'}"
-            f"{', ' + ', '.join(parts) if parts else ''}; commit {commit}{', ' + when if when else ''}{dry}")
+            f"{', ' + ', '.join(parts) if parts else ''}; {commit}{', ' + when if when else ''}{dry}")
 
 
 def _bench_table(report: dict) -> list[str]:
@@ -76,7 +76,8 @@ def _tests_line(report: dict) -> str:
     tests = report.get("tests") or {}
     phase = (report.get("phases") or {}).get("tests", {})
     if not tests:
-        return f"GPU tests: {phase.get('status', 'not run')}{' (' + phase['reason'] + ')' if phase.get('reason') else ''}."
+        reason = f" ({phase['reason']})" if phase.get("reason") else ""
+        return f"GPU tests: {phase.get('status', 'not run')}{reason}."
     bad = [n for n, t in tests.items() if t.get("outcome") not in ("passed", "skipped")]
     line = (f"GPU tests: {report.get('tests_passed', 0)} passed, {report.get('tests_failed', 0)} failed, "
             f"{report.get('tests_unfinished', 0)} cut by the time limit, {report.get('tests_skipped', 0)} skipped")
@@ -98,8 +99,8 @@ def _phases_line(report: dict) -> str:
     phases = report.get("phases") or {}
     if not phases:
         return ""
-    return "Phases: " + ", ".join(f"{n} {p.get('status')} ({_f(p.get('seconds'), '.0f')} of {_f(p.get('limit_s'), '.0f')} s)"
-                                  for n, p in phases.items()) + "."
+    return "Phases: " + ", ".join(f"{n} {p.get('status')} ({_f(p.get('seconds'), '.0f')} of "
+                                  f"{_f(p.get('limit_s'), '.0f')} s)" for n, p in phases.items()) + "."
 
 
 def render(report: dict) -> str:
@@ -118,7 +119,7 @@ def render(report: dict) -> str:
         ...           "bench": {"tiny": {"contestants": {"plain": {"status": "ok", "step_ms": 12.5,
         ...                                                        "vs_plain": 1.0}}}}}
         >>> print(render(report))  # doctest: +NORMALIZE_WHITESPACE
-        `benchmarks/gpu_check.py` — cpu; commit unknown commit; a dry run on the CPU: not measurements
+        `benchmarks/gpu_check.py` — cpu; unknown commit; a dry run on the CPU: not measurements
         <BLANKLINE>
         | preset | contestant | median step (ms) | × plain (paired) | tokens/s | MFU | peak memory (GiB) | × plain memory | status |
         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |
