@@ -3,6 +3,9 @@
 #   make test   install, then run the whole suite (CI runs this)
 #   make test-fast   the suite without the multi-rank and slow tests (tests/conftest.py
 #                    checks that every test that starts ranks is marked multirank)
+#   make gpu-wheels  (here) the wheels a lent GPU machine lacks, into .whl/
+#   make gpu-check   (there, carrying .whl) GPU tests and step benchmarks inside 6 minutes;
+#                    always leaves benchmarks/results/gpu.json (docs/performance.md, GPU)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,7 +13,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.fzero-installed
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-fast install bench gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -36,6 +39,27 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/overhead.py
+
+# The lent GPU machine has torch, triton, pytest, pytest-timeout and hypothesis in its
+# python3 (3.12) but no optree and no internet: the wheel travels in .whl/ (git-ignored).
+GPU_PYTHON ?= python3
+GPU_SITE   ?= /tmp/site
+OPTREE     ?= optree==0.20.0
+
+gpu-wheels:
+	@ls .whl/optree-*cp312*.whl >/dev/null 2>&1 || $(PYTHON) -m pip download -q --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(OPTREE)
+	@ls .whl
+
+gpu-check:
+	@if [ -d .whl ] && ! $(GPU_PYTHON) -c 'import optree' 2>/dev/null; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+			--target $(GPU_SITE) .whl/*.whl \
+			|| echo "gpu-check: the wheels in .whl/ did not install; going on (phase env names what is missing)"; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+		$(GPU_PYTHON) benchmarks/gpu_check.py --budget 360 --out benchmarks/results/gpu.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,133 @@
+"""benchmarks/gpu_check.py (``make gpu-check``) on the CPU: the dry run writes the JSON a GPU
+run writes, with the GPU-only phases recorded as skipped, and benchmarks/gpu_table.py renders
+it; the tests phase records each test's outcome, a test past its timeout, a file that does
+not import and a test cut by the phase's time limit included; a rerun of one phase with
+``--merge`` keeps the others.
+
+The GPU run itself is in docs/performance.md, section GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+import gpu_table  # noqa: E402
+
+KEYS = {"device", "versions", "bench", "fzero_vs_plain_step", "mfu_350m", "offload_size_ratio", "tests_passed",
+        "tests_failed", "tests_skipped", "tests", "phases"}
+
+
+def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The driver's dry run into ``tmp_path`` (nothing copied to a device tool's $OUT)."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                           "--preset", "tiny", "--out", str(tmp_path / "gpu.json"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    done = _check(tmp)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return tmp, json.loads((tmp / "gpu.json").read_text()), done.stdout
+
+
+def test_the_dry_run_writes_every_key_with_the_gpu_phases_skipped(dry_run):
+    _, report, _ = dry_run
+    assert KEYS <= set(report), KEYS - set(report)
+    assert report["dry_run"] is True and report["device"] == "cpu"
+    assert report["versions"]["torch"] and report["versions"]["fzero"]
+    phases = report["phases"]
+    assert list(phases) == ["env", "offload", "tests", "bench_tiny"]
+    assert phases["env"]["status"] == "ok" and phases["bench_tiny"]["status"] == "ok"
+    assert phases["tests"]["status"] == phases["offload"]["status"] == "skipped"
+    assert report["tests"] == {} and report["tests_passed"] == report["tests_failed"] == 0
+    assert report["offload"]["status"] == "skipped" and report["offload_size_ratio"] is None
+    assert report["mfu_350m"] is None and report["targets"] == {}  # no verdicts on a dry run's figures
+
+
+def test_the_dry_run_times_every_contestant_fzero_jit_reported_unavailable(dry_run):
+    _, report, _ = dry_run
+    contestants = report["bench"]["tiny"]["contestants"]
+    assert {n: e["status"] for n, e in contestants.items()} == {
+        "plain": "ok", "fzero": "ok", "compiled": "ok", "fzero-jit": "unavailable"}
+    assert "jit" in contestants["fzero-jit"]["error"]
+    for name in ("plain", "fzero", "compiled"):
+        e = contestants[name]
+        assert isinstance(e["step_ms"], float) and e["step_ms"] > 0, (name, e)
+        assert e["tokens_per_s"] > 0 and e["vs_plain"] > 0 and e["mfu"] is None, (name, e)
+    assert contestants["plain"]["vs_plain"] == 1.0
+    assert report["fzero_vs_plain_step"] == contestants["fzero"]["vs_plain"]
+
+
+def test_the_table_renders_the_report_and_the_cli_prints_it(dry_run):
+    tmp, report, stdout = dry_run
+    table = gpu_table.render(report)
+    assert "| tiny | fzero | " in table and "| tiny | fzero-jit | n/a |" in table and "unavailable" in table
+    assert "a dry run on the CPU" in table and "Offload search: skipped" in table
+    assert table in stdout  # the driver prints it at its end
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_table.py"), str(tmp / "gpu.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == table, done.stderr
+
+
+def test_a_rerun_of_one_phase_with_merge_keeps_the_others(dry_run, tmp_path):
+    tmp, report, _ = dry_run
+    (tmp_path / "gpu.json").write_text(json.dumps({**report, "phases": {**report["phases"], "tests": {"status": "x"}}}))
+    done = _check(tmp_path, "--phases", "tests", "--merge")  # on the CPU: skipped at once
+    assert done.returncode == 0, done.stdout + done.stderr
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert merged["phases"]["tests"]["status"] == "skipped"
+    for kept in ("env", "offload", "bench_tiny"):
+        assert merged["phases"][kept] == report["phases"][kept], kept
+    assert merged["bench"] == report["bench"] and merged["versions"] == report["versions"]
+
+
+def test_the_tests_phase_records_each_outcome_a_timeout_and_a_cut(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
+        import time, pytest
+
+        def test_passes():
+            pass
+
+        def test_fails():
+            assert 1 == 2
+
+        @pytest.mark.skip(reason="not here")
+        def test_skipped():
+            pass
+
+        def test_hangs_past_its_timeout():
+            time.sleep(60)
+    """))
+    (tmp_path / "test_broken.py").write_text("import a_module_that_is_not_there\n")
+    log = gpu_check.Log(tmp_path / "work" / "log")
+    res = gpu_check.run_tests(sys.executable, ["test_broken.py", "test_sample.py"], 40, 3, tmp_path / "work", log,
+                              cwd=tmp_path)
+    outcomes = {nid: t["outcome"] for nid, t in res["tests"].items()}
+    assert outcomes == {"test_broken.py": "error", "test_sample.py::test_passes": "passed",
+                        "test_sample.py::test_fails": "failed", "test_sample.py::test_skipped": "skipped",
+                        "test_sample.py::test_hangs_past_its_timeout": "failed"}, res
+    assert "Timeout" in res["tests"]["test_sample.py::test_hangs_past_its_timeout"]["message"]
+    assert "a_module_that_is_not_there" in res["tests"]["test_broken.py"]["message"]
+    assert (res["passed"], res["failed"], res["skipped"], res["status"]) == (1, 3, 1, "failed")
+
+    # The phase's time runs out while a test runs: that test is unfinished, not failed.
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_slow():\n    time.sleep(120)\n")
+    # 12 s: pytest's start took 5 s on the development machine at load 8, and the test must have begun
+    res = gpu_check.run_tests(sys.executable, ["test_slow.py"], 12, 60, tmp_path / "work2", log, cwd=tmp_path)
+    assert res["tests"]["test_slow.py::test_slow"]["outcome"] == "unfinished", res
+    assert (res["failed"], res["unfinished"], res["status"]) == (0, 1, "timeout")
