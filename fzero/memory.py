@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from fzero.transforms._checks import default_bucket_bytes
+
 __all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "format_bytes", "OPTIMIZER_STATES",
            "PRECISIONS", "REDUCE_BUFFERS"]
 
@@ -155,7 +157,7 @@ def model_state_bytes(
 
 
 def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precision: Precision = "fp32",
-                        bucket_bytes: int = 25 * 2**20, tp: int = 1, pp: int = 1) -> int:
+                        bucket_bytes: int | None = None, tp: int = 1, pp: int = 1) -> int:
     """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
     buffers, and at stage 3 the gathered parameters.
 
@@ -173,15 +175,20 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       the last bucket is in (2 bytes per partitioned parameter more than the formula's).
     * Stage 3 holds the unit being computed and the one prefetched, gathered.
 
+    ``bucket_bytes`` ``None`` is ``shard_state``'s default: 1/32 of the parameters' bytes, at
+    most 25 MiB (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
+    than that is a bucket of its own, which this count, knowing no shapes, does not see.
     At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
     parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in
     :func:`model_state_bytes`: a rank's buffers hold its Ψ' = Ψ/(tp·pp) parameters,
     reduced over dp.
 
     Example:
-        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB
+        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB (the cap)
         52428800
-        >>> reduce_buffer_bytes(1000, world_size=1, stage=2)  # a small model: its whole gradient, once
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=2)  # 2 buckets of 1/32 of the model
+        250000
+        >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
     """
     num_params, world_size = _rank_share("reduce_buffer_bytes", num_params, world_size, tp, pp)
@@ -190,6 +197,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         return 0 if p == 4 else 4 * num_params
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
+    if bucket_bytes is None:
+        bucket_bytes = default_bucket_bytes(p * num_params)
     per_bucket = -(-bucket_bytes // p)
     total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
     if stage == 3:
