@@ -165,9 +165,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       steps (as DDP keeps its buckets): the fp32 gradients are views of them; bf16/fp16
       gradients are reduced in fp32 there and copied out (4 bytes per parameter beside the
       formula's 2-byte gradients).
-    * Stage 1 reduce-scatters them from the same buffers (the formula's whole gradient, as
-      under accumulation, where stage 1 holds the whole sum until the update's last
-      micro-batch) into this rank's fp32 partition, which is alive beside them at the peak.
+    * Stage 1 under accumulation holds the whole sum until the update's last micro-batch
+      (the formula's whole gradient, in fp32) and reduce-scatters it into this rank's fp32
+      partition, alive beside it at the peak: what this counts. Without accumulation it
+      reduces bucket by bucket as stage 2 does and holds stage 2's bytes, less than this.
     * Stages 2-3 copy each bucket into a reduce buffer (fp32 for bf16/fp16) and
       reduce-scatter it; up to :data:`REDUCE_BUFFERS` are in use at once and kept between
       steps, never more than the whole gradient (a group of another size, such as the
