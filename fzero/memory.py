@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from fzero.transforms._checks import default_bucket_bytes
+
 __all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "format_bytes", "OPTIMIZER_STATES",
            "PRECISIONS", "REDUCE_BUFFERS"]
 
@@ -155,7 +157,7 @@ def model_state_bytes(
 
 
 def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precision: Precision = "fp32",
-                        bucket_bytes: int = 25 * 2**20, tp: int = 1, pp: int = 1) -> int:
+                        bucket_bytes: int | None = None, tp: int = 1, pp: int = 1) -> int:
     """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
     buffers, and at stage 3 the gathered parameters.
 
@@ -163,9 +165,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       steps (as DDP keeps its buckets): the fp32 gradients are views of them; bf16/fp16
       gradients are reduced in fp32 there and copied out (4 bytes per parameter beside the
       formula's 2-byte gradients).
-    * Stage 1 reduce-scatters them from the same buffers (the formula's whole gradient, as
-      under accumulation, where stage 1 holds the whole sum until the update's last
-      micro-batch) into this rank's fp32 partition, which is alive beside them at the peak.
+    * Stage 1 under accumulation holds the whole sum until the update's last micro-batch
+      (the formula's whole gradient, in fp32) and reduce-scatters it into this rank's fp32
+      partition, alive beside it at the peak: what this counts. Without accumulation it
+      reduces bucket by bucket as stage 2 does and holds stage 2's bytes, less than this.
     * Stages 2-3 copy each bucket into a reduce buffer (fp32 for bf16/fp16) and
       reduce-scatter it; up to :data:`REDUCE_BUFFERS` are in use at once and kept between
       steps, never more than the whole gradient (a group of another size, such as the
@@ -173,15 +176,20 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       the last bucket is in (2 bytes per partitioned parameter more than the formula's).
     * Stage 3 holds the unit being computed and the one prefetched, gathered.
 
+    ``bucket_bytes`` ``None`` is ``shard_state``'s default: 1/32 of the parameters' bytes, at
+    most 25 MiB (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
+    than that is a bucket of its own, which this count, knowing no shapes, does not see.
     At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
     parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in
     :func:`model_state_bytes`: a rank's buffers hold its Ψ' = Ψ/(tp·pp) parameters,
     reduced over dp.
 
     Example:
-        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB
+        >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB (the cap)
         52428800
-        >>> reduce_buffer_bytes(1000, world_size=1, stage=2)  # a small model: its whole gradient, once
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=2)  # 2 buckets of 1/32 of the model
+        250000
+        >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
     """
     num_params, world_size = _rank_share("reduce_buffer_bytes", num_params, world_size, tp, pp)
@@ -190,6 +198,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         return 0 if p == 4 else 4 * num_params
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
+    if bucket_bytes is None:
+        bucket_bytes = default_bucket_bytes(p * num_params)
     per_bucket = -(-bucket_bytes // p)
     total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
     if stage == 3:

@@ -150,8 +150,8 @@ class CompileOptions:
     Example:
         >>> from fzero import CompileOptions
         >>> opts = CompileOptions(zero=2, precision="bf16", accumulate=4)
-        >>> opts.zero, opts.bucket_bytes == 25 * 2**20
-        (2, True)
+        >>> opts.zero, opts.bucket_bytes
+        (2, None)
         >>> CompileOptions(zero=5)
         Traceback (most recent call last):
             ...
@@ -213,8 +213,11 @@ class CompileOptions:
     """The dtype gradients are summed in across ranks (``None``: fp32 for 16-bit gradients,
     else their own); ``"bf16"`` halves the bytes moved."""
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    """Bytes of gradients reduced together (one bucket, one collective)."""
+    bucket_bytes: int | None = None
+    """Bytes of gradients reduced together (one bucket, one collective). ``None``: chosen at
+    ``step.init`` from the model, 1/32 of the trainable parameters' bytes and at most
+    ``DEFAULT_BUCKET_BYTES`` (25 MiB), so the reduce buffers stay a small part of ZeRO's
+    memory (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
 
     overlap_comm: bool = True
     """Reduce each gradient bucket while backward goes on; ``False`` reduces them all after

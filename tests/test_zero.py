@@ -163,6 +163,91 @@ def test_mixed_precision_memory_matches_the_zero_formula(ranks, stage):
             assert abs(res["after_backward"] - expected) <= 0.02 * expected, (stage, res, expected)
 
 
+def _process_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (views once): the state,
+    the module, the reduce buffers kept between steps and anything else, not only the pytree."""
+    import gc
+
+    gc.collect()
+    return ft.storage_bytes([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
+
+
+def _shard_handler(step):
+    """The ``shard_state`` handler inside a compiled step (its steps nest by ``inner``)."""
+    while not hasattr(step, "handler"):
+        step = step.inner
+    return step.handler
+
+
+def _default_bucket_memory(depth):
+    """Runs on every rank: ZeRO-2 at every default (no bucket given) on a ``depth``-block MLP
+    of 256-wide layers; the process's tensor bytes right after backward and after the step,
+    over what the process held before the model existed."""
+    before = _process_tensor_bytes()
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(Blocks(64, 256, depth, 64))
+    psi = sum(p.numel() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+    del params
+    seen = {}
+
+    def train_step(state, batch):
+        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+        seen["after_backward"] = _process_tensor_bytes() - before
+        return state.apply_gradients(g), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=2)
+    state = step.init(state)
+    batch = {"x": torch.randn(4, 64), "y": torch.randn(4, 64)}
+    for _ in range(3):
+        state, _ = step(state, batch)
+    after_step = _process_tensor_bytes() - before - ft.storage_bytes(batch)
+    handler = _shard_handler(step)
+    return {"psi": psi, "bucket": getattr(handler, "bucket", None), "after_backward": seen["after_backward"] - ft.storage_bytes(batch),
+            "after_step": after_step, "largest_group": max(g.padded * 4 for g in handler.layout.groups)}
+
+
+def test_zero_2_at_its_default_bucket_holds_the_formula_within_ten_percent(ranks):
+    """At compile's defaults, every tensor byte a rank's process holds for a 4.3 MB model
+    (16 blocks of 256x256, Psi ~ 1.09M) is within 10% of the ZeRO paper's stage-2 figure:
+    4Psi + 12Psi/N right after backward, 4Psi + 8Psi/N between steps. A bucket as large as the
+    model (25 MiB, before) held the whole gradient in a reduce buffer beside them: 1.40x and
+    1.50x."""
+    world = 2
+    for res in ranks(world).run(_default_bucket_memory, 16):
+        psi = res["psi"]
+        with_grads, between = (4 + 12 / world) * psi, (4 + 8 / world) * psi
+        assert abs(res["after_backward"] - with_grads) <= 0.10 * with_grads, (res, res["after_backward"] / with_grads)
+        assert abs(res["after_step"] - between) <= 0.10 * between, (res, res["after_step"] / between)
+        # No reduce buffer larger than a small part of the model lives beside it.
+        assert res["largest_group"] <= 4 * psi / 8, res
+
+
+def _buckets(depth, config=None, **options):
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(Blocks(64, 256, depth, 64))
+    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config, **options)
+    step.init(state)
+    return model_bytes, _shard_handler(step).bucket
+
+
+def test_the_default_bucket_follows_the_model_and_a_given_one_is_kept(ranks):
+    """The default bucket is 1/32 of the trainable bytes (25 MiB at most), so it scales with
+    the model; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4 bytes
+    each in fp32) are used as given."""
+    for small, large, given, from_config in zip(
+            ranks(2).run(_buckets, 2, zero=2), ranks(2).run(_buckets, 16, zero=2),
+            ranks(2).run(_buckets, 16, zero=2, bucket_bytes=25 * 2**20),
+            ranks(2).run(_buckets, 16, {"train_micro_batch_size_per_gpu": 2,
+                                          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})):
+        for model_bytes, bucket in (small, large):
+            assert bucket == -(-model_bytes // 32), (model_bytes, bucket)
+        assert large[1] > 4 * small[1]  # 16 blocks against 2: the bucket grows with the model
+        assert given[1] == 25 * 2**20 and from_config[1] == 4 * 5 * 10**8
+
+
 # --------------------------------------------------------------------------- reduce order (ZeRO-3)
 
 

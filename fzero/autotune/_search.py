@@ -154,7 +154,7 @@ def grid(*, world_size: int, stages: Iterable[int] = (0, 1, 2, 3), tp: Iterable[
 
 
 def estimate_bytes(candidate: Candidate, *, num_params: int, world_size: int, precision: str = "fp32",
-                   optimizer: str = "adam", bucket_bytes: int = 25 * 2**20, pp: int = 1) -> int:
+                   optimizer: str = "adam", bucket_bytes: int | None = None, pp: int = 1) -> int:
     """Per-rank bytes ``fzero estimate`` prints as *total* for this candidate (model states
     and reduce buffers; activations not counted).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from decimal import Decimal, InvalidOperation
 
+from fzero.transforms._checks import default_bucket_bytes
 from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, REDUCE_BUFFERS, coefficients, format_bytes,
                           model_state_bytes, rank_share, reduce_buffer_bytes)
 
@@ -59,7 +60,7 @@ def _formula(a: int, b: int, psi: str = "Ψ") -> str:
 
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
-           optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int = 25 * 2**20,
+           optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int | None = None,
            tp: int = 1, pp: int = 1) -> str:
     """The table ``fzero estimate`` prints; ``tp``/``pp`` as in :func:`fzero.memory.model_state_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
@@ -95,12 +96,15 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         lines.append("  ".join(c.rjust(w) if i < len(r) - 1 else c for i, (c, w) in enumerate(zip(r, widths))))
+    shown_bucket = bucket_bytes if bucket_bytes is not None else \
+        default_bucket_bytes(PRECISIONS[precision] * local)
+    default_note = "" if bucket_bytes is not None else ", by default 1/32 of them (at most 25 MiB)"
     lines += [
         "",
         "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",
         f"them at the step's peak: gradient reduce buffers in fp32 (stages 2-3: up to {REDUCE_BUFFERS} buckets of",
-        f"{format_bytes(bucket_bytes)} of parameters, a bucket being a unit at stage 3) and at stage 3",
-        "two gathered units. Not counted: activations, the CUDA context and allocator",
+        f"{format_bytes(shown_bucket)} of parameters{default_note}; a unit at stage 3) and at",
+        "stage 3 two gathered units. Not counted: activations, the CUDA context and allocator",
         "fragmentation. Partitioned buffers are padded to a multiple of N. 1 GiB = 2^30 bytes.",
     ]
     if split:
@@ -155,8 +159,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam",
                    help="decides the fp32 states per parameter: adam/adamw/lamb 2, lion/sgd-momentum 1, "
                         "sgd 0 (default adam)")
-    p.add_argument("--bucket-bytes", type=_positive_int, default=25 * 2**20, metavar="BYTES",
-                   help="shard_state's bucket_bytes (default 25 MiB): sizes the reduce buffers of stages 2-3")
+    p.add_argument("--bucket-bytes", type=_positive_int, default=None, metavar="BYTES",
+                   help="shard_state's bucket_bytes (default shard_state's: 1/32 of the parameters' bytes, "
+                        "at most 25 MiB): sizes the reduce buffers of stages 2-3")
     p.add_argument("--bytes", action="store_true", dest="raw_bytes", help="print exact bytes instead of GiB")
     p.set_defaults(func=run)
     return p

@@ -297,10 +297,11 @@ class AutoFill:
     Args:
         config: the :class:`fzero.Config` as loaded (its ``pending`` paths are what waits).
         itemsize: bytes of one reduced gradient element (2 with a 16-bit ``reduce_in``).
-        default_bucket: the bucket in bytes when the model has no hidden size.
+        default_bucket: the bucket in bytes when the model has no hidden size (``None``:
+            ``shard_state``'s default, from the model's size).
     """
 
-    def __init__(self, config: Any, *, itemsize: int, default_bucket: int):
+    def __init__(self, config: Any, *, itemsize: int, default_bucket: int | None):
         self.config = config
         self.itemsize, self.default_bucket = itemsize, default_bucket
 
@@ -319,7 +320,7 @@ class AutoFill:
         self.config = self.config.resolve(batch=batch)
         return self.config
 
-    def bucket_bytes(self) -> int:
+    def bucket_bytes(self) -> int | None:
         """``shard_state``'s bucket in bytes, once :meth:`at_init` has run: the filled
         ``reduce_bucket_size`` × ``itemsize``, or ``default_bucket`` for a model without a
         hidden size."""

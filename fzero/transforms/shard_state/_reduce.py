@@ -47,7 +47,10 @@ class BufferPool:
     """A few reduce buffers kept between steps (stages 1-3), reused largest-fit.
 
     Fresh multi-megabyte buffers cost page faults on every step (measured: 26-48 ms a step on
-    the 10.8M GPT); at most ``limit`` buffers are kept, about ``MAX_IN_FLIGHT + 1`` buckets.
+    the 10.8M GPT); at most ``limit`` buffers are kept, the smallest that fits reused. The
+    default, ``MAX_IN_FLIGHT``, is as many as are ever in use at once at stages 1-3, so the
+    pool holds no more between steps than the step's peak: two buckets (one buffer each, never
+    larger than its group). Stage 0 keeps one per group, as DDP keeps its buckets.
 
     Attributes:
         in_use_bytes: bytes of the buffers taken and not given back yet.
@@ -60,7 +63,7 @@ class BufferPool:
         (0, 24)
     """
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT + 2):
+    def __init__(self, limit: int = MAX_IN_FLIGHT):
         self.limit = limit
         self.free: list[torch.Tensor] = []
         self.lent: list[torch.Tensor] = []  # buffers the step's gradients view (stage 0)

@@ -37,7 +37,7 @@ from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
-from fzero.transforms._checks import DEFAULT_BUCKET_BYTES, check_option
+from fzero.transforms._checks import check_option, default_bucket_bytes
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
@@ -64,7 +64,7 @@ class _ShardHandler(Handler):
     kept between steps (``_reduce.py``).
     """
 
-    def __init__(self, mesh: Mesh, stage: int, bucket_bytes: int, units, timeout_s: float | None,
+    def __init__(self, mesh: Mesh, stage: int, bucket_bytes, units, timeout_s: float | None,
                  reduce_in: torch.dtype | None = None, prefetch: bool = True,
                  buffer_sync: str = "broadcast", overlap_comm: bool = True, offload_param: bool = False,
                  pin_memory: bool = False):
@@ -81,6 +81,7 @@ class _ShardHandler(Handler):
         self.group = mesh.group("dp")
         self.timeout_s = mesh.timeout_s if timeout_s is None else timeout_s
         self.layout: Layout | None = None
+        self.bucket: int | None = None  # the bucket in bytes the layout was cut with (set at init)
         self.names: list[str] = []
         self.all_names: frozenset[str] = frozenset()
         self.units: Units | None = None  # stage 3
@@ -125,9 +126,9 @@ class _ShardHandler(Handler):
         found = []  # stage 3: (module, parameter names) of each unit
         if self.stage == 3 and isinstance(module, torch.nn.Module):
             found = find_units(module, train, self.units_spec)
+        self.bucket = self._bucket(train)
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
-                                   bucket_bytes=self.bucket_bytes() if callable(self.bucket_bytes)
-                                   else self.bucket_bytes)
+                                   bucket_bytes=self.bucket)
         if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
             self.pool = BufferPool(limit=len(self.layout.groups) + MAX_IN_FLIGHT)
         if isinstance(module, torch.nn.Module):
@@ -156,6 +157,15 @@ class _ShardHandler(Handler):
         if self.offload_param:
             shards = self._on_host(shards)
         return state.replace(params=with_values(params, shards), opt_state=opt_state, master=master)
+
+    def _bucket(self, train: dict[str, torch.Tensor]) -> int:
+        """The bucket in bytes: the one given (a config's ``"auto"`` one is asked now), else
+        ``default_bucket_bytes`` of the trainable parameters' bytes, so the two reduce buffers
+        stages 2-3 hold stay a small fraction of the model (see ``_checks.BUCKETS_PER_MODEL``)."""
+        given = self.bucket_bytes() if callable(self.bucket_bytes) else self.bucket_bytes
+        if given is not None:
+            return given
+        return default_bucket_bytes(sum(p.numel() * p.element_size() for p in train.values()))
 
     def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
         """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
@@ -337,7 +347,7 @@ def shard_state(
     mesh: Mesh | None = None,
     stage: Literal[0, 1, 2, 3] = 0,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | Callable[[], int | None] | None = None,
     units: Callable[[torch.nn.Module], bool] | None = None,
     timeout_s: float | None = None,
     reduce_in: Literal["fp32", "bf16", "fp16"] | torch.dtype | None = None,
@@ -361,7 +371,11 @@ def shard_state(
             parameters.
         bucket_bytes: size of a gradient bucket (a group of parameters reduced together), or
             a function of no arguments giving it at ``init`` (a config's ``"auto"`` bucket,
-            which the model's hidden size decides).
+            which the model's hidden size decides). ``None`` (the default, or what the
+            function gives): 1/32 of the trainable parameters' bytes, at most 25 MiB
+            (:func:`fzero.transforms._checks.default_bucket_bytes`), so that the two reduce
+            buffers stages 2-3 hold beside the ZeRO formula's bytes stay a small part of
+            them; ``step.handler.bucket`` is the bucket ``init`` chose.
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
