@@ -43,6 +43,7 @@ bench: install
 # The lent GPU machine has torch, triton, pytest, pytest-timeout and hypothesis in its
 # python3 (3.12) but no optree and no internet: the wheel travels in .whl/ (git-ignored).
 GPU_PYTHON ?= python3
+GPU_BUDGET ?= 360
 GPU_SITE   ?= /tmp/site
 OPTREE     ?= optree==0.20.0
 
@@ -59,7 +60,7 @@ gpu-check:
 			--target $(GPU_SITE) .whl/*.whl \
 			|| echo "gpu-check: the wheels in .whl/ did not install; going on (phase env names what is missing)"; fi
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
-		$(GPU_PYTHON) benchmarks/gpu_check.py --budget 360 --out benchmarks/results/gpu.json
+		$(GPU_PYTHON) benchmarks/gpu_check.py --budget $(GPU_BUDGET) --out benchmarks/results/gpu.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -390,8 +390,18 @@ def _program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int, d
     first = torch.cumsum(nchunks, 0) - nchunks
     pstart = starts[seg] + (torch.arange(P) - first[seg]) * chunk
     pend = torch.minimum(pstart + chunk, ends[seg])
-    table = torch.stack([torch.tensor(ids, dtype=torch.int64)[seg], pstart, pend], dim=1)
-    return table.contiguous().to(device), P
+    table = torch.stack([torch.tensor(ids, dtype=torch.int64)[seg], pstart, pend], dim=1).contiguous()
+    return to_device(table, device), P
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor copied to ``device`` without a host sync: from page-locked memory,
+    asynchronously, on a CUDA device (a pageable copy waits for the stream; the pinned
+    block is not reused before the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int,

@@ -362,7 +362,7 @@ def test_a_gradient_of_the_wrong_shape_is_named_with_both_shapes():
 
 def _flags_case(device):
     """Leaves of several dtypes, an empty one, a huge finite one, one NaN or inf among many."""
-    from fzero.transforms.finite import nonfinite_flags
+    from fzero.transforms.finite import count_nonfinite, nonfinite_flags
 
     big = torch.randn(1 << 16, device=device)
     big[12345] = float("nan")
@@ -374,6 +374,7 @@ def _flags_case(device):
     got = nonfinite_flags(leaves, None)
     assert got.device == leaves[0].device and got.tolist() == want.tolist() == [0, 1, 0, 0, 1, 0]
     assert nonfinite_flags(leaves[:1] + leaves[3:4], None).tolist() == [0, 0]  # one group, in order
+    assert count_nonfinite(leaves, None).item() == 2 and count_nonfinite(leaves[:1] + leaves[3:], None).item() == 1
 
 
 def test_the_nonfinite_check_is_isfinite_per_leaf():

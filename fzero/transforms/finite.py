@@ -43,6 +43,15 @@ def _device_of(leaves: list, state) -> torch.device | None:
     return tensors[0].device if tensors else None
 
 
+def _groups(leaves: list) -> list[list[int]]:
+    """The indices of ``leaves`` that can hold a non-finite value, by device and dtype."""
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(leaves):
+        if g.numel() and (g.is_floating_point() or g.is_complex()):
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    return list(groups.values())
+
+
 def nonfinite_flags(leaves: list, state) -> torch.Tensor:
     """1.0 for each of ``leaves`` that holds an inf or NaN, else 0.0: an fp32 vector on their
     device, in their order.
@@ -53,14 +62,11 @@ def nonfinite_flags(leaves: list, state) -> torch.Tensor:
     every element is (no overflow, unlike a sum of squares); empty leaves are finite.
     """
     device = _device_of(leaves, state)
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(leaves):
-        if g.numel() and (g.is_floating_point() or g.is_complex()):
-            groups.setdefault((g.device, g.dtype), []).append(i)
-    if len(groups) == 1 and len(next(iter(groups.values()))) == len(leaves):  # the usual case: one kernel, in order
+    groups = _groups(leaves)
+    if len(groups) == 1 and len(groups[0]) == len(leaves):  # the usual case: one kernel, in order
         return _bad(leaves, device)
     flags = torch.zeros(len(leaves), dtype=torch.float32, device=device)
-    for idx in groups.values():
+    for idx in groups:
         flags.index_copy_(0, torch.tensor(idx, device=device), _bad([leaves[i] for i in idx], device))
     return flags
 
@@ -77,7 +83,10 @@ def count_nonfinite(leaves: list, state) -> torch.Tensor:
     rank is counted tp times, and the count is still > 0 exactly when some gradient is not
     finite (no LeafSums, no per-leaf vector).
     """
-    return nonfinite_flags(leaves, state).sum()
+    total = torch.zeros((), dtype=torch.float32, device=_device_of(leaves, state))
+    for idx in _groups(leaves):  # in no particular order: no index to copy to the device
+        total = total + _bad([leaves[i] for i in idx], total.device).sum()
+    return total
 
 
 class _FiniteHandler(Handler):
