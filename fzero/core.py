@@ -320,6 +320,9 @@ class StepContext:
             there.
         offload_params: this rank's pieces of the parameters live on the host between uses
             (ZeRO-3's ``offload_param="cpu"``): an update's new pieces are written there.
+        jit: how the model's forward runs: ``None`` eagerly, or a :class:`fzero._jit.Jit`
+            (``fzero.compile(jit=)``), whose compiled forward of each module
+            :class:`fzero.functional.Apply` calls instead of the module.
 
     Example:
         >>> context().micro_batch
@@ -335,6 +338,7 @@ class StepContext:
     pipeline_micro_batch: MicroBatch = MicroBatch(0, 1)
     offload_optimizer: bool = False
     offload_params: bool = False
+    jit: Any = None  # a fzero._jit.Jit; core stands under it and does not import it
 
 
 _CONTEXT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("fzero_step_context", default=StepContext())
