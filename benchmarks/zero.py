@@ -71,6 +71,12 @@ processes; the interpreter of a scratch environment that has DeepSpeed adds its 
     .venv/bin/torchrun --nproc_per_node 2 benchmarks/zero.py --steps 20 --warmup 3 --threads 1
     .venv/bin/python benchmarks/zero.py --preset tiny --steps 20 --warmup 3 --threads 1
     PYTHONPATH=$PWD /tmp/dsvenv/bin/python benchmarks/zero.py --steps 20 --warmup 3 --threads 1
+
+``--jit`` adds ``zeroN-jit`` beside each fzero contestant ``zeroN``: the same step under
+``fzero.compile(jit=...)``, the model's forward under ``torch.compile`` (inductor, or the
+backend named: ``--jit aot_eager``); it compiles in its build steps, before the rounds::
+
+    .venv/bin/python benchmarks/zero.py --preset tiny --only zero1,zero3 --jit aot_eager --rss off
 """
 
 from __future__ import annotations
@@ -113,10 +119,12 @@ from gpt import GPT, GPTConfig  # noqa: E402
 SCRIPT = "benchmarks/zero.py"
 DEEPSPEED = tuple(f"deepspeed{s}" for s in _deepspeed.STAGES)
 CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3") + DEEPSPEED
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
+# With --jit: fzero's contestants again under compile(jit=), each beside its eager one.
+JIT = tuple(f"zero{s}-jit" for s in range(4))
+LABELS = {**{f"zero{s}-jit": f"fzero stage {s}, jit" for s in range(4)}, "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
           **{f"deepspeed{s}": f"DeepSpeed stage {s}" for s in range(4)}}
 # The ZeRO stage whose formulas a contestant is held to: DDP's is 0, FSDP2's 3.
-STAGE = {"ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
+STAGE = {**{f"zero{s}-jit": s for s in range(4)}, "ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
 # Bytes per parameter after backward, fp32 Adam, N ranks (ZeRO paper, fig. 1), by ZeRO stage
 # (DDP's is stage 0's, FSDP2's stage 3's).
 FORMULA = {0: lambda n: 16.0, 1: lambda n: 8 + 8 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
@@ -190,20 +198,22 @@ def build_fsdp2(base, args, mesh):
     return torch_step(model, model, make_torch_optimizer(model.parameters()))
 
 
-def build_fzero(stage):
+def build_fzero(stage, jit=False):
     def build(base, args, mesh):
         module = copy.deepcopy(base)
 
         def held(state, grads):  # the module too: every byte the process holds for the model
             return state.params, state.opt_state, grads, list(module.parameters()), list(module.buffers())
 
-        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=int(args.bucket_mb * MIB))
+        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=int(args.bucket_mb * MIB),
+                                **({"jit": args.jit or True} if jit else {}))
         return lambda batch, probe: step(batch, probe)["loss"]  # already the mean over ranks
 
     return build
 
 
 BUILDERS = {"ddp": build_ddp, "fsdp2": build_fsdp2, **{f"zero{s}": build_fzero(s) for s in range(4)},
+            **{f"zero{s}-jit": build_fzero(s, jit=True) for s in range(4)},
             **{f"deepspeed{s}": _deepspeed.build(s) for s in _deepspeed.STAGES}}
 
 
@@ -226,10 +236,14 @@ def parse(argv=None):
                    help="gradient bucket size of DDP, fzero and DeepSpeed (MiB)")
     p.add_argument("--only", default=None,
                    help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS)
-                        + "; DeepSpeed's where it imports)")
+                        + "; DeepSpeed's where it imports; with --jit, zeroN-jit beside each zeroN)")
     p.add_argument("--rss", choices=("isolated", "off"), default="isolated",
                    help="isolated: measure each contestant's peak RSS in a fresh process pair afterwards")
     p.add_argument("--rss-steps", type=int, default=3, help="steps of each isolated peak-RSS run")
+    p.add_argument("--jit", nargs="?", const=True, default=None, metavar="BACKEND",
+                   help="also run each fzero contestant under compile(jit=), the model's forward under "
+                        "torch.compile (zeroN-jit, beside zeroN); a backend name (aot_eager, eager) instead of "
+                        "torch's default, inductor")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
@@ -248,15 +262,20 @@ def command_line(argv) -> str:
     return f"{python} -m torch.distributed.run --nproc_per_node 2 {SCRIPT} " + " ".join(argv)
 
 
-def chosen(only: str | None, deepspeed: tuple[bool, str]) -> tuple[str, ...]:
-    """The contestants to run: ``--only``'s, or all of them, DeepSpeed's where it imports."""
+def chosen(only: str | None, deepspeed: tuple[bool, str], jit: bool = False) -> tuple[str, ...]:
+    """The contestants to run: ``--only``'s, or all of them, DeepSpeed's where it imports
+    and, with ``--jit``, each fzero contestant's jit twin after it."""
     ok, why = deepspeed
     if only is None:
-        return CONTESTANTS if ok else tuple(n for n in CONTESTANTS if n not in DEEPSPEED)
-    asked = [n for n in only.split(",") if n in DEEPSPEED]
-    if asked and not ok:
-        raise SystemExit(f"{SCRIPT}: --only {only}: {asked[0]} needs DeepSpeed, and import deepspeed failed ({why})")
-    return contestants(only, CONTESTANTS, SCRIPT)
+        names = CONTESTANTS if ok else tuple(n for n in CONTESTANTS if n not in DEEPSPEED)
+    else:
+        asked = [n for n in only.split(",") if n in DEEPSPEED]
+        if asked and not ok:
+            raise SystemExit(f"{SCRIPT}: --only {only}: {asked[0]} needs DeepSpeed, and import deepspeed failed "
+                             f"({why})")
+        names = contestants(only, CONTESTANTS + JIT, SCRIPT)
+    twins = [m for n in names for m in ((n, f"{n}-jit") if jit and f"{n}-jit" in JIT else (n,))]
+    return tuple(dict.fromkeys(twins))
 
 
 def build_all(names, base, args, mesh) -> tuple[dict, dict]:
@@ -281,7 +300,7 @@ def run(args, argv) -> dict | None:
     deepspeed = _deepspeed.available()  # imported before the baseline, in every process alike
     mesh = fzero.Mesh(dp=-1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    names = chosen(args.only, deepspeed)
+    names = chosen(args.only, deepspeed, bool(args.jit))
     if args.batch_size % world:
         raise SystemExit(f"{SCRIPT}: --batch-size {args.batch_size} does not split over {world} ranks")
     baseline_rss = rss_mib()[0]

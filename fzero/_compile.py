@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fzero._jit import Jit
 from fzero.autotune._profile import TrialProfiler
 from fzero.config import AutoFill, Config
 from fzero.config._options import keys_of
@@ -160,7 +161,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             ``zero``, ``precision``, ``accumulate``, ``clip_norm``, ``loss_scale`` and the
             fp16 scaler's settings, ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``,
             ``overlap_comm``, ``nonfinite`` (an update with an inf/NaN gradient: skipped by
-            default), ``buffer_sync``, ``donate``, ``comm_bytes``, ``offload_optimizer``,
+            default), ``buffer_sync``, ``donate``, ``jit``, ``comm_bytes``, ``offload_optimizer``,
             ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``, and the
             measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken
             for ``zero`` and ``precision``, with a ``DeprecationWarning``.
@@ -253,6 +254,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         return state
 
     monitoring = _monitoring(opts, cfg, mesh)
+    jit = Jit(opts.jit) if opts.jit is not False else None  # its compiled forwards live with the step
 
     def call(state, batch):
         if isinstance(state, TrainState) and isinstance(state.__dict__.get("params"), Donated):
@@ -272,9 +274,10 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             profiler.before_call(mesh, batch)
         # The timer's handler first: outermost, it sees each primitive right above its plain
         # implementation (fzero/monitor/_timers.py).
-        # donate=True: the step owns the state it is given (the step context says so inside).
+        # donate=True: the step owns the state it is given (the step context says so inside);
+        # jit: the model's forwards run compiled (fzero/_jit.py), everything else as it is.
         with monitoring.running(batch) if monitoring else contextlib.nullcontext() as times, \
-                collecting_metrics() as emitted, running(donate=opts.donate):
+                collecting_metrics() as emitted, running(donate=opts.donate, jit=jit):
             out = inner(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise TypeError(

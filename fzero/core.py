@@ -327,6 +327,9 @@ class StepContext:
             implementation reads it first and leaves the state as it was; so a discarded
             update writes nothing of its input, and the host waits for the verdict once,
             after the update is on its way.
+        jit: how the model's forward runs: ``None`` eagerly, or a :class:`fzero._jit.Jit`
+            (``fzero.compile(jit=)``), whose compiled forward of each module
+            :class:`fzero.functional.Apply` calls instead of the module.
 
     Example:
         >>> context().micro_batch
@@ -343,6 +346,7 @@ class StepContext:
     offload_optimizer: bool = False
     offload_params: bool = False
     skip_flag: Any = None
+    jit: Any = None  # a fzero._jit.Jit; core stands under it and does not import it
 
 
 _CONTEXT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("fzero_step_context", default=StepContext())

@@ -27,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero import means, tree
 from fzero._params import Params
-from fzero.core import _BINDINGS, bind, loss_scale
+from fzero.core import _BINDINGS, bind, context, loss_scale
 
 __all__ = ["functionalize", "value_and_grad", "grad", "remat", "load_into", "loss_scale"]
 
@@ -78,14 +78,18 @@ class Apply:
         if params.keys() != self._names:
             self._key_error(params)
         tensors = {**params, **self.buffers}
+        # Under compile(jit=): the module's call compiled, with the tensors bound as here
+        # (fzero/_jit.py); the binding itself stays eager.
+        jit = context().jit
+        forward = self.module if jit is None else jit.forward(self.module)
         bindings = _BINDINGS.get()
         if bindings is None:
             with self._bound(tensors):
-                return self.module(*args, **kwargs)
+                return forward(*args, **kwargs)
         # Under value_and_grad: released when its backward is done (LIFO, so a nested or
         # repeated call restores correctly).
         bindings.enter_context(self._bound(tensors))
-        return self.module(*args, **kwargs)
+        return forward(*args, **kwargs)
 
     def _bound(self, tensors: dict[str, torch.Tensor]):
         """The module running with ``tensors`` (parameters and buffers by name; a tied

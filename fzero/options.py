@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from fzero._jit import check_jit
 from fzero.transforms._checks import CHECKS, DEFAULT_BUCKET_BYTES, boolean, choice, optional, positive_int, \
     positive_number
 from fzero.transforms.pipeline import Pipeline
@@ -123,6 +124,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
                                        "pin_memory")},
     "nonfinite": optional(choice("skip", "raise", "apply")),
     "donate": boolean,
+    "jit": check_jit,
     "comm_bytes": boolean,
     "offload_optimizer": choice("none", "cpu"),
     "tp": optional(_plan),
@@ -236,6 +238,19 @@ class CompileOptions:
     ``state, metrics = step(state, batch)``; ``False`` keeps every input state intact (a
     pure step, a new state each call; its forward runs on copies of the buffers, one copy of
     them per call)."""
+
+    jit: bool | str | Mapping[str, Any] = False
+    """Compile the model's computation with ``torch.compile`` (``fzero/_jit.py``): each
+    module call the step makes through its ``apply_fn`` (the forward ``value_and_grad``
+    differentiates, and AOTAutograd's backward of it) runs compiled, while every transform
+    (ZeRO's collectives and hooks, mixed precision, accumulation, clipping, the optimizer)
+    stays eager around it. ``True``: torch's default backend (inductor); a backend name
+    (``"aot_eager"``, ``"eager"``, ...); or a dict of ``torch.compile`` keywords
+    (``backend``, ``mode``, ``options``, ``dynamic``, ``fullgraph``). The first step
+    compiles (the second may again, once ZeRO's or the donated buffers have replaced the
+    initial tensors), none after. A dropout that draws a mask and ZeRO-3's gather hooks run
+    eagerly between compiled graphs (graph breaks), so the masks are the eager step's.
+    DeepSpeed's config spells it ``"compile": {"enabled": true, "backend": ...}``."""
 
     comm_bytes: bool = False
     """Report this rank's communication in the step's ``metrics["comm_bytes"]``: a dict of

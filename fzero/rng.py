@@ -364,8 +364,24 @@ _ORIGINAL = {"dropout": F.dropout, "torch.dropout": torch.dropout, "dropout1d": 
              "scaled_dot_product_attention": F.scaled_dot_product_attention}
 _ACTIVE: Randomness | None = None
 
+# Under ``torch.compile`` (``fzero.compile(jit=True)``, or a user's own compile inside a step)
+# a dropout that draws is a graph break: the drawing functions below are opaque to the
+# compiler (``torch.compiler.disable``) and run as they run eagerly, so a compiled forward
+# draws exactly the eager step's masks. Traced, the call's number and key would be Python ints
+# baked into the graph (a recompilation every update), and the tag drawn from torch's
+# generator (``Randomness.keep``) is read as a Python int, which a graph cannot do. A dropout
+# that draws nothing (``p == 0``, not training) is torch's own and stays in the graph, so a
+# model with its dropout off compiles whole.
+
 
 def _dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0.0:  # nothing drawn: torch's own returns its input (traceable)
+        return _ORIGINAL["dropout"](input, p, training, inplace)
+    return _drawn_dropout(input, p, training, inplace)
+
+
+@torch.compiler.disable
+def _drawn_dropout(input, p, training, inplace):
     rng = _ACTIVE
     if rng is None:
         return _ORIGINAL["dropout"](input, p, training, inplace)
@@ -373,6 +389,13 @@ def _dropout(input, p=0.5, training=True, inplace=False):
 
 
 def _torch_dropout(input, p, train):
+    if not train or p == 0.0:
+        return _ORIGINAL["torch.dropout"](input, p, train)
+    return _drawn_torch_dropout(input, p, train)
+
+
+@torch.compiler.disable
+def _drawn_torch_dropout(input, p, train):
     rng = _ACTIVE
     if rng is None:
         return _ORIGINAL["torch.dropout"](input, p, train)
@@ -380,18 +403,32 @@ def _torch_dropout(input, p, train):
 
 
 def _channel(dims: int, name: str):
-    def dropout_nd(input, p=0.5, training=True, inplace=False):
+    @torch.compiler.disable
+    def drawn(input, p, training, inplace):
         rng = _ACTIVE
         if rng is None:
             return _ORIGINAL[name](input, p, training, inplace)
         return rng.channel_dropout(input, p, training, inplace, dims=dims)
+
+    def dropout_nd(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return _ORIGINAL[name](input, p, training, inplace)
+        return drawn(input, p, training, inplace)
     dropout_nd.__name__ = name
     return dropout_nd
 
 
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if not dropout_p:  # torch's own kernel (traceable)
+        return _ORIGINAL["scaled_dot_product_attention"](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _drawn_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@torch.compiler.disable
+def _drawn_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     rng = _ACTIVE
-    if rng is None or not dropout_p:
+    if rng is None:
         return _ORIGINAL["scaled_dot_product_attention"](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return rng.attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -161,6 +161,12 @@ class Config:
     """``flops_profiler.enabled``: each step's metrics hold its FLOPs, FLOP/s, tokens/s and
     MFU (``fzero.compile(flops=)``); ``None`` when the config has no such section."""
 
+    compile: bool | str | Mapping[str, Any] | None = None
+    """The ``compile`` section (``enabled``, ``backend``, ``kwargs``) as ``fzero.compile(jit=)``
+    takes it: ``False`` when not enabled, ``True`` (torch's default backend), a backend's
+    name, or a dict of torch.compile's keywords; ``None`` when the config has no such
+    section."""
+
     tensorboard: Mapping[str, Any] | None = None
     """The ``tensorboard`` section's keys as written (``enabled``, ``output_path``,
     ``job_name``), or ``None``; enabled, :meth:`make_monitors` builds its writer."""

@@ -239,8 +239,7 @@ _TOP: dict[str, _Rule] = {
                                       and any(x is True for x in v.values())),
     "aio": _noop("asynchronous I/O for NVMe offload, which fzero does not do", _never),
     "graph_harvesting": _noop(_PERF),
-    "compile": _noop("DeepSpeed's torch.compile of the module; fzero does not compile the model",
-                     _enabled),
+    "compile": _USE,  # compile(jit=)
     "seq_parallel_communication_data_type": _noop("fzero has no sequence parallelism", _never),
     "sequence_parallel_size": _reject("sequence parallelism (DeepSpeed-Ulysses)", lambda v: v not in (1, None)),
     "gradient_allreduce_op": _reject("only 'mean' (DeepSpeed's default) is supported",
@@ -442,6 +441,17 @@ _COMMS_LOGGER: dict[str, _Rule] = {
     "prof_all": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs(True)),
     "prof_ops": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs([])),
     "debug": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]"),
+}
+
+
+# DeepSpeed's ``compile`` section (deepspeed/runtime/compiler.py, CompileConfig): ``enabled``,
+# ``backend`` and ``kwargs`` are ``compile(jit=)``, torch.compile of the model's forward.
+_COMPILE: dict[str, _Rule] = {
+    "enabled": _USE,
+    "backend": _USE,
+    "kwargs": _USE,
+    "deepcompile": _noop("DeepSpeed's own graph passes over ZeRO; fzero compiles the forward and keeps ZeRO eager",
+                         _truthy),
 }
 
 

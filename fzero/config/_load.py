@@ -13,6 +13,7 @@ from fzero.config._keys import (
     _BF16,
     _CANONICAL,
     _COMMS_LOGGER,
+    _COMPILE,
     _FLOPS_PROFILER,
     _FP16,
     _MONITORS,
@@ -91,6 +92,7 @@ _TABLES: dict[str, Mapping[str, _Rule]] = {
     "": _TOP, "fp16.": _FP16, "bf16.": _BF16, "bfloat16.": _BF16, "zero_optimization.": _ZERO,
     "zero_optimization.offload_optimizer.": _OFFLOAD_OPTIMIZER,
     "zero_optimization.offload_param.": _OFFLOAD_PARAM, "comms_logger.": _COMMS_LOGGER,
+    "compile.": _COMPILE,
     "pipeline.": _PIPELINE,
 }
 
@@ -361,6 +363,11 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             kw["comms_logger"] = build("comms_logger.enabled",
                                        lambda: _bool("comms_logger.enabled", section.get("enabled", False)))
             _used(notes, "comms_logger.", section)
+    if top.get("compile") is not None:  # compile(jit=): torch.compile of the model's forward
+        section = build("compile", lambda: _fields("compile.", _section("compile", top["compile"]), _COMPILE, notes))
+        if section is not None:
+            kw["compile"] = build("compile", lambda: _jit(section))
+            _used(notes, "compile.", section)
     # Measuring and logging (fzero.monitor): the timers, memory, FLOPs and the writers.
     for key in ("wall_clock_breakdown", "memory_breakdown"):
         if top.get(key) is not None:
@@ -396,3 +403,19 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
     kw = {k: v for k, v in kw.items() if v is not None}
     return build("", lambda: cls(world_size=world_size, ignored=tuple(notes.ignored),
                                  source=source, pending=pending, **kw))
+
+
+def _jit(section: Mapping[str, Any]) -> Any:
+    """DeepSpeed's ``compile`` section as ``compile(jit=)`` takes it: ``False`` when not
+    enabled, ``True`` for torch's default backend, the backend's name, or with ``kwargs``
+    a dict of torch.compile's keywords."""
+    if not _bool("compile.enabled", section.get("enabled", False)):
+        return False
+    backend, kwargs = section.get("backend"), section.get("kwargs") or {}
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"{WHERE}: compile.backend must be a string, got {backend!r}")
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"{WHERE}: compile.kwargs must be a dict of torch.compile's keywords, got {kwargs!r}")
+    if not kwargs:
+        return True if backend is None else backend
+    return {**({"backend": backend} if backend is not None else {}), **kwargs}

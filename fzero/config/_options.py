@@ -89,6 +89,8 @@ OPTIONS: tuple[Row, ...] = (
     Row("tp", ("tensor_parallel.autotp_size",), lambda c: "auto" if c.autotp_size > 1 else ABSENT,
         "tp=\"auto\" over the mesh's tp axis"),
     Row("comm_bytes", ("comms_logger.enabled",), lambda c: _written(c.comms_logger), "metrics[\"comm_bytes\"]"),
+    Row("jit", ("compile.enabled", "compile.backend", "compile.kwargs"), lambda c: _written(c.compile),
+        "torch.compile of the model's forward"),
     Row("timers", ("wall_clock_breakdown",), lambda c: _written(c.wall_clock_breakdown), "metrics[\"time\"]"),
     Row("memory", ("memory_breakdown",), lambda c: _written(c.memory_breakdown), "metrics[\"memory\"]"),
     Row("flops", ("flops_profiler.enabled",), lambda c: _written(c.flops_profiler),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NormWeight", "norm_weights"]
+__all__ = ["NormWeight", "NormsInFp32", "norm_weights"]
 
 
 # The norm functions and where their weight and bias are, positionally (by keyword they are
@@ -58,6 +58,31 @@ class NormWeight(torch.Tensor):
                 args = [_fp32(x) if i in at else x for i, x in enumerate(args)]
                 kwargs = {k: _fp32(v) if k in ("weight", "bias") else v for k, v in kwargs.items()}
             return func(*args, **kwargs)
+
+
+class NormsInFp32(torch.overrides.TorchFunctionMode):
+    """:class:`NormWeight`'s rule as a mode, for a compiled forward (``compile(jit=)``):
+    every 16-bit weight or bias a norm function is given computes in fp32. AOTAutograd
+    (torch 2.13) fails on a ``__torch_function__`` subclass bound as a module's parameter;
+    dynamo traces a mode that is active when the compiled code is called into the graph.
+    Under ``mixed_precision`` every trainable floating parameter is 16-bit, so this differs
+    from :class:`NormWeight` only for a 16-bit norm weight that is not a parameter.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> w = torch.ones(4, dtype=torch.bfloat16)
+        >>> with NormsInFp32():
+        ...     F.layer_norm(torch.randn(2, 4), (4,), w).dtype
+        torch.float32
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = _NORM_WEIGHTS.get(func)
+        if at is not None:
+            args = [_fp32(x) if i in at else x for i, x in enumerate(args)]
+            kwargs = {k: _fp32(v) if k in ("weight", "bias") else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 def _fp32(x):

@@ -19,7 +19,7 @@ from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, 
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak
 from fzero.transforms.finite import count_nonfinite
-from fzero.transforms.mixed_precision._norm import norm_weights
+from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
 __all__ = ["mixed_precision"]
@@ -49,8 +49,15 @@ class _PrecisionHandler(Handler):
             # autocast would make of the masters, bit for bit; norm layers take fp32 weights
             # (NormWeights); every other op runs as autocast runs it.
             device = next_device(p)
-            with torch.autocast(device_type=device, dtype=dtype):
-                out = fn(tree.map(norm_weights, p), *a, **kw)
+            if context().jit is not None:
+                # A compiled forward refuses a tensor subclass bound as a parameter (AOTAutograd
+                # cannot run torch 2.13's aten ops on it): the same rule as a mode, which dynamo
+                # traces into the graph.
+                with torch.autocast(device_type=device, dtype=dtype), NormsInFp32():
+                    out = fn(p, *a, **kw)
+            else:
+                with torch.autocast(device_type=device, dtype=dtype):
+                    out = fn(tree.map(norm_weights, p), *a, **kw)
             if scale == 1.0:
                 return out
             if has_aux:

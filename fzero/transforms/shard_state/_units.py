@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from fzero.core import context, running
 from fzero.distributed import comm
 from fzero.transforms.shard_state._collectives import start_all_gather
 from fzero.transforms.shard_state._layout import Group, Layout
@@ -182,6 +183,7 @@ class Units:
         if gi in self.unit_groups:
             self.free(gi)
 
+    @torch.compiler.disable
     def pack(self, t):
         """``saved_tensors_hooks``' pack: a saved view of a gathered unit becomes a handle."""
         if self.full and isinstance(t, torch.Tensor) and t.device == self.full[0].device:
@@ -191,6 +193,7 @@ class Units:
                     return (_Handle, gi, tuple(t.shape), t.stride(), t.storage_offset())
         return t
 
+    @torch.compiler.disable
     def unpack(self, x):
         """``saved_tensors_hooks``' unpack: a handle is gathered again (backward's first use)."""
         if isinstance(x, tuple) and len(x) == 5 and x[0] is _Handle:
@@ -208,9 +211,18 @@ class Units:
         view of its group's full buffer. On exit every group is freed."""
         self.pieces = pieces
         hooks = []
+        # Under compile(jit=) the hooks stay eager (graph breaks): a gather is a collective on
+        # an async handle and a resize of storage, neither of which a graph holds.
+        # Each unit's forward is then compiled on its own, between its hooks, and the code
+        # around the units runs eagerly (the step context's jit is off inside): compiled
+        # whole, a model whose units are called in a loop (every GPT) falls back to eager
+        # whole, since dynamo skips a frame that breaks inside a loop, the units' frames too.
+        eager, jit = torch.compiler.disable, context().jit
         for m, gi in self.modules:
-            hooks.append(m.register_forward_pre_hook(lambda mod, inp, gi=gi: self.pre_forward(gi)))
-            hooks.append(m.register_forward_hook(lambda mod, inp, out, gi=gi: self.post_forward(gi)))
+            hooks.append(m.register_forward_pre_hook(eager(lambda mod, inp, gi=gi: self.pre_forward(gi))))
+            hooks.append(m.register_forward_hook(eager(lambda mod, inp, out, gi=gi: self.post_forward(gi))))
+            if jit is not None:
+                hooks.append(jit.compiled_forward(m))
         try:
             for gi in range(len(self.groups)):
                 if gi not in self.unit_groups:
@@ -226,7 +238,8 @@ class Units:
                 views.update(zip(g.names, g.views(flat)))
                 if freed:
                     flat.untyped_storage().resize_(0)
-            yield views
+            with running(jit=None) if jit is not None else contextlib.nullcontext():
+                yield views
         finally:
             for h in hooks:
                 h.remove()
