@@ -6,6 +6,8 @@
 #   make gpu-wheels  (here) the wheels a lent GPU machine lacks, into .whl/
 #   make gpu-check   (there, carrying .whl) GPU tests and step benchmarks inside 6 minutes;
 #                    always leaves benchmarks/results/gpu.json (docs/performance.md, GPU)
+#   make gpu-diagnose (there, after gpu-check) host-vs-GPU time of one step and where the
+#                    GPU bytes go with and without offload, into benchmarks/results/ (2 minutes)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,7 +15,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.fzero-installed
 
-.PHONY: demo test test-fast install bench gpu-wheels gpu-check clean
+.PHONY: demo test test-fast install bench gpu-wheels gpu-check gpu-diagnose clean
 
 install: $(STAMP)
 
@@ -61,6 +63,15 @@ gpu-check:
 			|| echo "gpu-check: the wheels in .whl/ did not install; going on (phase env names what is missing)"; fi
 	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
 		$(GPU_PYTHON) benchmarks/gpu_check.py --budget $(GPU_BUDGET) --out benchmarks/results/gpu.json
+
+gpu-diagnose:
+	mkdir -p benchmarks/results
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 timeout 75 \
+		$(GPU_PYTHON) benchmarks/gpu_profile.py --preset 124m > benchmarks/results/gpu_profile.txt 2>&1; \
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 timeout 60 \
+		$(GPU_PYTHON) benchmarks/gpu_memory.py > benchmarks/results/gpu_memory.txt 2>&1; \
+	grep -h "###\|^|\|bytes per" benchmarks/results/gpu_profile.txt benchmarks/results/gpu_memory.txt | head -40; \
+	if [ -n "$$OUT" ]; then cp benchmarks/results/gpu_profile.txt benchmarks/results/gpu_memory.txt "$$OUT"/; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

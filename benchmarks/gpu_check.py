@@ -512,9 +512,15 @@ def write(report: dict, out: Path, log: Log, work: Path) -> None:
 
 
 def git_commit() -> str | None:
+    """HEAD, with "+changes" when tracked files differ from it: a device machine's copy of the
+    working tree may carry a .git whose HEAD is older than the files it runs."""
     try:
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() or None if r.returncode == 0 else None
+        if r.returncode != 0 or not r.stdout.strip():
+            return None
+        d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=30)
+        return r.stdout.strip() + ("+changes" if d.returncode == 0 and d.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
         return None
 

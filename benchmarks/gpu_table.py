@@ -27,7 +27,9 @@ def _run_line(report: dict) -> str:
     v = report.get("versions") or {}
     parts = [f"{name} {v[key]}" for key, name in (("torch", "torch"), ("cuda", "CUDA"), ("triton", "triton"))
              if v.get(key)]
-    commit = f"commit {report['commit'][:7]}" if report.get("commit") else "unknown commit"
+    head = report.get("commit") or ""
+    commit = (f"commit {head[:7]}" + (" with local changes" if head.endswith("+changes") else "")) if head \
+        else "unknown commit"
     when = (report.get("finished") or report.get("started") or "")[:10]
     dry = "; a dry run on the CPU: not measurements" if report.get("dry_run") else ""
     return (f"`{report.get('command', 'benchmarks/gpu_check.py')}` — {report.get('device') or 'unknown device'}"

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from fzero import rng
+
 __all__ = ["Jit", "check_jit"]
 
 # torch.compile's keywords a jit= dict may give (the compiled object is fzero's, not a model's).
@@ -77,6 +79,7 @@ class Jit:
             raise ValueError(f"fzero.compile: jit={option!r} " + (why or "asks for no compilation"))
         self.kwargs: dict[str, Any] = ({} if option is True else {"backend": option} if isinstance(option, str)
                                        else dict(option))
+        rng.make_opaque()  # drawn dropouts run eagerly inside compiled forwards
         # Held as long as the fzero step that owns this Jit (which holds the model anyway).
         self._forwards: dict[Any, tuple[torch.nn.Module, Callable]] = {}
 

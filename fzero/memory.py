@@ -177,7 +177,7 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     * Stage 3 holds the unit being computed and the one prefetched, gathered.
 
     ``bucket_bytes`` ``None`` is ``shard_state``'s default: 1/32 of the parameters' bytes, at
-    most 25 MiB (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
+    most 25 MiB and at least 64 KiB (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
     than that is a bucket of its own, which this count, knowing no shapes, does not see.
     At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
     parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in

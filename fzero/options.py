@@ -218,7 +218,7 @@ class CompileOptions:
     bucket_bytes: int | None = None
     """Bytes of gradients reduced together (one bucket, one collective). ``None``: chosen at
     ``step.init`` from the model, 1/32 of the trainable parameters' bytes and at most
-    ``DEFAULT_BUCKET_BYTES`` (25 MiB), so the reduce buffers stay a small part of ZeRO's
+    ``DEFAULT_BUCKET_BYTES`` (25 MiB), at least 64 KiB, so the reduce buffers stay a small part of ZeRO's
     memory (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
 
     overlap_comm: bool = True

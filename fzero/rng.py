@@ -364,10 +364,11 @@ _ORIGINAL = {"dropout": F.dropout, "torch.dropout": torch.dropout, "dropout1d": 
              "scaled_dot_product_attention": F.scaled_dot_product_attention}
 _ACTIVE: Randomness | None = None
 
-# Under ``torch.compile`` (``fzero.compile(jit=True)``, or a user's own compile inside a step)
-# a dropout that draws is a graph break: the drawing functions below are opaque to the
-# compiler (``torch.compiler.disable``) and run as they run eagerly, so a compiled forward
-# draws exactly the eager step's masks. Traced, the call's number and key would be Python ints
+# Under ``fzero.compile(jit=)`` a dropout that draws is a graph break: the drawing functions
+# below are made opaque to the compiler (``torch.compiler.disable``, by :func:`make_opaque`,
+# which compile's jit calls: not at import, since ``torch.compiler.disable`` imports dynamo
+# and with it triton) and run as they run eagerly, so a compiled forward draws exactly the
+# eager step's masks. Traced, the call's number and key would be Python ints
 # baked into the graph (a recompilation every update), and the tag drawn from torch's
 # generator (``Randomness.keep``) is read as a Python int, which a graph cannot do. A dropout
 # that draws nothing (``p == 0``, not training) is torch's own and stays in the graph, so a
@@ -380,7 +381,6 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return _drawn_dropout(input, p, training, inplace)
 
 
-@torch.compiler.disable
 def _drawn_dropout(input, p, training, inplace):
     rng = _ACTIVE
     if rng is None:
@@ -394,7 +394,6 @@ def _torch_dropout(input, p, train):
     return _drawn_torch_dropout(input, p, train)
 
 
-@torch.compiler.disable
 def _drawn_torch_dropout(input, p, train):
     rng = _ACTIVE
     if rng is None:
@@ -402,18 +401,18 @@ def _drawn_torch_dropout(input, p, train):
     return rng.dropout(input, p, train)
 
 
-def _channel(dims: int, name: str):
-    @torch.compiler.disable
-    def drawn(input, p, training, inplace):
-        rng = _ACTIVE
-        if rng is None:
-            return _ORIGINAL[name](input, p, training, inplace)
-        return rng.channel_dropout(input, p, training, inplace, dims=dims)
+def _drawn_channel(input, p, training, inplace, dims, name):
+    rng = _ACTIVE
+    if rng is None:
+        return _ORIGINAL[name](input, p, training, inplace)
+    return rng.channel_dropout(input, p, training, inplace, dims=dims)
 
+
+def _channel(dims: int, name: str):
     def dropout_nd(input, p=0.5, training=True, inplace=False):
         if not training or p == 0.0:
             return _ORIGINAL[name](input, p, training, inplace)
-        return drawn(input, p, training, inplace)
+        return _drawn_channel(input, p, training, inplace, dims, name)
     dropout_nd.__name__ = name
     return dropout_nd
 
@@ -425,13 +424,25 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return _drawn_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-@torch.compiler.disable
 def _drawn_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     rng = _ACTIVE
     if rng is None:
         return _ORIGINAL["scaled_dot_product_attention"](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return rng.attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+_OPAQUE = False
+
+
+def make_opaque() -> None:
+    """Make the functions that draw a mask opaque to ``torch.compile`` (graph breaks that run
+    eagerly): ``fzero.compile(jit=)`` calls it when it builds its step. Idempotent."""
+    global _OPAQUE, _drawn_dropout, _drawn_torch_dropout, _drawn_channel, _drawn_attention
+    if not _OPAQUE:
+        _drawn_dropout, _drawn_torch_dropout, _drawn_channel, _drawn_attention = (
+            torch.compiler.disable(f) for f in (_drawn_dropout, _drawn_torch_dropout, _drawn_channel, _drawn_attention))
+        _OPAQUE = True
 
 
 # (owner, attribute, fzero's function, the key of torch's own in _ORIGINAL)

@@ -234,17 +234,17 @@ def _buckets(depth, config=None, **options):
 
 
 def test_the_default_bucket_follows_the_model_and_a_given_one_is_kept(ranks):
-    """The default bucket is 1/32 of the trainable bytes (25 MiB at most), so it scales with
-    the model; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4 bytes
+    """The default bucket is 1/32 of the trainable bytes (25 MiB at most, 64 KiB at least),
+    so it scales with the model; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4 bytes
     each in fp32) are used as given."""
     for small, large, given, from_config in zip(
             ranks(2).run(_buckets, 2, zero=2), ranks(2).run(_buckets, 16, zero=2),
             ranks(2).run(_buckets, 16, zero=2, bucket_bytes=25 * 2**20),
             ranks(2).run(_buckets, 16, {"train_micro_batch_size_per_gpu": 2,
                                           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})):
-        for model_bytes, bucket in (small, large):
-            assert bucket == -(-model_bytes // 32), (model_bytes, bucket)
-        assert large[1] > 4 * small[1]  # 16 blocks against 2: the bucket grows with the model
+        # 2 blocks (526 kB): 1/32 would be 16 kB, under the 64 KiB floor; 16 blocks (4.3 MB): 1/32
+        assert small[1] == 64 * 2**10 and small[0] // 32 < small[1], small
+        assert large[1] == -(-large[0] // 32) > small[1], large  # the bucket grows with the model
         assert given[1] == 25 * 2**20 and from_config[1] == 4 * 5 * 10**8
 
 

@@ -98,7 +98,7 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         lines.append("  ".join(c.rjust(w) if i < len(r) - 1 else c for i, (c, w) in enumerate(zip(r, widths))))
     shown_bucket = bucket_bytes if bucket_bytes is not None else \
         default_bucket_bytes(PRECISIONS[precision] * local)
-    default_note = "" if bucket_bytes is not None else ", by default 1/32 of them (at most 25 MiB)"
+    default_note = "" if bucket_bytes is not None else ", by default 1/32 of them (at most 25 MiB, at least 64 KiB)"
     lines += [
         "",
         "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",

@@ -13,7 +13,8 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "check_option", "default_bucket_bytes"]
+__all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "MIN_BUCKET_BYTES", "check_option",
+           "default_bucket_bytes"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (25 MB buckets): the default's cap
 # The default bucket is at most this fraction of the trainable parameters' bytes. ZeRO-2/3 hold
@@ -22,18 +23,26 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (2
 # 10Ψ at N=2, under 6.25% of 4Ψ at any N. A fixed 25 MiB bucket is the whole gradient of
 # any model under 6.5M parameters (4Ψ more than the formula: 1.40x at N=2, measured).
 BUCKETS_PER_MODEL = 32
+# ...but not below this: a bucket is also a flat group, the unit of one collective and one
+# launch of the fused optimizer, and a tiny model cut into 32 groups pays 32 of each per step
+# for a few kilobytes saved. A model smaller than it is one group (no buffer exceeds the model).
+MIN_BUCKET_BYTES = 64 * 2**10
 
 
 def default_bucket_bytes(model_bytes: int) -> int:
     """The bucket ``shard_state`` uses when none is given: ``model_bytes`` (the trainable
     parameters' bytes) over :data:`BUCKETS_PER_MODEL`, rounded up, at most
-    :data:`DEFAULT_BUCKET_BYTES`. A parameter larger than the bucket is a bucket of its own.
+    :data:`DEFAULT_BUCKET_BYTES` and at least :data:`MIN_BUCKET_BYTES` or the whole model,
+    whichever is smaller. A parameter larger than the bucket is a bucket of its own.
 
     Example:
         >>> default_bucket_bytes(4 * 10**6), default_bucket_bytes(4 * 10**9) == DEFAULT_BUCKET_BYTES
         (125000, True)
+        >>> default_bucket_bytes(10**6), default_bucket_bytes(1000)  # the floor; a model under it
+        (65536, 1000)
     """
-    return max(1, min(DEFAULT_BUCKET_BYTES, -(-int(model_bytes) // BUCKETS_PER_MODEL)))
+    share = min(DEFAULT_BUCKET_BYTES, -(-int(model_bytes) // BUCKETS_PER_MODEL))
+    return max(1, min(int(model_bytes), max(MIN_BUCKET_BYTES, share)))
 
 Check = Callable[[Any], "str | None"]  # None when the value is valid, else why not ("must be ...")
 

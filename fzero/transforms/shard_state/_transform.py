@@ -219,8 +219,13 @@ class _ShardHandler(Handler):
             units = self.units
             with units.step(params) as views:  # every group is freed on the way out
 
-                def regathering(p, *a, **kw):  # saved views of a unit are gathered again in backward
-                    with torch.autograd.graph.saved_tensors_hooks(units.pack, units.unpack):
+                # Saved views of a unit are gathered again in backward; under jit the hooks
+                # stay eager (graph breaks), as the units' forward hooks do.
+                pack, unpack = (units.pack, units.unpack) if context().jit is None else \
+                    (torch.compiler.disable(units.pack), torch.compiler.disable(units.unpack))
+
+                def regathering(p, *a, **kw):
+                    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                         return fn(p, *a, **kw)
 
                 views = with_values(params, views)
@@ -372,7 +377,7 @@ def shard_state(
         bucket_bytes: size of a gradient bucket (a group of parameters reduced together), or
             a function of no arguments giving it at ``init`` (a config's ``"auto"`` bucket,
             which the model's hidden size decides). ``None`` (the default, or what the
-            function gives): 1/32 of the trainable parameters' bytes, at most 25 MiB
+            function gives): 1/32 of the trainable parameters' bytes, at most 25 MiB, at least 64 KiB
             (:func:`fzero.transforms._checks.default_bucket_bytes`), so that the two reduce
             buffers stages 2-3 hold beside the ZeRO formula's bytes stay a small part of
             them; ``step.handler.bucket`` is the bucket ``init`` chose.

@@ -183,7 +183,6 @@ class Units:
         if gi in self.unit_groups:
             self.free(gi)
 
-    @torch.compiler.disable
     def pack(self, t):
         """``saved_tensors_hooks``' pack: a saved view of a gathered unit becomes a handle."""
         if self.full and isinstance(t, torch.Tensor) and t.device == self.full[0].device:
@@ -193,7 +192,6 @@ class Units:
                     return (_Handle, gi, tuple(t.shape), t.stride(), t.storage_offset())
         return t
 
-    @torch.compiler.disable
     def unpack(self, x):
         """``saved_tensors_hooks``' unpack: a handle is gathered again (backward's first use)."""
         if isinstance(x, tuple) and len(x) == 5 and x[0] is _Handle:
@@ -217,7 +215,8 @@ class Units:
         # around the units runs eagerly (the step context's jit is off inside): compiled
         # whole, a model whose units are called in a loop (every GPT) falls back to eager
         # whole, since dynamo skips a frame that breaks inside a loop, the units' frames too.
-        eager, jit = torch.compiler.disable, context().jit
+        jit = context().jit
+        eager = torch.compiler.disable if jit is not None else (lambda f: f)  # dynamo only under jit
         for m, gi in self.modules:
             hooks.append(m.register_forward_pre_hook(eager(lambda mod, inp, gi=gi: self.pre_forward(gi))))
             hooks.append(m.register_forward_hook(eager(lambda mod, inp, out, gi=gi: self.post_forward(gi))))
