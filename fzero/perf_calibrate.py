@@ -12,8 +12,10 @@ on a CPU host run, one core each):
   tiny leaves (2 and 64 of them: the per-step and per-leaf overheads) and one of 2 leaves of
   2M elements (what the step takes beyond the small one is the optimizer's pass:
   :data:`fzero.perf_model.OPTIMIZER_BYTES` per parameter; the gradient's own passes ride in it).
-* **collectives** between 2 local gloo ranks: all-reduces of 4 KiB (latency: 2 ring steps)
-  and of 8 MiB (bandwidth: the ring sends ``2(N-1)/N`` of it), and the overlap: an
+* **free cores**: a 256³ matmul alone, and on 2 ranks at once; the cores the ranks get is
+  2 × (at once / alone): 2 on a quiet 2-core host, less when other jobs share it.
+* **collectives** between 2 local gloo ranks: 16 all-reduces of 4 KiB in flight at once, as
+  fzero issues its buckets (latency: 2 ring steps each) and one of 8 MiB (bandwidth: the ring sends ``2(N-1)/N`` of it), and the overlap: an
   all-reduce launched asynchronously and waited for after a matmul loop of about its length,
   against the two alone.
 
@@ -117,7 +119,14 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
             return lambda: (dist.barrier(), dist.all_reduce(t))
 
         t_barrier = _median_time(dist.barrier, reps=11)
-        t_small = _median_time(ar(small), reps=11) - t_barrier
+        # Latency as fzero pays it: its bucket reductions are issued asynchronously, back to
+        # back, and waited for later, so 16 small all-reduces in flight at once, per all-reduce.
+        def in_flight():
+            dist.barrier()
+            for w in [dist.all_reduce(small, async_op=True) for _ in range(16)]:
+                w.wait()
+
+        t_small = (_median_time(in_flight, reps=7) - t_barrier) / 16
         t_big = _median_time(ar(big), reps=7) - t_barrier
         # Overlap: an all-reduce behind a matmul loop of about its length.
         a, b = torch.randn(256, 256), torch.randn(256, 256)
@@ -135,10 +144,13 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
             work.wait()
 
         t_mm = _median_time(lambda: (dist.barrier(), mm()), reps=5) - t_barrier
+        # Both ranks at once: what a rank's compute gets while the other computes too.
+        flops_together = 2 * 256 ** 3 * loops / t_mm
         t_both = _median_time(both, reps=5) - t_barrier
         if rank == 0:
             queue.put(dict(barrier_s=t_barrier, all_reduce_4KiB_s=t_small, all_reduce_8MiB_s=t_big,
-                           matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both))
+                           matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
+                           matmul_flops_2_ranks_at_once=flops_together))
     finally:
         dist.destroy_process_group()
 
@@ -171,6 +183,8 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         t2, t64 = _fzero_step_seconds(2, 16), _fzero_step_seconds(64, 16)
         big_elems = 2 * 2**20
         t_big = _fzero_step_seconds(2, big_elems, steps=5)
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        flops_alone = 2 * 256 ** 3 / _median_time(lambda: a @ b, reps=21)
         coll = _collectives(2)
     finally:
         torch.set_num_threads(threads)
@@ -183,16 +197,21 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
     hidden = t_mm + t_ar - t_both  # what ran at once; overlap is its share of the compute window
     overlap = min(1.0, max(0.0, hidden / t_mm))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # The cores our ranks get, other jobs running: 2 ranks computing at once, each at a share of
+    # one alone; a quiet 2-core host gives 2, a loaded one less. Rates scale by min(1, this / ranks).
+    free = min(float(cores), max(0.25, 2 * coll["matmul_flops_2_ranks_at_once"] / flops_alone))
+    bandwidth /= min(1.0, free / 2)  # measured on 2 ranks sharing the free cores: the model scales it back
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = Machine(
         name=name,
-        source=f"measured by fzero estimate --calibrate on {cores} cores, 1 thread per rank, gloo; "
+        source=f"measured by fzero estimate --calibrate on {cores} cores ({free:.2f} free for 2 ranks), 1 thread "
+               f"per rank, gloo; "
                f"load average {load:.2f}; {time.strftime('%Y-%m-%d')}",
         matmul_flops=mm, peak_flops=dict(mm),
         elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
-        ranks_per_node=1024, cores=cores, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
+        ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
         collective_overhead=0.0, host_async=False)
     save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
-                 fzero_step_2x2M_s=t_big, loadavg=load, **coll)
+                 fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone, **coll)
     return machine

@@ -110,9 +110,10 @@ class Machine:
     """Links between nodes (per rank: one NIC per GPU, as on rail-optimised clusters)."""
     ranks_per_node: int
     """Ranks that share a node (and its ``intra`` links)."""
-    cores: int = 0
-    """CPU only: cores the node's ranks share, one thread each; with more ranks than cores,
-    every rate (compute, bandwidth, links) is divided by ``ranks / cores``. 0: not shared."""
+    cores: float = 0
+    """CPU only: cores the node's ranks get (measured: other jobs may hold some), one thread
+    each; with more ranks than that, every rate (compute, bandwidths) is divided by
+    ``ranks / cores`` (latency is not). 0: not shared (a GPU per rank)."""
     overlap: float = 1.0
     """The share of the compute a collective may run behind (0: none hides, 1: all can)."""
     step_overhead: float = 0.0
@@ -317,7 +318,7 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
 
     def link(span: int) -> Link:
         base = m.intra if span <= m.ranks_per_node else m.inter
-        return Link(bandwidth=base.bandwidth * share, latency=base.latency / share)
+        return Link(bandwidth=base.bandwidth * share, latency=base.latency)
 
     # data parallel: the dp group's ranks are tp apart, so it spans dp·tp ranks
     colls = dp_collectives(w, lay)
