@@ -21,6 +21,9 @@ round of every launch. Ratio: measured / predicted; the target is every case in 
 Run::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/perf_model.py --rounds 2 --steps 6
+
+``--project`` prints instead the model's projections for GPT-3's 1.3B, 6.7B and 13B shapes at 8
+to 1024 GPUs on the ``h100`` preset (:data:`PROJECTED`): no measurement.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def parse(argv=None):
     p.add_argument("--worlds", default="1,2,4", help="world sizes to run")
     p.add_argument("--machine", metavar="PATH", help="a calibrated machine JSON (default: calibrate now)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--project", action="store_true",
+                   help="print the projections for GPT-3 1.3B/6.7B/13B on the h100 preset instead (no measuring)")
     p.add_argument("--rank-out", help=argparse.SUPPRESS)  # set by the driver for a launch
     return p.parse_args(argv)
 
@@ -140,10 +145,40 @@ def predict(name: str, world: int, args, psi: int, leaves: int, machine):
     return step_time(w, layout_of(name, world), machine, global_batch=args.batch)
 
 
+# --------------------------------------------------------------------------- projections
+
+# GPT-3 shapes (fzero.perf_model.GPT3), 2048 tokens, a global batch of 1024 sequences (2M
+# tokens, GPT-3's batch for 6.7B-13B), micro-batches of 4 sequences per dp rank (8 under tp = 8).
+PROJECTED = [("1.3B", 1, (1, 2, 3)), ("6.7B", 1, (1, 2, 3)), ("13B", 1, (2, 3)), ("13B", 8, (1, 2, 3))]
+
+
+def project(machine_name: str = "h100") -> None:
+    from fzero.memory import model_state_bytes
+    from fzero.perf_model import GPT3, PRESETS, Layout, gpt_workload, step_time
+
+    machine, batch, seq = PRESETS[machine_name], 1024, 2048
+    print(f"| model | tp | GPUs | stage | micro-batches | step s | exposed comm s | tokens/s | MFU | model states GiB/rank |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, tp, stages in PROJECTED:
+        shape = GPT3[name]
+        w = gpt_workload(layers=shape["layers"], hidden=shape["hidden"], seq=seq)
+        for n in (8, 64, 256, 1024):
+            dp = n // tp
+            k = max(1, batch // (dp * (8 if tp > 1 else 4)))
+            for stage in stages:
+                t = step_time(w, Layout(world_size=n, stage=stage, tp=tp, micro_batches=k, precision="bf16"),
+                              machine, global_batch=batch)
+                states = model_state_bytes(w.params, world_size=n, stage=stage, precision="bf16", tp=tp)["total"]
+                print(f"| {name} ({w.params / 1e9:.2f}B) | {tp} | {n} | {stage} | {k} | {t.total:.3f} | "
+                      f"{t.exposed_comm:.3f} | {t.tokens_per_s:,.0f} | {100 * t.mfu:.1f}% | {states / 2**30:.1f} |")
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     if args.rank_out:
         return launch_main(args)
+    if args.project:
+        return project()
     from _common import cpu_model, loadavg
     from fzero.perf_model import load_machine
 
