@@ -272,7 +272,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"elementwise {m.elementwise_bandwidth / 1e9:.2f} GB/s; optimizer {m.optimizer_bandwidth / 1e9:.2f} GB/s; "
               f"gloo {m.intra.bandwidth / 1e9:.2f} GB/s, {m.intra.latency * 1e6:.0f} µs per ring step; "
               f"overlap {m.overlap:.2f}; host {m.step_overhead * 1e3:.2f} ms/step + "
-              f"{m.leaf_overhead * 1e6:.1f} µs/leaf; {m.cores} cores")
+              f"{m.leaf_overhead * 1e6:.1f} µs/leaf; {m.cores:.2f} cores free for 2 ranks")
         return 0
     if args.params is None:
         parser.error("the following arguments are required: --params (unless --calibrate)")
