@@ -1,19 +1,24 @@
 """``fzero estimate``: per-rank memory of the model states for each ZeRO stage, on a world
-of ``pp × dp × tp`` ranks.
+of ``pp × dp × tp`` ranks; with ``--time``, the modelled step time too.
 
-The formula lives in :mod:`fzero.memory` so the library and its tests use the same one.
+The formulas live in :mod:`fzero.memory` and :mod:`fzero.perf_model` so the library and its
+tests use the same ones; ``--calibrate`` measures this machine (:mod:`fzero.perf_calibrate`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from decimal import Decimal, InvalidOperation
 
 from fzero.transforms._checks import default_bucket_bytes
 from fzero.memory import (OPTIMIZER_STATES, PRECISIONS, REDUCE_BUFFERS, coefficients, format_bytes,
                           model_state_bytes, rank_share, reduce_buffer_bytes)
 
-__all__ = ["add_parser", "parse_count", "format_bytes", "render", "run"]
+__all__ = ["add_parser", "parse_count", "format_bytes", "render", "render_time", "run", "CPU_HERE"]
+
+# Where --calibrate writes this machine's description by default, and --machine cpu-here reads it.
+CPU_HERE = os.path.join(os.path.expanduser("~"), ".cache", "fzero", "cpu-here.json")
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -142,8 +147,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog="examples: fzero estimate --params 1.3B --world-size 8 --stage 2 --precision bf16; "
                "fzero estimate --params 13B --world-size 64 --tp 4 --pp 2 --precision bf16",
     )
-    p.add_argument("--params", required=True, type=_count_arg, metavar="COUNT",
-                   help="number of parameters, e.g. 350M, 1.3B, 7e9")
+    p.add_argument("--params", type=_count_arg, metavar="COUNT",
+                   help="number of parameters, e.g. 350M, 1.3B, 7e9 (required but with --calibrate)")
     p.add_argument("--world-size", "-N", type=_positive_int, default=1, metavar="N",
                    help="ranks in all, pp × dp × tp; with --tp and --pp 1, the data-parallel ranks the "
                         "states are partitioned over (default 1)")
@@ -163,11 +168,114 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="shard_state's bucket_bytes (default shard_state's: 1/32 of the parameters' bytes, "
                         "at most 25 MiB): sizes the reduce buffers of stages 2-3")
     p.add_argument("--bytes", action="store_true", dest="raw_bytes", help="print exact bytes instead of GiB")
+    t = p.add_argument_group("step time (--time): fzero.perf_model, a GPT of the given shape")
+    t.add_argument("--time", action="store_true",
+                   help="also model the step time: compute, exposed communication, optimizer, host; tokens/s, MFU")
+    t.add_argument("--machine", default="h100", metavar="NAME|PATH",
+                   help="h100 or h200 (datasheet figures), cpu-here (what --calibrate measured), or a machine "
+                        "JSON (default h100)")
+    t.add_argument("--layers", type=_positive_int, metavar="L",
+                   help="transformer blocks (default: the GPT-3 shape nearest --params)")
+    t.add_argument("--hidden", type=_positive_int, metavar="D", help="model width (default: as --layers)")
+    t.add_argument("--vocab", type=_positive_int, default=50257, metavar="V", help="vocabulary (default 50257)")
+    t.add_argument("--seq", type=_positive_int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
+    t.add_argument("--batch", type=_positive_int, metavar="B",
+                   help="global batch in sequences per update (default: one per dp rank per micro-batch)")
+    t.add_argument("--tokens-per-rank", type=_positive_int, metavar="N",
+                   help="instead of --batch: tokens each dp rank sees per update")
+    t.add_argument("--micro-batches", type=_positive_int, default=1, metavar="K",
+                   help="micro-batches per update: gradient accumulation, a pipeline's micro-batches (default 1)")
+    t.add_argument("--calibrate", nargs="?", const=CPU_HERE, metavar="PATH",
+                   help=f"measure this machine (matmuls, elementwise ops, fzero steps, gloo between 2 ranks) and "
+                        f"write it to PATH (default {CPU_HERE}, what --machine cpu-here reads); then exit")
     p.set_defaults(func=run)
     return p
 
 
+def machine_named(name: str):
+    """A :class:`fzero.perf_model.Machine`: a preset's name, ``cpu-here`` or a JSON path.
+
+    Raises:
+        ValueError: neither a preset nor a readable machine file.
+    """
+    from fzero.perf_model import PRESETS, load_machine
+
+    if name in PRESETS:
+        return PRESETS[name]
+    path = CPU_HERE if name == "cpu-here" else name
+    if not os.path.exists(path):
+        hint = " (run fzero estimate --calibrate first)" if name == "cpu-here" else ""
+        raise ValueError(f"--machine {name}: no such preset ({', '.join(PRESETS)}, cpu-here) nor file {path}{hint}")
+    return load_machine(path)
+
+
+def nearest_gpt3(num_params: int) -> tuple[str, dict]:
+    """The GPT-3 shape (Brown et al. 2020, table 2.1) whose size is nearest ``num_params``.
+
+    Example:
+        >>> nearest_gpt3(1_300_000_000)
+        ('1.3B', {'layers': 24, 'hidden': 2048, 'heads': 16})
+    """
+    from fzero.perf_model import GPT3
+
+    name = min(GPT3, key=lambda k: abs(parse_count(k) - num_params) / parse_count(k))
+    return name, GPT3[name]
+
+
+def render_time(num_params: int, *, world_size: int, stages, precision: str, machine, layers: int, hidden: int,
+                seq: int, vocab: int, global_batch: int, micro_batches: int = 1, tp: int = 1, pp: int = 1,
+                bucket_bytes: int | None = None, shape_note: str = "") -> str:
+    """The step-time table ``fzero estimate --time`` prints (:func:`fzero.perf_model.step_time`)."""
+    from fzero.perf_model import Layout, gpt_workload, step_time
+
+    w = gpt_workload(layers=layers, hidden=hidden, seq=seq, vocab=vocab, params=num_params)
+    dp = world_size // (tp * pp)
+    lines = [
+        "",
+        f"step time on {machine.name} ({machine.source})",
+        f"a GPT of {layers} layers × {hidden} wide{shape_note}, Ψ = {_count(num_params)}, seq {seq}, "
+        f"vocabulary {vocab}; global batch {global_batch} sequences = {global_batch * seq:,} tokens per update, "
+        f"{micro_batches} micro-batch{'es' if micro_batches != 1 else ''}; "
+        f"{w.matmul_flops_per_token / 1e9:.3g} GFLOP per token (6Ψ + 12·L·s·d)",
+        "",
+    ]
+    header = ["stage", "compute s", "bubble s", "comm s", "exposed s", "optimizer s", "host s", "step s",
+              "tokens/s", "MFU", "dp sent/rank"]
+    rows = []
+    for stage in stages:
+        t = step_time(w, Layout(world_size=world_size, stage=stage, tp=tp, pp=pp, micro_batches=micro_batches,
+                                precision=precision, bucket_bytes=bucket_bytes), machine, global_batch=global_batch)
+        rows.append([str(stage), *(f"{v:.4g}" for v in (t.compute, t.bubble, t.comm, t.exposed_comm, t.optimizer,
+                                                         t.host, t.total)),
+                     f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.1f}%", format_bytes(int(t.sent_bytes["dp"]))])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        lines.append("  ".join(c.rjust(w_) for c, w_ in zip(r, widths)))
+    lines += [
+        "",
+        f"compute: matmul FLOPs / achieved FLOP/s + elementwise bytes / bandwidth, per rank (dp {dp}, tp {tp}, pp {pp});",
+        "bubble: pipeline's (p-1)/m of it; comm: every collective's ring time; exposed: what backward (and",
+        "stage 3's prefetch) does not hide, tp's and pp's all of theirs; MFU against the machine's peak.",
+        "A model, not a measurement: docs/performance.md gives its error against measured steps.",
+    ]
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.calibrate is not None:
+        from fzero.perf_calibrate import calibrate
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.calibrate)), exist_ok=True)
+        m = calibrate(args.calibrate)
+        print(f"fzero estimate --calibrate: wrote {args.calibrate}")
+        print(f"matmul fp32 {m.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 {m.matmul_flops['bf16'] / 1e9:.2f}; "
+              f"elementwise {m.elementwise_bandwidth / 1e9:.2f} GB/s; optimizer {m.optimizer_bandwidth / 1e9:.2f} GB/s; "
+              f"gloo {m.intra.bandwidth / 1e9:.2f} GB/s, {m.intra.latency * 1e6:.0f} µs per ring step; "
+              f"overlap {m.overlap:.2f}; host {m.step_overhead * 1e3:.2f} ms/step + "
+              f"{m.leaf_overhead * 1e6:.1f} µs/leaf; {m.cores:.2f} cores free for 2 ranks")
+        return 0
+    if args.params is None:
+        parser.error("the following arguments are required: --params (unless --calibrate)")
     world, tp, pp = args.world_size, args.tp, args.pp
     if world % (tp * pp):  # a world smaller than tp·pp too: dp would be 0
         what = "smaller than" if world < tp * pp else "not a multiple of"
@@ -177,4 +285,30 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(render(args.params, world_size=world, stages=stages, precision=args.precision,
                  optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
                  tp=tp, pp=pp))
+    if not args.time:
+        return 0
+    try:
+        machine = machine_named(args.machine)
+    except ValueError as e:
+        parser.error(str(e))
+    note = ""
+    layers, hidden = args.layers, args.hidden
+    if layers is None or hidden is None:
+        name, shape = nearest_gpt3(args.params)
+        layers, hidden = layers or shape["layers"], hidden or shape["hidden"]
+        note = f" (GPT-3 {name}'s shape)"
+    dp, k = world // (tp * pp), args.micro_batches
+    if args.batch is not None and args.tokens_per_rank is not None:
+        parser.error("--batch and --tokens-per-rank: give one of them")
+    if args.tokens_per_rank is not None:
+        if args.tokens_per_rank % args.seq:
+            parser.error(f"--tokens-per-rank {args.tokens_per_rank} is not a multiple of --seq {args.seq}")
+        batch = args.tokens_per_rank // args.seq * dp
+    else:
+        batch = args.batch if args.batch is not None else dp * k
+    if batch % (dp * k):
+        parser.error(f"the global batch of {batch} sequences does not split into dp {dp} × --micro-batches {k}")
+    print(render_time(args.params, world_size=world, stages=stages, precision=args.precision, machine=machine,
+                      layers=layers, hidden=hidden, seq=args.seq, vocab=args.vocab, global_batch=batch,
+                      micro_batches=k, tp=tp, pp=pp, bucket_bytes=args.bucket_bytes, shape_note=note))
     return 0

@@ -1,0 +1,217 @@
+"""``fzero estimate --calibrate PATH``: measure this machine's :class:`fzero.perf_model.Machine`.
+
+What it times, each a median of a few repeats, one torch thread per rank (as fzero's ranks
+on a CPU host run, one core each):
+
+* **matmul FLOP/s** by precision: ``a @ b`` at (1024 × 256) @ (256 × 1024) in fp32 and
+  (256 × 256) @ (256 × 256) in bf16 / fp16 (slow on a CPU without 16-bit arithmetic).
+* **elementwise bandwidth**: GELU forward and backward, LayerNorm forward and an add on
+  (4096 × 512) fp32 tensors, bytes counted as inputs + outputs of each op (the count
+  :data:`fzero.perf_model.ELEMENTWISE` uses).
+* **host and optimizer**: ``fzero.compile``'d AdamW steps in a world of one on a model of
+  tiny leaves (2 and 64 of them: the per-step and per-leaf overheads) and one of 2 leaves of
+  2M elements (what the step takes beyond the small one is the optimizer's pass:
+  :data:`fzero.perf_model.OPTIMIZER_BYTES` per parameter; the gradient's own passes ride in it).
+* **free cores**: a 256³ matmul alone, and on 2 ranks at once; the cores the ranks get is
+  2 × (at once / alone): 2 on a quiet 2-core host, less when other jobs share it.
+* **collectives** between 2 local gloo ranks: 16 all-reduces of 4 KiB in flight at once, as
+  fzero issues its buckets (latency: 2 ring steps each) and one of 8 MiB (bandwidth: the ring sends ``2(N-1)/N`` of it), and the overlap: an
+  all-reduce launched asynchronously and waited for after a matmul loop of about its length,
+  against the two alone.
+
+The result is written as JSON with the raw measurements beside it (``measured``), and read by
+``fzero estimate --time --machine PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+
+from fzero.perf_model import OPTIMIZER_BYTES, Link, Machine, save_machine
+
+__all__ = ["calibrate"]
+
+
+def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def _matmul_flops() -> dict:
+    out = {}
+    for prec, dtype, (m, k, n) in (("fp32", torch.float32, (1024, 256, 1024)),
+                                   ("bf16", torch.bfloat16, (256, 256, 256)),
+                                   ("fp16", torch.float16, (256, 256, 256))):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out[prec] = 2 * m * k * n / _median_time(lambda: a @ b, reps=5)
+    return out
+
+
+def _elementwise_bandwidth() -> float:
+    x = torch.randn(4096, 512)
+    g = torch.randn_like(x)
+    w, b = torch.ones(512), torch.zeros(512)
+    nbytes = x.numel() * 4
+    ops = [  # (op, bytes of its inputs + outputs)
+        (lambda: torch.nn.functional.gelu(x), 2 * nbytes),
+        (lambda: torch.ops.aten.gelu_backward(g, x), 3 * nbytes),
+        (lambda: torch.nn.functional.layer_norm(x, (512,), w, b), 2 * nbytes),
+        (lambda: x + g, 3 * nbytes),
+    ]
+    return sum(n for _, n in ops) / sum(_median_time(f, reps=5) for f, _ in ops)
+
+
+def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7) -> float:
+    import fzero
+    from fzero import optim
+
+    class Leaves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(elems)) for _ in range(leaves))
+
+        def forward(self, x):
+            return sum((p * x).sum() for p in self.ps)
+
+    apply, params = fzero.functionalize(Leaves())
+
+    def train_step(state, batch):
+        loss, grads = fzero.value_and_grad(lambda p: state.apply_fn(p, batch["x"]))(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=-1))
+    box = {"s": step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-4)))}
+    batch = {"x": torch.tensor(0.5)}
+
+    def one():
+        box["s"], m = step(box["s"], batch)
+        m["loss"].item()
+
+    return _median_time(one, reps=steps)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_rank(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        small, big = torch.zeros(1024), torch.zeros(2 * 2**20)  # 4 KiB, 8 MiB
+
+        def ar(t):
+            return lambda: (dist.barrier(), dist.all_reduce(t))
+
+        t_barrier = _median_time(dist.barrier, reps=11)
+        # Latency as fzero pays it: its bucket reductions are issued asynchronously, back to
+        # back, and waited for later, so 16 small all-reduces in flight at once, per all-reduce.
+        def in_flight():
+            dist.barrier()
+            for w in [dist.all_reduce(small, async_op=True) for _ in range(16)]:
+                w.wait()
+
+        t_small = (_median_time(in_flight, reps=7) - t_barrier) / 16
+        t_big = _median_time(ar(big), reps=7) - t_barrier
+        # Overlap: an all-reduce behind a matmul loop of about its length.
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        t_mm1 = _median_time(lambda: a @ b, reps=5)
+        loops = max(1, round(t_big / t_mm1))
+
+        def mm():
+            for _ in range(loops):
+                a @ b
+
+        def both():
+            dist.barrier()
+            work = dist.all_reduce(big, async_op=True)
+            mm()
+            work.wait()
+
+        t_mm = _median_time(lambda: (dist.barrier(), mm()), reps=5) - t_barrier
+        # Both ranks at once: what a rank's compute gets while the other computes too.
+        flops_together = 2 * 256 ** 3 * loops / t_mm
+        t_both = _median_time(both, reps=5) - t_barrier
+        if rank == 0:
+            queue.put(dict(barrier_s=t_barrier, all_reduce_4KiB_s=t_small, all_reduce_8MiB_s=t_big,
+                           matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
+                           matmul_flops_2_ranks_at_once=flops_together))
+    finally:
+        dist.destroy_process_group()
+
+
+def _collectives(world: int = 2) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_collective_rank, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"fzero estimate --calibrate: a collective rank failed (exit codes "
+                           f"{[p.exitcode for p in procs]})")
+    return queue.get()
+
+
+def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
+    """Measure this machine, write its :class:`~fzero.perf_model.Machine` to ``path`` as
+    JSON, and return it. Takes about half a minute on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mm = _matmul_flops()
+        elementwise = _elementwise_bandwidth()
+        t2, t64 = _fzero_step_seconds(2, 16), _fzero_step_seconds(64, 16)
+        big_elems = 2 * 2**20
+        t_big = _fzero_step_seconds(2, big_elems, steps=5)
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        flops_alone = 2 * 256 ** 3 / _median_time(lambda: a @ b, reps=21)
+        coll = _collectives(2)
+    finally:
+        torch.set_num_threads(threads)
+    leaf = max(0.0, (t64 - t2) / 62)
+    step = max(0.0, t2 - 2 * leaf)
+    optimizer_bw = OPTIMIZER_BYTES["fp32"] * 2 * big_elems / max(t_big - t2, 1e-9)
+    latency = max(coll["all_reduce_4KiB_s"] / 2, 1e-7)  # 2(N-1) = 2 ring steps at N = 2
+    bandwidth = 8 * 2**20 / max(coll["all_reduce_8MiB_s"] - 2 * latency, 1e-9)  # sends 2(N-1)/N · 8 MiB = 8 MiB
+    t_mm, t_ar, t_both = coll["matmul_loop_s"], coll["all_reduce_8MiB_s"], coll["all_reduce_behind_matmul_s"]
+    hidden = t_mm + t_ar - t_both  # what ran at once; overlap is its share of the compute window
+    overlap = min(1.0, max(0.0, hidden / t_mm))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # The cores our ranks get, other jobs running: 2 ranks computing at once, each at a share of
+    # one alone; a quiet 2-core host gives 2, a loaded one less. Rates scale by min(1, this / ranks).
+    free = min(float(cores), max(0.25, 2 * coll["matmul_flops_2_ranks_at_once"] / flops_alone))
+    bandwidth /= min(1.0, free / 2)  # measured on 2 ranks sharing the free cores: the model scales it back
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    machine = Machine(
+        name=name,
+        source=f"measured by fzero estimate --calibrate on {cores} cores ({free:.2f} free for 2 ranks), 1 thread "
+               f"per rank, gloo; "
+               f"load average {load:.2f}; {time.strftime('%Y-%m-%d')}",
+        matmul_flops=mm, peak_flops=dict(mm),
+        elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
+        intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
+        ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
+        collective_overhead=0.0, host_async=False)
+    save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
+                 fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone, **coll)
+    return machine

@@ -1,0 +1,203 @@
+"""``fzero.perf_model``'s arithmetic against hand-derived cases, ``fzero estimate --time`` on a
+fixed machine, and the elementwise coefficients against a count of a real step's ops."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from fzero.cli.main import main
+from fzero.perf_model import (ELEMENTWISE, PRESETS, Layout, Link, Machine, Workload, dp_collectives, gpt_workload,
+                              load_machine, ring_seconds, save_machine, step_time)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _workload(params=8000, layers=4, hidden=64, seq=128, flops=1e6, unit_params=None):
+    return Workload(params=params, leaves=10, layers=layers, hidden=hidden, seq=seq, matmul_flops_per_token=flops,
+                    elementwise_bytes_per_token=0.0, unit_params=params if unit_params is None else unit_params)
+
+
+# A machine of round numbers: 1 TFLOP/s, 1 GB/s links without latency, nothing else costs.
+ROUND = Machine(name="round", source="test", matmul_flops={"fp32": 1e12, "bf16": 2e12, "fp16": 2e12},
+                peak_flops={"fp32": 1e12, "bf16": 2e12, "fp16": 2e12}, elementwise_bandwidth=1e30,
+                optimizer_bandwidth=1e30, intra=Link(bandwidth=1e9, latency=0.0),
+                inter=Link(bandwidth=1e8, latency=0.0), ranks_per_node=8, overlap=0.0)
+
+
+def _sent(layout, **kw):
+    return sum({"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1}[kind] * payload
+               for kind, payload, _ in dp_collectives(_workload(**kw), layout) for n in [layout.dp])
+
+
+def test_zero2_at_8_ranks_sends_the_ring_volume_and_takes_its_time():
+    # Ψ = 8000 fp32: reduce-scatter the 32,000 B gradient (7/8 of it sent), all-gather this
+    # rank's 1000 parameters (7 × 4000 B): 2Ψ(N-1)/N × 4 B = 56,000 B.
+    lay = Layout(world_size=8, stage=2, bucket_bytes=32000)
+    assert dp_collectives(_workload(), lay) == [("reduce_scatter", 32000.0, "backward"), ("all_gather", 4000.0, "after")]
+    assert _sent(lay) == pytest.approx(56000)
+    t = step_time(_workload(), lay, ROUND, global_batch=8)
+    assert t.sent_bytes["dp"] == pytest.approx(56000)
+    assert t.comm == pytest.approx(56000 / 1e9)  # 1 GB/s, no latency: within a node of 8
+    link = Link(bandwidth=1e9, latency=1e-5)
+    assert ring_seconds("reduce_scatter", 32000, 8, link) == pytest.approx(28000 / 1e9 + 7e-5)
+    assert ring_seconds("all_reduce", 32000, 8, link) == pytest.approx(56000 / 1e9 + 14e-5)
+
+
+def test_stage3_sends_one_and_a_half_times_stage2():
+    for n in (2, 4, 8):
+        s2 = step_time(_workload(), Layout(world_size=n, stage=2), ROUND, global_batch=8).sent_bytes["dp"]
+        s3 = step_time(_workload(), Layout(world_size=n, stage=3), ROUND, global_batch=8).sent_bytes["dp"]
+        assert s2 == pytest.approx(2 * 8000 * 4 * (n - 1) / n)
+        assert s3 == pytest.approx(1.5 * s2)
+
+
+def test_accumulation_reduces_once_at_stages_0_1_and_every_micro_batch_at_2_3():
+    one = {s: _sent(Layout(world_size=4, stage=s)) for s in range(4)}
+    four = {s: _sent(Layout(world_size=4, stage=s, micro_batches=4)) for s in range(4)}
+    grad = 8000 * 4 * 3 / 4  # one reduce-scatter of the fp32 gradient
+    assert four[0] == one[0] and four[1] == one[1]
+    assert four[2] == pytest.approx(one[2] + 3 * grad)
+    assert four[3] == pytest.approx(4 * one[3])  # units gathered twice and reduced, per micro-batch
+
+
+def test_pipeline_bubble_at_p4_m8():
+    w = _workload(flops=1e9)
+    t = step_time(w, Layout(world_size=4, stage=0, pp=4, micro_batches=8), ROUND, global_batch=8)
+    assert t.bubble == pytest.approx(t.compute * 3 / 8)
+    assert t.bubble / (t.compute + t.bubble) == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
+
+
+def test_tensor_parallel_sends_megatrons_four_all_reduces_per_block():
+    # 2 blocks, tp = 2, one micro-batch of 8 × 128 = 1024 tokens of width 64 in fp32: an
+    # all-reduce of 1024·64·4 = 262,144 B sends 2(T-1)/T of it = 262,144 B; 4 per block.
+    t = step_time(_workload(layers=2), Layout(world_size=2, stage=0, tp=2), ROUND, global_batch=8)
+    assert t.sent_bytes["tp"] == pytest.approx(4 * 2 * 262144)
+    assert t.exposed_comm == pytest.approx(t.comm)  # on the critical path, none hidden
+    assert t.comm == pytest.approx(8 * 262144 / 1e9)
+
+
+def test_more_ranks_less_compute_per_rank_and_more_tokens_per_second():
+    w = gpt_workload(layers=24, hidden=2048, seq=2048)
+    worlds = (8, 64, 256, 1024)
+    strong = [step_time(w, Layout(world_size=n, stage=2, precision="bf16"), PRESETS["h100"], global_batch=1024)
+              for n in worlds]
+    assert all(a.compute > b.compute for a, b in zip(strong, strong[1:]))
+    # weak scaling (8 sequences per rank): more ranks, more tokens per second
+    weak = [step_time(w, Layout(world_size=n, stage=2, precision="bf16"), PRESETS["h100"], global_batch=8 * n)
+            for n in worlds]
+    assert all(a.tokens_per_s < b.tokens_per_s for a, b in zip(weak, weak[1:]))
+    assert all(0 < t.mfu < 1 for t in strong + weak)
+
+
+def test_overlap_hides_gradient_reduction_behind_backward():
+    w = _workload(flops=1e9)
+    lay = Layout(world_size=2, stage=0, bucket_bytes=4000)
+    none = step_time(w, lay, ROUND, global_batch=8)
+    full = step_time(w, lay, dataclasses.replace(ROUND, overlap=1.0), global_batch=8)
+    assert none.exposed_comm == pytest.approx(none.comm)
+    assert full.exposed_comm == pytest.approx(none.comm / 8)  # the last of 8 buckets is never hidden
+    assert full.total < none.total
+
+
+def test_shared_cores_slow_every_rate():
+    w = _workload(flops=1e9)
+    quiet = step_time(w, Layout(world_size=4, stage=0), dataclasses.replace(ROUND, cores=4), global_batch=8)
+    shared = step_time(w, Layout(world_size=4, stage=0), dataclasses.replace(ROUND, cores=2), global_batch=8)
+    assert shared.compute == pytest.approx(2 * quiet.compute)
+    assert shared.comm == pytest.approx(2 * quiet.comm)
+
+
+def test_layout_errors_name_the_argument():
+    with pytest.raises(ValueError, match="stage"):
+        Layout(world_size=2, stage=4)
+    with pytest.raises(ValueError, match="world_size=6 is not a multiple of tp=4"):
+        Layout(world_size=6, stage=0, tp=4)
+    with pytest.raises(ValueError, match="global_batch=3"):
+        step_time(_workload(), Layout(world_size=2, stage=0), ROUND, global_batch=3)
+
+
+def test_machine_round_trips_through_json(tmp_path):
+    path = tmp_path / "m.json"
+    save_machine(ROUND, str(path), loadavg=1.0)
+    assert load_machine(str(path)) == ROUND
+    data = json.loads(path.read_text())
+    data["bogus"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unknown field.*bogus"):
+        load_machine(str(path))
+
+
+def test_estimate_time_prints_the_hand_derived_step(tmp_path, capsys):
+    path = tmp_path / "round.json"
+    save_machine(ROUND, str(path))
+    # Ψ = 1M given, 2 layers × 64, seq 128: 6Ψ + 12·L·s·d = 6,196,608 FLOPs per token; 8 × 128
+    # tokens on one rank at 1 TFLOP/s = 6.345 ms. On 2 ranks at stage 0 half of that, plus the
+    # all-reduce of 4 MB fp32 gradients (sends 4 MB at 1 GB/s, none hidden): 3.173 + 4 ms.
+    argv = ["estimate", "--params", "1M", "--stage", "0", "--time", "--machine", str(path), "--layers", "2",
+            "--hidden", "64", "--seq", "128", "--vocab", "256", "--batch", "8"]
+    assert main([*argv, "--world-size", "1"]) == 0
+    row = capsys.readouterr().out.splitlines()[-6].split()
+    assert row[0] == "0" and float(row[7]) == pytest.approx(6.345e-3, rel=1e-3)
+    assert main([*argv, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    row = out.splitlines()[-6].split()
+    assert float(row[3]) == pytest.approx(4e-3, rel=1e-3) and float(row[7]) == pytest.approx(7.173e-3, rel=1e-3)
+    assert "step time on round (test)" in out
+
+
+def test_estimate_without_time_prints_no_step_time(capsys):
+    assert main(["estimate", "--params", "1.3B", "--world-size", "8", "--stage", "2"]) == 0
+    assert "step time" not in capsys.readouterr().out
+
+
+def test_estimate_time_default_shape_is_gpt3s(capsys):
+    assert main(["estimate", "--params", "6.7B", "--world-size", "64", "--stage", "3", "--precision", "bf16",
+                 "--time", "--machine", "h200", "--batch", "512"]) == 0
+    assert "32 layers × 4096 wide (GPT-3 6.7B's shape)" in capsys.readouterr().out
+
+
+def test_elementwise_coefficients_match_a_count_of_a_real_step():
+    """The reference: the bytes of every non-matmul op a CPU step of examples/gpt.py dispatches,
+    per token (batch 2 minus batch 1), against gpt_workload's coefficients."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, GPTConfig
+
+    matmuls = {"mm", "addmm", "bmm", "baddbmm"}
+    views = {"view", "t", "transpose", "expand", "_unsafe_view", "detach", "split", "alias", "unsqueeze", "squeeze",
+             "permute", "slice", "select", "as_strided", "unbind"}
+
+    class Bytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name.split("::")[-1] not in matmuls | views:
+                self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    def count(cfg, batch):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        idx = torch.zeros(batch, cfg.block_size, dtype=torch.long)
+        with Bytes() as mode:
+            out = model(idx)
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), idx.flatten()).backward()
+        return mode.total
+
+    for d, layers, vocab, seq in [(64, 1, 256, 32), (128, 2, 512, 64)]:
+        cfg = GPTConfig(n_layer=layers, n_head=4, n_embd=d, vocab_size=vocab, block_size=seq)
+        per_token = (count(cfg, 2) - count(cfg, 1)) / seq
+        w = gpt_workload(layers=layers, hidden=d, seq=seq, vocab=vocab)
+        assert w.elementwise_bytes_per_token == pytest.approx(per_token, rel=0.01), (d, layers, vocab, seq)
+    assert sum(ELEMENTWISE[k] for k in ("block_split", "block_replicated")) == 69
