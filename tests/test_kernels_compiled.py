@@ -2,7 +2,8 @@
 
 - ``test_kernels_compile_for_sm90``: on any machine with triton, every kernel compiles for
   an H100 (sm_90) and its PTX is what the design assumes: IEEE division and square root
-  (as torch), no FP contraction, 16-byte vector loads on aligned shards.
+  (as torch), no FP contraction, 16-byte vector loads on aligned shards (the multi-tensor
+  kernel too, its pointers read from its program table).
 - ``test_cuda_kernels_match_reference``: on a machine with a CUDA GPU, the compiled kernels
   against the references run on the same GPU (skipped without one, as in CI).
 
@@ -56,6 +57,12 @@ _SCRIPT = textwrap.dedent("""
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=2)
     fk.adamw_(p, g16, m, v, **hyper, grad_scale=torch.tensor(2.0), lowp_param=lowp, found_inf=torch.tensor(0.0),
               grad_sumsq=torch.tensor(4.0, dtype=torch.float64), max_norm=1.0)
+    # Two separate tensors (aligned addresses and lengths, as the caching allocator gives):
+    # the multi-tensor kernel, whose pointers come from its program table.
+    ps, ms, vs = [[torch.zeros(k) for k in (n, 1024)] for _ in range(3)]
+    fk.adamw_multi_(ps, [torch.zeros(k, dtype=torch.bfloat16) for k in (n, 1024)], ms, vs, **hyper,
+                    grad_scale=torch.tensor(2.0), lowp_params=[torch.zeros(k, dtype=torch.bfloat16) for k in (n, 1024)],
+                    found_inf=torch.tensor(0.0), grad_sumsq=torch.tensor(4.0, dtype=torch.float64), max_norm=1.0)
     fk.lamb_(p, torch.zeros(n), m, v, segments=(0, 1024, n), **hyper, lowp_param=lowp.half(),
              grad_sumsq=torch.tensor(4.0, dtype=torch.float64), max_norm=1.0)
     fk.lion_(p, g16, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, lowp_param=lowp)
@@ -100,7 +107,7 @@ def test_kernels_compile_for_sm90():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in report:
         pytest.skip(report["skip"])
-    assert set(report) == {"_adam_kernel", "_lamb_norms_kernel", "_lamb_apply_kernel", "_lion_kernel",
+    assert set(report) == {"_adam_kernel", "_adam_multi_kernel", "_lamb_norms_kernel", "_lamb_apply_kernel", "_lion_kernel",
                            "_sgd_kernel", "_unscale_kernel", "_sumsq_kernel"}, report
     for name, r in report.items():
         assert not r["approx_div"] and not r["approx_sqrt"], (name, r)  # IEEE, as torch
