@@ -82,6 +82,12 @@ def _adam_multi_kernel(
     _common.store_flag(flag_ptr, bad)
 
 
+def _compiled() -> bool:
+    """Whether launches build compiled kernels (the interpreter builds none, so there an
+    error is the kernel's own and is raised)."""
+    return not _common.triton_interpreted()
+
+
 def _launch_multi(params, grads, exp_avgs, exp_avg_sqs, lowps, *, ga: _common.GradArgs, decoupled: bool,
                   **hyper) -> torch.Tensor:
     device = params[0].device
@@ -100,7 +106,7 @@ def _launch_multi(params, grads, exp_avgs, exp_avg_sqs, lowps, *, ga: _common.Gr
                            LOWP=lowp_code, ALIGNED=aligned, BLOCK=block, **gconst)
             return flag
         except Exception as e:  # a build failure: nothing was launched, nothing written
-            if _common.triton_interpreted():
+            if not _compiled():
                 raise  # the interpreter builds nothing: an error there is the kernel's own bug
             BROKEN.append(f"{type(e).__name__}: {e}")
             warnings.warn(f"fzero_kernels: the multi-tensor AdamW kernel failed to build ({BROKEN[0]}); "
