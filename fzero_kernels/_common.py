@@ -13,6 +13,7 @@ path only while ``TRITON_INTERPRET=1`` is set *and* triton is (or will be) inter
 """
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import functools
@@ -423,12 +424,13 @@ MULTI_CHUNK = 1 << 16
 @functools.lru_cache(maxsize=16)
 def _tensor_table(addresses: tuple[int, ...], sizes: tuple[int, ...], chunk: int, device: str) -> tuple[torch.Tensor, int]:
     k = len(sizes)
-    columns = torch.tensor(addresses, dtype=torch.int64).view(-1, k).t()  # one row per tensor
+    columns = torch.frombuffer(array.array("q", addresses), dtype=torch.int64).view(-1, k).t()  # a row per tensor
     n = torch.tensor(sizes, dtype=torch.int64)
-    nchunks = (n + chunk - 1) // chunk
-    P = int(nchunks.sum())
-    seg = torch.repeat_interleave(torch.arange(k), nchunks)
-    start = (torch.arange(P) - (torch.cumsum(nchunks, 0) - nchunks)[seg]) * chunk
+    last = torch.cumsum((n + chunk - 1) // chunk, 0)  # one past each tensor's last program
+    P = int(last[-1])
+    # The tensor of each program (searchsorted: repeat_interleave took 6 ms on 290 tensors here).
+    seg = torch.searchsorted(last, torch.arange(P), right=True)
+    start = (torch.arange(P) - (last - (n + chunk - 1) // chunk)[seg]) * chunk
     end = torch.minimum(start + chunk, n[seg])
     table = torch.cat([columns[seg], start[:, None], end[:, None]], dim=1).contiguous()
     return to_device(table, device), P
