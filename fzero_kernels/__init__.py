@@ -6,6 +6,7 @@ a launcher that checks its inputs, and a pure-torch ``*_reference`` with the sam
 signature:
 
 - :mod:`fzero_kernels.adamw`: ``adamw_``, ``adam_``
+- :mod:`fzero_kernels.adamw_multi`: ``adamw_multi_``, ``adam_multi_`` (many tensors, one launch)
 - :mod:`fzero_kernels.lamb`: ``lamb_`` = ``lamb_partial_norms`` + ``lamb_apply_``
 - :mod:`fzero_kernels.lion`: ``lion_``
 - :mod:`fzero_kernels.sgd`: ``sgd_``
@@ -20,6 +21,7 @@ This package imports nothing from ``fzero``.
 """
 from fzero_kernels._common import HAS_TRITON, backend_for, force_backend
 from fzero_kernels.adamw import adam_, adam_reference, adamw_, adamw_reference
+from fzero_kernels.adamw_multi import adam_multi_, adam_multi_reference, adamw_multi_, adamw_multi_reference
 from fzero_kernels.lamb import (
     LambNorms,
     lamb_,
@@ -52,6 +54,10 @@ __all__ = [
     "adamw_reference",
     "adam_",
     "adam_reference",
+    "adamw_multi_",
+    "adamw_multi_reference",
+    "adam_multi_",
+    "adam_multi_reference",
     "LambNorms",
     "lamb_",
     "lamb_reference",

@@ -13,6 +13,7 @@ path only while ``TRITON_INTERPRET=1`` is set *and* triton is (or will be) inter
 """
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import functools
@@ -414,6 +415,46 @@ def program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int,
     return table, programs, all(o % 16 == 0 for o in offsets)
 
 
+# --------------------------------------------------------------------------- multi-tensor tables
+#: Elements a multi-tensor program covers at most (torch's multi_tensor_apply's chunk): a
+#: big tensor is split among many programs, a small one takes one program of its own.
+MULTI_CHUNK = 1 << 16
+
+
+@functools.lru_cache(maxsize=16)
+def _tensor_table(addresses: tuple[int, ...], sizes: tuple[int, ...], chunk: int, device: str) -> tuple[torch.Tensor, int]:
+    k = len(sizes)
+    columns = torch.frombuffer(array.array("q", addresses), dtype=torch.int64).view(-1, k).t()  # a row per tensor
+    n = torch.tensor(sizes, dtype=torch.int64)
+    last = torch.cumsum((n + chunk - 1) // chunk, 0)  # one past each tensor's last program
+    P = int(last[-1])
+    # The tensor of each program (searchsorted: repeat_interleave took 6 ms on 290 tensors here).
+    seg = torch.searchsorted(last, torch.arange(P), right=True)
+    start = (torch.arange(P) - (last - (n + chunk - 1) // chunk)[seg]) * chunk
+    end = torch.minimum(start + chunk, n[seg])
+    table = torch.cat([columns[seg], start[:, None], end[:, None]], dim=1).contiguous()
+    return to_device(table, device), P
+
+
+def tensor_table(columns: Sequence[Sequence[torch.Tensor | None]], chunk: int,
+                 device: torch.device) -> tuple[torch.Tensor, int, bool]:
+    """The program table of a multi-tensor launch: int64 rows ``(address of the i-th tensor
+    of each column (0 for None), start, end)``, one per program, each covering at most
+    ``chunk`` elements ``[start, end)`` of one tensor (its length is ``columns[0]``'s;
+    empty tensors get no program); the number of rows; and whether every address is
+    16-byte aligned and every length a multiple of 16 (then the kernel may load 16 bytes
+    at a time: starts are multiples of ``chunk``).
+
+    Built on the host from the tensors' addresses and copied without a host sync
+    (:func:`to_device`); cached by address, so a step whose tensors sit where they sat
+    before (the caching allocator's usual case) copies nothing."""
+    sizes = tuple(t.numel() for t in columns[0])
+    addresses = tuple(0 if t is None else t.data_ptr() for col in columns for t in col)
+    table, programs = _tensor_table(addresses, sizes, chunk, str(device))
+    aligned = all(a % 16 == 0 for a in addresses) and all(n % 16 == 0 for n in sizes)
+    return table, programs, aligned
+
+
 # --------------------------------------------------------------------------- launch config
 def elementwise_config(n: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of the elementwise update kernels.
@@ -513,6 +554,15 @@ def program_row(table_ptr, ALIGNED: tl.constexpr):
         start = tl.multiple_of(start, 16)
         end = tl.multiple_of(end, 16)
     return slot, start, end
+
+
+@jit
+def table_pointer(row, column, ELEMENT: tl.constexpr, ALIGNED: tl.constexpr):
+    """The pointer in ``column`` of a :func:`tensor_table` row, to ``ELEMENT``s."""
+    ptr = tl.load(row + column).to(tl.pointer_type(ELEMENT))
+    if ALIGNED:  # every address is 16-byte aligned: lets loads and stores vectorize
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @jit
@@ -687,15 +737,16 @@ def reference_grad(grad: torch.Tensor, g: GradArgs) -> tuple[torch.Tensor, torch
 
 # --------------------------------------------------------------------------- launchers
 def launch_update(kernel, tensors: Sequence[torch.Tensor], lowp: torch.Tensor | None, ga: GradArgs,
-                  scalars: Sequence[float], **constexprs: Any) -> torch.Tensor:
-    """Launch an elementwise update kernel over ``tensors[0]`` (param); return its flag.
+                  scalars: Sequence[float], *, flag: torch.Tensor | None = None, **constexprs: Any) -> torch.Tensor:
+    """Launch an elementwise update kernel over ``tensors[0]`` (param); return its flag
+    (``flag``, a zeroed one shared with other launches, or a new one).
 
     Every such kernel opens with :func:`update_block` and takes ``(*tensors, lowp_ptr,
     flag_ptr, <grad_args>, n, *scalars)``, the constexprs of :func:`grad_args`, ``LOWP``,
     ``BLOCK`` and its own ``constexprs``; block and warps come from :func:`elementwise_config`.
     """
     param = tensors[0]
-    flag = new_flag(param.device)
+    flag = new_flag(param.device) if flag is None else flag
     n = param.numel()
     block, warps = elementwise_config(n)
     lowp_ptr, lowp_code = lowp_arg(lowp, param)

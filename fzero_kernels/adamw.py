@@ -25,6 +25,26 @@ __all__ = ["adamw_", "adamw_reference", "adam_", "adam_reference"]
 
 
 @_common.jit
+def adam_math(p, g, m, v, decay, weight_decay, lerp_weight, beta2, one_minus_beta2, neg_step_size,
+              bias_correction2_sqrt, eps, DECOUPLED: tl.constexpr, LERP_LOW: tl.constexpr):
+    """One Adam(W) step on a block: the new ``(param, exp_avg, exp_avg_sq)``. Shared by the
+    per-shard and the multi-tensor kernels, so both round alike, bit for bit."""
+    if DECOUPLED:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    # torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
+    if LERP_LOW:
+        m = m + lerp_weight * (g - m)
+    else:
+        m = g - (g - m) * (1.0 - lerp_weight)
+    v = v * beta2 + one_minus_beta2 * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p + tl.div_rn(neg_step_size * m, denom)  # addcdiv: self + value * t1 / t2
+    return p, m, v
+
+
+@_common.jit
 def _adam_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, flag_ptr,
     scale_ptr, grad_scale, sumsq_ptr, max_norm, found_inf_ptr,
@@ -38,35 +58,29 @@ def _adam_kernel(
                                              max_norm, found_inf_ptr, n, SCALE_FROM_PTR, CLIP, HAS_FOUND_INF, BLOCK)
     m = tl.load(exp_avg_ptr + offs, mask=wmask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=wmask, other=0.0)
-    if DECOUPLED:
-        p = p * decay
-    else:
-        g = g + weight_decay * p
-    # torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
-    if LERP_LOW:
-        m = m + lerp_weight * (g - m)
-    else:
-        m = g - (g - m) * (1.0 - lerp_weight)
-    v = v * beta2 + one_minus_beta2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p + tl.div_rn(neg_step_size * m, denom)  # addcdiv: self + value * t1 / t2
+    p, m, v = adam_math(p, g, m, v, decay, weight_decay, lerp_weight, beta2, one_minus_beta2, neg_step_size,
+                        bias_correction2_sqrt, eps, DECOUPLED, LERP_LOW)
     tl.store(param_ptr + offs, p, mask=wmask)
     tl.store(exp_avg_ptr + offs, m, mask=wmask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=wmask)
     _common.store_lowp(lowp_ptr, offs, p, wmask, LOWP)
 
 
-def _launch(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-            ga: _common.GradArgs, lowp, decoupled: bool) -> torch.Tensor:
+def scalars(*, lr, beta1, beta2, eps, weight_decay, step) -> tuple[tuple[float, ...], bool]:
+    """The kernels' scalar arguments, from ``decay`` to ``eps`` (computed on the host in
+    float64, as torch does), and ``LERP_LOW``."""
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     lerp_weight = 1 - beta1
-    return _common.launch_update(
-        _adam_kernel, (param, grad, exp_avg, exp_avg_sq), lowp, ga,
-        (1 - lr * weight_decay, weight_decay, lerp_weight, beta2, 1 - beta2,
-         -(lr / bias_correction1), bias_correction2 ** 0.5, eps),
-        DECOUPLED=decoupled, LERP_LOW=abs(lerp_weight) < 0.5,
-    )
+    return ((1 - lr * weight_decay, weight_decay, lerp_weight, beta2, 1 - beta2,
+             -(lr / bias_correction1), bias_correction2 ** 0.5, eps), abs(lerp_weight) < 0.5)
+
+
+def _launch(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
+            ga: _common.GradArgs, lowp, decoupled: bool, flag: torch.Tensor | None = None) -> torch.Tensor:
+    values, lerp_low = scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    return _common.launch_update(_adam_kernel, (param, grad, exp_avg, exp_avg_sq), lowp, ga, values,
+                                 flag=flag, DECOUPLED=decoupled, LERP_LOW=lerp_low)
 
 
 def _reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,

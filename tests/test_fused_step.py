@@ -39,7 +39,7 @@ def _launches():
     """Kernel launches so far (either backend), by the kernels' own counter."""
     return sum(n for (name, _), n in _common.CALLS.items()
                if name.rsplit(".", 1)[-1].rstrip("_").split("_reference")[0] in
-               ("adamw", "adam", "lion", "sgd", "lamb_partial_norms", "lamb_apply"))
+               ("adamw", "adam", "adamw_multi", "adam_multi", "lion", "sgd", "lamb_partial_norms", "lamb_apply"))
 
 
 def _train(kind, *, stage, mode, precision="fp32", clip=False, steps=3, nan_at=None, world=1, rank=0, **kw):
@@ -96,7 +96,8 @@ def test_fused_step_equals_unfused_step(kind, stage, precision):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_launch_per_flat_group_and_step(kind, precision, stage):
     """Under ZeRO the kernel runs once per flat group (LAMB: its norms and apply launches),
-    not once per leaf: one group of six leaves, then the groups of a 64-byte bucket."""
+    not once per leaf: one group of six leaves, then the groups of a 64-byte bucket (Adam
+    and AdamW: those groups in one multi-tensor launch)."""
     per = 2 if kind == "lamb" else 1
     _, _, launches = _train(kind, stage=stage, mode="on", precision=precision)
     assert launches == [per] * 3, launches
@@ -105,20 +106,32 @@ def test_one_launch_per_flat_group_and_step(kind, precision, stage):
     groups = len(build_layout(params, world=1, rank=0, bucket_bytes=64).groups)
     assert groups in (2, 3)
     _, _, launches = _train(kind, stage=stage, mode="on", precision=precision, bucket_bytes=64)
-    assert launches == [groups * per] * 3, launches
+    assert launches == [1 if kind in ("adam", "adamw") else groups * per] * 3, launches
 
 
-def test_stage_0_launches_once_per_leaf():
-    """Without ZeRO's flat groups each leaf is its own storage: one launch per leaf
-    (the choice documented in docs/kernels.md)."""
-    _, _, launches = _train("adamw", stage=0, mode="on")
-    assert launches == [6] * 3, launches
+@pytest.mark.parametrize("kind", KINDS)
+def test_stage_0_launches_once_per_group_of_leaves(kind):
+    """Without ZeRO's flat groups each leaf is its own storage, so each is a run: Adam and
+    AdamW update the six in one multi-tensor launch (two under a weights-only decay mask:
+    one per decay flag), LAMB, Lion and SGD launch per leaf (docs/kernels.md)."""
+    _, _, launches = _train(kind, stage=0, mode="on")
+    assert launches == [{"adam": 1, "adamw": 1, "lamb": 12}.get(kind, 6)] * 3, launches
+    if kind == "adamw":
+        apply, params = fzero.functionalize(CASE.make())
+        tx = optim.adamw(1e-2, weight_decay=0.5, mask=lambda p: {k: k.endswith("weight") for k in p})
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+        step = fzero.compile(ft.mse_step, zero=0)
+        with optim.use_fused("on"), fzero_kernels.force_backend("reference"):
+            state = step.init(state)
+            before = _launches()
+            step(state, CASE.batch(4))
+        assert _launches() - before == 2
 
 
 def test_a_weight_decay_mask_cuts_a_group_into_runs():
     """The kernels take one weight_decay per launch: a mask that alternates along the flat
-    group (weights decayed, biases not) gives one launch per run of equal flags, and the
-    update is still the chain's."""
+    group (weights decayed, biases not) cuts it into six runs of equal flags, which AdamW
+    updates in one multi-tensor launch per flag, and the update is still the chain's."""
     def train(mode):
         apply, params = fzero.functionalize(CASE.make())
         tx = optim.adamw(1e-2, weight_decay=0.5, mask=lambda p: {k: k.endswith("weight") for k in p})
@@ -131,7 +144,7 @@ def test_a_weight_decay_mask_cuts_a_group_into_runs():
         return fzero.gather(state.params), _launches() - before
 
     (fused, n), (plain, _) = train("on"), train("off")
-    assert n == 6
+    assert n == 2
     ft.assert_trees_close(fused, plain)
 
 
@@ -216,8 +229,11 @@ INTERPRETED = textwrap.dedent(r"""
     fused.fused_update = watched
     import fzero.train_state
 
-    for kind, stage, clip in [("adamw", 2, True), ("lamb", 3, True), ("lion", 1, False), ("sgd", 2, True)]:
-        tx = {"adamw": lambda: optim.adamw(1e-2), "lamb": lambda: optim.lamb(1e-2, weight_decay=0.1),
+    # Stage 0: six separate leaves, one multi-tensor launch (Adam, AdamW).
+    for kind, stage, clip in [("adamw", 2, True), ("lamb", 3, True), ("lion", 1, False), ("sgd", 2, True),
+                              ("adamw", 0, True), ("adam", 0, False)]:
+        tx = {"adamw": lambda: optim.adamw(1e-2), "adam": lambda: optim.adam(1e-2, weight_decay=0.05),
+              "lamb": lambda: optim.lamb(1e-2, weight_decay=0.1),
               "lion": lambda: optim.lion(1e-3), "sgd": lambda: optim.sgd(0.05, momentum=0.9)}[kind]
         out = []
         for mode in ("on", "off"):
@@ -243,8 +259,8 @@ INTERPRETED = textwrap.dedent(r"""
 @pytest.mark.slow
 def test_fused_step_under_the_triton_interpreter():
     """The Triton kernels themselves (interpreted on the CPU) as the step's optimizer: one
-    launch per flat group, the chain's result, and no host read of a device value
-    (norm, flags) on the way."""
+    launch per flat group (at stage 0, Adam's and AdamW's one multi-tensor launch), the
+    chain's result, and no host read of a device value (norm, flags) on the way."""
     import triton  # noqa: F401  (a test dependency: a broken install fails here, it is not skipped)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
@@ -255,18 +271,19 @@ def test_fused_step_under_the_triton_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")
 def test_fused_step_compiled_on_the_gpu_without_host_sync():
     """On a GPU: the compiled kernels as the step's optimizer equal the unfused chain, and
-    the fused update makes no host sync (torch.cuda.set_sync_debug_mode raises on one)."""
+    the fused update makes no host sync (torch.cuda.set_sync_debug_mode raises on one);
+    at stage 2 (one flat group) and, for the multi-tensor kernel, at stage 0."""
     import triton  # noqa: F401
     from fzero.optim import fused
     from fzero.optim.fused import fused_update
 
-    for kind in KINDS:
+    for kind, stage in [(kind, 2) for kind in KINDS] + [("adamw", 0), ("adam", 0)]:
         out = []
         for mode in ("on", "off"):
             model = CASE.make().cuda()
             apply, params = fzero.functionalize(model)
             state = fzero.TrainState.create(apply_fn=apply, params=params, tx=_tx(kind, True))
-            step = fzero.compile(ft.mse_step, zero=2)
+            step = fzero.compile(ft.mse_step, zero=stage)
             real = fused.fused_update
 
             def strict(*a, **k):
@@ -285,4 +302,4 @@ def test_fused_step_compiled_on_the_gpu_without_host_sync():
             finally:
                 fused.fused_update = fused_update
             out.append(fzero.gather({"p": state.params, "s": state.opt_state}))
-        ft.assert_trees_close(out[0], out[1], what=kind)
+        ft.assert_trees_close(out[0], out[1], what=f"{kind} stage {stage}")

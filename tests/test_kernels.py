@@ -207,6 +207,154 @@ def test_adamw_kernel_tracks_torch_fused_adamw():
     _close(q, p.detach())
 
 
+# --------------------------------------------------------------------------- multi-tensor AdamW / Adam
+MULTI_SIZES = [1, 17, 1000, _common.MULTI_CHUNK + 4465]  # the last takes two programs
+MULTI_CASES = [  # (kernel, grad dtype, grad_scale, clip max_norm, found_inf, lowp, a nan gradient)
+    ("adamw", torch.float32, 1.0, None, None, False, False),
+    ("adamw", torch.bfloat16, 1024.0, None, None, True, False),
+    ("adamw", torch.float16, "tensor", None, None, True, False),
+    ("adamw", torch.bfloat16, "tensor", 0.5, None, True, False),
+    ("adamw", torch.float32, 1024.0, 1e6, None, False, False),
+    ("adamw", torch.float32, 1.0, None, 0.0, True, False),
+    ("adamw", torch.bfloat16, 1.0, None, 1.0, True, False),
+    ("adamw", torch.float32, 1.0, None, None, False, True),
+    ("adamw", torch.bfloat16, 1.0, 0.5, None, True, True),
+    ("adam", torch.float32, 1.0, None, None, False, False),
+    ("adam", torch.bfloat16, "tensor", 0.5, 0.0, True, False),
+]
+
+
+def _multi_operands(sizes, gdtype, scale, lowp, nan, seed=0):
+    states = [_state(n, seed + i) for i, n in enumerate(sizes)]
+    s = 1024.0 if scale == "tensor" else scale
+    grads = [_grad(n, gdtype, s, seed + 100 + i) for i, n in enumerate(sizes)]
+    if nan:
+        grads[-1][3] = float("nan")
+    lowps = [torch.full((n,), 7.0, dtype=_lowp_dtype(gdtype)) for n in sizes] if lowp else None
+    gs = torch.tensor(1024.0) if scale == "tensor" else scale
+    return states, grads, lowps, gs
+
+
+def _multi_kwargs(grads, gs, clip, found):
+    kw = dict(**HYPER, step=3, grad_scale=gs)
+    if clip is not None:
+        kw.update(grad_sumsq=fk.sum_of_squares_reference(grads, grad_scale=gs), max_norm=clip)
+    if found is not None:
+        kw.update(found_inf=torch.tensor(found))
+    return kw
+
+
+@needs_triton
+@pytest.mark.parametrize("case", MULTI_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_multi_tensor_adamw_is_the_per_tensor_kernel_bit_for_bit(case):
+    """One launch over tensors of sizes 1, 17, 1000 and one past a program's chunk gives
+    every bit the per-tensor kernel gives (param, moments, lowp copy, flag), and the
+    torch reference within the kernels' tolerance."""
+    kind, gdtype, scale, clip, found, lowp, nan = case
+    states, grads, lowps, gs = _multi_operands(MULTI_SIZES, gdtype, scale, lowp, nan)
+    kw = _multi_kwargs(grads, gs, clip, found)
+    multi, single, ref = (fk.adamw_multi_, fk.adamw_, fk.adamw_multi_reference) if kind == "adamw" else \
+        (fk.adam_multi_, fk.adam_, fk.adam_multi_reference)
+    a = [_clone(s) for s in states]
+    la = _clone(lowps) if lowp else None
+    before = _common.CALLS[(f"fzero_kernels.{kind}_multi_", "triton")]
+    fa = multi([x[0] for x in a], grads, [x[1] for x in a], [x[2] for x in a], lowp_params=la, **kw)
+    assert _common.CALLS[(f"fzero_kernels.{kind}_multi_", "triton")] == before + 1
+    b = [_clone(s) for s in states]
+    lb = _clone(lowps) if lowp else [None] * len(states)
+    fb = [single(x[0], g, x[1], x[2], lowp_param=l, **kw) for x, g, l in zip(b, grads, lb)]
+    for i, (x, y) in enumerate(zip(a, b)):
+        for got, want in zip(x, y):
+            assert torch.equal(_bits(got), _bits(want)), (case, MULTI_SIZES[i])
+        if lowp:
+            assert torch.equal(_bits(la[i]), _bits(lb[i])), (case, MULTI_SIZES[i])
+    want_flag = max(f.item() for f in fb)
+    assert fa.shape == () and fa.dtype == torch.float32 and fa.item() == want_flag == float(nan or clip is not None
+                                                                                               and nan)
+    c = [_clone(s) for s in states]
+    lc = _clone(lowps) if lowp else None
+    fc = ref([x[0] for x in c], grads, [x[1] for x in c], [x[2] for x in c], lowp_params=lc, **kw)
+    assert fc.item() == fa.item()
+    for x, y in zip(a, c):
+        for got, want in zip(x, y):
+            _close(got, want)
+    if found or nan and clip is not None:  # skipped: every state bit kept
+        for x, s in zip(a, states):
+            for got, want in zip(x, s):
+                assert torch.equal(_bits(got), _bits(want))
+        assert la is None or all(torch.equal(_bits(x), _bits(y)) for x, y in zip(la, lowps))
+
+
+@needs_triton
+@SMALL
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6), seed=st.integers(0, 2**16),
+       gdtype=st.sampled_from(GRAD_DTYPES))
+def test_multi_tensor_adamw_random_sizes_and_small_chunks(sizes, seed, gdtype):
+    """Chunks of 512 elements in blocks of 256: most tensors span several programs, and
+    empty tensors none; still the per-tensor kernel's bits."""
+    states, grads, lowps, gs = _multi_operands(sizes, gdtype, 1.0, True, False, seed)
+    a, b, la, lb = [_clone(s) for s in states], [_clone(s) for s in states], _clone(lowps), _clone(lowps)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_common, "MULTI_CHUNK", 512)
+        mp.setattr(_common, "elementwise_config", lambda n: (256, 4))
+        fk.adamw_multi_([x[0] for x in a], grads, [x[1] for x in a], [x[2] for x in a], lowp_params=la, **HYPER,
+                        step=2)
+    for x, g, lp in zip(b, grads, lb):
+        fk.adamw_(x[0], g, x[1], x[2], lowp_param=lp, **HYPER, step=2)
+    for x, y, lx, ly in zip(a, b, la, lb):
+        assert all(torch.equal(_bits(u), _bits(w)) for u, w in zip([*x, lx], [*y, ly])), sizes
+
+
+@needs_triton
+def test_multi_tensor_adamw_falls_back_once_when_the_kernel_does_not_build(monkeypatch):
+    """A Triton that refuses the kernel (here: a stand-in raising as a build would) gives one
+    RuntimeWarning naming the error; that call and later ones launch per tensor, same bits."""
+    from fzero_kernels import adamw_multi
+
+    class Refused:
+        tries = 0
+
+        def __getitem__(self, grid):
+            Refused.tries += 1
+            raise RuntimeError("int-to-pointer cast refused")
+
+    monkeypatch.setattr(adamw_multi, "BROKEN", [])
+    monkeypatch.setattr(adamw_multi, "_adam_multi_kernel", Refused())
+    monkeypatch.setattr(adamw_multi, "_compiled", lambda: True)
+    states, grads, _, _ = _multi_operands([5, 40], torch.float32, 1.0, False, False)
+    want = [_clone(s) for s in states]
+    for x, g in zip(want, grads):
+        fk.adamw_(*x[:1], g, *x[1:], **HYPER, step=1)
+    with pytest.warns(RuntimeWarning, match="failed to build .*int-to-pointer cast refused"):
+        a = [_clone(s) for s in states]
+        fk.adamw_multi_([x[0] for x in a], grads, [x[1] for x in a], [x[2] for x in a], **HYPER, step=1)
+    before = _common.CALLS[("fzero_kernels.adamw_", "triton")]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fk.adamw_multi_([x[0] for x in a], grads, [x[1] for x in a], [x[2] for x in a], **HYPER, step=2)
+    assert Refused.tries == 1 and _common.CALLS[("fzero_kernels.adamw_", "triton")] == before  # not counted
+    for x, g in zip(want, grads):
+        fk.adamw_(*x[:1], g, *x[1:], **HYPER, step=2)
+    for x, y in zip(a, want):
+        assert all(torch.equal(u, w) for u, w in zip(x, y))
+
+
+def test_multi_tensor_reference_is_adamw_reference_per_tensor():
+    """Without the interpreter (the CPU's reference path): each tensor as adamw_reference
+    updates it, bit for bit, and the flags or'ed."""
+    states, grads, lowps, gs = _multi_operands([3, 50], torch.bfloat16, 1.0, True, True)
+    with fk.force_backend("reference"):
+        a, la = [_clone(s) for s in states], _clone(lowps)
+        flag = fk.adamw_multi_([x[0] for x in a], grads, [x[1] for x in a], [x[2] for x in a], lowp_params=la,
+                               **HYPER, step=4)
+    b, lb = [_clone(s) for s in states], _clone(lowps)
+    flags = [fk.adamw_reference(x[0], g, x[1], x[2], lowp_param=lp, **HYPER, step=4) for x, g, lp in zip(b, grads, lb)]
+    assert flag.item() == 1.0 and [f.item() for f in flags] == [0.0, 1.0]
+    for x, y, lx, ly in zip(a, b, la, lb):
+        assert all(torch.equal(_bits(u), _bits(w)) for u, w in zip([*x, lx], [*y, ly]))
+
+
 # --------------------------------------------------------------------------- LAMB
 def _segments(n, seed, k):
     """k segment offsets over [0, n], some segments empty."""
@@ -649,6 +797,32 @@ def test_adamw_input_errors(bad, message):
         fk.adamw_(**args)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(grads=[torch.zeros(4), torch.zeros(6)]), r"fzero_kernels\.adamw_multi_: grads\[1\] has 6 elements, params\[1\] has 5"),
+    (dict(grads=[torch.zeros(4), torch.zeros(5, dtype=torch.bfloat16)]),
+     r"fzero_kernels\.adamw_multi_: grads\[1\] has dtype bfloat16, grads\[0\] has float32: one launch takes one grads dtype"),
+    (dict(exp_avgs=[torch.zeros(4)]), r"fzero_kernels\.adamw_multi_: exp_avgs has 1 tensors, params has 2"),
+    (dict(exp_avg_sqs=[torch.zeros(4), torch.zeros(10)[::2]]),
+     r"fzero_kernels\.adamw_multi_: exp_avg_sqs\[1\] must be contiguous"),
+    (dict(params=[torch.zeros(4), torch.zeros(5, dtype=torch.float64)]),
+     r"fzero_kernels\.adamw_multi_: params\[1\] has dtype float64"),
+    (dict(params=[torch.zeros(4), torch.zeros(5, device="meta")]),
+     r"fzero_kernels\.adamw_multi_: params\[1\] is on meta, params\[0\] is on cpu"),
+    (dict(lowp_params=[torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.float16)]),
+     r"fzero_kernels\.adamw_multi_: lowp_params\[1\] has dtype float16, lowp_params\[0\] has bfloat16"),
+    (dict(params=torch.zeros(9)), r"fzero_kernels\.adamw_multi_: params must be a list or tuple of tensors, got Tensor"),
+    (dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[]), r"fzero_kernels\.adamw_multi_: params is empty"),
+    (dict(step=0), r"fzero_kernels\.adamw_multi_: step must be an int >= 1"),
+])
+def test_multi_tensor_input_errors(bad, message):
+    args = dict(params=[torch.zeros(4), torch.zeros(5)], grads=[torch.zeros(4), torch.zeros(5)],
+                exp_avgs=[torch.zeros(4), torch.zeros(5)], exp_avg_sqs=[torch.zeros(4), torch.zeros(5)],
+                **HYPER, step=1)
+    args.update(bad)
+    with pytest.raises((TypeError, ValueError), match=message):
+        fk.adamw_multi_(**args)
+
+
 def test_other_input_errors():
     p = torch.zeros(10)
     with pytest.raises(ValueError, match=r"fzero_kernels\.lamb_partial_norms: segments must start at 0 and end at 10"):
@@ -674,11 +848,12 @@ def test_other_input_errors():
 def test_docstring_examples_run():
     import fzero_kernels._common as c
     import fzero_kernels.adamw as a
+    import fzero_kernels.adamw_multi as am
     import fzero_kernels.lamb as la
     import fzero_kernels.lion as li
     import fzero_kernels.norm as no
     import fzero_kernels.sgd as s
-    for mod in (c, a, la, li, no, s):
+    for mod in (c, a, am, la, li, no, s):
         for backend in (["auto", "reference"] if not _SKIP_KERNELS else ["reference"]):
             with fk.force_backend(backend):
                 result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -2,9 +2,11 @@
 
 - ``test_kernels_compile_for_sm90``: on any machine with triton, every kernel compiles for
   an H100 (sm_90) and its PTX is what the design assumes: IEEE division and square root
-  (as torch), no FP contraction, 16-byte vector loads on aligned shards.
+  (as torch), no FP contraction, 16-byte vector loads on aligned shards (the multi-tensor
+  kernel too, its pointers read from its program table).
 - ``test_cuda_kernels_match_reference``: on a machine with a CUDA GPU, the compiled kernels
-  against the references run on the same GPU (skipped without one, as in CI).
+  against the references run on the same GPU, and the multi-tensor AdamW against the
+  per-tensor kernel bit for bit (skipped without one, as in CI).
 
 Each runs in a subprocess: triton fixes interpreted-or-compiled at its first import, and
 test_kernels.py imports it interpreted.
@@ -56,6 +58,12 @@ _SCRIPT = textwrap.dedent("""
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=2)
     fk.adamw_(p, g16, m, v, **hyper, grad_scale=torch.tensor(2.0), lowp_param=lowp, found_inf=torch.tensor(0.0),
               grad_sumsq=torch.tensor(4.0, dtype=torch.float64), max_norm=1.0)
+    # Two separate tensors (aligned addresses and lengths, as the caching allocator gives):
+    # the multi-tensor kernel, whose pointers come from its program table.
+    ps, ms, vs = [[torch.zeros(k) for k in (n, 1024)] for _ in range(3)]
+    fk.adamw_multi_(ps, [torch.zeros(k, dtype=torch.bfloat16) for k in (n, 1024)], ms, vs, **hyper,
+                    grad_scale=torch.tensor(2.0), lowp_params=[torch.zeros(k, dtype=torch.bfloat16) for k in (n, 1024)],
+                    found_inf=torch.tensor(0.0), grad_sumsq=torch.tensor(4.0, dtype=torch.float64), max_norm=1.0)
     fk.lamb_(p, torch.zeros(n), m, v, segments=(0, 1024, n), **hyper, lowp_param=lowp.half(),
              grad_sumsq=torch.tensor(4.0, dtype=torch.float64), max_norm=1.0)
     fk.lion_(p, g16, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, lowp_param=lowp)
@@ -100,7 +108,7 @@ def test_kernels_compile_for_sm90():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in report:
         pytest.skip(report["skip"])
-    assert set(report) == {"_adam_kernel", "_lamb_norms_kernel", "_lamb_apply_kernel", "_lion_kernel",
+    assert set(report) == {"_adam_kernel", "_adam_multi_kernel", "_lamb_norms_kernel", "_lamb_apply_kernel", "_lion_kernel",
                            "_sgd_kernel", "_unscale_kernel", "_sumsq_kernel"}, report
     for name, r in report.items():
         assert not r["approx_div"] and not r["approx_sqrt"], (name, r)  # IEEE, as torch
@@ -220,6 +228,33 @@ _CUDA_SCRIPT = textwrap.dedent("""
             fails.append(f"n={n}: clip with a nan sum of squares: flag {out5}")
         for t, k in zip((p, m, v, lowp), keep):
             same_bits(f"n={n} clip-skipped step keeps state", t, k)
+    # The multi-tensor kernel: separate tensors (one past a program's chunk, one unaligned),
+    # each bit for bit what the per-tensor kernel gives it; clip, tensor scale, skip.
+    from fzero_kernels import adamw_multi
+    for gd in (torch.float32, torch.bfloat16, torch.float16):
+        for kw in (dict(grad_scale=1.0), dict(grad_scale=torch.tensor(1024.0, device=dev), max_norm=0.5),
+                   dict(grad_scale=1.0, found_inf=torch.ones((), device=dev))):
+            sizes, offsets = (1, 17, 1000, (1 << 16) + 4465, 4096), (0, 0, 0, 0, 1)
+            ts = [state(n, 3, o) for n, o in zip(sizes, offsets)]
+            gs = [(torch.randn(n, device=dev, generator=gen) * 1024).to(gd) for n in sizes]
+            ls = [torch.zeros(n, device=dev, dtype=torch.float16 if gd == torch.float16 else torch.bfloat16)
+                  for n in sizes]
+            if "max_norm" in kw:
+                kw = dict(kw, grad_sumsq=fk.sum_of_squares(gs, grad_scale=kw["grad_scale"]))
+            a, b = [[t.clone() for t in x] for x in ts], [[t.clone() for t in x] for x in ts]
+            la, lb = [t.clone() for t in ls], [t.clone() for t in ls]
+            fa = fk.adamw_multi_([x[0] for x in a], gs, [x[1] for x in a], [x[2] for x in a], lowp_params=la,
+                                 **hyper, step=3, **kw)
+            fb = [fk.adamw_(x[0], g, x[1], x[2], lowp_param=lp, **hyper, step=3, **kw) for x, g, lp in zip(b, gs, lb)]
+            torch.cuda.synchronize()
+            what = f"adamw_multi_ grad={gd} {sorted(kw)}"
+            for i, (x, y) in enumerate(zip(a, b)):
+                for j, (u, w) in enumerate(zip([*x, la[i]], [*y, lb[i]])):
+                    same_bits(f"{what} tensor {i} operand {j}", u, w)
+            if fa.item() != max(f.item() for f in fb):
+                fails.append(f"{what}: flag {fa} vs {fb}")
+    if adamw_multi.BROKEN:
+        fails.append(f"the multi-tensor kernel fell back to per-tensor launches: {adamw_multi.BROKEN}")
     print(json.dumps({"fails": fails[:20], "n_fails": len(fails), "checked": checked[0]}))
 """)
 

@@ -14,14 +14,17 @@ When is it used (:func:`use_fused`):
 ``FZERO_FUSED=auto|on|off``, the old environment name of this choice, is still read (when
 set, it decides outside a ``use_fused`` block); ``FZERO_KERNELS_BACKEND`` is the one name now.
 
-One launch per *flat run*: leaves whose parameters, gradients and optimizer-state tensors
-each lie back to back in one storage (ZeRO's pieces of a flat group at stages 1-3: the
+One launch per *flat run* (Adam and AdamW: per group of runs, below): leaves whose parameters,
+gradients and optimizer-state tensors each lie back to back in one storage (ZeRO's pieces of a flat group at stages 1-3: the
 masters or parameters are views of the rank's owned slice, the gradients views of the
 reduced slice, and the moments views of one buffer laid out like the parameters, see
 ``fzero.optim.transform._zeros_like``) are updated by one kernel over the flat span. A leaf
 that shares no storage with its neighbours (stage 0: the module's own tensors) is a run of
 its own. A leaf whose weight-decay mask differs from its neighbour's starts a new run (the
-kernels take one ``weight_decay`` per launch).
+kernels take one ``weight_decay`` per launch). Adam and AdamW launch once per (decay flag,
+grad dtype) group of runs, not per run (``fzero_kernels.adamw_multi_``, a multi-tensor
+kernel): at stage 0 a model's leaves take one launch, not one each. LAMB, Lion and SGD still
+launch per run.
 
 Each launch does the whole update in one pass: the clip coefficient (from the global sum of
 squares, a device tensor: no host read of the norm), the decay, the moments and the
@@ -239,6 +242,27 @@ def _launch(spec: FusedSpec, run: _Run, *, lr: float, step: int, clip: dict, fou
                            step=2 if spec.momentum else None, **common)
 
 
+def _adam_groups(spec: FusedSpec, runs: list[_Run], *, lr: float, step: int, clip: dict, found_inf,
+                 grad_scale) -> None:
+    """Adam/AdamW over several runs: one multi-tensor launch per (decay flag, grad dtype)
+    group of runs -- the kernel takes one ``weight_decay`` and is specialised on the grad
+    dtype -- and the per-run launch for a group of one."""
+    import fzero_kernels
+
+    groups: dict[tuple[bool, torch.dtype], list[_Run]] = {}
+    for run in runs:
+        groups.setdefault((run.decay, run.grad.dtype), []).append(run)
+    multi = fzero_kernels.adamw_multi_ if spec.kind == "adamw" else fzero_kernels.adam_multi_
+    for (decay, _), group in groups.items():
+        if len(group) == 1:
+            _launch(spec, group[0], lr=lr, step=step, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
+            continue
+        multi([r.param for r in group], [r.grad for r in group], [r.states[0] for r in group],
+              [r.states[1] for r in group], lr=lr, beta1=spec.b1, beta2=spec.b2, eps=spec.eps,
+              weight_decay=spec.weight_decay if decay else 0.0, step=step, grad_scale=grad_scale,
+              found_inf=found_inf, **clip)
+
+
 def _lamb(spec: FusedSpec, runs: list[_Run], params: Any, n_leaves: int, device, *, lr: float, step: int,
           clip: dict, found_inf, grad_scale) -> None:
     """LAMB: per run the per-tensor sums of squares (launch 1), one ``psum`` of them all
@@ -346,6 +370,8 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
         if spec.kind == "lamb":
             _lamb(spec, runs, params, len(p_leaves), device, **kw)
+        elif spec.kind in ("adam", "adamw") and len(runs) > 1:
+            _adam_groups(spec, runs, **kw)
         else:
             for run in runs:
                 _launch(spec, run, **kw)
