@@ -34,6 +34,14 @@ TXS = {
 Blocks = ft.Blocks
 
 
+
+def _adamw_calls() -> int:
+    """Launches of the fused AdamW so far, per leaf or multi-tensor, reference backend."""
+    import fzero_kernels._common
+
+    return sum(n for (name, backend), n in fzero_kernels._common.CALLS.items()
+               if name in ("fzero_kernels.adamw_", "fzero_kernels.adamw_multi_") and backend == "reference")
+
 def _state(make_model, tx_name):
     apply, params = fzero.functionalize(make_model())
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=TXS[tx_name]())
@@ -97,13 +105,18 @@ def test_every_stage_every_world(ranks, stage, world):
 # --------------------------------------------------------------------------- memory
 
 
+def _blocks_state(io, width, depth):
+    """A seeded ``Blocks(io, width, depth, io)`` as a TrainState with AdamW, and its Psi; the
+    module's own tensors are not kept."""
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(Blocks(io, width, depth, io))
+    psi = sum(p.numel() for p in params.values())
+    return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3)), psi
+
+
 def _memory(stage, width, depth, bucket_bytes, precision="fp32"):
     n, r = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    apply, params = fzero.functionalize(Blocks(16, width, depth, 16))
-    psi = sum(p.numel() for p in params.values())
-    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
-    del params
+    state, psi = _blocks_state(16, width, depth)
     seen = {}
 
     def train_step(state, batch):
@@ -184,11 +197,7 @@ def _default_bucket_memory(depth):
     of 256-wide layers; the process's tensor bytes right after backward and after the step,
     over what the process held before the model existed."""
     before = _process_tensor_bytes()
-    torch.manual_seed(0)
-    apply, params = fzero.functionalize(Blocks(64, 256, depth, 64))
-    psi = sum(p.numel() for p in params.values())
-    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
-    del params
+    state, psi = _blocks_state(64, 256, depth)
     seen = {}
 
     def train_step(state, batch):
@@ -616,12 +625,12 @@ def _masked_adamw_like_torch_param_groups(stage, fused):
         state = fzero.TrainState.create(apply_fn=apply, params=params,
                                         tx=optim.adamw(1e-2, weight_decay=0.5, mask=mask))
         step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), stage, bucket_bytes=256)
-        kernel_calls = fzero_kernels._common.CALLS[("fzero_kernels.adamw_", "reference")]
+        kernel_calls = _adamw_calls()
         with optim.use_fused(fused), fzero_kernels.force_backend("reference"):
             state = step.init(state)
             for b in batches:
                 state, _ = step(state, ft.local_batch(b, n, r))
-        ran_fused = fzero_kernels._common.CALLS[("fzero_kernels.adamw_", "reference")] > kernel_calls
+        ran_fused = _adamw_calls() > kernel_calls
         assert ran_fused == (fused == "on"), (fused, ran_fused)
         ft.assert_trees_close(fzero.gather(state.params), expected,
                               what=f"params, mask by {kind}, fused {fused}, stage {stage}, rank {r}")

@@ -68,11 +68,18 @@ def reap(tag: str) -> list[int]:
     """
     if not os.path.isdir("/proc"):
         return []
-    killed = []
-    for _ in range(3):  # a process may fork while we look
+    killed, empty = [], 0
+    for _ in range(6):  # a process may fork while we look
         pids = _tagged(tag)
         if not pids:
-            break
+            # A process caught between fork and exec shows no environment yet: only two
+            # empty looks in a row mean none is left (one missed half the time under load).
+            empty += 1
+            if empty == 2:
+                break
+            time.sleep(0.02)
+            continue
+        empty = 0
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
