@@ -375,6 +375,12 @@ def _flags_case(device):
     assert got.device == leaves[0].device and got.tolist() == want.tolist() == [0, 1, 0, 0, 1, 0]
     assert nonfinite_flags(leaves[:1] + leaves[3:4], None).tolist() == [0, 0]  # one group, in order
     assert count_nonfinite(leaves, None).item() == 2 and count_nonfinite(leaves[:1] + leaves[3:], None).item() == 1
+    # Both ways the check is made (the device picks one): each leaf's verdict is isfinite's.
+    from fzero.transforms.finite import _bad_by_minmax, _bad_by_peak
+
+    for bad in (_bad_by_minmax, _bad_by_peak):
+        for group in (leaves[:2] + leaves[3:4], leaves[4:]):
+            assert bad(group).tolist() == [bool((~torch.isfinite(x)).any()) for x in group], (bad, group)
 
 
 def test_the_nonfinite_check_is_isfinite_per_leaf():

@@ -58,8 +58,10 @@ def nonfinite_flags(leaves: list, state) -> torch.Tensor:
 
     One multi-tensor max-abs (``torch._foreach_norm(ord=inf)``, which propagates NaN) per
     device and dtype, not a chain of element-wise kernels per leaf: on a GPU the check is a
-    handful of launches whatever the number of parameters. A max-abs is finite exactly when
-    every element is (no overflow, unlike a sum of squares); empty leaves are finite.
+    handful of launches whatever the number of parameters (on the CPU, where launches cost
+    nothing, a min-max pass per leaf, the faster kernel there). A max-abs or a min and max is
+    finite exactly when every element is (no overflow, unlike a sum of squares); empty
+    leaves are finite.
     """
     device = _device_of(leaves, state)
     groups = _groups(leaves)
@@ -72,8 +74,20 @@ def nonfinite_flags(leaves: list, state) -> torch.Tensor:
 
 
 def _bad(leaves: list, device) -> torch.Tensor:
-    peaks = torch.stack(torch._foreach_norm(leaves, math.inf))
-    return (~torch.isfinite(peaks)).to(device=device, dtype=torch.float32)
+    """1.0 per leaf (one device, one dtype) holding an inf or NaN."""
+    # On the CPU the inf-norm is a slow path (3 ms for a 0.9M-parameter GPT against 0.26 for a
+    # min-max pass per leaf); on a GPU one multi-tensor launch beats a launch per leaf.
+    bad = _bad_by_minmax(leaves) if leaves[0].device.type == "cpu" else _bad_by_peak(leaves)
+    return bad.to(device=device, dtype=torch.float32)
+
+
+def _bad_by_peak(leaves: list) -> torch.Tensor:
+    return ~torch.isfinite(torch.stack(torch._foreach_norm(leaves, math.inf)))
+
+
+def _bad_by_minmax(leaves: list) -> torch.Tensor:
+    ends = torch.stack([torch.stack(torch.aminmax(torch.view_as_real(x) if x.is_complex() else x)) for x in leaves])
+    return ~torch.isfinite(ends).all(dim=1)
 
 
 def count_nonfinite(leaves: list, state) -> torch.Tensor:
