@@ -3,30 +3,17 @@ import os
 # Keep runs reproducible and light on the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import sys  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Triton fixes interpreted-or-compiled at its first import, and tests/test_kernels.py runs the
-# kernels under its CPU interpreter. Any earlier import of torch._dynamo (a torch.compile in
-# tests/test_jit.py) imports triton, compiled, which would skip every interpreted kernel test
-# after it: without a GPU, import it interpreted first, then give the environment back
-# (other tests run the torch references on CPU tensors). With a GPU the kernels run compiled.
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    _prior = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:  # the references alone are tested
-        pass
-    finally:
-        if _prior is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _prior
+# kernels interpreted; a torch.compile before it (tests/test_jit.py) would import triton
+# compiled and skip them all. Without a GPU, import it interpreted first.
+if not torch.cuda.is_available():
+    from harness.interpreted import import_triton_interpreted
+
+    import_triton_interpreted()
 
 # CI replays the same examples every run (hypothesis' advice for CI: a red build then means
 # a change broke something, not that a new random draw found an old corner); developers'

@@ -14,19 +14,9 @@ import subprocess
 import sys
 import textwrap
 
-_prior = os.environ.get("TRITON_INTERPRET")
-if "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        if _prior is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _prior
+from harness.interpreted import import_triton_interpreted
+
+import_triton_interpreted()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
