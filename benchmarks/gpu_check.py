@@ -56,9 +56,10 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]  # gpu_table; the test harness
 
 import gpu_table  # noqa: E402
+from harness.commands import reap as reap_tagged  # noqa: E402  (stdlib only, like this driver)
 
 SCHEMA = 1
 # The quick ones first: test_gpu.py's launches of the example take minutes together, and a
@@ -167,29 +168,7 @@ def start(argv: list[str], log_path: Path, env: dict | None = None, cwd: Path | 
 
 def reap(proc: subprocess.Popen) -> list[int]:
     """SIGKILL every process left that carries ``proc``'s tag; their ids."""
-    needle = f"{TAG_VAR}={_tags[proc.pid]}".encode()
-    killed = []
-    for _ in range(3):  # a process may fork while we look
-        found = []
-        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:  # gone, or not ours
-                continue
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except OSError:
-                pass
-        if not found:
-            break
-        time.sleep(0.1)
-    return sorted(set(killed))
+    return reap_tagged(_tags[proc.pid], TAG_VAR)
 
 
 def kill(proc: subprocess.Popen) -> None:

@@ -165,7 +165,7 @@ def test_estimate_time_default_shape_is_gpt3s(capsys):
 def test_elementwise_coefficients_match_a_count_of_a_real_step():
     """The reference: the bytes of every non-matmul op a CPU step of examples/gpt.py dispatches,
     per token (batch 2 minus batch 1), against gpt_workload's coefficients."""
-    torch = pytest.importorskip("torch")
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 

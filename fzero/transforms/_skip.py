@@ -5,17 +5,21 @@ step, and a word when updates go on being skipped.
 run, and the forward updates buffers in place (BatchNorm's running statistics and its
 counter). A skipped update must leave every tensor of the state as it was (SPEC), so each of
 the two keeps the pre-update values of the buffers the forward changes and writes them back
-on a skip (:class:`BufferGuard`), and counts its skips in a row (:class:`SkipStreak`).
+on a skip (:class:`BufferGuard`), and counts its skips in a row (:class:`SkipStreak`). Both
+run the update with their verdict still on the device (:func:`update_under_verdict`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["BufferGuard", "SkipStreak", "WARN_AFTER"]
+from fzero.core import context, running
+
+__all__ = ["BufferGuard", "SkipStreak", "WARN_AFTER", "update_under_verdict"]
 
 # A streak of this many skipped updates in a row is reported once. DeepSpeed logs every
 # skipped step; most skips are fp16's dynamic scaler finding its scale: from 2^16 with
@@ -24,6 +28,26 @@ __all__ = ["BufferGuard", "SkipStreak", "WARN_AFTER"]
 # past that, and under bf16 or fp32, which skip only on inf/NaN gradients, already a run
 # that is not training.
 WARN_AFTER = 10
+
+
+def update_under_verdict(flag: torch.Tensor, pending: bool, update: Callable[[], Any]) -> tuple[Any, bool]:
+    """Run ``update()`` with the verdict on its gradients still on the device; then read it.
+
+    ``flag`` is this transform's count of non-finite gradients (0-dim, on the device, agreed
+    across ranks); ``pending`` says a deferred micro-batch of this update was not finite; a
+    verdict from a transform outside (the step context's ``skip_flag``) counts too. The update
+    runs with the sum as the step context's ``skip_flag`` (a discarded update writes nothing
+    of its input: core's ``update``), and the host reads it once, with the update already on
+    its way. Returns what the update returned and whether it is to be discarded.
+    """
+    if pending:
+        flag = flag + 1.0
+    outer = context().skip_flag
+    if outer is not None:
+        flag = flag + outer
+    with running(skip_flag=flag):
+        new = update()
+    return new, bool(flag > 0)
 
 
 class BufferGuard:

@@ -16,10 +16,9 @@ import torch
 
 from fzero import tree
 from fzero.transforms.shard_state import is_shard
-from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
-                        running)
+from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum)
 from fzero.transforms._deferred import is_deferred
-from fzero.transforms._skip import BufferGuard, SkipStreak
+from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 
 __all__ = ["NonFiniteGradientError", "check_finite"]
 
@@ -142,16 +141,7 @@ class _FiniteHandler(Handler):
             if not (isinstance(new, NotApplied) and new.reason == "deferred"):
                 self.guard.finish(skipped=False)
             return new
-        if self.pending:  # a deferred micro-batch of this update was not finite
-            flags = flags + 1.0
-        if context().skip_flag is not None:  # a verdict from outside too
-            flags = flags + context().skip_flag
-        # The verdict stays on the device while the update is enqueued (the step context's
-        # skip_flag): a discarded update writes nothing of its input, and the host reads the
-        # verdict once, with the update on its way.
-        with running(skip_flag=flags):
-            new = next(state, grads)
-        overflow = bool(flags > 0)
+        new, overflow = update_under_verdict(flags, self.pending, lambda: next(state, grads))
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside
             self.pending = overflow
             return new

@@ -42,8 +42,8 @@ class Command(NamedTuple):
         return self.returncode is None
 
 
-def _tagged(tag: str) -> list[int]:
-    needle = f"{REAP_VAR}={tag}".encode()
+def _tagged(tag: str, var: str = REAP_VAR) -> list[int]:
+    needle = f"{var}={tag}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -57,8 +57,10 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
-def reap(tag: str) -> list[int]:
-    """SIGKILL every process whose environment holds ``FZERO_REAP_TAG=tag``; return their ids.
+def reap(tag: str, var: str = REAP_VAR) -> list[int]:
+    """SIGKILL every process whose environment holds ``FZERO_REAP_TAG=tag`` (or ``var=tag``:
+    a driver above run_command tags with a variable of its own, which run_command's inner
+    tag does not overwrite); return their ids.
 
     torchrun starts each rank in a session of its own (``setsid``), out of reach of a kill
     of the launcher's process group, and a rank whose launcher died is re-parented away
@@ -70,7 +72,7 @@ def reap(tag: str) -> list[int]:
         return []
     killed, empty = [], 0
     for _ in range(6):  # a process may fork while we look
-        pids = _tagged(tag)
+        pids = _tagged(tag, var)
         if not pids:
             # A process caught between fork and exec shows no environment yet: only two
             # empty looks in a row mean none is left (one missed half the time under load).

@@ -15,9 +15,9 @@ from fzero._params import merge_trainable, trainable
 from fzero.transforms.shard_state import is_shard
 from fzero.transforms._checks import check_option
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, lower,
-                        psum, running)
+                        psum)
 from fzero.transforms._deferred import is_deferred
-from fzero.transforms._skip import BufferGuard, SkipStreak
+from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 from fzero.transforms.finite import count_nonfinite
 from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
@@ -83,22 +83,14 @@ class _PrecisionHandler(Handler):
         # its overflow flag with MAX), the same count check_finite takes.
         leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
         flag = psum(count_nonfinite(leaves, state))
-        if self.pending_overflow:  # a deferred micro-batch of this update was not finite
-            flag = flag + 1.0
-        if context().skip_flag is not None:  # a verdict from outside too
-            flag = flag + context().skip_flag
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
         unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
         # The update goes on even on overflow and is discarded below: an accumulation
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
-        # accumulated gradient. The verdict stays on the device while the update is enqueued
-        # (the step context's skip_flag): a discarded update writes nothing of the state it
-        # is given, and the host reads the verdict once, below, with the update on its way.
-        with running(skip_flag=flag):
-            new = next(state, unscaled)
-        overflow = bool(flag > 0)
+        # accumulated gradient. It runs with the verdict still on the device.
+        new, overflow = update_under_verdict(flag, self.pending_overflow, lambda: next(state, unscaled))
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside:
             self.pending_overflow = overflow  # remember, decide at the update's last micro-batch
             return new
