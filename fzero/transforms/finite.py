@@ -85,8 +85,8 @@ def _bad_by_peak(leaves: list) -> torch.Tensor:
 
 
 def _bad_by_minmax(leaves: list) -> torch.Tensor:
-    ends = torch.stack([torch.stack(torch.aminmax(torch.view_as_real(x) if x.is_complex() else x)) for x in leaves])
-    return ~torch.isfinite(ends).all(dim=1)
+    ends = [e for x in leaves for e in torch.aminmax(torch.view_as_real(x) if x.is_complex() else x)]
+    return ~torch.isfinite(torch.stack(ends).view(-1, 2)).all(dim=1)
 
 
 def count_nonfinite(leaves: list, state) -> torch.Tensor:
