@@ -301,13 +301,15 @@ def timed(fn: Callable, *args) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def paired_rounds(steps: dict, batches: list, warmup: int) -> tuple[dict, dict, dict]:
+def paired_rounds(steps: dict, batches: list, warmup: int,
+                  every_time: dict | None = None) -> tuple[dict, dict, dict]:
     """Every contestant's ``step(batch, probe) -> loss`` once per round, interleaved
     (:func:`interleaved`), each timed (:func:`timed`, the loss read inside the timing).
 
     Returns ``(times, losses, probes)``: the step times of the rounds from ``warmup`` on, every
     round's loss, and what each contestant's step put in its ``probe`` in round 1 (the memory
-    probe: the step sees ``probe["on"]`` set there).
+    probe: the step sees ``probe["on"]`` set there). ``every_time``, if given, receives every
+    round's time, warm-up included (a compiling contestant's compile time is there).
     """
     names = tuple(steps)
     times = {n: [] for n in names}
@@ -317,6 +319,8 @@ def paired_rounds(steps: dict, batches: list, warmup: int) -> tuple[dict, dict, 
         probe = {"on": True} if i == 1 else {}
         dt, loss = timed(lambda: steps[n](batch, probe).item())
         losses[n].append(loss)
+        if every_time is not None:
+            every_time[n].append(dt)
         if i >= warmup:
             times[n].append(dt)
         if i == 1:

@@ -72,11 +72,20 @@ processes; the interpreter of a scratch environment that has DeepSpeed adds its 
     .venv/bin/python benchmarks/zero.py --preset tiny --steps 20 --warmup 3 --threads 1
     PYTHONPATH=$PWD /tmp/dsvenv/bin/python benchmarks/zero.py --steps 20 --warmup 3 --threads 1
 
-``--jit`` adds ``zeroN-jit`` beside each fzero contestant ``zeroN``: the same step under
-``fzero.compile(jit=...)``, the model's forward under ``torch.compile`` (inductor, or the
-backend named: ``--jit aot_eager``); it compiles in its build steps, before the rounds::
+``--jit`` adds a compiled twin beside each contestant: ``zeroN-jit`` is the same fzero step
+under ``fzero.compile(jit=...)`` (the model's forward under ``torch.compile``), ``ddp-jit``
+is ``torch.compile`` of the DDP module (dynamo's DDP optimizer splits the graph at bucket
+boundaries), ``fsdp2-jit`` ``torch.compile`` of the FSDP2 root; inductor, or the backend
+named (``--jit aot_eager``). Compiling happens in the warm-up rounds: the table's ``compile
+s`` column is the warm-up rounds' time above ``warmup × median`` (each contestant's own).
+After the timed rounds every compiled twin takes one step on a batch of half the sequence
+length and one of a quarter, and the table counts the graphs dynamo compiled for each
+(``torch._dynamo``'s ``unique_graphs`` counter: one new, dynamic-shape graph per compiled
+region at the first change, none at the second is torch's automatic-dynamic behaviour). A
+``--jit`` run compiles cold: no graphs from inductor's caches, no dynamic dimensions from
+dynamo's profile of an earlier run (``cold_compiles``)::
 
-    .venv/bin/python benchmarks/zero.py --preset tiny --only zero1,zero3 --jit aot_eager --rss off
+    .venv/bin/python benchmarks/zero.py --preset tiny --only ddp,zero1,zero3 --jit --rss off
 """
 
 from __future__ import annotations
@@ -120,11 +129,12 @@ SCRIPT = "benchmarks/zero.py"
 DEEPSPEED = tuple(f"deepspeed{s}" for s in _deepspeed.STAGES)
 CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3") + DEEPSPEED
 # With --jit: fzero's contestants again under compile(jit=), each beside its eager one.
-JIT = tuple(f"zero{s}-jit" for s in range(4))
-LABELS = {**{f"zero{s}-jit": f"fzero stage {s}, jit" for s in range(4)}, "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
+JIT = ("ddp-jit", "fsdp2-jit") + tuple(f"zero{s}-jit" for s in range(4))
+LABELS = {**{f"zero{s}-jit": f"fzero stage {s}, jit" for s in range(4)}, "ddp-jit": "DDP + torch.compile",
+          "fsdp2-jit": "FSDP2 + torch.compile", "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
           **{f"deepspeed{s}": f"DeepSpeed stage {s}" for s in range(4)}}
 # The ZeRO stage whose formulas a contestant is held to: DDP's is 0, FSDP2's 3.
-STAGE = {**{f"zero{s}-jit": s for s in range(4)}, "ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
+STAGE = {**{f"zero{s}-jit": s for s in range(4)}, "ddp-jit": 0, "fsdp2-jit": 3, "ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
 # Bytes per parameter after backward, fp32 Adam, N ranks (ZeRO paper, fig. 1), by ZeRO stage
 # (DDP's is stage 0's, FSDP2's stage 3's).
 FORMULA = {0: lambda n: 16.0, 1: lambda n: 8 + 8 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
@@ -183,19 +193,32 @@ def torch_step(model, forward, opt):
     return step
 
 
-def build_ddp(base, args, mesh):
-    model = copy.deepcopy(base)
-    ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-    return torch_step(model, ddp, make_torch_optimizer(model.parameters()))
+def jit_keywords(args) -> dict:
+    """``torch.compile``'s keywords for ``--jit`` (``True``: torch's default backend)."""
+    return {} if args.jit in (None, True) else {"backend": args.jit}
 
 
-def build_fsdp2(base, args, mesh):
-    model = copy.deepcopy(base)
-    dmesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=dmesh)
-    fully_shard(model, mesh=dmesh)
-    return torch_step(model, model, make_torch_optimizer(model.parameters()))
+def build_ddp(jit=False):
+    def build(base, args, mesh):
+        model = copy.deepcopy(base)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        forward = torch.compile(ddp, **jit_keywords(args)) if jit else ddp
+        return torch_step(model, forward, make_torch_optimizer(model.parameters()))
+
+    return build
+
+
+def build_fsdp2(jit=False):
+    def build(base, args, mesh):
+        model = copy.deepcopy(base)
+        dmesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=dmesh)
+        fully_shard(model, mesh=dmesh)
+        forward = torch.compile(model, **jit_keywords(args)) if jit else model
+        return torch_step(model, forward, make_torch_optimizer(model.parameters()))
+
+    return build
 
 
 def build_fzero(stage, jit=False):
@@ -212,7 +235,8 @@ def build_fzero(stage, jit=False):
     return build
 
 
-BUILDERS = {"ddp": build_ddp, "fsdp2": build_fsdp2, **{f"zero{s}": build_fzero(s) for s in range(4)},
+BUILDERS = {"ddp": build_ddp(), "fsdp2": build_fsdp2(), "ddp-jit": build_ddp(jit=True),
+            "fsdp2-jit": build_fsdp2(jit=True), **{f"zero{s}": build_fzero(s) for s in range(4)},
             **{f"zero{s}-jit": build_fzero(s, jit=True) for s in range(4)},
             **{f"deepspeed{s}": _deepspeed.build(s) for s in _deepspeed.STAGES}}
 
@@ -236,14 +260,14 @@ def parse(argv=None):
                    help="gradient bucket size of DDP, fzero and DeepSpeed (MiB)")
     p.add_argument("--only", default=None,
                    help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS)
-                        + "; DeepSpeed's where it imports; with --jit, zeroN-jit beside each zeroN)")
+                        + "; DeepSpeed's where it imports; with --jit, each one's compiled twin beside it)")
     p.add_argument("--rss", choices=("isolated", "off"), default="isolated",
                    help="isolated: measure each contestant's peak RSS in a fresh process pair afterwards")
     p.add_argument("--rss-steps", type=int, default=3, help="steps of each isolated peak-RSS run")
     p.add_argument("--jit", nargs="?", const=True, default=None, metavar="BACKEND",
-                   help="also run each fzero contestant under compile(jit=), the model's forward under "
-                        "torch.compile (zeroN-jit, beside zeroN); a backend name (aot_eager, eager) instead of "
-                        "torch's default, inductor")
+                   help="also run each contestant's compiled twin: fzero under compile(jit=) (zeroN-jit), DDP and "
+                        "FSDP2 under torch.compile (ddp-jit, fsdp2-jit); a backend name (aot_eager, eager) "
+                        "instead of torch's default, inductor")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
@@ -264,7 +288,7 @@ def command_line(argv) -> str:
 
 def chosen(only: str | None, deepspeed: tuple[bool, str], jit: bool = False) -> tuple[str, ...]:
     """The contestants to run: ``--only``'s, or all of them, DeepSpeed's where it imports
-    and, with ``--jit``, each fzero contestant's jit twin after it."""
+    and, with ``--jit``, each contestant's compiled twin after it."""
     ok, why = deepspeed
     if only is None:
         names = CONTESTANTS if ok else tuple(n for n in CONTESTANTS if n not in DEEPSPEED)
@@ -278,13 +302,48 @@ def chosen(only: str | None, deepspeed: tuple[bool, str], jit: bool = False) -> 
     return tuple(dict.fromkeys(twins))
 
 
+def cold_compiles() -> None:
+    """Every run compiles as a user's first run does: no graphs or kernels from this machine's
+    caches (inductor's FX-graph and AOTAutograd caches), and no dimensions already known to be
+    dynamic from an earlier run (dynamo's local profile, which would make the shape-change
+    count read 0)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._dynamo.config.automatic_dynamic_local_pgo = False
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
+def shape_changes(steps: dict, vocab_size: int, block_size: int, per_rank: int) -> dict[str, list[int]]:
+    """Each compiled contestant's graphs compiled (dynamo's ``unique_graphs`` counter) by one
+    step on sequences of half, then a quarter, of ``block_size`` tokens."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for n, step in steps.items():
+        if not n.endswith("-jit"):
+            continue
+        out[n] = []
+        for length in (block_size // 2, block_size // 4):
+            batch = rank_batches(vocab_size, length, per_rank, 1)[0]
+            before = counters["stats"]["unique_graphs"]
+            step(batch, {}).item()
+            out[n].append(counters["stats"]["unique_graphs"] - before)
+    return out
+
+
 def build_all(names, base, args, mesh) -> tuple[dict, dict]:
     """Every contestant's step (wrapped to count its collectives in the probed round), and the
     DeepSpeed stages whose engine could not be built here, with why (on any rank)."""
     steps, failed = {}, {}
     for n in names:
         try:
-            steps[n] = counted(BUILDERS[n](base, args, mesh), SCRIPT)
+            step = BUILDERS[n](base, args, mesh)
+            # Not DDP's or FSDP2's compiled twin: dynamo stops compiling a function it once met
+            # under a dispatch mode (the counter), and the twin would run eagerly from then on
+            # (fzero's jit runs the model eagerly while a mode is active, fzero._jit).
+            steps[n] = step if n in ("ddp-jit", "fsdp2-jit") else counted(step, SCRIPT)
         except Exception as e:  # only DeepSpeed's: ours and torch's must build, or the run stops
             if n not in DEEPSPEED:
                 raise
@@ -297,6 +356,8 @@ def build_all(names, base, args, mesh) -> tuple[dict, dict]:
 
 def run(args, argv) -> dict | None:
     torch.set_num_threads(args.threads)
+    if args.jit:
+        cold_compiles()
     deepspeed = _deepspeed.available()  # imported before the baseline, in every process alike
     mesh = fzero.Mesh(dp=-1)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -319,7 +380,9 @@ def run(args, argv) -> dict | None:
     warmup = max(args.warmup, 2)
     batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch_size // world, warmup + args.steps)
 
-    times, losses, probes = paired_rounds(steps, batches, warmup)
+    every_time = {n: [] for n in names}
+    times, losses, probes = paired_rounds(steps, batches, warmup, every_time)
+    new_graphs = shape_changes(steps, cfg.vocab_size, cfg.block_size, args.batch_size // world)
 
     # The slowest rank's time per step; model state and bytes of the larger rank; global mean losses.
     all_times = [None] * world
@@ -345,7 +408,9 @@ def run(args, argv) -> dict | None:
         formula = FORMULA[stage](world) * psi
         sent_formula = SENT[stage] * psi * (world - 1) / world * 4
         # fzero's step reads its own count from comm.traffic; every step has the c10d count.
-        sent, sent_as = (largest["sent"], probes[n]["sent_as"]) if "sent" in largest else (largest["c10d_sent"], "ring")
+        # DDP's and FSDP2's compiled twins' c10d ops are not counted (see build_all): "–".
+        sent, sent_as = ((largest["sent"], probes[n]["sent_as"]) if "sent" in largest
+                         else (largest.get("c10d_sent"), "ring"))
         res[n] = {
             **time_stats(t),
             "x_ddp_paired": statistics.median(paired) if paired else None,
@@ -355,11 +420,14 @@ def run(args, argv) -> dict | None:
             "sent_bytes": sent,
             "sent_as": sent_as,
             "sent_formula_bytes": sent_formula,
-            "x_sent_formula": sent / sent_formula if sent_as == "ring" else None,
-            "c10d_sent_bytes": largest["c10d_sent"],
-            "c10d_payload_bytes": largest["c10d_payload"],
-            "c10d_payload_by_kind_rank0": probes[n]["c10d_kinds"],
+            "x_sent_formula": sent / sent_formula if sent_as == "ring" and sent is not None else None,
+            "c10d_sent_bytes": largest.get("c10d_sent"),
+            "c10d_payload_bytes": largest.get("c10d_payload"),
+            "c10d_payload_by_kind_rank0": probes[n].get("c10d_kinds"),
             "traffic_payload_bytes": largest.get("payload"),
+            "compile_s": sum(every_time[n][:warmup]) - warmup * statistics.median(t) if t else None,
+            "first_step_s": every_time[n][0],
+            "graphs_on_new_shapes": new_graphs.get(n),
             "final_loss": float(loss_t[j, -1]),
             "losses": [float(v) for v in loss_t[j]],
         }
@@ -438,7 +506,8 @@ def report(result: dict, rss: dict) -> None:
         peak = rss.get(n)
         peak_s = f"{peak:.0f}" if peak is not None and peak == peak else "–"
         sent_f = f"{SENT[stage]}Ψ(N-1)/N"
-        sent = f"{r['sent_bytes'] / MIB:.2f}" + (" payload" if r["sent_as"] == "payload" else "")
+        sent = ("–" if r["sent_bytes"] is None else
+                f"{r['sent_bytes'] / MIB:.2f}" + (" payload" if r["sent_as"] == "payload" else ""))
         x_sent = f"{r['x_sent_formula']:.3f} ({sent_f})" if r["x_sent_formula"] is not None else f"– ({sent_f})"
         parity = f"{max(abs(a - c) / abs(c) for a, c in zip(r['losses'], ref)):.1e}" if ref else "–"
         print(f"| {LABELS[n]} | {r['median_s']:.3f} | {x}{target} | {r['state_bytes'] / MIB:.1f} | "
@@ -465,6 +534,8 @@ def report(result: dict, rss: dict) -> None:
                                    "comm.traffic.bytes(), the payload handed to collectives (this fzero has no "
                                    "traffic.sent())") + "; the c10d ops of the same step:")
         for n, r in fz.items():
+            if r["c10d_payload_bytes"] is None:
+                continue  # a compiled twin: not counted at the c10d level (see build_all)
             same = "=" if r["c10d_payload_bytes"] == r["traffic_payload_bytes"] else "≠"
             print(f"- {n}: payload {r['c10d_payload_bytes']} B ({same} comm.traffic.bytes() "
                   f"{r['traffic_payload_bytes']} B), "
@@ -482,6 +553,12 @@ def report(result: dict, rss: dict) -> None:
         ran_ds = [n for n in DEEPSPEED if n in ran]
         print(f"DeepSpeed {ds['version']}: ran at stages {', '.join(n[-1] for n in ran_ds) or 'none'}"
               + "".join(f"; stage {n[-1]} did not run ({r['failed']})" for n, r in res.items() if "failed" in r))
+    jitted = {n: r for n, r in ran.items() if r.get("graphs_on_new_shapes") is not None}
+    if jitted:
+        print("compile: warm-up rounds' time above warm-up × median step (s), first step (s), and graphs dynamo "
+              "compiled at a batch of half / a quarter of the sequence length: "
+              + "; ".join(f"{n} {r['compile_s']:.1f} s, first {r['first_step_s']:.1f} s, "
+                          f"{'/'.join(map(str, r['graphs_on_new_shapes']))} new graphs" for n, r in jitted.items()))
     print("min / max step s: " + ", ".join(f"{n} {r['min_s']:.3f}/{r['max_s']:.3f}" for n, r in ran.items()))
     print(f"wall: timed run {result['timing_wall_s']:.0f} s, isolated RSS runs {result['rss_wall_s']:.0f} s")
 

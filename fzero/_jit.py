@@ -16,6 +16,11 @@ What stays outside the compiled graphs, by graph breaks:
   (``torch.compiler.disable``\\ d in ``shard_state/_units.py``): the compiled code is each
   unit's forward between them.
 
+A call made while a ``TorchDispatchMode`` is active (the monitor's FLOP counter on a batch
+shape's first step, a user's profiling mode) runs the module eagerly: dynamo, meeting a
+dispatch mode, stops compiling that code for the rest of the process, so one counted step
+would otherwise leave every later step uncompiled.
+
 One compiled callable per module and :class:`Jit` (one per ``fzero.compile``): its code
 is a fresh copy per module, so each module has its own dynamo cache and recompile budget,
 kept as long as the step: a new closure in every step (``value_and_grad(lambda
@@ -87,7 +92,8 @@ class Jit:
         """``module``'s call (hooks and all), compiled; made once per module."""
         held = self._forwards.get(id(module))
         if held is None:
-            held = self._forwards[id(module)] = (module, torch.compile(_own_code(module), **self.kwargs))
+            held = self._forwards[id(module)] = (module, _eager_under_modes(
+                torch.compile(_own_code(module), **self.kwargs), module))
         return held[1]
 
     def compiled_forward(self, module: torch.nn.Module) -> "_Restore":
@@ -95,7 +101,8 @@ class Jit:
         ``.remove()`` puts the class's back. ZeRO-3 compiles each unit so."""
         held = self._forwards.get(("forward", id(module)))
         if held is None:
-            held = self._forwards[("forward", id(module))] = (module, torch.compile(module.forward, **self.kwargs))
+            held = self._forwards[("forward", id(module))] = (module, _eager_under_modes(
+                torch.compile(module.forward, **self.kwargs), module.forward))
         module.forward = held[1]
         return _Restore(module)
 
@@ -111,6 +118,17 @@ class _Restore:
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
+
+
+def _eager_under_modes(compiled: Callable, eager: Callable) -> Callable:
+    """``compiled``, except while a dispatch mode is active: then ``eager`` (see the module's
+    docstring)."""
+    def call(*args, **kwargs):
+        if torch._C._len_torch_dispatch_stack():
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def _own_code(module: torch.nn.Module) -> Callable:

@@ -7,6 +7,7 @@ recompilation after the second step; dropout's masks; bf16; ZeRO 1-3 on two rank
 inductor case.
 """
 
+import contextlib
 import os
 import shutil
 import sys
@@ -120,6 +121,26 @@ def test_nothing_compiles_again_after_the_second_step():
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[1:] == [graphs[1]] * 4, graphs
     assert not counters["graph_break"], dict(counters["graph_break"])  # the GPT compiles whole
+
+
+def test_a_new_batch_shape_compiles_once_even_after_a_step_under_a_dispatch_mode():
+    """Dynamo stops compiling code it once met under a dispatch mode; the FLOP counter of
+    fzero.monitor wraps a shape's first step in one. The step under the mode runs the model
+    eagerly, so the jit keeps compiling: one new (dynamic) graph at the first change of the
+    sequence length, none at the next."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counters.clear()
+    step = fzero.compile(train_step, jit="aot_eager")
+    state = step.init(_state())
+    batch = _batches(1)[0]
+    graphs = []
+    for i, length in enumerate((None, None, 8, 4)):
+        b = batch if length is None else {k: v[:, :length] for k, v in batch.items()}
+        with FlopCounterMode(display=False) if i == 1 else contextlib.nullcontext():
+            state, _ = step(state, b)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [graphs[0], graphs[0], graphs[0] + 1, graphs[0] + 1], graphs
 
 
 def test_dropout_draws_the_eager_masks_under_jit():
