@@ -189,15 +189,27 @@ def _zero_jit_vs_eager(stages):
         eager_losses, eager_params = _run(batches, zero=stage, mesh=mesh)
         out[stage] = (max(float((jit_params[k] - eager_params[k]).abs().max()) for k in jit_params),
                       float((jit_losses - eager_losses).abs().max()), counters["stats"]["unique_graphs"])
+    # Tensor parallel over the same two ranks: each rank compiles its half of every block
+    # (the rewritten layers' collectives run between the compiled pieces).
+    from fzero.transforms import tp_plans
+
+    counters.clear()
+    mesh, whole = fzero.Mesh(tp=2), _batches(3)
+    options = dict(mesh=mesh, tp=tp_plans.gpt(_model()))
+    jit_losses, jit_params = _run(whole, jit="aot_eager", **options)
+    eager_losses, eager_params = _run(whole, **options)
+    out["tp"] = (max(float((jit_params[k] - eager_params[k]).abs().max()) for k in jit_params),
+                 float((jit_losses - eager_losses).abs().max()), counters["stats"]["unique_graphs"])
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_zero_stages_under_jit_equal_eager_on_two_ranks(ranks):
-    """One launch, stages 1-3: ZeRO's gradient hooks, reductions and (stage 3) gathers run
-    eagerly around the compiled forward; the trajectory is the eager one."""
-    for rank, res in enumerate(ranks(2).run(_zero_jit_vs_eager, (1, 2, 3), timeout_s=240)):
+    """One launch, stages 1-3 and tp=2: ZeRO's gradient hooks, reductions and (stage 3)
+    gathers, and the tensor-parallel layers' collectives, run eagerly around the compiled
+    forward; the trajectory is the eager one."""
+    for rank, res in enumerate(ranks(2).run(_zero_jit_vs_eager, (1, 2, 3), timeout_s=300)):
         for stage, (param_err, loss_err, graphs) in res.items():
             assert param_err == 0.0 and loss_err == 0.0, (rank, stage, param_err, loss_err)
             assert graphs >= 1, (rank, stage)  # it did compile
