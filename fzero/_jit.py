@@ -126,7 +126,8 @@ def _eager_under_modes(compiled: Callable, eager: Callable) -> Callable:
     def call(*args, **kwargs):
         if torch._C._len_torch_dispatch_stack():
             return eager(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        with rng.compiled_region():
+            return compiled(*args, **kwargs)
 
     return call
 

@@ -38,6 +38,7 @@ int64 and torch computes it exactly on every device), applied twice per element.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -48,8 +49,8 @@ import torch.nn.functional as F
 from fzero import tree
 from fzero.core import context, register_step_scope, rehearsing
 
-__all__ = ["Slice", "Unknown", "calls_before", "dropout_keep", "fold_in", "hash32", "mix32", "rehearsed_calls",
-           "slice_of", "with_slice"]
+__all__ = ["Slice", "Unknown", "calls_before", "compiled_region", "dropout_keep", "fold_in", "hash32", "mix32", "rehearsed_calls",
+           "slice_of", "tracking_slices", "with_slice"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x21F0AAAD, 0x735A2D97
@@ -81,13 +82,54 @@ class Unknown(NamedTuple):
 _TAG = "_fzero_slice"
 
 
+_COMPILED_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_compiled_region", default=False)
+_TRACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_tracked_outside", default=False)
+
+
+@contextlib.contextmanager
+def compiled_region() -> Iterator[None]:
+    """While a ``compile(jit=)`` compiled forward runs (its graph breaks, where drawn dropouts
+    run, included): the slice trackers are off the mode stack (a compiled graph's tensors
+    carry no tags out of it; a drawn dropout there is refused, see ``keep``), the other
+    modes stay in their order."""
+    token = _COMPILED_REGION.set(True)
+    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]
+    kept = [m for m in popped if not getattr(m, "tracks_slices", False)]
+    tracked = _TRACKED.set(len(kept) < len(popped))
+    for m in kept:
+        torch._C._push_on_torch_function_stack(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            torch._C._pop_torch_function_stack()
+        for m in popped:
+            torch._C._push_on_torch_function_stack(m)
+        _TRACKED.reset(tracked)
+        _COMPILED_REGION.reset(token)
+
+
+def tracking_slices() -> bool:
+    """Whether a tensor-parallel slice tracker was active when the running compiled forward
+    began (or is active now)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _TRACKED.get() or any(getattr(m, "tracks_slices", False) for m in _get_current_function_mode_stack())
+
+
 def slice_of(t: Any) -> Slice | Unknown | None:
-    """The :class:`Slice` (or :class:`Unknown`) tag of a tensor; ``None`` for a whole one."""
+    """The :class:`Slice` (or :class:`Unknown`) tag of a tensor; ``None`` for a whole one
+    (and inside a graph being compiled, whose tensors carry no tags)."""
+    if torch.compiler.is_compiling():
+        return None
     return t.__dict__.get(_TAG) if isinstance(t, torch.Tensor) else None
 
 
 def with_slice(t: torch.Tensor, tag: Slice | Unknown | None) -> torch.Tensor:
-    """Tag ``t`` (in place; returns it). ``None`` marks it whole."""
+    """Tag ``t`` (in place; returns it). ``None`` marks it whole. Nothing inside a graph being
+    compiled (see :func:`compiled_region`)."""
+    if torch.compiler.is_compiling():
+        return t
     if tag is None:
         t.__dict__.pop(_TAG, None)
     else:
@@ -253,6 +295,12 @@ class Randomness:
         known = self.calls.get(tag)
         if known is None:  # a first run (a recomputation finds its tag)
             where = slice_of(x)
+            if where is None and _COMPILED_REGION.get() and tracking_slices():
+                raise ValueError(
+                    "fzero: a dropout inside a model compiled by compile(jit=) under tensor parallelism: the "
+                    "compiled graph does not carry which slice of the whole tensor this rank holds, so its mask "
+                    "would not be the one the whole model draws (not the same run at another tp). Use jit=False "
+                    "with tp, or a dropout of p=0 (docs/guide.md, jit)")
             if isinstance(where, Unknown):
                 raise ValueError(
                     f"fzero: a dropout of a tensor computed from a tensor-parallel layer's slice by {where.op!r}, "

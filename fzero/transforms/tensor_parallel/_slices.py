@@ -57,7 +57,13 @@ def _tensors(x: Any):
 
 
 class SliceTracker(TorchFunctionMode):
-    """Tags the results of operations on sliced tensors with where they sit in the whole."""
+    """Tags the results of operations on sliced tensors with where they sit in the whole.
+
+    ``compile(jit=)``'s compiled forwards run with it off the mode stack (a graph's
+    intermediate tensors carry no attributes out of it; :func:`fzero.rng.compiled_region`):
+    a drawn dropout there is refused."""
+
+    tracks_slices = True  # what fzero.rng looks for on the mode stack
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
