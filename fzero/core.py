@@ -459,8 +459,10 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     ``None`` as their gradient. ``grad_sink`` (used by transforms that reduce gradients
     while backward runs) receives each trainable leaf's gradient the moment it is complete
     -- ``grad_sink.on_grad(i, g)``, with ``i`` the leaf's index in flatten order -- and the
-    gradient is then dropped, so only what the sink keeps stays resident;
-    ``grad_sink.finish()`` returns the gradient leaves. ``loss_scale`` (the factor a
+    gradient is then dropped, so only what the sink keeps stays resident (a sink whose
+    ``after_backward`` is true, with nothing to overlap, takes them all once backward is
+    done: ``grad_sink.on_grads(indices, grads)``); ``grad_sink.finish()`` returns the
+    gradient leaves. ``loss_scale`` (the factor a
     handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
     runs.
     """
@@ -496,6 +498,12 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
 
 
 def _backward_into(sink, value, inputs, wrt):
+    if getattr(sink, "after_backward", False):  # the sink takes every gradient at once
+        grads = [None] * len(wrt)
+        if value.requires_grad and wrt:
+            grads = torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True)
+        sink.on_grads(wrt, grads)
+        return sink.finish()
     handles = []
     for i in wrt:
         def hook(leaf, i=i):

@@ -172,6 +172,10 @@ class ReduceSink:
         self.next = 0  # position in ``order`` of the next group to launch
         self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
+        # One group at stages 0-1 (a model smaller than the bucket): nothing can overlap its one
+        # collective, so backward runs without a hook per parameter and the gradients come in
+        # at once (on_grads: one multi-tensor copy), as a C++ reducer would take them.
+        self.after_backward = (len(layout.groups) == 1 and stage <= 1 and on_complete is None)
 
     def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed reduce buffer for ``group``, from the pool (reusing
@@ -197,6 +201,33 @@ class ReduceSink:
         self.missing[gi].discard(pos)
         if self.on_complete is not None and not self.missing[gi]:
             self.on_complete(gi)
+        if self.hold is None and self.overlap:
+            self._launch_ready()
+
+    def on_grads(self, indices: list[int], grads) -> None:
+        """Every gradient of backward at once (``after_backward``): ``grads[k]`` is leaf
+        ``indices[k]``'s (``None`` where the loss did not reach it)."""
+        copy_dst, copy_src, add_dst, add_src = [], [], [], []
+        for i, g in zip(indices, grads):
+            if g is None:
+                continue
+            if self.leaf_groups[i] is None:
+                self.local[self.leaf_names[i]] = g / self.world
+                continue
+            gi, pos = self.leaf_groups[i]
+            group = self.layout.groups[gi]
+            buf = self.buffers.get(gi)
+            if buf is None:
+                buf = self.buffers[gi] = self._buffer(group, reduce_dtype(g.dtype, self.reduce_in))
+            o = group.offsets[pos]
+            dst, src = (add_dst, add_src) if gi in self.carried else (copy_dst, copy_src)
+            dst.append(buf[o: o + g.numel()])
+            src.append(g.reshape(-1))
+            self.missing[gi].discard(pos)
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)
+        if add_dst:
+            torch._foreach_add_(add_dst, add_src)
         if self.hold is None and self.overlap:
             self._launch_ready()
 
