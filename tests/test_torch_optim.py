@@ -1,0 +1,358 @@
+"""``fzero.optim.from_torch`` and the whole-tensor optimizers (``adafactor``, ``muon``):
+against plain PyTorch (a module, backward on the full batch, ``torch.optim``), in one
+process and on real gloo ranks at every ZeRO stage.
+
+The model has a hidden ``6 x 6`` weight whose partition boundary falls mid-row (asserted):
+an optimizer that reads whole rows or the whole matrix is wrong on a flat piece of it, and
+one test shows that by running Adafactor on the pieces on purpose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fzero
+import fzero.testing as ft
+from fzero import optim
+
+D_IN, WIDTH, D_OUT = 5, 6, 3
+GLOBAL_ROWS, STEPS = 6, 3
+
+ELEMENTWISE_CASES = [
+    ("SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    ("Adam", dict(lr=0.01, weight_decay=0.01)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1)),
+    ("Adamax", dict(lr=0.01)),
+    ("NAdam", dict(lr=0.01)),
+    ("RAdam", dict(lr=0.01)),
+    ("RMSprop", dict(lr=0.01, momentum=0.5, centered=True)),
+    ("Adagrad", dict(lr=0.05)),
+    ("Adadelta", dict(lr=1.0)),
+    ("ASGD", dict(lr=0.05)),
+    ("Rprop", dict(lr=0.01)),
+]
+
+
+def _model():
+    torch.manual_seed(0)
+    return ft.Blocks(D_IN, WIDTH, 1, D_OUT)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(GLOBAL_ROWS, D_IN, generator=g), "y": torch.randn(GLOBAL_ROWS, D_OUT, generator=g)}
+            for _ in range(STEPS)]
+
+
+def _torch_run(make_opts) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the module, backward on each full batch, the optimizers ``make_opts(model)``."""
+    model = _model()
+    opts = make_opts(model)
+    for b in _batches():
+        for o in opts:
+            o.zero_grad()
+        F.mse_loss(model(b["x"]), b["y"]).backward()
+        for o in opts:
+            o.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _fzero_run(tx, stage: int, precision: str | None = None):
+    """fzero on this world's ranks, each with its rows of each batch; the whole parameters and
+    the final state."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    apply, params = fzero.functionalize(_model())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+    options = {} if precision is None else {"precision": precision}
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, **options)
+    state = step.init(state)
+    for b in _batches():
+        state, _ = step(state, ft.local_batch(b, world, rank))
+    return fzero.gather(state.params), state
+
+
+def _mid_row_boundary(state) -> bool:
+    """Whether some rank's piece of the hidden weight starts or stops inside a row."""
+    piece = state.params["blocks.0.0.weight"]
+    a, b = piece.info.piece()
+    cuts = torch.tensor([a % WIDTH, b % WIDTH, int(0 < a < WIDTH * WIDTH or 0 < b < WIDTH * WIDTH)])
+    dist.all_reduce(cuts)
+    return bool(cuts[:2].sum() > 0 and cuts[2] > 0)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def _torch_params(model_params):
+    return [p for p in model_params]
+
+
+def test_from_torch_equals_each_torch_optimizer_in_one_process():
+    for name, kw in ELEMENTWISE_CASES + [("Adafactor", dict(lr=0.01))]:
+        cls = getattr(torch.optim, name)
+        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
+        got, _ = _fzero_run(optim.from_torch(cls, **kw), 0)
+        ft.assert_trees_close(got, ref, tol="fp32", what=name)
+
+
+def test_a_schedule_drives_the_learning_rate_and_masks_choose_param_groups():
+    sched = optim.schedules.warmup_cosine(0.05, warmup=1, total=STEPS)
+    no_decay = lambda p: {k: v.ndim < 2 for k, v in p.items()}  # noqa: E731
+    tx = optim.from_torch(torch.optim.AdamW, lr=sched, weight_decay=0.5,
+                          param_groups=[{"mask": no_decay, "weight_decay": 0.0}])
+
+    class Scheduled(torch.optim.AdamW):  # the reference sets each group's lr before its step, by count
+        count = 0
+
+        def step(self, closure=None):
+            for g in self.param_groups:
+                g["lr"] = sched(Scheduled.count)
+            Scheduled.count += 1
+            return super().step(closure)
+
+    def groups(m):
+        named = list(m.named_parameters())
+        return [Scheduled([{"params": [p for _, p in named if p.ndim >= 2]},
+                           {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}],
+                          lr=0.0, weight_decay=0.5)]
+
+    ref = _torch_run(groups)
+    got, state = _fzero_run(tx, 0)
+    ft.assert_trees_close(got, ref, tol="fp32", what="AdamW, scheduled, two groups")
+    assert int(state.opt_state.count) == STEPS
+    # the groups matter: with decay on the biases too, the result is another
+    uniform, _ = _fzero_run(optim.from_torch(torch.optim.AdamW, lr=sched, weight_decay=0.5), 0)
+    assert not torch.allclose(uniform["inp.bias"], ref["inp.bias"], rtol=1e-5, atol=1e-6)
+
+
+def test_update_is_pure_and_donation_writes_the_state_in_place():
+    tx = optim.from_torch(torch.optim.Adam, lr=0.1)
+    params = {"w": torch.randn(3, 4)}
+    grads = {"w": torch.randn(3, 4)}
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    before = [t.clone() for t in fzero.tree.leaves((params, grads, state))]
+    u1, s1 = tx.update(grads, state, params)
+    for a, b in zip(fzero.tree.leaves((params, grads, state)), before):
+        assert torch.equal(a, b), "from_torch's update wrote into its inputs"
+    u2, s2 = tx.update(grads, state, params, donate=True)
+    ft.assert_trees_close((u2, s2), (u1, s1), tol="exact")
+    assert s2.state["w"]["exp_avg"] is state.state["w"]["exp_avg"], "a donated state is written in place"
+
+
+def test_state_is_tensors_keyed_like_the_params():
+    tx = optim.from_torch(torch.optim.RMSprop, lr=1e-3)
+    state = tx.init({"a": torch.zeros(2), "b": {"c": torch.zeros(3, 1)}})
+    paths = [fzero.tree.keystr(p) for p in fzero.tree.paths(state)]
+    assert paths == [".count", ".state['a']['step']", ".state['a']['square_avg']",
+                     ".state['b']['c']['step']", ".state['b']['c']['square_avg']"]
+
+
+def test_refused_classes_and_bad_groups_name_the_problem():
+    with pytest.raises(TypeError, match="closure"):
+        optim.from_torch(torch.optim.LBFGS)
+    with pytest.raises(TypeError, match="Optimizer subclass"):
+        optim.from_torch(optim.adamw)
+    with pytest.raises(TypeError, match="'mask'"):
+        optim.from_torch(torch.optim.SGD, lr=0.1, param_groups=[{"weight_decay": 0.0}])
+    with pytest.raises(ValueError, match="refuses the hyperparameters"):
+        optim.from_torch(torch.optim.SGD, lr=-1.0)
+
+
+class ThirdParty(torch.optim.SGD):
+    """An optimizer fzero does not know (a subclass may change what step() reads)."""
+
+
+def test_whole_tensor_kinds_are_declared():
+    from fzero.optim import _known
+
+    assert _known.needs_whole_tensors(optim.from_torch(torch.optim.Adafactor))
+    assert _known.needs_whole_tensors(optim.chain(optim.clip_by_global_norm(1.0), optim.muon(0.1)))
+    assert _known.needs_whole_tensors(optim.adafactor(0.1))
+    assert not _known.needs_whole_tensors(optim.from_torch(torch.optim.Adam))
+    assert not _known.needs_whole_tensors(optim.from_torch(ThirdParty, elementwise=True, lr=0.1))
+    assert _known.needs_whole_tensors(optim.from_torch(ThirdParty, elementwise=False, lr=0.1))
+    assert not _known.needs_whole_tensors(optim.adamw(0.1))
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def _elementwise_on_ranks(names):
+    """Every listed optimizer at ZeRO 0-3, fp32 and bf16, against torch in one process."""
+    failures = []
+    for name, kw in ELEMENTWISE_CASES:
+        if name not in names:
+            continue
+        cls = getattr(torch.optim, name)
+        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
+        for stage in (0, 1, 2, 3):
+            for precision, tol in ((None, "fp32"), ("bf16", "bf16 vs fp32")):
+                got, _ = _fzero_run(optim.from_torch(cls, **kw), stage, precision)
+                try:
+                    ft.assert_trees_close(got, ref, tol=tol, what=f"{name} zero={stage} {precision or 'fp32'}")
+                except AssertionError as e:
+                    failures.append(str(e))
+    return failures
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_elementwise_torch_optimizers_equal_torch_at_every_stage(ranks):
+    names = [n for n, _ in ELEMENTWISE_CASES]
+    results = ranks(2).run(_elementwise_on_ranks, names)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _muon_and_adamw(lr, wd):
+    def make(m):
+        named = list(m.named_parameters())
+        return [torch.optim.Muon([p for _, p in named if p.ndim == 2], lr=lr, weight_decay=wd, nesterov=False),
+                torch.optim.AdamW([p for _, p in named if p.ndim != 2], lr=lr, eps=1e-7, weight_decay=0.0)]
+    return make
+
+
+def _matrix(p):
+    return {k: v.ndim == 2 for k, v in p.items()}
+
+
+def _not_matrix(p):
+    return {k: v.ndim != 2 for k, v in p.items()}
+
+
+def _one_process(tx):
+    """``tx`` by hand on whole tensors in this process: plain torch gradients, ``tx.update``."""
+    model = _model()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = tx.init(params)
+    for b in _batches():
+        live = {k: v.clone().requires_grad_() for k, v in params.items()}
+        loss = F.mse_loss(torch.func.functional_call(model, live, (b["x"],)), b["y"])
+        grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
+        updates, state = tx.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return params
+
+
+def _adafactor_on_pieces_differs(state) -> bool:
+    """torch's Adafactor run on purpose on each rank's flat piece of the hidden weight (this
+    layout's cuts), against the same step on the whole matrix: what an implementation that
+    handed a whole-tensor optimizer its pieces would compute."""
+    info = state.params["blocks.0.0.weight"].info
+    g = torch.Generator().manual_seed(2)
+    w, grad = torch.randn(info.shape, generator=g), torch.randn(info.shape, generator=g)
+    whole = w.clone()
+    whole.grad = grad.clone()
+    torch.optim.Adafactor([whole], lr=0.02).step()
+    pieces = [w.reshape(-1)[a:b].clone() for a, b in (info.piece(r) for r in range(info.world)) if b > a]
+    for p, (a, b) in zip(pieces, [c for c in (info.piece(r) for r in range(info.world)) if c[1] > c[0]]):
+        p.grad = grad.reshape(-1)[a:b].clone()
+    torch.optim.Adafactor(pieces, lr=0.02).step()
+    return not torch.allclose(torch.cat(pieces), whole.reshape(-1), rtol=1e-3, atol=1e-4)
+
+
+def _whole_tensor_on_ranks(stages):
+    lr, wd = 0.02, 0.1
+    adafactor_ref = _torch_run(lambda m: [torch.optim.Adafactor(m.parameters(), lr=lr)])
+    muon_ref = _torch_run(_muon_and_adamw(lr, wd))
+    native_muon = dict(learning_rate=lr, weight_decay=0.05, beta=0.9)
+    cases = [
+        ("from_torch(Adafactor)", lambda: optim.from_torch(torch.optim.Adafactor, lr=lr), adafactor_ref),
+        ("from_torch(Muon) + from_torch(AdamW)", lambda: optim.chain(
+            optim.masked(optim.from_torch(torch.optim.Muon, lr=lr, weight_decay=wd, nesterov=False), _matrix),
+            optim.masked(optim.from_torch(torch.optim.AdamW, lr=lr, eps=1e-7, weight_decay=0.0), _not_matrix)),
+         muon_ref),
+        ("adafactor", lambda: optim.adafactor(lr, min_dim_size_to_factor=1), adafactor_ref),
+        ("muon as torch's", lambda: optim.muon(lr, eps=1e-7, weight_decay=wd, nesterov=False,
+                                               ns_dtype=torch.bfloat16), muon_ref),
+        ("muon (optax's nesterov)", lambda: optim.muon(**native_muon), _one_process(optim.muon(**native_muon))),
+    ]
+    failures, owners = [], {}
+    for stage in stages:
+        for name, make, ref in cases:
+            got, state = _fzero_run(make(), stage)
+            try:
+                ft.assert_trees_close(got, ref, tol="fp32", what=f"{name} zero={stage}")
+            except AssertionError as e:
+                failures.append(str(e))
+        if stage == 3:
+            _, state = _fzero_run(optim.from_torch(torch.optim.Adafactor, lr=lr), stage)
+            held = state.opt_state.state["blocks.0.0.weight"]["row_var"].local.numel()
+            owners["hidden weight's row_var elements here"] = held
+            owners["mid-row boundary"] = _mid_row_boundary(state)
+            owners["flat pieces differ"] = _adafactor_on_pieces_differs(state)
+    return failures, owners
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_whole_tensor_optimizers_equal_one_process_at_zero_3(ranks, world):
+    results = ranks(world).run(_whole_tensor_on_ranks, (1, 3) if world == 2 else (3,))
+    failures = [f for fs, _ in results for f in fs]
+    assert not failures, "\n".join(failures)
+    found = [o for _, o in results]
+    assert all(o["mid-row boundary"] for o in found), "the test's layout must cut the hidden weight mid-row"
+    assert all(o["flat pieces differ"] for o in found), "Adafactor on flat pieces should differ from torch's"
+    held = [o["hidden weight's row_var elements here"] for o in found]
+    assert sorted(held) == [0] * (world - 1) + [WIDTH], f"the factored state lives on one owner, got {held}"
+
+
+def _third_party(stage):
+    try:
+        got, _ = _fzero_run(optim.from_torch(ThirdParty, lr=0.05, momentum=0.9), stage)
+    except ValueError as e:
+        return str(e)
+    ref = _torch_run(lambda m: [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)])
+    ft.assert_trees_close(got, ref, tol="fp32", what="an undeclared optimizer at ZeRO 0")
+    return "ran"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_an_undeclared_optimizer_runs_at_zero_0_and_is_refused_above(ranks):
+    pool = ranks(2)
+    assert pool.run(_third_party, 0) == ["ran", "ran"]
+    for stage in (1, 3):
+        messages = pool.run(_third_party, stage)
+        for m in messages:
+            assert "ThirdParty" in m and "elementwise=True" in m and "elementwise=False" in m, m
+
+
+def _train_and_save(path, stage, steps, save_at=None):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tx = optim.from_torch(torch.optim.RMSprop, lr=0.01, momentum=0.5)
+    apply, params = fzero.functionalize(_model())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage)
+    state = step.init(state)
+    for i, b in enumerate(_batches()[:steps]):
+        state, _ = step(state, ft.local_batch(b, world, rank))
+        if save_at is not None and i + 1 == save_at:
+            fzero.checkpoint.save(path, state)
+    return fzero.gather(state.params)
+
+
+def _resume(path, stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tx = optim.from_torch(torch.optim.RMSprop, lr=0.01, momentum=0.5)
+    apply, params = fzero.functionalize(_model())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage)
+    state = fzero.checkpoint.load(path, like=step.init(state))
+    assert isinstance(state.opt_state, optim.FromTorchState) and int(state.opt_state.count) == 2
+    for b in _batches()[2:]:
+        state, _ = step(state, ft.local_batch(b, world, rank))
+    return fzero.gather(state.params)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_from_torch_state_saved_at_zero_2_on_2_ranks_resumes_at_zero_3_on_1(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    whole = ranks(2).run(_train_and_save, path, 2, STEPS, 2)
+    resumed = ranks(1).run(_resume, path, 3)
+    ft.assert_trees_close(resumed[0], whole[0], tol="fp32", what="resumed at ZeRO 3 on 1 rank")
