@@ -60,13 +60,14 @@ def _torch_run(make_opts) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _fzero_run(tx, stage: int, precision: str | None = None):
+def _fzero_run(tx, stage: int, precision: str | None = None, **options):
     """fzero on this world's ranks, each with its rows of each batch; the whole parameters and
     the final state."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     apply, params = fzero.functionalize(_model())
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
-    options = {} if precision is None else {"precision": precision}
+    if precision is not None:
+        options["precision"] = precision
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, **options)
     state = step.init(state)
     for b in _batches():
@@ -237,6 +238,21 @@ def _one_process(tx):
     return params
 
 
+def _clipped(make_opts, max_norm):
+    """``make_opts``'s optimizers, each step after ``clip_grad_norm_(max_norm)``."""
+    def make(m):
+        opts = make_opts(m)
+
+        class Clip(torch.optim.Optimizer):
+            def __init__(self):
+                super().__init__(list(m.parameters()), {})
+
+            def step(self, closure=None):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+        return [Clip(), *opts]
+    return make
+
+
 def _adafactor_on_pieces_differs(state) -> bool:
     """torch's Adafactor run on purpose on each rank's flat piece of the hidden weight (this
     layout's cuts), against the same step on the whole matrix: what an implementation that
@@ -271,6 +287,19 @@ def _whole_tensor_on_ranks(stages):
         ("muon (optax's nesterov)", lambda: optim.muon(**native_muon), _one_process(optim.muon(**native_muon))),
     ]
     failures, owners = [], {}
+    # composed with clipping, accumulation, offload and bf16 (fp32 masters)
+    clipped_ref = _torch_run(_clipped(lambda m: [torch.optim.Adafactor(m.parameters(), lr=lr)], 0.05))
+    for name, tx, options, tol in [
+        ("clip + accumulate + offload", optim.from_torch(torch.optim.Adafactor, lr=lr),
+         dict(clip_norm=0.05, accumulate=GLOBAL_ROWS // dist.get_world_size(), offload_optimizer="cpu"), "fp32"),
+        ("clip + bf16", optim.chain(optim.clip_by_global_norm(0.05), optim.adafactor(lr, min_dim_size_to_factor=1)),
+         dict(precision="bf16"), "bf16 vs fp32"),
+    ]:
+        got, _ = _fzero_run(tx, stages[-1], **options)
+        try:
+            ft.assert_trees_close(got, clipped_ref, tol=tol, what=f"Adafactor, {name}, zero={stages[-1]}")
+        except AssertionError as e:
+            failures.append(str(e))
     for stage in stages:
         for name, make, ref in cases:
             got, state = _fzero_run(make(), stage)
