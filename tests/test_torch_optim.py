@@ -211,7 +211,7 @@ def test_elementwise_torch_optimizers_equal_torch_at_every_stage(ranks):
 def _muon_and_adamw(lr, wd):
     def make(m):
         named = list(m.named_parameters())
-        return [torch.optim.Muon([p for _, p in named if p.ndim == 2], lr=lr, weight_decay=wd, nesterov=False),
+        return [torch.optim.Muon([p for _, p in named if p.ndim == 2], lr=lr, weight_decay=wd),
                 torch.optim.AdamW([p for _, p in named if p.ndim != 2], lr=lr, eps=1e-7, weight_decay=0.0)]
     return make
 
@@ -278,12 +278,12 @@ def _whole_tensor_on_ranks(stages):
     cases = [
         ("from_torch(Adafactor)", lambda: optim.from_torch(torch.optim.Adafactor, lr=lr), adafactor_ref),
         ("from_torch(Muon) + from_torch(AdamW)", lambda: optim.chain(
-            optim.masked(optim.from_torch(torch.optim.Muon, lr=lr, weight_decay=wd, nesterov=False), _matrix),
+            optim.masked(optim.from_torch(torch.optim.Muon, lr=lr, weight_decay=wd), _matrix),
             optim.masked(optim.from_torch(torch.optim.AdamW, lr=lr, eps=1e-7, weight_decay=0.0), _not_matrix)),
          muon_ref),
         ("adafactor", lambda: optim.adafactor(lr, min_dim_size_to_factor=1), adafactor_ref),
-        ("muon as torch's", lambda: optim.muon(lr, eps=1e-7, weight_decay=wd, nesterov=False,
-                                               ns_dtype=torch.bfloat16), muon_ref),
+        ("muon as torch's", lambda: optim.muon(lr, eps=1e-7, weight_decay=wd, ns_dtype=torch.bfloat16,
+                                               bias_correction=False), muon_ref),
         ("muon (optax's nesterov)", lambda: optim.muon(**native_muon), _one_process(optim.muon(**native_muon))),
     ]
     failures, owners = [], {}

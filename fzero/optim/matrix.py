@@ -260,6 +260,7 @@ def scale_by_muon(
     nesterov: bool = True,
     adaptive: bool = False,
     ns_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Muon's direction for matrices, as optax's ``contrib.scale_by_muon``; whole-tensor.
 
@@ -272,7 +273,9 @@ def scale_by_muon(
     ``(in, out)`` kernels, the same ratio of fan-out to fan-in). Only 2-D leaves.
 
     ``ns_dtype``: the dtype of the iteration (``None``: the parameter's, as optax and
-    DeepSpeed; ``torch.bfloat16`` as ``torch.optim.Muon``).
+    DeepSpeed on a CPU; ``torch.bfloat16`` as ``torch.optim.Muon``).
+    ``bias_correction=False``: torch's and DeepSpeed's momentum instead of optax's, ``m̂ =
+    beta * mu + (1 - beta) * g`` with ``nesterov`` (else ``mu``).
     """
     where = "fzero.optim.scale_by_muon"
     check_unit(where, "beta", beta)
@@ -291,8 +294,10 @@ def scale_by_muon(
         t = count + 1
         g = g.to(st["mu"].dtype)
         mu = st["mu"].lerp(g, 1.0 - beta)
-        if nesterov:
+        if nesterov and bias_correction:
             m_hat = mu * (beta / (1.0 - beta ** (t + 1))) + g * ((1.0 - beta) / (1.0 - beta ** t))
+        elif nesterov:
+            m_hat = g.lerp(mu, beta)
         else:
             m_hat = mu
         u = _orthogonalize(m_hat, coeffs, ns_steps, eps, ns_dtype).to(p.dtype)
@@ -326,6 +331,7 @@ def muon(
     adam_eps_root: float = 0.0,
     adam_weight_decay: float = 0.0,
     ns_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Muon (Jordan et al., 2024), as optax's ``contrib.muon``: 2-D leaves by
     :func:`scale_by_muon`, decoupled weight decay and the learning rate
@@ -333,11 +339,13 @@ def muon(
     ``adam_b2``, ``eps``, ``adam_eps_root``, ``adam_weight_decay``). Whole-tensor: under ZeRO
     each matrix is orthogonalised whole by its owner rank; the AdamW leaves run on pieces.
 
-    ``torch.optim.Muon(lr, weight_decay, momentum=beta, nesterov=False, eps)`` on the matrices
+    ``torch.optim.Muon(lr, weight_decay, momentum=beta, nesterov, eps)`` on the matrices
     computes the same as ``muon(lr, beta=beta, eps=eps, weight_decay=weight_decay,
-    nesterov=False, ns_dtype=torch.bfloat16)`` (torch iterates in bf16 and refuses other
-    leaves; its ``nesterov=True`` blends ``g`` and ``mu`` without optax's bias corrections).
-    optax's AdamW on the other leaves follows ``nesterov`` too (NAdamW); here it is AdamW.
+    nesterov=nesterov, ns_dtype=torch.bfloat16, bias_correction=False)`` (torch iterates in
+    bf16, blends ``g`` and ``mu`` without optax's bias corrections, and refuses other
+    leaves). optax's AdamW on the other leaves follows ``nesterov`` too (NAdamW); here it is
+    AdamW. ``bias_correction`` and ``ns_dtype`` are fzero's, for torch's and DeepSpeed's
+    variants.
 
     Example:
         >>> import torch
@@ -353,7 +361,7 @@ def muon(
     check_nonneg(where, "weight_decay", weight_decay)
     matrices = chain(
         scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
-                      ns_dtype=ns_dtype),
+                      ns_dtype=ns_dtype, bias_correction=bias_correction),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(learning_rate),
     )
