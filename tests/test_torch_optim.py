@@ -438,3 +438,17 @@ def test_mup_types_without_infshapes_are_refused_naming_infshape():
         step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1), config=_config({"type": kind, "params": {"lr": 0.01}}, 0))
         with pytest.raises(ValueError, match=f"optimizer.type='{kind}'.*infshape.*mup.set_base_shapes"):
             step.init(state)
+
+
+def test_public_names():
+    for name in ("from_torch", "adafactor", "muon", "scale_by_muon", "FromTorchState", "WholeTensorState"):
+        assert name in optim.__all__ and hasattr(optim, name), name
+
+
+@pytest.mark.parametrize("module", ["fzero.optim.torch_optim", "fzero.optim.matrix", "fzero.optim._owners"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

@@ -74,6 +74,18 @@ def is_piece(x: Any) -> bool:
     return hasattr(x, "__fzero_meta__")
 
 
+def refuse_split(where: str, params: Any) -> None:
+    """A whole-tensor optimizer cannot update a ``tensor_parallel`` slice: refuse, naming the
+    split parameters (a split parameter's owner would have to gather it over ``tp`` too)."""
+    splits = getattr(getattr(params, "layout", None), "splits", ())
+    if splits:
+        names = [name for name, _ in splits]
+        raise NotImplementedError(
+            f"{where}: a whole-tensor optimizer (its update of a parameter reads the whole parameter) under "
+            f"tensor_parallel, which splits {names} over the tp axis: not supported; give those parameters an "
+            f"element-wise optimizer (fzero.optim.masked), or train without tp")
+
+
 def present(leaves: list) -> list[int]:
     """Indices of the leaves that are there: a partitioned leaf that ``masked`` took out of
     an inner transformation's tree is a node with ``None`` for its piece."""
@@ -85,7 +97,7 @@ def assign_owners(numels: Sequence[int], world: int) -> list[int]:
 
     Example:
         >>> assign_owners([10, 1, 8, 3], 2)
-        [0, 1, 1, 1]
+        [0, 0, 1, 1]
     """
     load = [0] * world
     owner = [0] * len(numels)

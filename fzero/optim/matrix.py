@@ -24,7 +24,7 @@ import torch
 from fzero import tree
 from fzero.optim import _known
 from fzero.optim._checks import check_lr, check_nonneg, check_unit, type_name
-from fzero.optim._owners import LeafState, assign_owners, is_leaf_state, is_piece, owned_leaf, present, run_whole
+from fzero.optim._owners import LeafState, assign_owners, is_leaf_state, is_piece, owned_leaf, present, refuse_split, run_whole
 from fzero.optim.torch_optim import _fill
 from fzero.optim.base import GradientTransformation, ScalarOrSchedule, _increment, _new_count, chain
 from fzero.optim.transform import (_need_params, _resolve_mask, _schedule_value, add_decayed_weights, masked,
@@ -72,6 +72,7 @@ def _whole_tensor(where: str, what: _known.Known, leaf_init: LeafInit, leaf_step
     def update_fn(updates, state, params=None, *, inplace=False, donate=False):
         del inplace, donate  # the whole tensors are made afresh on the owner
         _need_params(where, params)
+        refuse_split(where, params)
         if not isinstance(state, WholeTensorState):
             raise TypeError(f"{where}: the state must be the WholeTensorState init returned, got {type_name(state)}")
         all_p, spec = tree.flatten(params, is_leaf=is_piece)

@@ -28,11 +28,11 @@ import torch
 from fzero import tree
 from fzero.optim import _known
 from fzero.optim._checks import type_name
-from fzero.optim._owners import LeafState, assign_owners, is_leaf_state, is_piece, owned_leaf, present, run_whole
+from fzero.optim._owners import LeafState, assign_owners, is_leaf_state, is_piece, owned_leaf, present, refuse_split, run_whole
 from fzero.optim.base import GradientTransformation, _increment, _new_count
 from fzero.optim.transform import _need_params, _resolve_mask, _schedule_value
 
-__all__ = ["ELEMENTWISE", "FromTorchState", "TorchState", "from_torch"]
+__all__ = ["FromTorchState", "TorchState", "from_torch"]
 
 WHERE = "fzero.optim.from_torch"
 
@@ -243,6 +243,8 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
 
     def update_fn(updates, state, params=None, *, inplace=False, donate=False):
         _need_params(WHERE, params)
+        if whole:
+            refuse_split(WHERE, params)
         if not isinstance(state, FromTorchState):
             raise TypeError(f"{WHERE}: the state must be the FromTorchState init returned, got {type_name(state)}")
         all_p, spec = tree.flatten(params, is_leaf=is_piece)
