@@ -7,11 +7,10 @@ tensor reads the whole tensor -- Adafactor's row and column moments, Muon's
 orthogonalisation, a norm of the whole parameter -- would compute something else on a
 piece. For those, every partitioned leaf has one *owner* rank:
 
-1. every rank sends its pieces of the gradient and of the parameter of every such leaf
-   (one all-gather of one packed buffer per update);
+1. every rank sends its pieces of the gradient and of the parameter of each such leaf to the
+   leaf's owner (one all-to-all of one packed buffer per update);
 2. the owner puts its leaves together whole and updates them with the state it alone keeps;
-3. the owners send the whole updates back (a second all-gather), and every rank takes its
-   own piece of each.
+3. the owner sends each rank its piece of each whole update (a second all-to-all).
 
 Owners are balanced by size: leaves in decreasing size, each to the rank that owns the
 fewest elements so far (ties to the lower rank), so per-rank optimizer state stays about
@@ -23,9 +22,8 @@ puts all of its elements on the owner (offset ``owner * n``, chunk ``n``) and no
 other ranks. Checkpoints then save and reshard it as any other partitioned leaf, and a
 checkpoint saved with one owner loads onto another.
 
-Both all-gathers move every rank's contribution to every rank (the traffic of a stage-3
-parameter gather), not only to the owner: one collective per direction per update, whatever
-the number of leaves. Leaves that are not partitioned (stage 0, or a world of one) are
+Each element crosses the wire at most once each way, and a rank holds whole only the
+leaves it owns: one collective per direction per update, whatever the number of leaves. Leaves that are not partitioned (stage 0, or a world of one) are
 updated where they are, on every rank that holds them.
 """
 
@@ -129,20 +127,23 @@ def _collective_device(t: torch.Tensor, group) -> torch.device:
     return t.device
 
 
-def _all_gather(name: str, send: torch.Tensor, sizes: list[int], group) -> list[torch.Tensor]:
-    """Every rank's ``send`` (``sizes[r]`` elements on rank ``r``, known to every rank from the
-    leaves' metadata; padded to the longest), one row per rank."""
-    world = len(sizes)
-    width = max(sizes)
+def _all_to_all(name: str, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> list[torch.Tensor]:
+    """``send_splits[r]`` elements of ``send`` to rank ``r``; what each rank sent here, one
+    tensor per rank (the splits are known to every rank from the leaves' metadata)."""
     device = _collective_device(send, group)
-    padded = torch.zeros(width, dtype=send.dtype, device=device)
-    padded[: send.numel()] = send
-    recv = torch.empty(width * world, dtype=send.dtype, device=device)
-    comm.run(f"all_gather({name})", lambda: comm.all_gather_flat(recv, padded, group=group, async_op=True,
-                                                                  what="optimizer"),
+    out = torch.empty(sum(recv_splits), dtype=send.dtype, device=device)
+    comm.run(f"all_to_all({name})",
+             lambda: comm.all_to_all_flat(out, send.to(device), recv_splits, send_splits, group=group,
+                                          async_op=True, what="optimizer"),
              timeout_s=DEFAULT_TIMEOUT_S, where=WHERE)
-    recv = recv.to(send.device)
-    return [recv[r * width: r * width + sizes[r]] for r in range(world)]
+    return list(out.to(send.device).split(recv_splits))
+
+
+def _owned_state(old: dict, new: dict, rank: int) -> dict:
+    """The owner's new state of a leaf, each tensor a leaf that lives whole on ``rank``
+    (plain where the old one was plain)."""
+    return {name: (owned_leaf(old[name], v, tuple(v.shape), v.dtype, rank) if is_piece(old[name]) else v)
+            for name, v in new.items()}
 
 
 Whole = tuple[torch.Tensor, torch.Tensor, dict]  # (gradient, parameter, state), whole tensors
@@ -179,55 +180,55 @@ def run_whole(grads: list, params: list, states: list[dict], step: StepFn) -> tu
         return {name: (v.local.reshape(v.info.shape) if is_piece(v) else v) for name, v in states[i].items()}
 
     if world == 1:
-        wholes = [(grads[i].local.reshape(s), params[i].local.reshape(s), whole_state(i))
-                  for i, s in zip(split, shapes)]
-        results = step(split, wholes)
-    else:
-        # 1. every rank's pieces of every leaf's gradient and parameter, to every rank
-        dtype = params[split[0]].local.dtype
-        for i in split:
-            dtype = torch.promote_types(dtype, torch.promote_types(grads[i].local.dtype, params[i].local.dtype))
-        send = torch.cat([x.local.reshape(-1).to(dtype) for i in split for x in (grads[i], params[i])]) \
-            if split else torch.empty(0, dtype=dtype)
-        sizes = [sum(2 * (b - a) for a, b in (grads[i].info.piece(r) for i in split)) for r in range(world)]
-        rows = _all_gather("gradients and parameters to their owners", send, sizes, group)
-        wholes = []
-        for k in mine:
-            i = split[k]
-            g_parts, p_parts = [], []
-            for r in range(world):
-                at = 0
-                for kk, ii in enumerate(split):
-                    a, b = grads[ii].info.piece(r)
-                    if kk == k:
-                        g_parts.append(rows[r][at: at + (b - a)])
-                        p_parts.append(rows[r][at + (b - a): at + 2 * (b - a)])
-                    at += 2 * (b - a)
-            g = torch.cat(g_parts).reshape(shapes[k]).to(grads[i].local.dtype)
-            p = torch.cat(p_parts).reshape(shapes[k]).to(params[i].local.dtype)
-            wholes.append((g, p, whole_state(i)))
-        results = step([split[k] for k in mine], wholes)
-    # 3. the whole updates back from their owners; each rank keeps its pieces
-    done = dict(zip(mine if world > 1 else range(len(split)), results))
-    for k, (u, s) in done.items():
-        i = split[k]
-        new_states[i] = {name: (owned_leaf(states[i][name], v, tuple(v.shape), v.dtype, rank)
-                                if is_piece(states[i][name]) else v) for name, v in s.items()}
-    if world == 1:
+        results = step(split, [(grads[i].local.reshape(s), params[i].local.reshape(s), whole_state(i))
+                               for i, s in zip(split, shapes)])
         for k, i in enumerate(split):
-            updates[i] = type(grads[i])(done[k][0].reshape(-1), grads[i].info)
+            u, st = results[k]
+            updates[i] = type(grads[i])(u.reshape(-1), grads[i].info)
+            new_states[i] = _owned_state(states[i], st, rank)
         return updates, new_states
-    dtype = params[split[0]].local.dtype  # the same on every rank, whatever it owns
+    owned_by = [[k for k in range(len(split)) if owners[k] == r] for r in range(world)]
+
+    def size(k, r):  # elements of leaf k's piece on rank r
+        a, b = grads[split[k]].info.piece(r)
+        return b - a
+
+    # 1. each rank's pieces of each leaf's gradient and value, to the leaf's owner
+    dtype = params[split[0]].local.dtype  # one dtype for the wire, the same on every rank
     for i in split:
-        dtype = torch.promote_types(dtype, params[i].local.dtype)
-    send = torch.cat([u.reshape(-1).to(dtype) for u, _ in results]) if results else torch.empty(0, dtype=dtype)
-    sizes = [sum(math.prod(s) for s, o in zip(shapes, owners) if o == r) for r in range(world)]
-    rows = _all_gather("updates from their owners", send, sizes, group)
-    at = [0] * world
-    for k, i in enumerate(split):
-        o, numel = owners[k], math.prod(shapes[k])
-        a, b = grads[i].info.piece()
-        piece = rows[o][at[o] + a: at[o] + b]
-        at[o] += numel
-        updates[i] = type(grads[i])(piece.to(params[i].local.dtype).clone(), grads[i].info)
+        dtype = torch.promote_types(dtype, torch.promote_types(grads[i].local.dtype, params[i].local.dtype))
+    home = params[split[0]].local.device
+    send = torch.cat([torch.empty(0, dtype=dtype, device=home)] + [x.local.reshape(-1).to(dtype) for o in range(world)
+                                                      for k in owned_by[o] for x in (grads[split[k]], params[split[k]])])
+    got = _all_to_all("gradients and parameters to their owners", send,
+                      [sum(2 * size(k, rank) for k in owned_by[o]) for o in range(world)],
+                      [sum(2 * size(k, q) for k in mine) for q in range(world)], group)
+    parts: dict[int, tuple[list, list]] = {k: ([], []) for k in mine}
+    for q in range(world):
+        at = 0
+        for k in mine:
+            n = size(k, q)
+            parts[k][0].append(got[q][at: at + n])
+            parts[k][1].append(got[q][at + n: at + 2 * n])
+            at += 2 * n
+    wholes = [(torch.cat(parts[k][0]).reshape(shapes[k]).to(grads[split[k]].local.dtype),
+               torch.cat(parts[k][1]).reshape(shapes[k]).to(params[split[k]].local.dtype),
+               whole_state(split[k])) for k in mine]
+    # 2. the owner updates its leaves whole
+    results = step([split[k] for k in mine], wholes)
+    for k, (_, st) in zip(mine, results):
+        new_states[split[k]] = _owned_state(states[split[k]], st, rank)
+    # 3. each rank's piece of each whole update, from the owner
+    flat = {k: u.reshape(-1).to(dtype) for k, (u, _) in zip(mine, results)}
+    send = torch.cat([torch.empty(0, dtype=dtype, device=home)] + [flat[k][slice(*grads[split[k]].info.piece(q))]
+                                                      for q in range(world) for k in mine])
+    got = _all_to_all("updates from their owners", send,
+                      [sum(size(k, q) for k in mine) for q in range(world)],
+                      [sum(size(k, rank) for k in owned_by[o]) for o in range(world)], group)
+    for o in range(world):
+        at = 0
+        for k in owned_by[o]:
+            i, n = split[k], size(k, rank)
+            updates[i] = type(grads[i])(got[o][at: at + n].to(params[i].local.dtype), grads[i].info)
+            at += n
     return updates, new_states
