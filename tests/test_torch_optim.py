@@ -452,3 +452,40 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def _tensor_parallel():
+    """from_torch(Adam) on tp=2 slices against torch; a whole-tensor optimizer refused by name,
+    and accepted where a mask keeps it off the split parameters."""
+    plan = {"blocks.*.0": fzero.ColwiseParallel(), "out": fzero.RowwiseParallel()}
+    out = []
+    for tx in (optim.from_torch(torch.optim.Adam, lr=0.01), optim.adafactor(0.01, min_dim_size_to_factor=1),
+               optim.chain(optim.masked(optim.adafactor(0.01, min_dim_size_to_factor=1),
+                                        lambda p: {k: k == "inp.weight" for k in p}),
+                           optim.masked(optim.from_torch(torch.optim.Adam, lr=0.01),
+                                        lambda p: {k: k != "inp.weight" for k in p}))):
+        apply, params = fzero.functionalize(_model())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, tp=2), zero=1, tp=plan)
+        try:
+            state = step.init(state)
+            for b in _batches():
+                state, _ = step(state, b)
+        except NotImplementedError as e:
+            out.append(str(e))
+            continue
+        out.append(fzero.gather(state.params))
+    ref = _torch_run(lambda m: [torch.optim.Adam(m.parameters(), lr=0.01)])
+    mixed = _torch_run(lambda m: [torch.optim.Adafactor([m.inp.weight], lr=0.01),
+                                  torch.optim.Adam([p for k, p in m.named_parameters() if k != "inp.weight"],
+                                                   lr=0.01)])
+    return out, ref, mixed
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tensor_parallel_slices_take_elementwise_optimizers_and_refuse_whole_tensor_ones(ranks):
+    (adam, whole, mixed, ref, mixed_ref), _ = [(*out, ref, mixed) for out, ref, mixed in ranks(2).run(_tensor_parallel)]
+    ft.assert_trees_close(adam, ref, tol="fp32", what="from_torch(Adam) under tp=2")
+    assert "whole-tensor optimizer" in whole and "'blocks.0.0.weight'" in whole and "'out.weight'" in whole, whole
+    ft.assert_trees_close(mixed, mixed_ref, tol="fp32", what="adafactor on an unsplit weight beside tp slices")

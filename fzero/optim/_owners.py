@@ -76,8 +76,9 @@ def refuse_split(where: str, params: Any) -> None:
     """A whole-tensor optimizer cannot update a ``tensor_parallel`` slice: refuse, naming the
     split parameters (a split parameter's owner would have to gather it over ``tp`` too)."""
     splits = getattr(getattr(params, "layout", None), "splits", ())
-    if splits:
-        names = [name for name, _ in splits]
+    here = params if isinstance(params, dict) else {}
+    names = [name for name, _ in splits if here.get(name) is not None and getattr(here[name], "local", 0) is not None]
+    if names:
         raise NotImplementedError(
             f"{where}: a whole-tensor optimizer (its update of a parameter reads the whole parameter) under "
             f"tensor_parallel, which splits {names} over the tp axis: not supported; give those parameters an "

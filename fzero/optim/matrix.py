@@ -52,6 +52,7 @@ def _whole_tensor(where: str, what: _known.Known, leaf_init: LeafInit, leaf_step
     names the state tensors of a leaf, ``leaf_step(g, p, state, count, decay) -> (update,
     state)`` updates one whole leaf (``decay``: its weight-decay mask flag)."""
     def init_fn(params):
+        refuse_split(where, params)
         all_leaves, spec = tree.flatten(params, is_leaf=is_piece)
         here = present(all_leaves)
         leaves = [all_leaves[i] for i in here]

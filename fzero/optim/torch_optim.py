@@ -221,6 +221,8 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
         return probes[key]
 
     def init_fn(params):
+        if whole:
+            refuse_split(WHERE, params)
         all_leaves, spec = tree.flatten(params, is_leaf=is_piece)
         here = present(all_leaves)
         leaves = [all_leaves[i] for i in here]
