@@ -489,3 +489,57 @@ def test_tensor_parallel_slices_take_elementwise_optimizers_and_refuse_whole_ten
     ft.assert_trees_close(adam, ref, tol="fp32", what="from_torch(Adam) under tp=2")
     assert "whole-tensor optimizer" in whole and "'blocks.0.0.weight'" in whole and "'out.weight'" in whole, whole
     ft.assert_trees_close(mixed, mixed_ref, tol="fp32", what="adafactor on an unsplit weight beside tp slices")
+
+
+class _InfShape:
+    """The three methods of the ``mup`` package's ``InfShape`` that its optimizers read (mup is
+    not installed here): the number of infinite dimensions, the width multiplier of the
+    main (fan-in) one, and fan-in multiplier over fan-out multiplier."""
+
+    def __init__(self, ninf: int, width_mult: float = 1.0, ratio: float = 1.0):
+        self._ninf, self._width_mult, self._ratio = ninf, width_mult, ratio
+
+    def ninf(self):
+        return self._ninf
+
+    def width_mult(self):
+        return self._width_mult
+
+    def fanin_fanout_mult_ratio(self):
+        return self._ratio
+
+
+def _mup_model():
+    model = _model()
+    for name, p in model.named_parameters():  # the hidden matrix is matrix-like, the rest vector-like
+        p.infshape = _InfShape(2, 3.0, 1.5) if name == "blocks.0.0.weight" else _InfShape(1, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["MuAdam", "MuAdamW", "MuSGD"])
+def test_mup_types_scale_each_parameters_learning_rate_by_its_infshape(kind):
+    lr, wd = 0.01, 0.1
+    params = {"lr": lr, "weight_decay": wd, **({"momentum": 0.9} if kind == "MuSGD" else {})}
+    apply, p0 = fzero.functionalize(_mup_model())
+    state = fzero.TrainState.create(apply_fn=apply, params=p0)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1), config=_config({"type": kind, "params": params}, 0))
+    state = step.init(state)
+    for b in _batches():
+        state, _ = step(state, b)
+
+    # mup's rules, written out: Adam scales a matrix-like parameter's lr by 1 / width_mult (its
+    # coupled weight decay by width_mult); SGD a vector-like one's by width_mult (decay by its
+    # inverse) and a matrix-like one's by 1 / (fan-in mult / fan-out mult) (decay by the ratio).
+    def make(m):
+        named = dict(m.named_parameters())
+        hidden = [named.pop("blocks.0.0.weight")]
+        if kind == "MuSGD":
+            return [torch.optim.SGD([{"params": hidden, "lr": lr / 1.5, "weight_decay": wd * 1.5},
+                                     {"params": list(named.values()), "lr": lr * 2.0, "weight_decay": wd / 2.0}],
+                                    lr=lr, momentum=0.9)]
+        cls = torch.optim.AdamW if kind == "MuAdamW" else torch.optim.Adam
+        return [cls([{"params": hidden, "lr": lr / 3.0, "weight_decay": wd * 3.0},
+                     {"params": list(named.values()), "lr": lr, "weight_decay": wd}])]
+
+    ref = _torch_run(make)
+    ft.assert_trees_close(dict(state.params), ref, tol="fp32", what=kind)
