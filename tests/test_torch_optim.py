@@ -129,16 +129,28 @@ def test_a_schedule_drives_the_learning_rate_and_masks_choose_param_groups():
     assert not torch.allclose(uniform["inp.bias"], ref["inp.bias"], rtol=1e-5, atol=1e-6)
 
 
-def test_update_is_pure_and_donation_writes_the_state_in_place():
-    tx = optim.from_torch(torch.optim.Adam, lr=0.1)
-    params = {"w": torch.randn(3, 4)}
-    grads = {"w": torch.randn(3, 4)}
+@pytest.mark.parametrize("make", [lambda: optim.from_torch(torch.optim.Adam, lr=0.1),
+                                  lambda: optim.from_torch(torch.optim.Adafactor, lr=0.1),
+                                  lambda: optim.adafactor(0.1, min_dim_size_to_factor=1, momentum=0.9),
+                                  lambda: optim.muon(0.1)], ids=["Adam", "Adafactor", "adafactor", "muon"])
+def test_update_is_pure(make):
+    tx = make()
+    params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    grads = {"w": torch.randn(3, 4), "b": torch.randn(4)}
     state = tx.init(params)
     _, state = tx.update(grads, state, params)
     before = [t.clone() for t in fzero.tree.leaves((params, grads, state))]
-    u1, s1 = tx.update(grads, state, params)
+    tx.update(grads, state, params)
     for a, b in zip(fzero.tree.leaves((params, grads, state)), before):
-        assert torch.equal(a, b), "from_torch's update wrote into its inputs"
+        assert torch.equal(a, b), "the update wrote into its inputs"
+
+
+def test_a_donated_update_computes_the_same_writing_the_state_in_place():
+    tx = optim.from_torch(torch.optim.Adam, lr=0.1)
+    params = {"w": torch.randn(3, 4)}
+    grads = {"w": torch.randn(3, 4)}
+    _, state = tx.update(grads, tx.init(params), params)
+    u1, s1 = tx.update(grads, state, params)
     u2, s2 = tx.update(grads, state, params, donate=True)
     ft.assert_trees_close((u2, s2), (u1, s1), tol="exact")
     assert s2.state["w"]["exp_avg"] is state.state["w"]["exp_avg"], "a donated state is written in place"
