@@ -91,8 +91,9 @@ def _torch_params(model_params):
     return [p for p in model_params]
 
 
-def test_from_torch_equals_each_torch_optimizer_in_one_process():
-    for name, kw in ELEMENTWISE_CASES + [("Adafactor", dict(lr=0.01))]:
+def test_from_torch_equals_torch_optimizers_in_one_process():
+    # every element-wise class runs on ranks below; here the unlaunched path, one of each kind
+    for name, kw in [ELEMENTWISE_CASES[0], ELEMENTWISE_CASES[-1], ("Adafactor", dict(lr=0.01))]:
         cls = getattr(torch.optim, name)
         ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
         got, _ = _fzero_run(optim.from_torch(cls, **kw), 0)
