@@ -427,12 +427,16 @@ class Config:
             warnings.simplefilter("ignore", UserWarning)
             return self.scheduler.build(base_lr)
 
-    def make_optimizer(self) -> GradientTransformation:
+    def make_optimizer(self, module: torch.nn.Module | None = None) -> GradientTransformation:
         """The ``optimizer`` section as an :mod:`fzero.optim` transformation, with the
         ``scheduler`` section (if any) as its learning rate: use it as ``tx=`` of
         ``fzero.TrainState.create``.
 
         Gradient clipping is not part of it: ``fzero.compile`` adds ``clip_norm`` in front.
+
+        Args:
+            module: the model, for the muP types (``MuAdam``, ``MuAdamW``, ``MuSGD``), whose
+                learning rates come from each parameter's ``infshape``.
 
         Raises:
             ValueError: the config has no ``optimizer`` section.
@@ -449,7 +453,9 @@ class Config:
             raise ValueError(f"{WHERE}.make_optimizer: the config has no optimizer section")
         self._ready("make_optimizer", "optimizer.", "scheduler.")
         lr = self.make_schedule() if self.scheduler is not None else self.optimizer.hyperparameters()["lr"]
-        return self.optimizer.build(lr)
+        infshapes = None if module is None else \
+            {k: getattr(p, "infshape", None) for k, p in module.named_parameters() if p.requires_grad}
+        return self.optimizer.build(lr, infshapes=infshapes)
 
     def make_monitors(self) -> list:
         """The writers of the enabled ``tensorboard``, ``csv_monitor`` and ``wandb`` sections
@@ -504,5 +510,6 @@ class Config:
                     "put a schedule into the state's own optimizer; build it with "
                     "learning_rate=config.make_schedule(), or add an optimizer section")
             return state
-        tx = self.make_optimizer()
+        module = getattr(state.apply_fn, "module", None)
+        tx = self.make_optimizer(module if isinstance(module, torch.nn.Module) else None)
         return state.replace(tx=tx, opt_state=tx.init(state.params))

@@ -405,10 +405,29 @@ _OPTIMIZERS: dict[str, tuple[dict[str, _Rule], dict[str, Any]]] = {
             {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}),
 }
 _OPTIMIZERS["adamw"] = _OPTIMIZERS["adam"]
-_CANONICAL = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD"}
+# DeepSpeed's Muon (runtime/zero/muon, MuonWithAuxAdam): a Muon group and an Adam group, each
+# taking the config's parameters it knows; muon_lr / adam_lr override lr for their group. The
+# defaults are its groups' own (lr 0.02 and 3e-4 when no lr is given at all).
+_OPTIMIZERS["muon"] = ({"lr": _USE, "muon_lr": _USE, "adam_lr": _USE, "momentum": _USE, "weight_decay": _USE,
+                        "betas": _USE, "eps": _USE, "ns_method": _USE},
+                       {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-10,
+                        "ns_method": "gram"})
+# The mup package's MuAdam / MuAdamW / MuSGD: torch.optim.Adam / AdamW / SGD with each
+# parameter's learning rate (and coupled weight decay) scaled by its width multipliers.
+_MU_ADAM_KEYS = {"lr": _USE, "betas": _USE, "eps": _USE, "weight_decay": _USE, "decoupled_wd": _USE,
+                 "amsgrad": _reject("AMSGrad", _truthy), "max_grad_norm": _MAX_GRAD_NORM}
+_OPTIMIZERS["muadam"] = (_MU_ADAM_KEYS, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                         "decoupled_wd": False})
+_OPTIMIZERS["muadamw"] = (_MU_ADAM_KEYS, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
+                                          "decoupled_wd": False})
+_OPTIMIZERS["musgd"] = ({"lr": _USE, "momentum": _USE, "weight_decay": _USE, "nesterov": _USE, "decoupled_wd": _USE,
+                         "dampening": _reject("SGD dampening", lambda v: v != 0),
+                         "max_grad_norm": _MAX_GRAD_NORM},
+                        {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False, "decoupled_wd": False})
+_CANONICAL = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD", "muon": "Muon",
+              "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
 # Optimizers DeepSpeed builds by name that fzero does not have (any torch.optim name too).
-_DS_ONLY_OPTIMIZERS = ("adagrad", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw",
-                       "musgd", "muon")
+_DS_ONLY_OPTIMIZERS = ("adagrad", "onebitadam", "zerooneadam", "onebitlamb")
 
 # DeepSpeed's scheduler parameter names (deepspeed/runtime/lr_schedules.py); values are
 # checked by fzero.optim.schedules, which takes the same names.

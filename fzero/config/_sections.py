@@ -74,7 +74,8 @@ class OptimizerConfig:
         params = _section("optimizer.params", self.params)
         _check_keys("optimizer.params.", params, _OPTIMIZERS[kind][0], [])
         object.__setattr__(self, "params", _frozen(params))
-        self.build(self.hyperparameters()["lr"])  # checks every value once, here
+        # checks every value once, here (the muP types' per-parameter scaling waits for the model)
+        self.build(self.hyperparameters()["lr"], infshapes=_CHECK_ONLY if kind in _MUP else None)
 
     @property
     def kind(self) -> str:
@@ -98,9 +99,17 @@ class OptimizerConfig:
         for name in ("eps", "weight_decay", "momentum", "max_coeff", "min_coeff"):
             if name in h:
                 out[name] = _num(p + name, h[name], minimum=0.0)
-        for name in ("adam_w_mode", "torch_adam", "nesterov", "bias_correction", "eps_inside_sqrt"):
+        for name in ("adam_w_mode", "torch_adam", "nesterov", "bias_correction", "eps_inside_sqrt", "decoupled_wd"):
             if name in h:
                 out[name] = _bool(p + name, h[name])
+        if kind == "muon":
+            given = self.params.get("lr")
+            for name, default in (("muon_lr", 0.02), ("adam_lr", 3e-4)):
+                value = h.get(name, given if given is not None else default)
+                out[name] = _num(p + name, value, minimum=0.0)
+            if h["ns_method"] not in ("gram", "standard"):
+                raise ValueError(f"{WHERE}: {p}ns_method must be 'gram' or 'standard', got {h['ns_method']!r}")
+            out["ns_method"] = h["ns_method"]
         if kind in ("adam", "adamw") and out["torch_adam"] and "weight_decay" not in self.params and (
                 kind == "adamw" or out["adam_w_mode"]):
             out["weight_decay"] = 1e-2  # torch.optim.AdamW's default, which DeepSpeed then builds
@@ -109,8 +118,29 @@ class OptimizerConfig:
                              f"max_coeff={out['max_coeff']}")
         return out
 
-    def build(self, learning_rate: ScalarOrSchedule) -> GradientTransformation:
+    def build(self, learning_rate: ScalarOrSchedule, *, infshapes: Mapping[str, Any] | None = None
+              ) -> GradientTransformation:
         """The fzero optimizer, with ``learning_rate`` (a float or a schedule) as its rate.
+
+        ``Muon`` is DeepSpeed's ``MuonWithAuxAdam``: every 2-D parameter by Muon (torch's and
+        DeepSpeed's momentum, ``sqrt(max(1, rows / cols))`` scaling, the Newton-Schulz
+        iteration in fp32 as DeepSpeed runs it on a CPU; ``ns_method`` ``"gram"`` and
+        ``"standard"`` are the same iteration rearranged, and fzero computes the standard
+        one for both), with ``muon_lr`` (else ``lr``, else 0.02), ``momentum`` and
+        decoupled ``weight_decay``; every other parameter by AdamW with ``adam_lr`` (else
+        ``lr``, else 3e-4), ``betas``, ``eps`` and ``weight_decay``. DeepSpeed asks the
+        user to flag each parameter ``use_muon``; fzero takes the 2-D ones. With a
+        ``scheduler`` section both groups follow the schedule, as DeepSpeed's schedulers
+        set every group's ``lr``.
+
+        ``MuAdam``, ``MuAdamW``, ``MuSGD`` are the ``mup`` package's: ``torch.optim.Adam``,
+        ``AdamW``, ``SGD`` (run by :func:`fzero.optim.from_torch`) with per-parameter
+        learning rates from each parameter's ``infshape`` (``mup.set_base_shapes``):
+        ``infshapes`` maps parameter names to them (``step.init`` reads them from the
+        model). Adam: a matrix-like parameter (two infinite dimensions) gets ``lr /
+        width_mult`` (and, unless ``decoupled_wd``, ``weight_decay * width_mult``); SGD: a
+        vector-like one ``lr * width_mult`` (``weight_decay / width_mult``), a matrix-like
+        one ``lr / (fan-in mult / fan-out mult)`` (``weight_decay`` times it).
 
         ``Lamb`` is DeepSpeed's FusedLamb, which is not optax's LAMB (``fzero.optim.lamb``):
         its direction ``u = m / (sqrt(v) + eps) + weight_decay * p`` uses the moments
@@ -128,6 +158,18 @@ class OptimizerConfig:
         kind = self.kind
         b1, b2 = h.get("betas", (0.9, 0.999))
         try:
+            if kind == "muon":
+                muon_lr, adam_lr = (learning_rate, learning_rate) if callable(learning_rate) else \
+                    (h["muon_lr"], h["adam_lr"])
+                return optim.chain(
+                    optim.masked(optim.chain(
+                        optim.scale_by_muon(beta=h["momentum"], eps=1e-7, nesterov=True, bias_correction=False),
+                        optim.add_decayed_weights(h["weight_decay"]),
+                        optim.scale_by_learning_rate(muon_lr)), _matrices, where=f"{WHERE}: optimizer 'Muon'"),
+                    optim.masked(optim.adamw(adam_lr, b1, b2, h["eps"], h["weight_decay"]), _not_matrices,
+                                 where=f"{WHERE}: optimizer 'Muon'"))
+            if kind in _MUP:
+                return _mup_optimizer(self.type, kind, learning_rate, h, infshapes)
             if kind == "adamw":
                 return optim.adamw(learning_rate, b1, b2, h["eps"], h["weight_decay"])
             if kind == "adam":
@@ -142,6 +184,59 @@ class OptimizerConfig:
                                         max_coeff=h["max_coeff"], min_coeff=h["min_coeff"])
         except (TypeError, ValueError) as e:
             raise type(e)(f"{WHERE}: optimizer {self.type!r}: {e}") from e
+
+
+_MUP = ("muadam", "muadamw", "musgd")
+_CHECK_ONLY: Mapping[str, Any] = {}  # build()'s infshapes while a section checks its values
+
+
+def _matrices(params):
+    return {k: v.ndim == 2 for k, v in params.items()}
+
+
+def _not_matrices(params):
+    return {k: v.ndim != 2 for k, v in params.items()}
+
+
+def _mup_optimizer(name: str, kind: str, learning_rate: ScalarOrSchedule, h: dict,
+                   infshapes: Mapping[str, Any] | None) -> GradientTransformation:
+    """``mup``'s ``MuAdam`` / ``MuAdamW`` / ``MuSGD`` as :func:`fzero.optim.from_torch` over
+    ``torch.optim.Adam`` / ``AdamW`` / ``SGD``, one parameter group per width multiplier."""
+    if kind == "musgd":
+        cls, base = torch.optim.SGD, dict(momentum=h["momentum"], nesterov=h["nesterov"])
+    else:
+        cls, base = (torch.optim.AdamW if kind == "muadamw" else torch.optim.Adam), dict(betas=h["betas"], eps=h["eps"])
+    wd = h["weight_decay"]
+    if infshapes is _CHECK_ONLY:
+        return optim.from_torch(cls, lr=h["lr"], weight_decay=wd, **base)
+    missing = sorted(k for k, v in (infshapes or {}).items() if v is None)
+    if not infshapes or missing:
+        which = "the model's parameters carry no infshape" if not infshapes or len(missing) == len(infshapes) \
+            else f"these parameters have no infshape: {missing}"
+        raise ValueError(
+            f"optimizer.type={name!r} scales each parameter's learning rate by the width multipliers of its "
+            f"infshape (set by mup.set_base_shapes(model, base_shapes)), and {which}: call mup.set_base_shapes on "
+            f"the model before fzero.functionalize, or use 'Adam'/'AdamW'/'SGD'")
+    # (lr factor, weight-decay factor) of each parameter, as mup's optimizers group them
+    factors: dict[str, tuple[float, float]] = {}
+    for key, shape in infshapes.items():
+        ninf = shape.ninf()
+        if ninf > 2:
+            raise NotImplementedError(f"optimizer.type={name!r}: parameter {key!r} has {ninf} infinite "
+                                      f"dimensions (mup supports at most 2)")
+        if kind == "musgd":
+            m = shape.width_mult() if ninf == 1 else (1.0 / shape.fanin_fanout_mult_ratio() if ninf == 2 else 1.0)
+        else:
+            m = 1.0 / shape.width_mult() if ninf == 2 else 1.0
+        factors[key] = (m, 1.0 if h["decoupled_wd"] else 1.0 / m)
+    groups = []
+    for f in sorted(set(factors.values())):
+        if f == (1.0, 1.0):
+            continue
+        names = frozenset(k for k, v in factors.items() if v == f)
+        lr = (lambda c, fn=learning_rate, m=f[0]: fn(c) * m) if callable(learning_rate) else learning_rate * f[0]
+        groups.append({"mask": lambda p, names=names: {k: k in names for k in p}, "lr": lr, "weight_decay": wd * f[1]})
+    return optim.from_torch(cls, lr=learning_rate, weight_decay=wd, param_groups=groups, **base)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -339,6 +339,17 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, as
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
+def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],  # noqa: A002
+                    *, group=None, async_op: bool = False, what: str = "other"):
+    """``input_splits[r]`` elements of ``input`` to rank ``r``, ``output_splits[r]`` from it
+    into ``output`` (counted as the ``"send"`` of the elements that leave this rank)."""
+    me = dist.get_rank(group)
+    traffic.add("send", what, input.new_empty(sum(input_splits) - input_splits[me]), world=2,
+                ranks=group_ranks(group))
+    _launching(input, what)
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
+
+
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False,  # noqa: A002
                         what: str = "other"):
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""

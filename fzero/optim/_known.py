@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from fzero import tree
 
-__all__ = ["FusedSpec", "fused_spec_of"]
+__all__ = ["FusedSpec", "fused_spec_of", "needs_whole_tensors"]
 
 Output = Literal["new", "passthrough", "shared"]
 
@@ -46,6 +46,10 @@ class Known:
 
     inplace = False  # update takes inplace=True and may then overwrite the incoming updates
     donates = False  # update takes donate=True and may then write its new state into the old one
+    # The update of a leaf reads the whole leaf (a factored second moment, an orthogonalised
+    # matrix): under ZeRO each such leaf gets an owner rank that updates it whole
+    # (fzero/optim/_owners.py). False: element-wise, so this rank's pieces are enough.
+    whole_tensors = False
 
     @property
     def output(self) -> Output:
@@ -149,6 +153,10 @@ class Masked(Known):
         return donates(self.inner)
 
     @property
+    def whole_tensors(self) -> bool:
+        return needs_whole_tensors(self.inner)
+
+    @property
     def output(self) -> Output:
         # Masked-out leaves pass through: new only where the incoming updates were too.
         return "shared" if output(self.inner) == "shared" else "passthrough"
@@ -164,11 +172,44 @@ class Chain(Known):
         return any(donates(t) for t in self.transforms)
 
     @property
+    def whole_tensors(self) -> bool:
+        return any(needs_whole_tensors(t) for t in self.transforms)
+
+    @property
     def output(self) -> Output:
         out: Output = "passthrough"
         for t in self.transforms:
             out = out if output(t) == "passthrough" else output(t)
         return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FromTorch(Known):
+    """A ``torch.optim.Optimizer`` class run as a transformation (:func:`fzero.optim.from_torch`).
+    ``elementwise``: ``True`` runs on pieces, ``False`` on whole tensors, ``None`` undeclared
+    (a third-party class: refused under ZeRO >= 1, see :func:`check_partitionable`)."""
+
+    optimizer_cls: type
+    elementwise: bool | None
+    inplace = True
+    donates = True
+    output = "new"
+
+    @property
+    def whole_tensors(self) -> bool:
+        return self.elementwise is False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Adafactor(Known):
+    whole_tensors = True
+    output = "new"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Muon(Known):
+    whole_tensors = True
+    output = "new"
 
 
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -197,6 +238,45 @@ def donates(tx) -> bool:
 def output(tx) -> Output:
     what = known(tx)
     return "shared" if what is None else what.output
+
+
+def needs_whole_tensors(tx) -> bool:
+    """Whether some member of ``tx`` updates a leaf from the whole leaf (``Known.whole_tensors``:
+    ``adafactor``, ``muon``, ``from_torch(..., elementwise=False)``), so that ZeRO must not
+    hand it this rank's flat pieces alone. A transformation of one's own has no record and
+    claims nothing (``False``)."""
+    what = known(tx)
+    return what is not None and what.whole_tensors
+
+
+def _records(tx):
+    """Every record in ``tx``, chains and masks opened."""
+    what = known(tx)
+    if what is None:
+        return
+    yield what
+    if isinstance(what, Chain):
+        for t in what.transforms:
+            yield from _records(t)
+    elif isinstance(what, Masked):
+        yield from _records(what.inner)
+
+
+def check_partitionable(tx, *, stage: int, where: str) -> None:
+    """Refuse, under ZeRO ``stage`` >= 1, a ``from_torch`` optimizer whose kind is undeclared:
+    run on this rank's flat pieces, a whole-tensor optimizer would compute something else
+    without a sign. Raises :class:`ValueError` naming every such class and the keyword."""
+    if stage < 1:
+        return
+    undeclared = [w.optimizer_cls for w in _records(tx) if isinstance(w, FromTorch) and w.elementwise is None]
+    if undeclared:
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in undeclared)
+        raise ValueError(
+            f"{where}: at ZeRO stage {stage} the optimizer's state and update are partitioned, and fzero cannot tell "
+            f"whether {names} updates each element from that element alone or reads whole tensors (a factored "
+            f"moment, an orthogonalisation). Declare it: fzero.optim.from_torch(cls, elementwise=True, ...) runs it "
+            f"on this rank's flat pieces; elementwise=False gives each parameter an owner rank that updates it "
+            f"whole. (At stage 0 every rank holds whole tensors, and it runs undeclared.)")
 
 
 # --------------------------------------------------------------------------- in place

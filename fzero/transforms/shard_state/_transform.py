@@ -36,6 +36,7 @@ from fzero import tree
 from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
+from fzero.optim import _known
 from fzero.distributed.mesh import Mesh
 from fzero.transforms._checks import check_option, default_bucket_bytes
 from fzero.transforms._arguments import Arguments
@@ -113,6 +114,8 @@ class _ShardHandler(Handler):
                 f"{WHERE}: state.params must be a dict of tensors (as fzero.functionalize returns), "
                 f"got {type(params).__name__}"
             )
+        # An optimizer that may read whole tensors must say so before it sees this rank's pieces.
+        _known.check_partitionable(state.tx, stage=self.stage, where=f"{WHERE}: step.init")
         check_same_model(params, stage=self.stage, group=self.group, world=self.world,
                          timeout_s=self.timeout_s, device=self.mesh.device)
         # Frozen parameters stay out of the flat groups: no gradient buffer, no reduction,
