@@ -78,7 +78,9 @@ ORDER: tuple[Layer, ...] = (
           "stage 0-1's single reduction of the sum"),
     Layer("mixed_precision", lambda p: p.opts.precision != "fp32",
           lambda s, p: mixed_precision(s, p.opts.precision, p.opts.loss_scale,
-                                       check_grad_overflow=p.opts.check_grad_overflow, **p.opts.scaler()),
+                                       check_grad_overflow=p.opts.check_grad_overflow,
+                                       master_weights=p.opts.master_weights, optimizer_states=p.opts.optimizer_states,
+                                       rounding=p.opts.rounding, **p.opts.scaler()),
           "inside ZeRO: its init makes the masters and the low-precision copies, which shard_state's init then "
           "partitions and gathers (half the bytes)"),
     Layer("check_finite", lambda p: p.nonfinite is not None, lambda s, p: check_finite(s, p.nonfinite),
@@ -205,6 +207,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if auto is not None and config is None:
         raise ValueError("fzero.compile: auto= fills a config's \"auto\" values; pass config= too")
     opts, cfg = _options(config, options, mesh, auto)
+    _check_kept_dtypes(opts)
     if mesh.size("pp") > 1 and opts.pipeline is None:
         raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
                          "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
@@ -306,6 +309,17 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     step.config = cfg
     step.monitors = monitoring.monitors if monitoring is not None else ()
     return step
+
+
+def _check_kept_dtypes(opts: CompileOptions) -> None:
+    """bf16 masters, bf16 optimizer state and stochastic rounding are bf16 mixed precision's:
+    asked for under another precision they would do nothing, so they are an error."""
+    asked = [f"{name}={value!r}" for name, value, default in (
+        ("master_weights", opts.master_weights, "fp32"), ("optimizer_states", opts.optimizer_states, "fp32"),
+        ("rounding", opts.rounding, "nearest")) if value != default]
+    if asked and opts.precision != "bf16":
+        raise ValueError(f"fzero.compile: {', '.join(asked)} need precision='bf16' (bf16.enabled in a config), "
+                         f"got precision={opts.precision!r}")
 
 
 def _nonfinite(opts: CompileOptions) -> str | None:

@@ -123,6 +123,9 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
                                        "reduce_in", "bucket_bytes", "overlap_comm", "buffer_sync", "offload_param",
                                        "pin_memory")},
     "nonfinite": optional(choice("skip", "raise", "apply")),
+    "master_weights": choice("fp32", "bf16"),  # mixed_precision(master_weights=)
+    "optimizer_states": choice("fp32", "bf16"),  # mixed_precision(optimizer_states=)
+    "rounding": choice("nearest", "stochastic"),  # mixed_precision(rounding=)
     "donate": boolean,
     "jit": check_jit,
     "comm_bytes": boolean,
@@ -200,6 +203,20 @@ class CompileOptions:
     check_grad_overflow: bool = True
     """Without a loss scaler (bf16; fp16 with ``loss_scale=None``): skip an update whose
     gradients are not finite (DeepSpeed's ``bf16.check_grad_overflow``)."""
+
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    """Under ``precision="bf16"``: the dtype of the weights the optimizer steps
+    (:func:`fzero.mixed_precision`'s ``master_weights``; DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads``)."""
+
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"
+    """Under ``master_weights="bf16"``: the dtype of the optimizer's moments
+    (:func:`fzero.mixed_precision`'s ``optimizer_states``; DeepSpeed's
+    ``bf16.bf16_optimizer_states``)."""
+
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    """Under ``master_weights="bf16"``: how the update's fp32 result is rounded into the bf16
+    masters (:func:`fzero.mixed_precision`'s ``rounding``)."""
 
     nonfinite: Literal["skip", "raise", "apply"] | None = None
     """An update whose gradients hold inf or NaN: ``"skip"`` it on every rank and say so in

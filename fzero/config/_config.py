@@ -235,6 +235,9 @@ class Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError(f"{WHERE}: fp16 and bf16 are both enabled; enable one (DeepSpeed "
                              "refuses both too)")
+        if self.bf16.enabled and self.bf16.bf16_master_weights_and_grads and self.zero_optimization.stage == 0:
+            raise ValueError(f"{WHERE}: bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 or 3 "
+                             "(DeepSpeed 0.19 takes it only there); got stage 0")
         object.__setattr__(self, "gradient_clipping",
                            _num("gradient_clipping", self.gradient_clipping, minimum=0.0))
         if self.communication_data_type is not None and self.communication_data_type not in COMM_DTYPES:

@@ -288,9 +288,8 @@ _BF16: dict[str, _Rule] = {
     "enabled": _USE,
     "immediate_grad_update": _noop(_PERF, _never),
     "check_grad_overflow": _USE,
-    "bf16_master_weights_and_grads": _reject("fzero keeps fp32 master weights and gradients",
-                                             _truthy),
-    "bf16_optimizer_states": _reject("fzero keeps fp32 optimizer state", _truthy),
+    "bf16_master_weights_and_grads": _USE,  # compile(master_weights="bf16")
+    "bf16_optimizer_states": _USE,  # compile(optimizer_states="bf16")
 }
 
 

@@ -71,6 +71,12 @@ OPTIONS: tuple[Row, ...] = (
     # (DeepSpeedEngine._configure_zero_optimizer).
     Row("check_grad_overflow", ("bf16.check_grad_overflow",),
         lambda c: c.bf16.check_grad_overflow if c.bf16.enabled else True, "skip non-finite updates"),
+    Row("master_weights", ("bf16.bf16_master_weights_and_grads",),
+        lambda c: _written("bf16" if c.bf16.enabled and c.bf16.bf16_master_weights_and_grads else None),
+        "bf16 master weights and gradients"),
+    Row("optimizer_states", ("bf16.bf16_optimizer_states",),
+        lambda c: _written("bf16" if c.bf16.enabled and c.bf16.bf16_optimizer_states else None),
+        "bf16 optimizer state"),
     Row("accumulate", ("gradient_accumulation_steps",), lambda c: c.gradient_accumulation_steps, None,
         {"gradient_accumulation_steps": _same}),
     Row("clip_norm", ("gradient_clipping",), lambda c: c.gradient_clipping or None, None,
