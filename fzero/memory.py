@@ -31,6 +31,9 @@ stage  bf16 masters, fp32 Adam      bf16 masters, bf16 Adam
 3      (2Ψ + 2Ψ + 10Ψ)/N            (2Ψ + 2Ψ + 6Ψ)/N
 =====  ===========================  ===========================
 
+``rounding="kahan"`` adds a bf16 compensation per parameter, kept with the optimizer state:
+K + 2 (12 or 8), partitioned from stage 1 on.
+
 The update works on fp32 copies of this rank's masters, gradients and moments (the fp32
 math DeepSpeed's fused Adam does in registers): they live during the update only and are
 not model states.

@@ -125,7 +125,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "nonfinite": optional(choice("skip", "raise", "apply")),
     "master_weights": choice("fp32", "bf16"),  # mixed_precision(master_weights=)
     "optimizer_states": choice("fp32", "bf16"),  # mixed_precision(optimizer_states=)
-    "rounding": choice("nearest", "stochastic"),  # mixed_precision(rounding=)
+    "rounding": choice("nearest", "stochastic", "kahan"),  # mixed_precision(rounding=)
     "donate": boolean,
     "jit": check_jit,
     "comm_bytes": boolean,
@@ -214,9 +214,10 @@ class CompileOptions:
     (:func:`fzero.mixed_precision`'s ``optimizer_states``; DeepSpeed's
     ``bf16.bf16_optimizer_states``)."""
 
-    rounding: Literal["nearest", "stochastic"] = "nearest"
+    rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
     """Under ``master_weights="bf16"``: how the update's fp32 result is rounded into the bf16
-    masters (:func:`fzero.mixed_precision`'s ``rounding``)."""
+    masters: to nearest, stochastically, or to nearest with a Kahan compensation
+    (:func:`fzero.mixed_precision`'s ``rounding``)."""
 
     nonfinite: Literal["skip", "raise", "apply"] | None = None
     """An update whose gradients hold inf or NaN: ``"skip"`` it on every rank and say so in

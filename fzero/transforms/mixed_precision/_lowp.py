@@ -5,6 +5,8 @@ and ``bf16.bf16_optimizer_states``): what ``mixed_precision`` needs to keep them
   parameters' dtype (fp32 moments beside bf16 masters);
 * :func:`widen` / :func:`narrow_like`: the update's fp32 working copies and their rounding
   back to the stored dtypes;
+* :func:`compensated`: an optimizer whose state carries a bf16 Kahan compensation per
+  parameter (:class:`CompensatedState`), the rounding error the bf16 masters dropped;
 * :func:`stochastic_round`: fp32 to bf16, rounding up with probability equal to the distance
   from the value below, with bits from :mod:`fzero.rng`'s counter-based hash keyed by (seed,
   update, parameter name, element's position in the whole tensor), so every layout of the
@@ -13,13 +15,17 @@ and ``bf16.bf16_optimizer_states``): what ``mixed_precision`` needs to keep them
 Why stochastic rounding: a bf16 weight ``w`` keeps 8 significant bits, so an update smaller
 than half its ulp (``|u| < 2**(e-8)`` for ``w`` in ``[2**e, 2**(e+1))``) rounds back to ``w``
 and is lost, step after step (Zamirai et al., "Revisiting BFloat16 Training", 2020). Rounded
-stochastically, ``E[round(w + u)] = w + u``: small updates survive on average.
+stochastically, ``E[round(w + u)] = w + u``: small updates survive on average. With a Kahan
+compensation ``c`` (Kahan 1965; for bf16 weights, Zamirai et al. 2020, section 4.2) the
+update computes with ``w + c``, keeps ``w' = round(w + c + u)`` and ``c' = round(w + c + u - w')``:
+the pair carries about 16 significant bits, so small updates accumulate in ``c`` until they
+move ``w``, deterministically, for 2 bytes per parameter.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,7 +33,7 @@ from fzero import tree
 from fzero.optim.base import GradientTransformation
 from fzero.rng import _M32, _mix, _mix_, hash32
 
-__all__ = ["narrow_like", "states_in", "stochastic_round", "widen"]
+__all__ = ["CompensatedState", "compensated", "narrow_like", "states_in", "stochastic_round", "widen"]
 
 # Folded into every stochastic-rounding key, so these bits never coincide with dropout's.
 _ROUNDING_TAG = 0x5EED_B16
@@ -65,6 +71,39 @@ def states_in(tx: GradientTransformation, dtype: torch.dtype) -> GradientTransfo
         return tx.init(tree.map(lambda p: p.to(dtype) if _floating(p) else p, params))
 
     return GradientTransformation(init, tx.update)
+
+
+class CompensatedState(NamedTuple):
+    """The state of :func:`compensated`: the optimizer's own, and the Kahan compensation of
+    each parameter (its dtype: bf16 beside bf16 masters), partitioned and checkpointed with
+    the optimizer state."""
+
+    inner: Any
+    compensation: Any
+
+
+def compensated(tx: GradientTransformation) -> GradientTransformation:
+    """``tx`` whose state also holds a zero-initialised compensation per parameter, in the
+    parameter's dtype. ``update`` is ``tx``'s and carries the compensation unchanged:
+    ``mixed_precision(rounding="kahan")`` reads it before the update and writes it after.
+
+    Example:
+        >>> import torch
+        >>> from fzero import optim
+        >>> s = compensated(optim.sgd(0.1)).init({"w": torch.ones(2, dtype=torch.bfloat16)})
+        >>> s.compensation["w"]
+        tensor([0., 0.], dtype=torch.bfloat16)
+    """
+
+    def init(params):
+        zeros = tree.map(lambda p: torch.zeros_like(p) if _floating(p) else None, params)
+        return CompensatedState(tx.init(params), zeros)
+
+    def update(updates, state, params=None, **kw):
+        updates, inner = tx.update(updates, state.inner, params, **kw)
+        return updates, CompensatedState(inner, state.compensation)
+
+    return GradientTransformation(init, update)
 
 
 def _name_key(name: str) -> int:

@@ -19,7 +19,8 @@ from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, 
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 from fzero.transforms.finite import count_nonfinite
-from fzero.transforms.mixed_precision._lowp import narrow_like, states_in, stochastic_round, widen
+from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
+                                                    stochastic_round, widen)
 from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
@@ -159,10 +160,18 @@ class _PrecisionHandler(Handler):
         # results are rounded once into the kept dtypes. The copies live for the update only:
         # between steps the state holds the bf16 masters and the state's own dtypes.
         master, kept = state.master, state.opt_state
-        wide = next(state.replace(params=merge_trainable(state.params, widen(master)), opt_state=widen(kept)),
+        wide_master = widen(master)
+        if self.rounding == "kahan":  # the masters' true values: each bf16 weight plus its compensation
+            wide_master = tree.map(lambda m, c: m.add_(c), wide_master, widen(kept.compensation))
+        wide = next(state.replace(params=merge_trainable(state.params, wide_master), opt_state=widen(kept)),
                     widen(grads))
-        new_master = self._round(trainable(wide.params), master, state)
-        new = wide.replace(opt_state=narrow_like(wide.opt_state, kept))
+        result = trainable(wide.params)
+        new_master = self._round(result, master, state)
+        new_opt = narrow_like(wide.opt_state, kept)
+        if self.rounding == "kahan":  # what the rounding dropped, kept for the next update
+            lost = tree.map(lambda r, m, c: (r - m.float()).to(c.dtype), result, new_master, kept.compensation)
+            new_opt = CompensatedState(new_opt.inner, lost)
+        new = wide.replace(opt_state=new_opt)
         here = context()
         if here.offload_optimizer or here.offload_params:
             from fzero.transforms.offload import write_params
@@ -177,7 +186,7 @@ class _PrecisionHandler(Handler):
     def _round(self, wide: dict, master: dict, state) -> dict:
         """The fp32 results ``wide`` rounded into ``master``'s dtype: to nearest, or
         stochastically keyed by (seed, update, name, position in the whole tensor)."""
-        if self.rounding == "nearest":
+        if self.rounding != "stochastic":
             return narrow_like(wide, master)
         seed, update = int(state.seed), int(state.step)
         out = {}
@@ -236,7 +245,7 @@ def mixed_precision(
     check_grad_overflow: bool = True,
     master_weights: Literal["fp32", "bf16"] = "fp32",
     optimizer_states: Literal["fp32", "bf16"] = "fp32",
-    rounding: Literal["nearest", "stochastic"] = "nearest",
+    rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
 ) -> Step:
     """Compute in bf16 or fp16 with fp32 master weights; skip updates whose gradients are
     not finite.
@@ -292,7 +301,12 @@ def mixed_precision(
             ulp survives on average; the bits hash (``state.seed``, ``state.step``, the
             parameter's name, the element's position in the whole tensor), so the result is
             the same at every dp size and ZeRO stage (see
-            :func:`fzero.transforms.mixed_precision._lowp.stochastic_round`).
+            :func:`fzero.transforms.mixed_precision._lowp.stochastic_round`); or ``"kahan"``
+            (``master_weights="bf16"`` only): a bf16 compensation per parameter (2 bytes,
+            kept in the optimizer state as
+            :class:`~fzero.transforms.mixed_precision._lowp.CompensatedState`) holds what
+            the rounding dropped; the update computes with weight plus compensation, so
+            small updates add up deterministically.
 
     Returns:
         A :class:`Step`. Its metrics carry ``skipped`` (whether this update was skipped)
@@ -333,15 +347,15 @@ def mixed_precision(
     for name, value in [("master_weights", master_weights), ("optimizer_states", optimizer_states)]:
         if value not in KEPT_IN:
             raise ValueError(f"{WHERE}: {name}={value!r} must be 'fp32' or 'bf16'")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"{WHERE}: rounding={rounding!r} must be 'nearest' or 'stochastic'")
+    if rounding not in ("nearest", "stochastic", "kahan"):
+        raise ValueError(f"{WHERE}: rounding={rounding!r} must be 'nearest', 'stochastic' or 'kahan'")
     if master_weights == "bf16" and dtype != "bf16":
         raise ValueError(f"{WHERE}: master_weights='bf16' needs dtype='bf16', got dtype={dtype!r}")
     if optimizer_states == "bf16" and master_weights != "bf16":
         raise ValueError(f"{WHERE}: optimizer_states='bf16' needs master_weights='bf16' (as DeepSpeed's "
                          "bf16_optimizer_states needs bf16_master_weights_and_grads)")
-    if rounding == "stochastic" and master_weights != "bf16":
-        raise ValueError(f"{WHERE}: rounding='stochastic' rounds bf16 masters: it needs master_weights='bf16'")
+    if rounding != "nearest" and master_weights != "bf16":
+        raise ValueError(f"{WHERE}: rounding={rounding!r} rounds bf16 masters: it needs master_weights='bf16'")
     if dtype == "bf16":
         loss_scale = None
     if loss_scale is not None and not check_grad_overflow:
@@ -373,6 +387,8 @@ def mixed_precision(
             tx = state.tx
             if states_dtype != master_dtype:  # the optimizer state is built over the masters: in theirs, else
                 tx = states_in(tx, states_dtype)
+            if rounding == "kahan":  # a bf16 compensation per parameter, partitioned with the optimizer state
+                tx = compensated(tx)
             state = state.replace(params=params, tx=tx, opt_state=tx.init(master), master=master)
         if loss_scale == "dynamic" and state.loss_scaler is None:
             state = state.replace(loss_scaler=LossScaler.create(initial_scale_power, hysteresis))
