@@ -134,6 +134,7 @@ def model_state_bytes(
     pp: int = 1,
     master_weights: Kept = "fp32",
     optimizer_states: Kept = "fp32",
+    rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that one rank holds.
 
@@ -154,6 +155,8 @@ def model_state_bytes(
             master weights and of the optimizer's states (``fzero.mixed_precision``'s
             keywords of these names); ``"bf16"`` needs ``precision="bf16"``, and bf16 states
             need bf16 masters, as in DeepSpeed.
+        rounding: ``"kahan"`` (bf16 masters only) adds the 2-byte compensation per parameter
+            to the optimizer state; ``"nearest"`` and ``"stochastic"`` add nothing.
 
     Raises:
         ValueError: an argument out of range, or ``world_size`` not a multiple of
@@ -185,10 +188,14 @@ def model_state_bytes(
         raise ValueError(f"{name}: master_weights='bf16' needs precision='bf16', got {precision!r}")
     if optimizer_states == "bf16" and master_weights != "bf16":
         raise ValueError(f"{name}: optimizer_states='bf16' needs master_weights='bf16'")
+    if rounding not in ("nearest", "stochastic", "kahan"):
+        raise ValueError(f"{name}: rounding must be 'nearest', 'stochastic' or 'kahan', got {rounding!r}")
+    if rounding != "nearest" and master_weights != "bf16":
+        raise ValueError(f"{name}: rounding={rounding!r} needs master_weights='bf16'")
 
     p = g = PRECISIONS[precision]
     masters = KEPT[master_weights] if precision != "fp32" else 0  # the masters beside the 16-bit parameters
-    k = KEPT[optimizer_states] * OPTIMIZER_STATES[opt] + masters
+    k = KEPT[optimizer_states] * OPTIMIZER_STATES[opt] + masters + (KEPT["bf16"] if rounding == "kahan" else 0)
     shard = -(-num_params // world_size)  # ceil: the flat buffer is padded to a multiple of N
     params = p * (shard if stage >= 3 else num_params)
     grads = g * (shard if stage >= 2 else num_params)
@@ -248,7 +255,7 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
 
 
 def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam", master_weights: Kept = "fp32",
-                 optimizer_states: Kept = "fp32") -> tuple[int, int]:
+                 optimizer_states: Kept = "fp32", rounding: str = "nearest") -> tuple[int, int]:
     """``(a, b)`` such that the per-rank bytes are ``aΨ + bΨ/N`` (before padding); with
     tensor or pipeline parallelism, ``aΨ' + bΨ'/dp`` with Ψ' = Ψ/(tp·pp).
 
@@ -259,7 +266,7 @@ def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = 
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"coefficients: stage must be 0, 1, 2 or 3, got {stage!r}")
     one = model_state_bytes(1, world_size=1, stage=0, precision=precision, optimizer=optimizer,
-                            master_weights=master_weights, optimizer_states=optimizer_states)
+                            master_weights=master_weights, optimizer_states=optimizer_states, rounding=rounding)
     parts = [("params", 3), ("grads", 2), ("optimizer", 1)]
     a = sum(one[k] for k, s in parts if stage < s)
     b = sum(one[k] for k, s in parts if stage >= s)

@@ -66,7 +66,8 @@ def _formula(a: int, b: int, psi: str = "Ψ") -> str:
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
            optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int | None = None,
-           tp: int = 1, pp: int = 1, master_weights: str = "fp32", optimizer_states: str = "fp32") -> str:
+           tp: int = 1, pp: int = 1, master_weights: str = "fp32", optimizer_states: str = "fp32",
+           rounding: str = "nearest") -> str:
     """The table ``fzero estimate`` prints; ``tp``/``pp``, ``master_weights`` and
     ``optimizer_states`` as in :func:`fzero.memory.model_state_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
@@ -85,13 +86,14 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         *([f"a rank holds Ψ' = Ψ/(tp·pp) = {_count(local)} parameters ({local:,}), partitioned by ZeRO "
            f"over N = dp = {dp}"] if split else []),
         f"precision: {prec}; optimizer: {optimizer} "
-        f"({n_states} {optimizer_states} state{'s' if n_states != 1 else ''} per parameter)",
+        f"({n_states} {optimizer_states} state{'s' if n_states != 1 else ''} per parameter"
+        f"{', and a bf16 Kahan compensation' if rounding == 'kahan' else ''})",
         "",
     ]
     header = ["stage", "params", "grads", "optimizer", "model states", "buffers", "total", "formula"]
     rows = []
     for stage in stages:
-        kept = {"master_weights": master_weights, "optimizer_states": optimizer_states}
+        kept = {"master_weights": master_weights, "optimizer_states": optimizer_states, "rounding": rounding}
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
                               optimizer=optimizer, tp=tp, pp=pp, **kept)
         buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
@@ -169,6 +171,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
                    help="with --master-weights bf16: keep the optimizer state in bf16 (DeepSpeed's "
                         "bf16_optimizer_states; default fp32)")
+    p.add_argument("--rounding", choices=("nearest", "stochastic", "kahan"), default="nearest",
+                   help="with --master-weights bf16: how updates round into the bf16 masters; kahan keeps a "
+                        "2-byte compensation per parameter (default nearest)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam",
                    help="decides the fp32 states per parameter: adam/adamw/lamb 2, lion/sgd-momentum 1, "
                         "sgd 0 (default adam)")
@@ -294,10 +299,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.optimizer_states == "bf16" and args.master_weights != "bf16":
         parser.error("--optimizer-states bf16 needs --master-weights bf16 (as DeepSpeed's bf16_optimizer_states "
                      "needs bf16_master_weights_and_grads)")
+    if args.rounding != "nearest" and args.master_weights != "bf16":
+        parser.error(f"--rounding {args.rounding} needs --master-weights bf16")
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
     print(render(args.params, world_size=world, stages=stages, precision=args.precision,
                  optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
-                 tp=tp, pp=pp, master_weights=args.master_weights, optimizer_states=args.optimizer_states))
+                 tp=tp, pp=pp, master_weights=args.master_weights, optimizer_states=args.optimizer_states,
+                 rounding=args.rounding))
     if not args.time:
         return 0
     try:
