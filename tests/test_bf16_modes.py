@@ -298,6 +298,24 @@ def test_kahan_compensated_bf16_masters_follow_fp32_masters():
     assert abs(kahan_loss - ref_loss) < 1e-3 * ref_loss < abs(nearest_loss - ref_loss), (kahan_loss, nearest_loss, ref_loss)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "kahan"])
+def test_a_skipped_update_leaves_bf16_masters_moments_and_compensation_as_they_were(rounding):
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(ft.Blocks(8, 16, 1, 4))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+    step = fzero.compile(ft.mse_step, precision="bf16", master_weights="bf16", optimizer_states="bf16",
+                         rounding=rounding)  # donate=True: the update writes into the state it is given
+    state = step.init(state)
+    batch = _batches(1, 8)[0]
+    for _ in range(3):
+        state, _ = step(state, batch)
+    before = [x.clone() for x in fzero.tree.leaves((state.params, state.master, state.opt_state))]
+    state, metrics = step(state, {"x": torch.full((8, 8), float("inf")), "y": batch["y"]})
+    assert bool(metrics["skipped"])
+    after = fzero.tree.leaves((state.params, state.master, state.opt_state))
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 def test_stochastic_rounding_keeps_inf_and_nan():
     x = torch.tensor([float("inf"), float("-inf"), float("nan"), -1.5, 0.0])
     r = stochastic_round(x, seed=0, update=0, name="w")

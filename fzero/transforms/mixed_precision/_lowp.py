@@ -17,7 +17,8 @@ than half its ulp (``|u| < 2**(e-8)`` for ``w`` in ``[2**e, 2**(e+1))``) rounds 
 and is lost, step after step (Zamirai et al., "Revisiting BFloat16 Training", 2020). Rounded
 stochastically, ``E[round(w + u)] = w + u``: small updates survive on average. With a Kahan
 compensation ``c`` (Kahan 1965; for bf16 weights, Zamirai et al. 2020, section 4.2) the
-update computes with ``w + c``, keeps ``w' = round(w + c + u)`` and ``c' = round(w + c + u - w')``:
+update computes with ``w + c``, keeps ``w' = round(w + c + u)`` and ``c' = w + c + u - w'`` (rounded
+toward zero, so ``w' + c'`` rounds back to ``w'``):
 the pair carries about 16 significant bits, so small updates accumulate in ``c`` until they
 move ``w``, deterministically, for 2 bytes per parameter.
 """
@@ -33,7 +34,7 @@ from fzero import tree
 from fzero.optim.base import GradientTransformation
 from fzero.rng import _M32, _mix, _mix_, hash32
 
-__all__ = ["CompensatedState", "compensated", "narrow_like", "states_in", "stochastic_round", "widen"]
+__all__ = ["CompensatedState", "compensated", "narrow_like", "states_in", "stochastic_round", "toward_zero", "widen"]
 
 # Folded into every stochastic-rounding key, so these bits never coincide with dropout's.
 _ROUNDING_TAG = 0x5EED_B16
@@ -104,6 +105,22 @@ def compensated(tx: GradientTransformation) -> GradientTransformation:
         return updates, CompensatedState(inner, state.compensation)
 
     return GradientTransformation(init, update)
+
+
+def toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) rounded toward zero to bf16: its 16 low bits dropped.
+
+    A Kahan compensation rounded so stays within half an ulp of its weight, so weight plus
+    compensation always rounds back to the weight: an update that changes nothing (a skipped
+    one, a zero gradient) leaves the weight's bits as they were.
+
+    Example:
+        >>> toward_zero(torch.tensor([1.0 + 2.0 ** -8, -(1.0 + 2.0 ** -8)])).tolist()
+        [1.0, -1.0]
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"toward_zero: x must be float32, got {x.dtype}")
+    return (x.contiguous().view(torch.int32) & -0x10000).view(torch.float32).to(torch.bfloat16)
 
 
 def _name_key(name: str) -> int:

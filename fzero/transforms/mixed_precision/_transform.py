@@ -20,7 +20,7 @@ from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 from fzero.transforms.finite import count_nonfinite
 from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
-                                                    stochastic_round, widen)
+                                                    stochastic_round, toward_zero, widen)
 from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
@@ -169,7 +169,9 @@ class _PrecisionHandler(Handler):
         new_master = self._round(result, master, state)
         new_opt = narrow_like(wide.opt_state, kept)
         if self.rounding == "kahan":  # what the rounding dropped, kept for the next update
-            lost = tree.map(lambda r, m, c: (r - m.float()).to(c.dtype), result, new_master, kept.compensation)
+            # Toward zero: weight plus compensation then rounds back to the weight, so an update
+            # that changes nothing (skipped, a zero gradient) leaves the weight's bits as they were.
+            lost = tree.map(lambda r, m: toward_zero(r - m.float()), result, new_master)
             new_opt = CompensatedState(new_opt.inner, lost)
         new = wide.replace(opt_state=new_opt)
         here = context()
