@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--every", type=int, default=25)
-    p.add_argument("--only", default=None, help="comma-separated contestant names")
+    p.add_argument("--only", default=None, help="contestant names separated by \";\"")
     p.add_argument("--json", default=None, help="also write the curves to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(1)
     batches = [get_batch(data, args.batch_size, args.block_size, g) for _ in range(args.steps)]
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
-    names = list(CONTESTANTS) if args.only is None else args.only.split(",")
+    names = list(CONTESTANTS) if args.only is None else args.only.split(";")
     curves = {}
     for name in names:
         curves[name] = curve(CONTESTANTS[name], batches, cfg, args.lr, args.warmup)

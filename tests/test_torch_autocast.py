@@ -34,16 +34,26 @@ CONFIGS = Path(__file__).parent / "data" / "ds_configs"
 
 
 class _Net(nn.Module):
-    """Linear layers (the default safe modules) around a LayerNorm (not one)."""
+    """Linear layers (the default safe modules) and LayerNorms (not), the hidden ones in a
+    ModuleList: ZeRO-3 gathers them block by block (its units) and frees them after use."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(8, 32)
-        self.norm = nn.LayerNorm(32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)) for _ in range(2))
         self.out = nn.Linear(32, 4)
 
     def forward(self, x):
-        return self.out(torch.tanh(self.norm(self.inp(x))))
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.out(x)
+
+
+def _names_of(cls) -> set[str]:
+    """The parameters of modules of exactly ``cls``, by name (as DeepSpeed marks them)."""
+    return {f"{m_name}.{n}" for m_name, m in _Net().named_modules() if type(m) is cls
+            for n, _ in m.named_parameters(recurse=False)}
 
 
 def _model():
@@ -87,8 +97,7 @@ def _close(a, b, rtol=1e-5):
 def _against_torch():
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _batches()
-    linear = {"inp.weight", "inp.bias", "out.weight", "out.bias"}
-    norm = {"norm.weight", "norm.bias"}
+    linear, norm = _names_of(nn.Linear), _names_of(nn.LayerNorm)
     out = {}
     for zero, modules, low in [(0, None, set()), (2, None, linear), (3, None, linear),
                                (2, ["torch.nn.LayerNorm"], norm), (1, [], set())]:

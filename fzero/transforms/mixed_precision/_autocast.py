@@ -33,6 +33,7 @@ import torch
 from fzero import tree
 from fzero._params import with_values
 from fzero.core import Handler, Step, as_step, installed
+from fzero.transforms._deferred import is_deferred
 from fzero.transforms.shard_state import is_shard
 
 __all__ = ["DEFAULT_SAFE_MODULES", "safe_module_classes", "torch_autocast"]
@@ -77,27 +78,23 @@ def safe_module_classes(names: Sequence[str], where: str = WHERE) -> tuple[type,
     return tuple(out)
 
 
-class _RoundGrad(torch.autograd.Function):
-    """The identity forward; backward rounds the gradient to ``dtype`` and back: a rank's
-    gradient as it enters a low-precision reduction bucket."""
-
-    @staticmethod
-    def forward(x, dtype):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dtype = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.to(ctx.dtype).to(g.dtype), None
+def _rounding_alias(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An alias of ``p`` whose gradient is rounded to ``dtype`` and back on its way to ``p``:
+    a rank's gradient as it enters a low-precision reduction bucket. A plain view with a
+    tensor hook (not a custom autograd Function, whose view output ZeRO-3's freeing of a
+    gathered unit in place would trip), made per call, so no hook outlives the call."""
+    q = p.view_as(p)
+    q.register_hook(lambda g: g.to(dtype).to(g.dtype))
+    return q
 
 
 def _round(x, dtype):
+    """A reduced gradient (a tensor, or a ZeRO piece) rounded to ``dtype`` and back; a
+    placeholder of a micro-batch whose sum is reduced later (``accumulate``) as it is: the
+    last micro-batch's gradient carries the sum."""
     if is_shard(x):
-        return type(x)(x.local.to(dtype).to(x.local.dtype), x.info)
-    return x.to(dtype).to(x.dtype) if isinstance(x, torch.Tensor) else x
+        return type(x)(_round(x.local, dtype), x.info)
+    return x.to(dtype).to(x.dtype) if isinstance(x, torch.Tensor) and not is_deferred(x) else x
 
 
 class _AutocastHandler(Handler):
@@ -112,7 +109,7 @@ class _AutocastHandler(Handler):
         @functools.wraps(fn)
         def autocast(p, *a, **kw):
             if low and by_name:
-                p = with_values(p, {name: _RoundGrad.apply(p[name], dtype) for name in low & p.keys()
+                p = with_values(p, {name: _rounding_alias(p[name], dtype) for name in low & p.keys()
                                     if isinstance(p[name], torch.Tensor) and p[name].requires_grad})
             with torch.autocast(device_type=_device(p), dtype=dtype):
                 return fn(p, *a, **kw)
