@@ -18,7 +18,7 @@ from fzero.train_state import TrainState
 # Step -> step transforms: each takes a train step and returns one with the same signature
 # (compile applies them in one fixed order, fzero/_compile.py's ORDER).
 from fzero.transforms import (Step, accumulate, check_finite, clip, mixed_precision, offload_optimizer, shard_state,
-                              tensor_parallel)
+                              tensor_parallel, torch_autocast)
 # Not a step transform: fzero.pipeline(stages, loss_fn, mesh) makes a gradient function, a
 # pipelined value_and_grad the train step calls (loss, grads = pipe(params, x, y)); its
 # .transform(step) is the step transform, which compile(pipeline=pipe) applies.
@@ -57,6 +57,7 @@ __all__ = [
     "rng",
     "shard_state",
     "tensor_parallel",
+    "torch_autocast",
     "tree",
     "value_and_grad",
 ]

@@ -30,7 +30,7 @@ from fzero.train_state import TrainState, missing_optimizer
 from fzero.transforms.accumulate import accumulate
 from fzero.transforms.clip import clip
 from fzero.transforms.finite import check_finite
-from fzero.transforms.mixed_precision import mixed_precision
+from fzero.transforms.mixed_precision import mixed_precision, torch_autocast
 from fzero.transforms.offload import offload_optimizer
 from fzero.transforms.shard_state import release_parameters, shard_state
 from fzero.transforms.tensor_parallel import tensor_parallel
@@ -78,9 +78,17 @@ ORDER: tuple[Layer, ...] = (
           "stage 0-1's single reduction of the sum"),
     Layer("mixed_precision", lambda p: p.opts.precision != "fp32",
           lambda s, p: mixed_precision(s, p.opts.precision, p.opts.loss_scale,
-                                       check_grad_overflow=p.opts.check_grad_overflow, **p.opts.scaler()),
+                                       check_grad_overflow=p.opts.check_grad_overflow,
+                                       master_weights=p.opts.master_weights, optimizer_states=p.opts.optimizer_states,
+                                       rounding=p.opts.rounding, **p.opts.scaler()),
           "inside ZeRO: its init makes the masters and the low-precision copies, which shard_state's init then "
           "partitions and gathers (half the bytes)"),
+    Layer("torch_autocast", lambda p: p.opts.torch_autocast is not None,
+          lambda s, p: torch_autocast(s, p.opts.torch_autocast,
+                                      lower_precision_safe_modules=p.opts.lower_precision_safe_modules,
+                                      round_grads=p.opts.zero >= 1),
+          "where mixed precision would be (the two exclude each other): the forward under torch.autocast with "
+          "fp32 weights; at ZeRO 1-3 the listed modules' gradients take a low-precision reduction's values"),
     Layer("check_finite", lambda p: p.nonfinite is not None, lambda s, p: check_finite(s, p.nonfinite),
           "outside mixed precision (it sees the unscaled gradients' verdict first) and inside ZeRO (its flags "
           "are summed over the ranks, so every rank decides alike)"),
@@ -205,6 +213,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if auto is not None and config is None:
         raise ValueError("fzero.compile: auto= fills a config's \"auto\" values; pass config= too")
     opts, cfg = _options(config, options, mesh, auto)
+    _check_kept_dtypes(opts)
     if mesh.size("pp") > 1 and opts.pipeline is None:
         raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
                          "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
@@ -306,6 +315,23 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     step.config = cfg
     step.monitors = monitoring.monitors if monitoring is not None else ()
     return step
+
+
+def _check_kept_dtypes(opts: CompileOptions) -> None:
+    """bf16 masters, bf16 optimizer state and stochastic rounding are bf16 mixed precision's:
+    asked for under another precision they would do nothing, so they are an error."""
+    asked = [f"{name}={value!r}" for name, value, default in (
+        ("master_weights", opts.master_weights, "fp32"), ("optimizer_states", opts.optimizer_states, "fp32"),
+        ("rounding", opts.rounding, "nearest")) if value != default]
+    if asked and opts.precision != "bf16":
+        raise ValueError(f"fzero.compile: {', '.join(asked)} need precision='bf16' (bf16.enabled in a config), "
+                         f"got precision={opts.precision!r}")
+    if opts.torch_autocast is not None and opts.precision != "fp32":
+        raise ValueError(f"fzero.compile: torch_autocast={opts.torch_autocast!r} computes with fp32 weights under "
+                         f"torch.autocast; it excludes precision={opts.precision!r} (low-precision weights): set one")
+    if opts.lower_precision_safe_modules is not None and opts.torch_autocast is None:
+        raise ValueError("fzero.compile: lower_precision_safe_modules= needs torch_autocast='bf16' "
+                         "(torch_autocast.enabled in a config)")
 
 
 def _nonfinite(opts: CompileOptions) -> str | None:

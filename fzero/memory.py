@@ -15,6 +15,28 @@ stage  fp32 Adam (K = 8)          mixed precision Adam (K = 12)
 
 (parameters + gradients + optimizer state). Under mixed precision the optimizer state
 includes the fp32 master weights (4 bytes) beside the fp32 Adam moments (2 x 4 bytes).
+
+bf16 mixed precision may keep the masters in bf16 (DeepSpeed's
+``bf16.bf16_master_weights_and_grads``: K = 2 + 8 = 10 with fp32 Adam moments) and the
+moments in bf16 too (``bf16.bf16_optimizer_states``: K = 2 + 4 = 6); the 2-byte parameters
+and gradients stay what they are. The masters are a partition of their own, as DeepSpeed
+keeps its master partition beside the parameters, so they count in the optimizer state:
+
+=====  ===========================  ===========================
+stage  bf16 masters, fp32 Adam      bf16 masters, bf16 Adam
+=====  ===========================  ===========================
+0      2Ψ + 2Ψ + 10Ψ  = 14Ψ         2Ψ + 2Ψ + 6Ψ   = 10Ψ
+1      2Ψ + 2Ψ + 10Ψ/N              2Ψ + 2Ψ + 6Ψ/N
+2      2Ψ + (2Ψ + 10Ψ)/N            2Ψ + (2Ψ + 6Ψ)/N
+3      (2Ψ + 2Ψ + 10Ψ)/N            (2Ψ + 2Ψ + 6Ψ)/N
+=====  ===========================  ===========================
+
+``rounding="kahan"`` adds a bf16 compensation per parameter, kept with the optimizer state:
+K + 2 (12 or 8), partitioned from stage 1 on.
+
+The update works on fp32 copies of this rank's masters, gradients and moments (the fp32
+math DeepSpeed's fused Adam does in registers): they live during the update only and are
+not model states.
 Activations, temporary buffers (gathered ZeRO-3 parameters, communication buckets) and
 allocator fragmentation are not model states and are not counted here;
 :func:`reduce_buffer_bytes` gives what fzero holds beside them at the step's peak (its
@@ -40,10 +62,11 @@ from typing import Literal
 
 from fzero.transforms._checks import default_bucket_bytes
 
-__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "format_bytes", "OPTIMIZER_STATES",
-           "PRECISIONS", "REDUCE_BUFFERS"]
+__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "format_bytes", "KEPT",
+           "OPTIMIZER_STATES", "PRECISIONS", "REDUCE_BUFFERS"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
+Kept = Literal["fp32", "bf16"]
 
 # fp32 state tensors per parameter that each optimizer keeps.
 OPTIMIZER_STATES = {
@@ -56,6 +79,8 @@ OPTIMIZER_STATES = {
 }
 # Bytes of the parameters (and gradients) a step computes with.
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes per element of master weights and optimizer state, by the dtype they are kept in.
+KEPT = {"fp32": 4, "bf16": 2}
 # Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2), the bucket being
 # filled and the one sent before it; a bucket's buffer is taken only once fewer reduce-scatters
 # are outstanding, and the pool allocates only when none of its buffers fits
@@ -107,6 +132,9 @@ def model_state_bytes(
     optimizer: str = "adam",
     tp: int = 1,
     pp: int = 1,
+    master_weights: Kept = "fp32",
+    optimizer_states: Kept = "fp32",
+    rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that one rank holds.
 
@@ -123,9 +151,12 @@ def model_state_bytes(
         tp, pp: tensor- and pipeline-parallel degrees: a rank holds Ψ' = Ψ/(tp·pp) of the
             parameters and ZeRO partitions them over N = dp = world_size/(tp·pp) (see
             :func:`rank_share` for the assumption).
-
-    Returns:
-        ``{"params": ..., "grads": ..., "optimizer": ..., "total": ...}`` in bytes.
+        master_weights, optimizer_states: under ``"bf16"`` precision, the dtype of the
+            master weights and of the optimizer's states (``fzero.mixed_precision``'s
+            keywords of these names); ``"bf16"`` needs ``precision="bf16"``, and bf16 states
+            need bf16 masters, as in DeepSpeed.
+        rounding: ``"kahan"`` (bf16 masters only) adds the 2-byte compensation per parameter
+            to the optimizer state; ``"nearest"`` and ``"stochastic"`` add nothing.
 
     Raises:
         ValueError: an argument out of range, or ``world_size`` not a multiple of
@@ -136,6 +167,9 @@ def model_state_bytes(
         {'params': 2000000, 'grads': 250000, 'optimizer': 1500000, 'total': 3750000}
         >>> model_state_bytes(4_000_000, world_size=32, stage=2, precision="bf16", tp=2, pp=2)
         {'params': 2000000, 'grads': 250000, 'optimizer': 1500000, 'total': 3750000}
+        >>> model_state_bytes(1_000_000, world_size=8, stage=2, precision="bf16", master_weights="bf16",
+        ...                   optimizer_states="bf16")
+        {'params': 2000000, 'grads': 250000, 'optimizer': 750000, 'total': 3000000}
     """
     name = "model_state_bytes"
     num_params, world_size = _rank_share(name, num_params, world_size, tp, pp)
@@ -147,8 +181,21 @@ def model_state_bytes(
     if opt not in OPTIMIZER_STATES:
         raise ValueError(f"{name}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
 
+    for key, value in (("master_weights", master_weights), ("optimizer_states", optimizer_states)):
+        if value not in KEPT:
+            raise ValueError(f"{name}: {key} must be 'fp32' or 'bf16', got {value!r}")
+    if master_weights == "bf16" and precision != "bf16":
+        raise ValueError(f"{name}: master_weights='bf16' needs precision='bf16', got {precision!r}")
+    if optimizer_states == "bf16" and master_weights != "bf16":
+        raise ValueError(f"{name}: optimizer_states='bf16' needs master_weights='bf16'")
+    if rounding not in ("nearest", "stochastic", "kahan"):
+        raise ValueError(f"{name}: rounding must be 'nearest', 'stochastic' or 'kahan', got {rounding!r}")
+    if rounding != "nearest" and master_weights != "bf16":
+        raise ValueError(f"{name}: rounding={rounding!r} needs master_weights='bf16'")
+
     p = g = PRECISIONS[precision]
-    k = 4 * OPTIMIZER_STATES[opt] + (4 if precision != "fp32" else 0)  # + fp32 master weights
+    masters = KEPT[master_weights] if precision != "fp32" else 0  # the masters beside the 16-bit parameters
+    k = KEPT[optimizer_states] * OPTIMIZER_STATES[opt] + masters + (KEPT["bf16"] if rounding == "kahan" else 0)
     shard = -(-num_params // world_size)  # ceil: the flat buffer is padded to a multiple of N
     params = p * (shard if stage >= 3 else num_params)
     grads = g * (shard if stage >= 2 else num_params)
@@ -207,12 +254,19 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     return total
 
 
-def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam") -> tuple[int, int]:
+def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam", master_weights: Kept = "fp32",
+                 optimizer_states: Kept = "fp32", rounding: str = "nearest") -> tuple[int, int]:
     """``(a, b)`` such that the per-rank bytes are ``aΨ + bΨ/N`` (before padding); with
-    tensor or pipeline parallelism, ``aΨ' + bΨ'/dp`` with Ψ' = Ψ/(tp·pp)."""
+    tensor or pipeline parallelism, ``aΨ' + bΨ'/dp`` with Ψ' = Ψ/(tp·pp).
+
+    Example:
+        >>> coefficients(stage=2, precision="bf16", master_weights="bf16")
+        (2, 12)
+    """
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"coefficients: stage must be 0, 1, 2 or 3, got {stage!r}")
-    one = model_state_bytes(1, world_size=1, stage=0, precision=precision, optimizer=optimizer)
+    one = model_state_bytes(1, world_size=1, stage=0, precision=precision, optimizer=optimizer,
+                            master_weights=master_weights, optimizer_states=optimizer_states, rounding=rounding)
     parts = [("params", 3), ("grads", 2), ("optimizer", 1)]
     a = sum(one[k] for k, s in parts if stage < s)
     b = sum(one[k] for k, s in parts if stage >= s)

@@ -106,6 +106,11 @@ def _trial(v) -> str | None:
     return None if isinstance(v, TrialSpec) else "must be None or an fzero.autotune.TrialSpec"
 
 
+def _class_paths(v) -> str | None:
+    ok = isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)
+    return None if ok else "must be None or a list of module class paths such as 'torch.nn.Linear'"
+
+
 def _monitors(v) -> str | None:
     ok = isinstance(v, (tuple, list)) and all(callable(getattr(m, "write", None)) and callable(getattr(m, "close", None))
                                              for m in v)
@@ -123,6 +128,11 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
                                        "reduce_in", "bucket_bytes", "overlap_comm", "buffer_sync", "offload_param",
                                        "pin_memory")},
     "nonfinite": optional(choice("skip", "raise", "apply")),
+    "torch_autocast": optional(choice("bf16")),  # torch_autocast(dtype=)
+    "lower_precision_safe_modules": optional(_class_paths),  # torch_autocast(lower_precision_safe_modules=)
+    "master_weights": choice("fp32", "bf16"),  # mixed_precision(master_weights=)
+    "optimizer_states": choice("fp32", "bf16"),  # mixed_precision(optimizer_states=)
+    "rounding": choice("nearest", "stochastic", "kahan"),  # mixed_precision(rounding=)
     "donate": boolean,
     "jit": check_jit,
     "comm_bytes": boolean,
@@ -200,6 +210,31 @@ class CompileOptions:
     check_grad_overflow: bool = True
     """Without a loss scaler (bf16; fp16 with ``loss_scale=None``): skip an update whose
     gradients are not finite (DeepSpeed's ``bf16.check_grad_overflow``)."""
+
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    """Under ``precision="bf16"``: the dtype of the weights the optimizer steps
+    (:func:`fzero.mixed_precision`'s ``master_weights``; DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads``)."""
+
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"
+    """Under ``master_weights="bf16"``: the dtype of the optimizer's moments
+    (:func:`fzero.mixed_precision`'s ``optimizer_states``; DeepSpeed's
+    ``bf16.bf16_optimizer_states``)."""
+
+    rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
+    """Under ``master_weights="bf16"``: how the update's fp32 result is rounded into the bf16
+    masters: to nearest, stochastically, or to nearest with a Kahan compensation
+    (:func:`fzero.mixed_precision`'s ``rounding``)."""
+
+    torch_autocast: Literal["bf16"] | None = None
+    """Run the forward under ``torch.autocast`` with fp32 weights, no low-precision copies
+    (:func:`fzero.torch_autocast`; DeepSpeed's ``torch_autocast`` section). Needs
+    ``precision="fp32"``."""
+
+    lower_precision_safe_modules: tuple[str, ...] | None = None
+    """Under ``torch_autocast``: module classes whose parameters' gradients are reduced in
+    the autocast dtype at ZeRO 1-3, as DeepSpeed reads this key (``None``: Linear and
+    Conv1d/2d/3d)."""
 
     nonfinite: Literal["skip", "raise", "apply"] | None = None
     """An update whose gradients hold inf or NaN: ``"skip"`` it on every rank and say so in
@@ -343,6 +378,8 @@ class CompileOptions:
     def __post_init__(self):
         object.__setattr__(self, "monitors", tuple(self.monitors) if isinstance(self.monitors, list)
                            else self.monitors)
+        if isinstance(self.lower_precision_safe_modules, list):
+            object.__setattr__(self, "lower_precision_safe_modules", tuple(self.lower_precision_safe_modules))
         for f in dataclasses.fields(self):
             _check("fzero.CompileOptions", f.name, getattr(self, f.name), f.name)
 

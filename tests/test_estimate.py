@@ -306,3 +306,37 @@ def test_the_estimate_is_within_ten_percent_of_every_tensor_byte_the_process_hol
             assert 0.90 * low <= held <= 1.10 * est, (stage, precision, psi, held, low, est)
             continue
         assert abs(held - est) <= 0.10 * est, (stage, precision, psi, held, est, held / est)
+
+
+@pytest.mark.parametrize("kept, k", [
+    ({"master_weights": "bf16"}, 10),  # bf16 masters + 2 fp32 moments
+    ({"master_weights": "bf16", "optimizer_states": "bf16"}, 6),  # bf16 masters + 2 bf16 moments
+    ({"master_weights": "bf16", "rounding": "kahan"}, 12),  # + a bf16 compensation
+    ({"master_weights": "bf16", "optimizer_states": "bf16", "rounding": "kahan"}, 8),
+])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_masters_and_states_are_the_formula_with_their_k(kept, k, stage):
+    n = 8
+    b = model_state_bytes(8 * PSI, world_size=n, stage=stage, precision="bf16", **kept)
+    per_param = {0: 4 + k, 1: 4 + k / n, 2: 2 + (2 + k) / n, 3: (4 + k) / n}[stage]
+    assert b["total"] == per_param * 8 * PSI
+
+
+def test_cli_bf16_masters_and_states(capsys):
+    assert main(["estimate", "--params", "1M", "-N", "8", "--bytes", "--precision", "bf16", "--master-weights", "bf16",
+                 "--optimizer-states", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 master weights" in out and "2 bf16 states" in out
+    rows = {r[0]: r for r in map(str.split, out.splitlines()) if len(r) >= 6 and r[0] in {"0", "1", "2", "3"}}
+    assert int(rows["2"][4].replace(",", "")) == 2 * PSI + 8 * PSI // 8 and "2Ψ + 8Ψ/N" in " ".join(rows["2"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--master-weights", "bf16"], "--master-weights bf16 needs --precision bf16"),
+    (["--precision", "bf16", "--optimizer-states", "bf16"], "--optimizer-states bf16 needs --master-weights bf16"),
+    (["--precision", "bf16", "--rounding", "kahan"], "--rounding kahan needs --master-weights bf16"),
+])
+def test_cli_bf16_kept_dtypes_that_contradict_are_named(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--params", "1M", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err

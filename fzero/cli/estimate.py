@@ -66,8 +66,10 @@ def _formula(a: int, b: int, psi: str = "Ψ") -> str:
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
            optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int | None = None,
-           tp: int = 1, pp: int = 1) -> str:
-    """The table ``fzero estimate`` prints; ``tp``/``pp`` as in :func:`fzero.memory.model_state_bytes`."""
+           tp: int = 1, pp: int = 1, master_weights: str = "fp32", optimizer_states: str = "fp32",
+           rounding: str = "nearest") -> str:
+    """The table ``fzero estimate`` prints; ``tp``/``pp``, ``master_weights`` and
+    ``optimizer_states`` as in :func:`fzero.memory.model_state_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
     local, dp = rank_share(num_params, world_size=world_size, tp=tp, pp=pp)
     split = tp * pp > 1  # the formulas are then in Ψ' = Ψ/(tp·pp)
@@ -75,7 +77,7 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
     if precision == "fp32":
         prec = "fp32 (4-byte parameters and gradients)"
     else:
-        prec = f"{precision} mixed (2-byte parameters and gradients, fp32 master weights)"
+        prec = f"{precision} mixed (2-byte parameters and gradients, {master_weights} master weights)"
     ranks = (f"{world_size} ranks = pp {pp} × dp {dp} × tp {tp}" if split
              else f"N = {world_size} rank{'s' if world_size != 1 else ''}")
     lines = [
@@ -84,19 +86,21 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         *([f"a rank holds Ψ' = Ψ/(tp·pp) = {_count(local)} parameters ({local:,}), partitioned by ZeRO "
            f"over N = dp = {dp}"] if split else []),
         f"precision: {prec}; optimizer: {optimizer} "
-        f"({n_states} fp32 state{'s' if n_states != 1 else ''} per parameter)",
+        f"({n_states} {optimizer_states} state{'s' if n_states != 1 else ''} per parameter"
+        f"{', and a bf16 Kahan compensation' if rounding == 'kahan' else ''})",
         "",
     ]
     header = ["stage", "params", "grads", "optimizer", "model states", "buffers", "total", "formula"]
     rows = []
     for stage in stages:
+        kept = {"master_weights": master_weights, "optimizer_states": optimizer_states, "rounding": rounding}
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
-                              optimizer=optimizer, tp=tp, pp=pp)
+                              optimizer=optimizer, tp=tp, pp=pp, **kept)
         buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
                                   bucket_bytes=bucket_bytes, tp=tp, pp=pp)
         rows.append([str(stage), fmt(b["params"]), fmt(b["grads"]), fmt(b["optimizer"]), fmt(b["total"]),
                      fmt(buf), fmt(b["total"] + buf),
-                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer),
+                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer, **kept),
                               "Ψ'" if split else "Ψ")])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
@@ -161,6 +165,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ZeRO stage (default: show all four)")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or bf16/fp16 mixed precision with fp32 master weights (default fp32)")
+    p.add_argument("--master-weights", choices=("fp32", "bf16"), default="fp32",
+                   help="with --precision bf16: keep the master weights in bf16 (DeepSpeed's "
+                        "bf16_master_weights_and_grads; default fp32)")
+    p.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
+                   help="with --master-weights bf16: keep the optimizer state in bf16 (DeepSpeed's "
+                        "bf16_optimizer_states; default fp32)")
+    p.add_argument("--rounding", choices=("nearest", "stochastic", "kahan"), default="nearest",
+                   help="with --master-weights bf16: how updates round into the bf16 masters; kahan keeps a "
+                        "2-byte compensation per parameter (default nearest)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam",
                    help="decides the fp32 states per parameter: adam/adamw/lamb 2, lion/sgd-momentum 1, "
                         "sgd 0 (default adam)")
@@ -281,10 +294,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         what = "smaller than" if world < tp * pp else "not a multiple of"
         parser.error(f"--world-size {world} is {what} --tp {tp} × --pp {pp} = {tp * pp}: the world is "
                      f"pp × dp × tp ranks, so dp = world/(tp·pp) must be a whole number, at least 1")
+    if args.master_weights == "bf16" and args.precision != "bf16":
+        parser.error(f"--master-weights bf16 needs --precision bf16, got --precision {args.precision}")
+    if args.optimizer_states == "bf16" and args.master_weights != "bf16":
+        parser.error("--optimizer-states bf16 needs --master-weights bf16 (as DeepSpeed's bf16_optimizer_states "
+                     "needs bf16_master_weights_and_grads)")
+    if args.rounding != "nearest" and args.master_weights != "bf16":
+        parser.error(f"--rounding {args.rounding} needs --master-weights bf16")
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
     print(render(args.params, world_size=world, stages=stages, precision=args.precision,
                  optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
-                 tp=tp, pp=pp))
+                 tp=tp, pp=pp, master_weights=args.master_weights, optimizer_states=args.optimizer_states,
+                 rounding=args.rounding))
     if not args.time:
         return 0
     try:

@@ -161,6 +161,12 @@ class Config:
     """``flops_profiler.enabled``: each step's metrics hold its FLOPs, FLOP/s, tokens/s and
     MFU (``fzero.compile(flops=)``); ``None`` when the config has no such section."""
 
+    torch_autocast: Mapping[str, Any] | None = None
+    """The ``torch_autocast`` section when enabled, as ``fzero.compile(torch_autocast=,
+    lower_precision_safe_modules=)`` takes it: ``{"dtype": "bf16",
+    "lower_precision_safe_modules": (class paths,) or None}``; ``None`` when the config has
+    no enabled section."""
+
     compile: bool | str | Mapping[str, Any] | None = None
     """The ``compile`` section (``enabled``, ``backend``, ``kwargs``) as ``fzero.compile(jit=)``
     takes it: ``False`` when not enabled, ``True`` (torch's default backend), a backend's
@@ -235,6 +241,13 @@ class Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError(f"{WHERE}: fp16 and bf16 are both enabled; enable one (DeepSpeed "
                              "refuses both too)")
+        if self.torch_autocast is not None and (self.fp16.enabled or self.bf16.enabled):
+            raise ValueError(f"{WHERE}: torch_autocast computes with fp32 weights under torch.autocast; it cannot be "
+                             f"enabled with {'fp16' if self.fp16.enabled else 'bf16'} (low-precision weights); "
+                             "enable one")
+        if self.bf16.enabled and self.bf16.bf16_master_weights_and_grads and self.zero_optimization.stage == 0:
+            raise ValueError(f"{WHERE}: bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 or 3 "
+                             "(DeepSpeed 0.19 takes it only there); got stage 0")
         object.__setattr__(self, "gradient_clipping",
                            _num("gradient_clipping", self.gradient_clipping, minimum=0.0))
         if self.communication_data_type is not None and self.communication_data_type not in COMM_DTYPES:

@@ -247,8 +247,7 @@ _TOP: dict[str, _Rule] = {
     "managed_gradient_accumulation": _reject("fzero always applies one update per step call",
                                              lambda v: v is not True),
     "amp": _reject("NVIDIA Apex AMP; use \"fp16\" or \"bf16\"", _enabled),
-    "torch_autocast": _reject("use \"bf16\" or \"fp16\" (fzero computes under torch.autocast)",
-                              _enabled),
+    "torch_autocast": _USE,  # compile(torch_autocast=, lower_precision_safe_modules=)
     "elasticity": _reject("elastic batch sizes", _enabled),
     "data_efficiency": _reject("curriculum learning and data sampling", _enabled),
     "curriculum_learning": _reject("curriculum learning", _enabled),
@@ -288,9 +287,8 @@ _BF16: dict[str, _Rule] = {
     "enabled": _USE,
     "immediate_grad_update": _noop(_PERF, _never),
     "check_grad_overflow": _USE,
-    "bf16_master_weights_and_grads": _reject("fzero keeps fp32 master weights and gradients",
-                                             _truthy),
-    "bf16_optimizer_states": _reject("fzero keeps fp32 optimizer state", _truthy),
+    "bf16_master_weights_and_grads": _USE,  # compile(master_weights="bf16")
+    "bf16_optimizer_states": _USE,  # compile(optimizer_states="bf16")
 }
 
 
@@ -471,6 +469,15 @@ _COMPILE: dict[str, _Rule] = {
     "kwargs": _USE,
     "deepcompile": _noop("DeepSpeed's own graph passes over ZeRO; fzero compiles the forward and keeps ZeRO eager",
                          _truthy),
+}
+
+
+# DeepSpeed's ``torch_autocast`` section (deepspeed/runtime/torch_autocast.py): the forward
+# under torch.autocast with fp32 weights; the listed modules' gradients reduced in its dtype.
+_TORCH_AUTOCAST: dict[str, _Rule] = {
+    "enabled": _USE,
+    "dtype": _USE,
+    "lower_precision_safe_modules": _USE,
 }
 
 

@@ -14,6 +14,7 @@ from fzero.config._keys import (
     _CANONICAL,
     _COMMS_LOGGER,
     _COMPILE,
+    _TORCH_AUTOCAST,
     _FLOPS_PROFILER,
     _FP16,
     _MONITORS,
@@ -93,6 +94,7 @@ _TABLES: dict[str, Mapping[str, _Rule]] = {
     "zero_optimization.offload_optimizer.": _OFFLOAD_OPTIMIZER,
     "zero_optimization.offload_param.": _OFFLOAD_PARAM, "comms_logger.": _COMMS_LOGGER,
     "compile.": _COMPILE,
+    "torch_autocast.": _TORCH_AUTOCAST,
     "pipeline.": _PIPELINE,
 }
 
@@ -368,6 +370,13 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
         if section is not None:
             kw["compile"] = build("compile", lambda: _jit(section))
             _used(notes, "compile.", section)
+    if top.get("torch_autocast") is not None:  # compile(torch_autocast=): autocast with fp32 weights
+        section = build("torch_autocast", lambda: _fields("torch_autocast.", _section("torch_autocast",
+                                                                                       top["torch_autocast"]),
+                                                          _TORCH_AUTOCAST, notes))
+        if section is not None:
+            kw["torch_autocast"] = build("torch_autocast", lambda: _autocast(section))
+            _used(notes, "torch_autocast.", section)
     # Measuring and logging (fzero.monitor): the timers, memory, FLOPs and the writers.
     for key in ("wall_clock_breakdown", "memory_breakdown"):
         if top.get(key) is not None:
@@ -403,6 +412,37 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
     kw = {k: v for k, v in kw.items() if v is not None}
     return build("", lambda: cls(world_size=world_size, ignored=tuple(notes.ignored),
                                  source=source, pending=pending, **kw))
+
+
+# DeepSpeed's DtypeEnum spellings of the autocast dtypes.
+_AUTOCAST_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+                    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+
+
+def _autocast(section: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """DeepSpeed's ``torch_autocast`` section as ``compile(torch_autocast=,
+    lower_precision_safe_modules=)`` takes it: ``None`` when not enabled, else ``{"dtype":
+    "bf16", "lower_precision_safe_modules": (names,) or None}``."""
+    if not _bool("torch_autocast.enabled", section.get("enabled", False)):
+        return None
+    given = section.get("dtype", "bfloat16")  # DeepSpeed passes None to torch.autocast: bf16 on the CPU
+    dtype = _AUTOCAST_DTYPES.get(str(given).lower()) if given is not None else "bf16"
+    if dtype is None:
+        raise ValueError(f"{WHERE}: torch_autocast.dtype must be one of {', '.join(map(repr, _AUTOCAST_DTYPES))}, "
+                         f"got {given!r}")
+    if dtype == "fp16":
+        raise NotImplementedError(f"{WHERE}: torch_autocast.dtype={given!r}: fp16 autocast (DeepSpeed adds a "
+                                  "GradScaler) is not supported; use \"bfloat16\", or the \"fp16\" section")
+    modules = section.get("lower_precision_safe_modules")
+    if modules is not None:
+        from fzero.transforms.mixed_precision._autocast import safe_module_classes
+
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise ValueError(f"{WHERE}: torch_autocast.lower_precision_safe_modules must be a list of class paths "
+                             f"such as \"torch.nn.Linear\", got {modules!r}")
+        safe_module_classes(modules, f"{WHERE}: torch_autocast")
+        modules = tuple(modules)
+    return {"dtype": dtype, "lower_precision_safe_modules": modules}
 
 
 def _jit(section: Mapping[str, Any]) -> Any:

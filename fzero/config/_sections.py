@@ -345,10 +345,23 @@ class BF16Config:
     """Skip an update whose gradients are not finite (``fzero.compile(check_grad_overflow=)``);
     DeepSpeed 0.19's ``DeepSpeedBF16Config`` default, true."""
 
+    bf16_master_weights_and_grads: bool = False
+    """Keep the master weights (and gradients) in bf16, no fp32 copy
+    (``fzero.compile(master_weights="bf16")``). DeepSpeed 0.19 takes it at ZeRO stages 1-3
+    only, and so does a config here."""
+
+    bf16_optimizer_states: bool = False
+    """Keep the optimizer's moments in bf16 (``fzero.compile(optimizer_states="bf16")``);
+    needs ``bf16_master_weights_and_grads``, as in DeepSpeed."""
+
     def __post_init__(self) -> None:
-        _bool("bf16.enabled", self.enabled)
-        object.__setattr__(self, "check_grad_overflow",
-                           _bool("bf16.check_grad_overflow", self.check_grad_overflow))
+        p = "bf16."
+        _bool(p + "enabled", self.enabled)
+        for name in ("check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            object.__setattr__(self, name, _bool(p + name, getattr(self, name)))
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError(f"{WHERE}: bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads "
+                             "(DeepSpeed refuses it alone too)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from fzero.core import (Handler, LeafSums, MicroBatch, NotApplied, Step, StepCon
 from fzero.transforms.accumulate import accumulate
 from fzero.transforms.clip import clip
 from fzero.transforms.finite import NonFiniteGradientError, check_finite
-from fzero.transforms.mixed_precision import mixed_precision
+from fzero.transforms.mixed_precision import mixed_precision, torch_autocast
 from fzero.transforms.offload import offload_optimizer
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
@@ -29,5 +29,5 @@ sys.modules[f"{__name__}.tp_plans"] = tp_plans
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
            "emit_metric", "installed", "psum", "running",
            "accumulate", "check_finite", "clip", "NonFiniteGradientError", "mixed_precision", "offload_optimizer",
-           "pipeline", "shard_state", "tensor_parallel", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
+           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
            "VocabShardedLogits", "BatchMismatchError", "tp_plans"]

@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
-from fzero._params import merge_trainable, trainable
+from fzero._params import merge_trainable, trainable, with_values
 from fzero.transforms.shard_state import is_shard
 from fzero.transforms._checks import check_option
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, lower,
@@ -19,6 +19,8 @@ from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, 
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 from fzero.transforms.finite import count_nonfinite
+from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
+                                                    stochastic_round, toward_zero, widen)
 from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
@@ -26,11 +28,16 @@ __all__ = ["mixed_precision"]
 
 WHERE = "fzero.mixed_precision"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# What masters and optimizer state may be kept in (DeepSpeed's bf16.bf16_master_weights_and_grads,
+# bf16.bf16_optimizer_states).
+KEPT_IN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class _PrecisionHandler(Handler):
-    def __init__(self, dtype: torch.dtype, loss_scale, opts: dict, check_grad_overflow: bool):
+    def __init__(self, dtype: torch.dtype, loss_scale, opts: dict, check_grad_overflow: bool, *,
+                 master_dtype: torch.dtype = torch.float32, rounding: str = "nearest"):
         self.dtype, self.loss_scale, self.opts = dtype, loss_scale, opts
+        self.master_dtype, self.rounding = master_dtype, rounding
         # A loss scaler needs the verdict on every update; without one it is the user's choice.
         self.check = loss_scale is not None or check_grad_overflow
         self.scale = 1.0  # the scale of the step running now
@@ -122,6 +129,8 @@ class _PrecisionHandler(Handler):
         return f"the {low} gradients hold inf or NaN"
 
     def update(self, state, grads, *, next):
+        if self.master_dtype != torch.float32:
+            return self._update_low_masters(state, grads, next=next)
         # The optimizer steps the fp32 masters, whatever partitioned them (under ZeRO these
         # are this rank's pieces, as are the parameters); the model computes with their
         # low-precision copies.
@@ -143,6 +152,62 @@ class _PrecisionHandler(Handler):
         else:
             low = tree.map(lambda m, p: m.to(p.dtype), master, trainable(state.params))
         return new.replace(params=merge_trainable(state.params, low), master=master)
+
+    def _update_low_masters(self, state, grads, *, next):
+        # bf16 masters (and, with bf16 optimizer state, bf16 moments): the update computes in
+        # fp32 on fp32 working copies of this rank's masters, gradients and optimizer state, as
+        # DeepSpeed's fused Adam and torch's fused AdamW compute on bf16 tensors, and its
+        # results are rounded once into the kept dtypes. The copies live for the update only:
+        # between steps the state holds the bf16 masters and the state's own dtypes.
+        master, kept = state.master, state.opt_state
+        wide_master = widen(master)
+        if self.rounding == "kahan":  # the masters' true values: each bf16 weight plus its compensation
+            wide_master = tree.map(lambda m, c: m.add_(c), wide_master, widen(kept.compensation))
+        wide = next(state.replace(params=merge_trainable(state.params, wide_master), opt_state=widen(kept)),
+                    widen(grads))
+        result = trainable(wide.params)
+        new_master = self._round(result, master, state)
+        new_opt = narrow_like(wide.opt_state, kept)
+        if self.rounding == "kahan":  # what the rounding dropped, kept for the next update
+            # Toward zero: weight plus compensation then rounds back to the weight, so an update
+            # that changes nothing (skipped, a zero gradient) leaves the weight's bits as they were.
+            lost = tree.map(lambda r, m: toward_zero(r - m.float()), result, new_master)
+            new_opt = CompensatedState(new_opt.inner, lost)
+        new = wide.replace(opt_state=new_opt)
+        here = context()
+        if here.offload_optimizer or here.offload_params:
+            from fzero.transforms.offload import write_params
+
+            low = write_params(trainable(state.params), new_master)
+        elif here.donate:
+            low = _round_into(trainable(state.params), new_master)
+        else:  # a copy of its own: the parameters never alias the masters
+            low = tree.map(lambda m, p: m.to(p.dtype, copy=True), new_master, trainable(state.params))
+        return new.replace(params=merge_trainable(state.params, low), master=new_master)
+
+    def _round(self, wide: dict, master: dict, state) -> dict:
+        """The fp32 results ``wide`` rounded into ``master``'s dtype: to nearest, or
+        stochastically keyed by (seed, update, name, position in the whole tensor)."""
+        if self.rounding != "stochastic":
+            return narrow_like(wide, master)
+        seed, update = int(state.seed), int(state.step)
+        out = {}
+        for name, x in wide.items():
+            if x is None or not _floating(_local(x)) or _local(master[name]).dtype != torch.bfloat16:
+                out[name] = x if x is None else tree.map(lambda a, m: a.to(m.dtype), x, master[name])
+                continue
+            start = x.info.piece()[0] if is_shard(x) else 0
+            rounded = stochastic_round(_local(x), seed=seed, update=update, name=name, start=start)
+            out[name] = type(x)(rounded, x.info) if is_shard(x) else rounded
+        return with_values(master, out)
+
+
+def _local(x):
+    return x.local if is_shard(x) else x
+
+
+def _floating(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
 def _round_into(params, masters):
@@ -180,6 +245,9 @@ def mixed_precision(
     consecutive_hysteresis: bool = False,
     min_loss_scale: float = 1.0,
     check_grad_overflow: bool = True,
+    master_weights: Literal["fp32", "bf16"] = "fp32",
+    optimizer_states: Literal["fp32", "bf16"] = "fp32",
+    rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
 ) -> Step:
     """Compute in bf16 or fp16 with fp32 master weights; skip updates whose gradients are
     not finite.
@@ -220,6 +288,27 @@ def mixed_precision(
             ``bf16.check_grad_overflow``, default true). ``False`` applies such an update
             (the parameters become inf/nan) and saves the check. A loss scaler always
             checks, as DeepSpeed always does under fp16.
+        master_weights: the dtype of the weights the optimizer steps. ``"fp32"``: fp32
+            masters beside the 16-bit parameters. ``"bf16"`` (``dtype="bf16"`` only;
+            DeepSpeed's ``bf16.bf16_master_weights_and_grads``): the masters are bf16, the
+            gradients stay bf16, and the update computes in fp32 on fp32 copies of this
+            rank's masters, gradients and optimizer state, rounding its results once into the
+            kept dtypes. Saves 2 bytes per parameter (partitioned with the optimizer state).
+        optimizer_states: the dtype of the optimizer's floating state (Adam's moments).
+            ``"bf16"`` (DeepSpeed's ``bf16.bf16_optimizer_states``) needs
+            ``master_weights="bf16"``, as in DeepSpeed; the moments are rounded to nearest.
+        rounding: how the update's fp32 result becomes a bf16 master: ``"nearest"`` (as
+            DeepSpeed), or ``"stochastic"`` (``master_weights="bf16"`` only): up with
+            probability equal to the fraction of the gap, so an update below half a bf16
+            ulp survives on average; the bits hash (``state.seed``, ``state.step``, the
+            parameter's name, the element's position in the whole tensor), so the result is
+            the same at every dp size and ZeRO stage (see
+            :func:`fzero.transforms.mixed_precision._lowp.stochastic_round`); or ``"kahan"``
+            (``master_weights="bf16"`` only): a bf16 compensation per parameter (2 bytes,
+            kept in the optimizer state as
+            :class:`~fzero.transforms.mixed_precision._lowp.CompensatedState`) holds what
+            the rounding dropped; the update computes with weight plus compensation, so
+            small updates add up deterministically.
 
     Returns:
         A :class:`Step`. Its metrics carry ``skipped`` (whether this update was skipped)
@@ -228,7 +317,8 @@ def mixed_precision(
 
     Raises:
         ValueError: an unknown ``dtype`` or ``loss_scale``, a scaler setting out of range,
-            or ``check_grad_overflow=False`` with a loss scaler.
+            or ``check_grad_overflow=False`` with a loss scaler, or a ``master_weights``,
+            ``optimizer_states`` or ``rounding`` another setting rules out.
         FloatingPointError: at call time, an overflow at the minimum scale.
 
     Example:
@@ -256,6 +346,18 @@ def mixed_precision(
                         ("consecutive_hysteresis", consecutive_hysteresis), ("min_loss_scale", min_loss_scale),
                         ("check_grad_overflow", check_grad_overflow)]:
         check_option(WHERE, name, value)
+    for name, value in [("master_weights", master_weights), ("optimizer_states", optimizer_states)]:
+        if value not in KEPT_IN:
+            raise ValueError(f"{WHERE}: {name}={value!r} must be 'fp32' or 'bf16'")
+    if rounding not in ("nearest", "stochastic", "kahan"):
+        raise ValueError(f"{WHERE}: rounding={rounding!r} must be 'nearest', 'stochastic' or 'kahan'")
+    if master_weights == "bf16" and dtype != "bf16":
+        raise ValueError(f"{WHERE}: master_weights='bf16' needs dtype='bf16', got dtype={dtype!r}")
+    if optimizer_states == "bf16" and master_weights != "bf16":
+        raise ValueError(f"{WHERE}: optimizer_states='bf16' needs master_weights='bf16' (as DeepSpeed's "
+                         "bf16_optimizer_states needs bf16_master_weights_and_grads)")
+    if rounding != "nearest" and master_weights != "bf16":
+        raise ValueError(f"{WHERE}: rounding={rounding!r} rounds bf16 masters: it needs master_weights='bf16'")
     if dtype == "bf16":
         loss_scale = None
     if loss_scale is not None and not check_grad_overflow:
@@ -265,7 +367,9 @@ def mixed_precision(
     inner = as_step(step)
     opts = dict(window=loss_scale_window, hysteresis=hysteresis, consecutive=consecutive_hysteresis,
                 min_scale=float(min_loss_scale))
-    handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts, check_grad_overflow)
+    master_dtype, states_dtype = KEPT_IN[master_weights], KEPT_IN[optimizer_states]
+    handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts, check_grad_overflow, master_dtype=master_dtype,
+                                rounding=rounding)
 
     def before(state):
         # Before the inner transforms' init, so that a shard_state inside or outside this
@@ -278,10 +382,16 @@ def mixed_precision(
             low = DTYPES[dtype]
             # Masters for the trainable parameters only; frozen ones keep their own dtype
             # (bit-identical, as they must stay) and autocast casts them per op.
-            master = tree.map(lambda p: p.detach().float() if p.is_floating_point() else p, trainable(state.params))
+            master = tree.map(lambda p: p.detach().to(master_dtype) if p.is_floating_point() else p,
+                              trainable(state.params))
             params = merge_trainable(state.params,
-                                     tree.map(lambda m: m.to(low) if m.is_floating_point() else m, master))
-            state = state.replace(params=params, opt_state=state.tx.init(master), master=master)
+                                     tree.map(lambda m: m.to(low, copy=True) if m.is_floating_point() else m, master))
+            tx = state.tx
+            if states_dtype != master_dtype:  # the optimizer state is built over the masters: in theirs, else
+                tx = states_in(tx, states_dtype)
+            if rounding == "kahan":  # a bf16 compensation per parameter, partitioned with the optimizer state
+                tx = compensated(tx)
+            state = state.replace(params=params, tx=tx, opt_state=tx.init(master), master=master)
         if loss_scale == "dynamic" and state.loss_scaler is None:
             state = state.replace(loss_scaler=LossScaler.create(initial_scale_power, hysteresis))
         return state
