@@ -347,12 +347,17 @@ def test_lamb_norms_are_exact_on_zero_shards():
     ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, ValueError, "gradient_clipping"),
     ({"type": "Lamb", "params": {"max_grad_norm": 1.0}}, ValueError, "gradient_clipping"),
     ({"type": "Adam", "params": {"amsgrad": True}}, NotImplementedError, "optimizer.params.amsgrad"),
-    ({"type": "Adam", "params": {"bias_correction": False}}, NotImplementedError, "optimizer.params.bias_correction"),
+    ({"type": "Adam", "params": {"bias_correction": False, "torch_adam": True}}, ValueError,
+     "optimizer.params.bias_correction=false with torch_adam=true"),
     ({"type": "SGD", "params": {"dampening": 0.1}}, NotImplementedError, "optimizer.params.dampening"),
     ({"type": "SGD", "params": {"maximize": True}}, NotImplementedError, "optimizer.params.maximize"),
     ({"type": "RMSprop"}, NotImplementedError, "'RMSprop'"),
-    ({"type": "OneBitAdam"}, NotImplementedError, "'OneBitAdam'"),
-    ({"type": "Adagrad"}, NotImplementedError, "'Adagrad'"),
+    ({"type": "MuAdam"}, NotImplementedError, "'MuAdam'"),
+    ({"type": "Adagrad", "params": {"lr_decay": -1}}, ValueError, "optimizer.params.lr_decay"),
+    ({"type": "OneBitAdam", "params": {"freeze_step": 1.5}}, TypeError, "optimizer.params.freeze_step"),
+    ({"type": "OneBitAdam", "params": {"amsgrad": True}}, NotImplementedError, "optimizer.params.amsgrad"),
+    ({"type": "ZeroOneAdam", "params": {"var_update_scaler": 0}}, ValueError, "optimizer.params.var_update_scaler"),
+    ({"type": "OneBitLamb", "params": {"freeze_stepp": 1}}, ConfigKeyError, "optimizer.params.freeze_stepp"),
     ({"type": "Adamm"}, ValueError, "did you mean 'Adam'"),
     ({"type": "sgd"}, ValueError, "did you mean 'SGD'"),
     ({"params": {"lr": 0.1}}, ValueError, "optimizer.type is required"),
@@ -824,7 +829,8 @@ def test_comms_logger_reaches_the_compiled_step_and_a_keyword_may_not_contradict
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(comms_logger={"enabled": True}))
     assert step.options.comm_bytes is True
     _, metrics = step(step.init(state), {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
-    assert list(metrics["comm_bytes"]) == ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "total"]
+    assert list(metrics["comm_bytes"]) == ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send",
+                                         "total"]
     assert metrics["comm_bytes"]["total"] == 0  # one process sends nothing
     assert fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(), comm_bytes=True).options.comm_bytes
     with pytest.raises(ValueError, match=r"comm_bytes=False contradicts the config's comm_bytes=True"):

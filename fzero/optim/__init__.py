@@ -27,7 +27,8 @@ from fzero.optim.base import EmptyState, GradientTransformation, apply_updates, 
 from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
 from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb
 from fzero.optim.fused import use_fused
-from fzero.optim.onebit import DataParallelExchange, exchange_of, onebit_adam, scale_by_onebit_adam
+from fzero.optim.onebit import (DataParallelExchange, OnebitLambState, ZeroOneAdamState, exchange_of, onebit_adam,
+                                onebit_lamb, scale_by_onebit_adam, zero_one_adam)
 from fzero.optim.transform import (
     MaskedState,
     ScaleByAdamState,
