@@ -898,3 +898,24 @@ def test_one_table_maps_deepspeed_keys_to_compiles_options_and_the_docs_show_it(
                 "comms_logger": {"enabled": True}, "wall_clock_breakdown": True})
     assert set(cfg.decided_options()) <= {row.field for row in OPTIONS}
     assert cfg.decided_options()["bucket_bytes"] == 200 and cfg.decided_options()["reduce_in"] == "bf16"
+
+
+def test_zero_allow_untested_optimizer_is_read_and_opens_no_gate():
+    """DeepSpeed refuses a client optimizer under ZeRO without the key; fzero's ZeRO runs any
+    client tx exactly, so the key is read (a bool) and a client optimizer trains either way."""
+    assert load(base(zero_allow_untested_optimizer=True)).zero_allow_untested_optimizer is True
+    assert load(base()).zero_allow_untested_optimizer is False
+    with pytest.raises(TypeError, match="zero_allow_untested_optimizer must be true or false"):
+        load(base(zero_allow_untested_optimizer="yes"))
+    losses = []
+    for allow in (True, False):
+        torch.manual_seed(0)
+        apply, params = fzero.functionalize(ft.Blocks(3, 4, 1, 2))
+        tx = optim.chain(optim.scale_by_lion(), optim.scale(-1e-2))  # a chain of one's own
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+        step = fzero.compile(ft.mse_step, config={"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer":
+                                                  allow, "zero_optimization": {"stage": 2}})
+        state = step.init(state)
+        state, m = step(state, {"x": torch.ones(4, 3), "y": torch.zeros(4, 2)})
+        losses.append(float(m["loss"]))
+    assert losses[0] == losses[1]
