@@ -304,3 +304,149 @@ def test_in_a_world_of_one_onebit_adam_is_adam_with_its_variance_frozen():
             assert torch.equal(s[0].nu["w"], nu_frozen) and torch.equal(s[0].mu["w"], r[0].mu["w"])
         nu_frozen = s[0].nu["w"]
     assert optim.exchange_of(tx, s).local_gradients and not optim.exchange_of(tx, tx.init(params)).local_gradients
+
+
+def _reference_zero_one(world: int):
+    """0/1 Adam (Lu et al., 2022, Algorithm 1 as DeepSpeed's ZeroOneAdam runs it) over
+    ``world`` simulated workers, each with its own parameters and momentum: the variance
+    schedule, compressed gradients off it, then local steps and compressed synchronisations."""
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    p = [[q.detach().clone() for q in model.parameters()] for _ in range(world)]
+    m = [[torch.zeros_like(x) for x in p[0]] for _ in range(world)]
+    buf = [[torch.zeros_like(x) for x in p[0]] for _ in range(world)]
+    v = [torch.zeros_like(x) for x in p[0]]
+    vi, vc, lsi, lsc, lrs, errors, out = 1, 0, 1, 0, 0.0, {}, []
+
+    def compress(tag, i, xs):
+        if (tag, i) not in errors:
+            n = xs[0].numel()
+            unit = world * (world * 8 // math.gcd(world, 8))
+            padded = -(-n // unit) * unit
+            errors[tag, i] = ([torch.zeros(padded) for _ in range(world)],
+                              [torch.zeros(padded // world) for _ in range(world)])
+        return _simulated_compressed_allreduce(xs, *errors[tag, i], world)[0]
+
+    for k, b in enumerate(_batches(world)):
+        t = k + 1
+        local = []
+        for w in range(world):
+            with torch.no_grad():
+                for q, x in zip(model.parameters(), p[w]):
+                    q.copy_(x)
+            rows = ft.local_batch(b, world, w)
+            local.append(torch.autograd.grad(F.mse_loss(model(rows["x"]), rows["y"]), list(model.parameters())))
+        variance_step = k <= ZO["var_freeze_step"] and t % vi == 0
+        for i in range(len(v)):
+            if k <= ZO["var_freeze_step"]:
+                if variance_step:
+                    g = [sum(gs[i] for gs in local) / world] * world
+                    v[i] = B2 * v[i] + (1 - B2) * g[0] * g[0]
+                else:
+                    g = [compress("g", i, [gs[i] for gs in local])] * world
+                for w in range(world):
+                    m[w][i] = _ema(m[w][i], g[w])
+                    p[w][i] = p[w][i] - LR * (m[w][i] / (v[i].sqrt() + EPS) + WD * p[w][i])
+            else:
+                denom = v[i].sqrt() + EPS
+                for w in range(world):
+                    m[w][i] = _ema(m[w][i], local[w][i])
+                    step = -LR * (m[w][i] / denom + WD * p[w][i])
+                    p[w][i], buf[w][i] = p[w][i] + step, buf[w][i] + step
+                if t % lsi == 0:
+                    avg = compress("local", i, [buf[w][i] * denom for w in range(world)])
+                    for w in range(world):
+                        p[w][i] = p[w][i] - buf[w][i] + avg / denom
+                        m[w][i] = -avg / (lrs + LR)
+                        buf[w][i] = torch.zeros_like(buf[w][i])
+        if variance_step:
+            vc += 1
+            if vc == ZO["var_update_scaler"]:
+                vc, vi = 0, vi * 2
+        if k > ZO["var_freeze_step"]:
+            lrs = 0.0 if t % lsi == 0 else lrs + LR
+            lsc += 1
+            if lsc == ZO["local_step_scaler"]:
+                lsc, lsi = 0, min(ZO["local_step_clipper"], lsi * 2)
+        out.append([dict(zip(names, [x.clone() for x in p[w]])) for w in range(world)])
+    return out
+
+
+@pytest.mark.multirank
+def test_zero_one_adam_equals_a_simulation_of_the_workers(family):
+    ref = _reference_zero_one(2)
+    for k in range(STEPS):
+        for rank in range(2):
+            ft.assert_trees_close(family[rank]["zo"][k], ref[k][rank], rtol=1e-5, atol=1e-6,
+                                  what=f"rank {rank}, update {k}")
+
+
+def _reference_onebit_lamb(world: int, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, threshold=0.1,
+                           max_coeff=10.0, min_coeff=0.01):
+    """1-bit LAMB (Li et al., 2021, Algorithm 1 as DeepSpeed's OnebitLamb runs it) over
+    ``world`` simulated workers: LAMB's warm-up keeping a running trust ratio, then the scaled
+    momenta of every leaf compressed as one tensor, and the frozen ratio times a clamped factor."""
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    p = [q.detach().clone() for q in model.parameters()]
+    m, v, fresh = ([torch.zeros_like(x) for x in p] for _ in range(3))
+    frozen, last, scaling, errors, out = [0.0] * len(p), [1.0] * len(p), None, None, []
+    for k, b in enumerate(_batches(world)):
+        local = []
+        for w in range(world):
+            with torch.no_grad():
+                for q, x in zip(model.parameters(), p):
+                    q.copy_(x)
+            rows = ft.local_batch(b, world, w)
+            local.append(torch.autograd.grad(F.mse_loss(model(rows["x"]), rows["y"]), list(model.parameters())))
+        if k < LAMB_FREEZE:
+            for i in range(len(p)):
+                g = sum(gs[i] for gs in local) / world
+                m[i] = _ema(m[i], g)
+                v[i] = B2 * v[i] + (1 - B2) * g * g
+                if k + 1 == LAMB_FREEZE:
+                    fresh[i] = v[i].clone()
+                u = m[i] / (v[i].sqrt() + EPS) + WD * p[i]
+                wn, un = float(p[i].norm()), float(u.norm())
+                c = min(max(wn / un, min_coeff), max_coeff) if wn and un else 1.0
+                if c != 1.0:
+                    frozen[i] = coeff_beta * frozen[i] + (1 - coeff_beta) * c
+                p[i] = p[i] - LR * c * u
+            out.append(dict(zip(names, [x.clone() for x in p])))
+            continue
+        if scaling is None:
+            scales = [float(x.norm()) / math.sqrt(x.numel()) for x in m]
+            scaling = [sum(scales) / len(scales) / s for s in scales]
+        # concatenated in the pytree's leaf order (sorted key paths), fzero's order of the leaves
+        order = sorted(range(len(p)), key=lambda i: names[i])
+        flats = [torch.cat([(_ema(m[i], gs[i]) * scaling[i]).reshape(-1) for i in order]) for gs in local]
+        if errors is None:
+            unit = world * (world * 8 // math.gcd(world, 8))
+            padded = -(-flats[0].numel() // unit) * unit
+            errors = ([torch.zeros(padded) for _ in range(world)], [torch.zeros(padded // world) for _ in range(world)])
+        flat = _simulated_compressed_allreduce(flats, *errors, world)[0]
+        parts = dict(zip(order, flat.split([m[i].numel() for i in order])))
+        new_m = [parts[i].reshape(m[i].shape) / scaling[i] for i in range(len(p))]
+        for i in range(len(p)):
+            rebuilt = (new_m[i] - m[i] * B1) / (1 - B1)
+            fresh[i] = B2 * fresh[i] + (1 - B2) * rebuilt * rebuilt
+            denom = v[i].sqrt() + EPS
+            prelim = new_m[i] / denom
+            u = prelim + WD * p[i]
+            factor = float((denom / (fresh[i].sqrt() + EPS)).max())
+            ratio = min(1.0, float(prelim.norm()) / float(u.norm()))
+            factor = factor * ratio + (1.0 - ratio)
+            factor = min(max(factor, factor_min), factor_max)
+            factor = min(max(factor, last[i] * (1 - threshold)), last[i] * (1 + threshold))
+            last[i] = factor
+            p[i] = p[i] - LR * frozen[i] * factor * u
+        m = new_m
+        out.append(dict(zip(names, [x.clone() for x in p])))
+    return out
+
+
+@pytest.mark.multirank
+def test_onebit_lamb_equals_a_simulation_of_the_workers(family):
+    ref = _reference_onebit_lamb(2)
+    for k in range(STEPS):
+        ft.assert_trees_close(family[0]["lamb1"][k], ref[k], rtol=1e-5, atol=1e-6, what=f"update {k}")
