@@ -143,6 +143,7 @@ def runs(request, ranks):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_the_warm_up_is_adam_without_bias_correction_bit_for_bit(runs):
     for rank, res in enumerate(runs[1]):
         for k in range(FREEZE):
@@ -153,6 +154,7 @@ def test_the_warm_up_is_adam_without_bias_correction_bit_for_bit(runs):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_every_rank_holds_the_same_parameters_and_runs_are_deterministic(runs):
     world, res = runs
     for k in range(STEPS):
@@ -162,6 +164,7 @@ def test_every_rank_holds_the_same_parameters_and_runs_are_deterministic(runs):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_the_compressed_trajectory_equals_a_simulation_of_the_workers(runs):
     world, res = runs
     ref = _reference(world)
@@ -173,6 +176,7 @@ def test_the_compressed_trajectory_equals_a_simulation_of_the_workers(runs):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_after_the_warm_up_the_bytes_are_the_formula(runs):
     world, res = runs
     numels = [p.numel() for p in _model().parameters()]
@@ -234,6 +238,7 @@ def family(ranks):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_zero_one_adam_is_adam_until_its_variance_schedule_leaves_it(family):
     # var_interval 1 for the first var_update_scaler updates: every one is an averaged Adam step
     for res in family:
@@ -243,6 +248,7 @@ def test_zero_one_adam_is_adam_until_its_variance_schedule_leaves_it(family):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_zero_one_adam_ranks_agree_at_every_synchronisation(family):
     # variance phase: every update agrees bit for bit; local steps (updates var_freeze_step + 1
     # on, synchronised at updates 5 and 7 here): the ranks' parameters are their own between
@@ -258,6 +264,7 @@ def test_zero_one_adam_ranks_agree_at_every_synchronisation(family):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_onebit_lamb_warm_up_is_deepspeeds_lamb_without_bias_correction(family):
     for res in family:
         for k in range(LAMB_FREEZE):
@@ -268,6 +275,7 @@ def test_onebit_lamb_warm_up_is_deepspeeds_lamb_without_bias_correction(family):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("path", FAMILY_CONFIGS, ids=lambda p: p.rsplit("/", 1)[-1])
 def test_the_family_trains_from_deepspeed_configs_on_two_ranks(family, path):
     curve, params = family[0]["configs"][path]
@@ -373,6 +381,7 @@ def _reference_zero_one(world: int):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_zero_one_adam_equals_a_simulation_of_the_workers(family):
     ref = _reference_zero_one(2)
     for k in range(STEPS):
@@ -446,6 +455,7 @@ def _reference_onebit_lamb(world: int, coeff_beta=0.9, factor_max=4.0, factor_mi
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_onebit_lamb_equals_a_simulation_of_the_workers(family):
     ref = _reference_onebit_lamb(2)
     for k in range(STEPS):

@@ -1,14 +1,17 @@
-"""DeepSpeed's 1-bit Adam: Adam whose momentum, not its gradient, crosses the data-parallel
-ranks, compressed to one bit per element after a warm-up (Tang et al., 2021,
-<https://arxiv.org/abs/2102.02888>; DeepSpeed's ``OnebitAdam``, ``runtime/fp16/onebit/adam.py``).
+"""DeepSpeed's 1-bit family: optimizers whose momentum (0/1 Adam: gradient, or local steps'
+sum), not their gradient, crosses the data-parallel ranks, compressed to one bit per element
+after a warm-up. :func:`onebit_adam` (Tang et al., 2021, <https://arxiv.org/abs/2102.02888>),
+:func:`zero_one_adam` (Lu et al., 2022) and :func:`onebit_lamb` (Li et al., 2021) compute
+what DeepSpeed's ``OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb``
+(``runtime/fp16/onebit/{adam,zoadam,lamb}.py``) compute; docs/optim.md says where they differ.
 
 Such an optimizer does its own data-parallel exchange, and says so by a type
 (:class:`DataParallelExchange`, from :func:`exchange_of`): ``shard_state`` asks before each
 update whether the optimizer takes this rank's local gradients, and at ZeRO stage 0 then hands
 them over unreduced; the optimizer averages its momentum through the ``compressed_pmean``
 primitive (:func:`fzero.core.compressed_pmean`), which ``shard_state`` answers with the
-compressed collectives of :mod:`fzero.distributed.compressed`. In a world of one it is Adam
-with its variance frozen after the warm-up.
+compressed collectives of :mod:`fzero.distributed.compressed`. In a world of one each is its
+uncompressed self (Adam or LAMB with the variance frozen after the warm-up).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ backward; the handler of ``apply_gradients`` runs the unchanged optimizer on thi
 slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
 then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
-first needs them.
+first needs them. At stage 0 an optimizer that exchanges across the ranks itself (the 1-bit
+family, ``fzero.optim.exchange_of``) is handed this rank's own gradients when it asks for
+them, and its ``compressed_pmean`` runs here (``fzero/distributed/compressed.py``).
 
 This module is the handler, the partitioning at ``init`` and the transform; the parts are
 its neighbours in this package (see its ``__init__``).
@@ -216,6 +218,9 @@ class _ShardHandler(Handler):
         return next(value)
 
     def compressed_pmean(self, tensors, key, *, next):
+        if self.stage != 0:  # the tensors would be this rank's pieces, not its own whole values
+            raise ValueError(f"{WHERE}: compressed_pmean ({key}) averages each rank's whole tensors and runs at "
+                             f"ZeRO stage 0 only; got stage={self.stage}")
         if self.world == 1:
             return next(tensors, key)
         numels = [t.numel() for t in tensors]
