@@ -38,7 +38,7 @@ def multirank(test):
 N = 2  # ranks
 MODEL = (4, 5, 2, 3)  # d_in, width, depth, d_out: odd sizes, so padding shows
 BUCKETS = {"one": 2**20, "each": 1}  # bucket_bytes: one group for every loose parameter, or one group each
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
 WHATS = ("gradients", "parameters", "loss", "psum", "metadata", "buffers", "activations", "activation_gradients")
 
 
