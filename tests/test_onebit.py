@@ -5,8 +5,10 @@ workers written from the paper's equations (plain torch, below)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,7 +230,7 @@ def _family_on_ranks(configs):
     return out
 
 
-CONFIG_DIR = __import__("pathlib").Path(__file__).parent / "data" / "ds_configs"
+CONFIG_DIR = Path(__file__).parent / "data" / "ds_configs"
 FAMILY_CONFIGS = [str(CONFIG_DIR / f"{n}.json") for n in ("onebit_adam", "zero_one_adam", "onebit_lamb")]
 
 
@@ -460,3 +462,41 @@ def test_onebit_lamb_equals_a_simulation_of_the_workers(family):
     ref = _reference_onebit_lamb(2)
     for k in range(STEPS):
         ft.assert_trees_close(family[0]["lamb1"][k], ref[k], rtol=1e-5, atol=1e-6, what=f"update {k}")
+
+
+def _under_device_check(check: bool):
+    """Each of the family through compile(precision="fp16", accumulate=2, clip_norm=) past its
+    warm-up, with or without the device check (every tensor a collective is handed made on the
+    mesh's device, as NCCL needs): the losses and the parameters."""
+    from fzero.distributed import device_check
+
+    out = {}
+    for name, make in [("onebit_adam", lambda: optim.onebit_adam(LR, freeze_step=2)),
+                       ("zero_one_adam", lambda: optim.zero_one_adam(LR, var_freeze_step=2, var_update_scaler=1,
+                                                                     local_step_scaler=1, local_step_clipper=2)),
+                       ("onebit_lamb", lambda: optim.onebit_lamb(LR, freeze_step=2))]:
+        with device_check.pretend() if check else contextlib.nullcontext():
+            mesh = fzero.Mesh(dp=-1)
+            apply, params = fzero.functionalize(_model())
+            step = fzero.compile(ft.mse_step, mesh, precision="fp16", accumulate=2, clip_norm=1.0)
+            state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=make()))
+            losses, g = [], torch.Generator().manual_seed(7)
+            for _ in range(6):
+                b = {"x": torch.randn(4 * mesh.world_size, MODEL[0], generator=g),
+                     "y": torch.randn(4 * mesh.world_size, MODEL[3], generator=g)}
+                state, m = step(state, ft.local_batch(b, mesh.world_size, mesh.rank))
+                losses.append(m["loss"].item())
+            assert optim.exchange_of(state.tx, state.opt_state).local_gradients, name  # past the warm-up
+            out[name] = (losses, {k: v.clone() for k, v in state.params.items()})
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_the_compressed_exchange_hands_collectives_device_tensors_only(ranks):
+    pool = ranks(2)
+    checked, plain = pool.run(_under_device_check, True), pool.run(_under_device_check, False)
+    for mine, ref in zip(checked, plain):
+        for name in ref:
+            assert mine[name][0] == ref[name][0], name  # the check changes no number
+            assert all(torch.equal(mine[name][1][k], v) for k, v in ref[name][1].items()), name
