@@ -31,7 +31,6 @@ Not a timing: the numbers are losses and bytes, the same on any machine up to ro
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -140,8 +139,8 @@ def main(argv=None) -> None:
         return
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"# 2 ranks, GPT {n_params} parameters (2 layers x 64), {args.batch} x {args.block} tokens per rank, "
-          f"lr {args.lr} (LAMBs {args.lamb_lr}), betas (0.9, {args.b2}), warm-up {freeze} of {args.steps} updates; mean loss per "
-          f"{args.every} updates")
+          f"lr {args.lr} (LAMBs {args.lamb_lr}), betas (0.9, {args.b2}), warm-up {freeze} of {args.steps} "
+          f"updates; mean loss per {args.every} updates")
     windows = range(0, args.steps, args.every)
     print(f"{'updates':>14} | " + " | ".join(f"{n:>13}" for n in results))
     for w in windows:

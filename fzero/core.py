@@ -76,8 +76,8 @@ from fzero._params import Params, like_params, merge_trainable, trainable
 from fzero.tree import _USER_VIEW, user_view
 
 __all__ = ["DataShard", "Handler", "LeafSums", "Lowered", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step",
-           "bind", "compressed_pmean", "context", "emit_metric", "installed", "loss_scale", "lower", "pmean_data", "psum", "register_lowering",
-           "register_primitive", "register_step_scope", "rehearsal", "rehearsing", "running", "trainable_grads"]
+           "bind", "compressed_pmean", "context", "emit_metric", "installed", "loss_scale", "lower", "pmean_data", "psum",
+           "register_lowering", "register_primitive", "register_step_scope", "rehearsal", "rehearsing", "running", "trainable_grads"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)

@@ -79,8 +79,8 @@ class ErrorFeedback:
         self.server = [torch.zeros(p // world, dtype=torch.float32, device=device) for p in self.padded]
 
 
-def compressed_mean(tensors: list[torch.Tensor], errors: ErrorFeedback, *, group, world: int, rank: int,
-                    timeout_s: float, where: str = "fzero", commit: bool = True) -> list[torch.Tensor]:
+def compressed_mean(tensors: list[torch.Tensor], errors: ErrorFeedback, *, group, world: int, timeout_s: float,
+                    where: str = "fzero", commit: bool = True) -> list[torch.Tensor]:
     """The mean over the ``world`` ranks of ``group`` of each rank's ``tensors``, 1-bit
     compressed with error feedback (the module's steps 1-3); ``errors`` are updated in place
     unless ``commit`` is false (an update about to be discarded). Returns new fp32 tensors of

@@ -437,7 +437,8 @@ def onebit_lamb(
     eps, wd = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
     max_coeff, min_coeff = check_nonneg(where, "max_coeff", max_coeff), check_nonneg(where, "min_coeff", min_coeff)
     coeff_beta = check_unit(where, "coeff_beta", coeff_beta, closed=True)
-    factor_max, factor_min = check_nonneg(where, "factor_max", factor_max), check_nonneg(where, "factor_min", factor_min)
+    factor_max = check_nonneg(where, "factor_max", factor_max)
+    factor_min = check_nonneg(where, "factor_min", factor_min)
     factor_threshold = check_nonneg(where, "factor_threshold", factor_threshold)
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
         raise TypeError(f"{where}: freeze_step must be an int >= 0, got {freeze_step!r}")

@@ -229,8 +229,8 @@ class _ShardHandler(Handler):
             errors = self.errors[key] = ErrorFeedback(numels, self.world, self.mesh.device)
         flag = context().skip_flag  # an update about to be discarded leaves the errors as they were
         commit = flag is None or not bool(flag > 0)
-        return compressed_mean(tensors, errors, group=self.group, world=self.world, rank=self.rank,
-                               timeout_s=self.timeout_s, where=WHERE, commit=commit)
+        return compressed_mean(tensors, errors, group=self.group, world=self.world, timeout_s=self.timeout_s,
+                               where=WHERE, commit=commit)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if options.get("grad_sink") is not None:
