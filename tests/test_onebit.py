@@ -206,10 +206,12 @@ def _family_on_ranks(configs):
     """0/1 Adam and 1-bit LAMB trajectories beside the optimizers their warm-ups are, and the
     public-style configs of the family trained by fzero.compile on these ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    (zo, zo_sent), (lamb1, lamb1_sent) = (
+        _run(optim.zero_one_adam(LR, B1, B2, EPS, WD, **ZO), world, rank),
+        _run(optim.onebit_lamb(LR, B1, B2, EPS, WD, freeze_step=LAMB_FREEZE), world, rank))
     out = {
-        "zo": _run(optim.zero_one_adam(LR, B1, B2, EPS, WD, **ZO), world, rank)[0],
+        "zo": zo, "zo_sent": zo_sent, "lamb1": lamb1, "lamb1_sent": lamb1_sent,
         "adam": _run(optim.adamw(LR, B1, B2, EPS, WD, bias_correction=False), world, rank)[0],
-        "lamb1": _run(optim.onebit_lamb(LR, B1, B2, EPS, WD, freeze_step=LAMB_FREEZE), world, rank)[0],
         "lamb": _run(optim.deepspeed_lamb(LR, B1, B2, EPS, WD, bias_correction=False), world, rank)[0],
     }
     losses = {}
@@ -500,3 +502,41 @@ def test_the_compressed_exchange_hands_collectives_device_tensors_only(ranks):
         for name in ref:
             assert mine[name][0] == ref[name][0], name  # the check changes no number
             assert all(torch.equal(mine[name][1][k], v) for k, v in ref[name][1].items()), name
+
+
+def _formula(numels: list[int], world: int) -> int:
+    """docs/optim.md: (N - 1) (2 B + 8 T), B = sum_i P_i / (8 N) over the T tensors exchanged."""
+    unit = world * math.lcm(world, 8)
+    return (world - 1) * (2 * sum(-(-n // unit) * unit // (8 * world) for n in numels) + 8 * len(numels))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_the_bytes_of_zero_one_adam_and_onebit_lamb_are_the_formula(family):
+    numels = [p.numel() for p in _model().parameters()]
+    # 1-bit LAMB: one tensor, every leaf's momentum concatenated
+    assert [s["compressed"] for s in family[0]["lamb1_sent"]] == \
+        [0] * LAMB_FREEZE + [_formula([sum(numels)], 2)] * (STEPS - LAMB_FREEZE)
+    assert all(s["gradients"] == 0 for s in family[0]["lamb1_sent"][LAMB_FREEZE:])
+    # 0/1 Adam: variance steps all-reduce the gradients, the others compress them; the local
+    # steps send nothing but at a synchronisation (updates 5 and 7 here)
+    kinds = ["gradients" if s["gradients"] else "compressed" if s["compressed"] else "none"
+             for s in family[0]["zo_sent"]]
+    assert kinds == ["gradients", "gradients", "compressed", "gradients", "compressed", "compressed", "none",
+                     "compressed"]
+    assert {s["compressed"] for s in family[0]["zo_sent"] if s["compressed"]} == {_formula(numels, 2)}
+
+
+def test_signs_pack_eight_to_a_byte_and_come_back():
+    from fzero.distributed.compressed import pack_signs, padded_numel, unpack_signs
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * 64, generator=g)
+    x[::7] = 0.0  # a zero is +1, as DeepSpeed's sign().add_(1).bool() makes it
+    packed = pack_signs(x >= 0)
+    assert packed.dtype == torch.uint8 and packed.numel() == x.numel() // 8
+    assert torch.equal(unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
+    for world in range(1, 7):
+        for n in (1, 7, 8, 63, 1000):
+            p = padded_numel(n, world)
+            assert p >= n and p % world == 0 and (p // world) % 8 == 0 and p - n < world * math.lcm(world, 8)
