@@ -19,6 +19,9 @@ A user's ``train_step`` touches fzero at a few *primitives* only:
   :func:`psum`, and ``counted`` is its companion: which leaves this rank counts;
 * ``pmean_data`` -- the mean of a value over the ranks holding different rows: what
   :func:`fzero.global_mean` counts with;
+* ``compressed_pmean`` -- the mean over the data-parallel ranks of each rank's own tensors,
+  exchanged 1-bit compressed with error feedback: how an optimizer that does its own
+  data-parallel exchange (the 1-bit family, :mod:`fzero.optim.onebit`) averages its momentum;
 * ``emit`` -- where fzero reports a metric from deep inside (``grad_norm`` from a clip).
 
 What a transform tells the code inside it -- which micro-batch runs, whether the step owns
@@ -73,8 +76,8 @@ from fzero._params import Params, like_params, merge_trainable, trainable
 from fzero.tree import _USER_VIEW, user_view
 
 __all__ = ["DataShard", "Handler", "LeafSums", "Lowered", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step",
-           "bind", "context", "emit_metric", "installed", "loss_scale", "lower", "pmean_data", "psum", "register_lowering",
-           "register_primitive", "register_step_scope", "rehearsal", "rehearsing", "running", "trainable_grads"]
+           "bind", "compressed_pmean", "context", "emit_metric", "installed", "loss_scale", "lower", "pmean_data", "psum",
+           "register_lowering", "register_primitive", "register_step_scope", "rehearsal", "rehearsing", "running", "trainable_grads"]
 
 _STACK: contextvars.ContextVar[tuple["Handler", ...]] = contextvars.ContextVar("fzero_handlers", default=())
 _METRICS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fzero_metrics", default=None)
@@ -117,6 +120,11 @@ class Handler:
     def pmean_data(self, value, *, next: Callable):
         # value: a tensor every rank holding different data averages with the others'
         return next(value)
+
+    def compressed_pmean(self, tensors, key, *, next: Callable):
+        # tensors: this rank's own values (a list), averaged over the data-parallel ranks
+        # 1-bit compressed; key: whose error feedback they carry (see compressed_pmean)
+        return next(tensors, key)
 
 
 class NotApplied(NamedTuple):
@@ -381,6 +389,34 @@ def pmean_data(value: torch.Tensor) -> torch.Tensor:
 @register_primitive("pmean_data")
 def _pmean_data_base(value: torch.Tensor) -> torch.Tensor:
     return value
+
+
+# --------------------------------------------------------------------------- compressed_pmean
+
+
+def compressed_pmean(tensors: Sequence[torch.Tensor], key: str) -> list[torch.Tensor]:
+    """The mean over the data-parallel ranks of each rank's own ``tensors``, exchanged with
+    1-bit compression and error feedback, as DeepSpeed's ``compressed_allreduce`` (1-bit Adam,
+    Tang et al., 2021, <https://arxiv.org/abs/2102.02888>).
+
+    The transform that owns the ``dp`` axis answers (``shard_state`` at ZeRO stage 0: each
+    rank adds its worker error, sends the signs of each chunk, packed 8 to a byte, with one
+    fp32 scale per tensor, to the chunk's server rank, which averages, adds its server error,
+    compresses again and all-gathers). ``key`` names the caller's error feedback (kept by that
+    transform between steps, one buffer per tensor and rank): two callers with different keys
+    never share errors. In a world of one it is the identity (DeepSpeed compresses nothing
+    there either).
+
+    Example:
+        >>> compressed_pmean([torch.tensor([1.0, -2.0])], "doc")
+        [tensor([ 1., -2.])]
+    """
+    return bind("compressed_pmean", list(tensors), key)
+
+
+@register_primitive("compressed_pmean")
+def _compressed_pmean_base(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return tensors
 
 
 # --------------------------------------------------------------------------- metrics

@@ -290,7 +290,8 @@ class CompileOptions:
     comm_bytes: bool = False
     """Report this rank's communication in the step's ``metrics["comm_bytes"]``: a dict of
     the bytes it sent on the wire in that step, by kind (``"all_reduce"``,
-    ``"reduce_scatter"``, ``"all_gather"``, ``"broadcast"``, ``"send"``, each present, 0
+    ``"reduce_scatter"``, ``"all_gather"``, ``"all_to_all"`` (the 1-bit optimizers' exchange),
+    ``"broadcast"``, ``"send"``, each present, 0
     when none) and their ``"total"``, as exact :class:`fractions.Fraction` values (``float()``
     them to log). Bytes sent are the ring algorithms' (:func:`fzero.distributed.comm.sent_bytes`:
     an all-reduce of ``S`` bytes over ``N`` ranks sends ``2 S (N - 1) / N``), counted from

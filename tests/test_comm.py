@@ -38,7 +38,7 @@ def multirank(test):
 N = 2  # ranks
 MODEL = (4, 5, 2, 3)  # d_in, width, depth, d_out: odd sizes, so padding shows
 BUCKETS = {"one": 2**20, "each": 1}  # bucket_bytes: one group for every loose parameter, or one group each
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
 WHATS = ("gradients", "parameters", "loss", "psum", "metadata", "buffers", "activations", "activation_gradients")
 
 
@@ -68,6 +68,7 @@ def _by_what(spent: comm.Traffic) -> dict:
 
 def test_sent_bytes_per_kind_is_exact_for_any_group_size():
     s = 12
+    assert comm.sent_bytes("all_to_all", s, world=3) == Fraction(s * 2, 3)  # two of three blocks leave
     assert [comm.sent_bytes(k, s, world=3) for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")] == \
         [16, 8, 24, 8]
     assert comm.sent_bytes("broadcast", 4, world=3) == Fraction(8, 3)  # a ring's average: the root and one rank send 4
@@ -85,8 +86,8 @@ def test_a_difference_of_traffic_is_what_was_added_in_between():
     t.add("recv", "activations", torch.zeros(4))
     step = t - before
     assert (step.bytes(), step.bytes("recv"), step.sent(), step.sent("all_reduce")) == (26, 16, 20, 0)
-    assert step.comm_bytes() == {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 20, "broadcast": 0, "send": 0,
-                                 "total": 20}
+    assert step.comm_bytes() == {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 20, "all_to_all": 0,
+                                 "broadcast": 0, "send": 0, "total": 20}
     assert t.sent() == Fraction(8 * 2, 3) + 20 and before.sent() == Fraction(16, 3)  # neither is changed
 
 

@@ -347,12 +347,17 @@ def test_lamb_norms_are_exact_on_zero_shards():
     ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, ValueError, "gradient_clipping"),
     ({"type": "Lamb", "params": {"max_grad_norm": 1.0}}, ValueError, "gradient_clipping"),
     ({"type": "Adam", "params": {"amsgrad": True}}, NotImplementedError, "optimizer.params.amsgrad"),
-    ({"type": "Adam", "params": {"bias_correction": False}}, NotImplementedError, "optimizer.params.bias_correction"),
+    ({"type": "Adam", "params": {"bias_correction": False, "torch_adam": True}}, ValueError,
+     "optimizer.params.bias_correction=false with torch_adam=true"),
     ({"type": "SGD", "params": {"dampening": 0.1}}, NotImplementedError, "optimizer.params.dampening"),
     ({"type": "SGD", "params": {"maximize": True}}, NotImplementedError, "optimizer.params.maximize"),
     ({"type": "RMSprop"}, NotImplementedError, "'RMSprop'"),
-    ({"type": "OneBitAdam"}, NotImplementedError, "'OneBitAdam'"),
-    ({"type": "Adagrad"}, NotImplementedError, "'Adagrad'"),
+    ({"type": "MuAdam"}, NotImplementedError, "'MuAdam'"),
+    ({"type": "Adagrad", "params": {"lr_decay": -1}}, ValueError, "optimizer.params.lr_decay"),
+    ({"type": "OneBitAdam", "params": {"freeze_step": 1.5}}, TypeError, "optimizer.params.freeze_step"),
+    ({"type": "OneBitAdam", "params": {"amsgrad": True}}, NotImplementedError, "optimizer.params.amsgrad"),
+    ({"type": "ZeroOneAdam", "params": {"var_update_scaler": 0}}, ValueError, "optimizer.params.var_update_scaler"),
+    ({"type": "OneBitLamb", "params": {"freeze_stepp": 1}}, ConfigKeyError, "optimizer.params.freeze_stepp"),
     ({"type": "Adamm"}, ValueError, "did you mean 'Adam'"),
     ({"type": "sgd"}, ValueError, "did you mean 'SGD'"),
     ({"params": {"lr": 0.1}}, ValueError, "optimizer.type is required"),
@@ -823,7 +828,8 @@ def test_comms_logger_reaches_the_compiled_step_and_a_keyword_may_not_contradict
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(comms_logger={"enabled": True}))
     assert step.options.comm_bytes is True
     _, metrics = step(step.init(state), {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
-    assert list(metrics["comm_bytes"]) == ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "total"]
+    assert list(metrics["comm_bytes"]) == ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send",
+                                         "total"]
     assert metrics["comm_bytes"]["total"] == 0  # one process sends nothing
     assert fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(), comm_bytes=True).options.comm_bytes
     with pytest.raises(ValueError, match=r"comm_bytes=False contradicts the config's comm_bytes=True"):
@@ -891,3 +897,24 @@ def test_one_table_maps_deepspeed_keys_to_compiles_options_and_the_docs_show_it(
                 "comms_logger": {"enabled": True}, "wall_clock_breakdown": True})
     assert set(cfg.decided_options()) <= {row.field for row in OPTIONS}
     assert cfg.decided_options()["bucket_bytes"] == 200 and cfg.decided_options()["reduce_in"] == "bf16"
+
+
+def test_zero_allow_untested_optimizer_is_read_and_opens_no_gate():
+    """DeepSpeed refuses a client optimizer under ZeRO without the key; fzero's ZeRO runs any
+    client tx exactly, so the key is read (a bool) and a client optimizer trains either way."""
+    assert load(base(zero_allow_untested_optimizer=True)).zero_allow_untested_optimizer is True
+    assert load(base()).zero_allow_untested_optimizer is False
+    with pytest.raises(TypeError, match="zero_allow_untested_optimizer must be true or false"):
+        load(base(zero_allow_untested_optimizer="yes"))
+    losses = []
+    for allow in (True, False):
+        torch.manual_seed(0)
+        apply, params = fzero.functionalize(ft.Blocks(3, 4, 1, 2))
+        tx = optim.chain(optim.scale_by_lion(), optim.scale(-1e-2))  # a chain of one's own
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+        step = fzero.compile(ft.mse_step, config={"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer":
+                                                  allow, "zero_optimization": {"stage": 2}})
+        state = step.init(state)
+        state, m = step(state, {"x": torch.ones(4, 3), "y": torch.zeros(4, 2)})
+        losses.append(float(m["loss"]))
+    assert losses[0] == losses[1]

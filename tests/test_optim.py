@@ -745,3 +745,42 @@ def test_public_names():
     for name in optim.__all__:
         assert hasattr(optim, name), name
     assert re.fullmatch(r"fzero\.optim\.schedules", optim.schedules.__name__)
+
+
+# --------------------------------------------------------------------------- Adam without bias correction
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_adam_without_bias_correction_is_deepspeeds_fused_adam_formula(decoupled):
+    """FusedAdam(bias_correction=False): u = m / (sqrt(v) + eps), decay decoupled (AdamW mode)
+    or added to the gradient (L2), written here from DeepSpeed's formula in plain torch."""
+    torch.manual_seed(0)
+    lr, b1, b2, eps, wd = 1e-2, 0.8, 0.95, 1e-6, 0.1
+    p0, grads = torch.randn(6, 5), [torch.randn(6, 5) for _ in range(5)]
+    make = optim.adamw if decoupled else optim.adam
+    tx = make(lr, b1, b2, eps, wd, bias_correction=False)
+    assert optim.fused_spec_of(tx) is None  # the kernels correct the bias: the chain runs
+    assert optim.fused_spec_of(make(lr, b1, b2, eps, wd)) is not None
+    params, state = {"w": p0.clone()}, tx.init({"w": p0})
+    p, m, v = p0.clone().double(), torch.zeros(6, 5, dtype=torch.float64), torch.zeros(6, 5, dtype=torch.float64)
+    for g in grads:
+        u, state = tx.update({"w": g}, state, params)
+        params = optim.apply_updates(params, u)
+        g = g.double() + (0.0 if decoupled else wd * p)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (v.sqrt() + eps) + (wd * p if decoupled else 0.0))
+    torch.testing.assert_close(params["w"], p.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_adam_bias_correction_false_from_a_config():
+    import fzero
+
+    cfg = fzero.Config.load({"train_micro_batch_size_per_gpu": 2, "optimizer": {
+        "type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1, "bias_correction": False}}})
+    tx = cfg.make_optimizer()
+    params = {"w": torch.ones(3)}
+    ref = optim.adamw(1e-3, weight_decay=0.1, bias_correction=False)
+    g = {"w": torch.tensor([1.0, -2.0, 3.0])}
+    assert torch.equal(tx.update(g, tx.init(params), params)[0]["w"], ref.update(g, ref.init(params), params)[0]["w"])
+    with pytest.raises(TypeError, match="fzero.optim.adam: bias_correction must be a bool"):
+        optim.adam(1e-3, bias_correction=0)

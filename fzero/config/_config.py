@@ -196,6 +196,12 @@ class Config:
     """``dataloader_drop_last``: whether :class:`fzero.data.DataLoader` built from this config
     drops a short last global batch; ``None`` when not written (the loader then drops it)."""
 
+    zero_allow_untested_optimizer: bool = False
+    """``zero_allow_untested_optimizer``: DeepSpeed refuses a client optimizer (one its config
+    does not build) under ZeRO unless this is true. fzero has no such gate: a client ``tx=``
+    runs exactly at every stage (element-wise members on this rank's pieces, norms through
+    ``psum``), so the key is read and checked (a bool) and changes nothing."""
+
     ignored: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
     (only those whose value differs from DeepSpeed's default). Not compared: two configs
@@ -275,6 +281,7 @@ class Config:
             raise TypeError(f"{WHERE}: " + "; ".join(bad))
         if self.dataloader_drop_last is not None:
             _bool("dataloader_drop_last", self.dataloader_drop_last)
+        _bool("zero_allow_untested_optimizer", self.zero_allow_untested_optimizer)
         object.__setattr__(self, "ignored", tuple(self.ignored))
         object.__setattr__(self, "pending", tuple(self.pending))
 

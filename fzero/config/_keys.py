@@ -219,7 +219,10 @@ _TOP: dict[str, _Rule] = {
     # trial a tuner's trial config asks of it (Config.trial).
     "autotuning": _USE,
     "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
-    "zero_allow_untested_optimizer": _noop("fzero's ZeRO runs any fzero.optim optimizer", _never),
+    # DeepSpeed refuses a client optimizer under ZeRO without it. fzero's ZeRO runs any client
+    # `tx=` exactly (each rank's pieces, cross-leaf reductions through psum), so there is no
+    # gate to open: read and type-checked (Config.zero_allow_untested_optimizer), never needed.
+    "zero_allow_untested_optimizer": _USE,
     "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),
     "allgather_size": _noop("the all-gather bucket of the legacy `\"zero_optimization\": true`; "
                             + _PERF, _differs(5e8)),
@@ -379,15 +382,28 @@ _MAX_GRAD_NORM = _Rule("invalid", "max_grad_norm is not an optimizer parameter (
 _NO_EFFECT = _noop("an implementation detail of the optimizer", _never)
 
 # DeepSpeed's parameter names of each optimizer it builds, with the optimizer's defaults
-# (FusedAdam / torch.optim.Adam(W), FusedLamb, FusedLion, torch.optim.SGD).
+# (FusedAdam / torch.optim.Adam(W), FusedLamb, FusedLion, torch.optim.SGD, torch.optim.Adagrad,
+# runtime/fp16/onebit/{adam,zoadam,lamb}.py).
+_ONEBIT_COMMON: dict[str, _Rule] = {
+    "lr": _USE, "betas": _USE, "eps": _USE, "weight_decay": _USE,
+    "bias_correction": _noop("DeepSpeed's 1-bit optimizers accept it and apply no bias correction either way",
+                             _never),
+    "eps_inside_sqrt": _noop("DeepSpeed's 1-bit optimizers accept it and do not use it", _never),
+    "amsgrad": _reject("AMSGrad", _truthy),
+    "cuda_aware": _noop("CUDA-aware MPI only: fzero exchanges over the mesh's dp process group "
+                        "(gloo on the CPU, NCCL on GPUs)"),
+    "comm_backend_name": _noop("fzero exchanges over the mesh's dp process group (gloo on the CPU, NCCL on "
+                               "GPUs), whatever backend is named", lambda v: v != "nccl"),
+    "max_grad_norm": _MAX_GRAD_NORM,
+}
+_ONEBIT_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 _OPTIMIZERS: dict[str, tuple[dict[str, _Rule], dict[str, Any]]] = {
     "adam": ({"lr": _USE, "betas": _USE, "eps": _USE, "weight_decay": _USE, "adam_w_mode": _USE,
-              "torch_adam": _USE,
-              "bias_correction": _reject("Adam without bias correction", lambda v: v is not True),
+              "torch_adam": _USE, "bias_correction": _USE,
               "amsgrad": _reject("AMSGrad", _truthy), "set_grad_none": _NO_EFFECT,
               "max_grad_norm": _MAX_GRAD_NORM},
              {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-              "adam_w_mode": True, "torch_adam": False}),
+              "adam_w_mode": True, "torch_adam": False, "bias_correction": True}),
     "lamb": ({"lr": _USE, "betas": _USE, "eps": _USE, "weight_decay": _USE, "bias_correction": _USE,
               "eps_inside_sqrt": _USE, "max_coeff": _USE, "min_coeff": _USE,
               "amsgrad": _reject("AMSGrad", _truthy), "max_grad_norm": _MAX_GRAD_NORM},
@@ -401,6 +417,22 @@ _OPTIMIZERS: dict[str, tuple[dict[str, _Rule], dict[str, Any]]] = {
              "maximize": _reject("maximize", _truthy), "foreach": _NO_EFFECT,
              "differentiable": _NO_EFFECT, "fused": _NO_EFFECT, "max_grad_norm": _MAX_GRAD_NORM},
             {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}),
+    # torch.optim.Adagrad, which DeepSpeed builds (DeepSpeedCPUAdagrad, the same formula, under
+    # optimizer offload): torch's defaults, not optax's.
+    "adagrad": ({"lr": _USE, "lr_decay": _USE, "weight_decay": _USE, "initial_accumulator_value": _USE,
+                 "eps": _USE, "maximize": _reject("maximize", _truthy), "foreach": _NO_EFFECT,
+                 "differentiable": _NO_EFFECT, "fused": _NO_EFFECT, "max_grad_norm": _MAX_GRAD_NORM},
+                {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0,
+                 "eps": 1e-10}),
+    "onebitadam": ({**_ONEBIT_COMMON, "freeze_step": _USE}, {**_ONEBIT_DEFAULTS, "freeze_step": 100000}),
+    "zerooneadam": ({**_ONEBIT_COMMON, "var_freeze_step": _USE, "var_update_scaler": _USE,
+                     "local_step_scaler": _USE, "local_step_clipper": _USE},
+                    {**_ONEBIT_DEFAULTS, "var_freeze_step": 100000, "var_update_scaler": 16,
+                     "local_step_scaler": 32678, "local_step_clipper": 16}),
+    "onebitlamb": ({**_ONEBIT_COMMON, "freeze_step": _USE, "max_coeff": _USE, "min_coeff": _USE,
+                    "coeff_beta": _USE, "factor_max": _USE, "factor_min": _USE, "factor_threshold": _USE},
+                   {**_ONEBIT_DEFAULTS, "freeze_step": 100000, "max_coeff": 10.0, "min_coeff": 0.01,
+                    "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1}),
 }
 _OPTIMIZERS["adamw"] = _OPTIMIZERS["adam"]
 # DeepSpeed's Muon (runtime/zero/muon, MuonWithAuxAdam): a Muon group and an Adam group, each
@@ -422,10 +454,13 @@ _OPTIMIZERS["musgd"] = ({"lr": _USE, "momentum": _USE, "weight_decay": _USE, "ne
                          "dampening": _reject("SGD dampening", lambda v: v != 0),
                          "max_grad_norm": _MAX_GRAD_NORM},
                         {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False, "decoupled_wd": False})
-_CANONICAL = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD", "muon": "Muon",
+_CANONICAL = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD", "adagrad": "Adagrad",
+              "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb", "muon": "Muon",
               "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+# The 1-bit family: each exchanges its momentum across the dp ranks itself, at ZeRO stage 0 only.
+ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 # Optimizers DeepSpeed builds by name that fzero does not have (any torch.optim name too).
-_DS_ONLY_OPTIMIZERS = ("adagrad", "onebitadam", "zerooneadam", "onebitlamb")
+_DS_ONLY_OPTIMIZERS = ()
 
 # DeepSpeed's scheduler parameter names (deepspeed/runtime/lr_schedules.py); values are
 # checked by fzero.optim.schedules, which takes the same names.

@@ -404,6 +404,12 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
         else:
             kw["communication_data_type"] = comm.lower()
             _used(notes, "", {"communication_data_type": comm})
+    if top.get("zero_allow_untested_optimizer") is not None:
+        kw["zero_allow_untested_optimizer"] = build(
+            "zero_allow_untested_optimizer",
+            lambda: _bool("zero_allow_untested_optimizer", top["zero_allow_untested_optimizer"]))
+        _used(notes, "", {"zero_allow_untested_optimizer": top["zero_allow_untested_optimizer"]},
+              {"zero_allow_untested_optimizer": "nothing: fzero's ZeRO runs any client optimizer"})
     if top.get("dataloader_drop_last") is not None:
         kw["dataloader_drop_last"] = build("dataloader_drop_last",
                                            lambda: _bool("dataloader_drop_last", top["dataloader_drop_last"]))

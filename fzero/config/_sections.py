@@ -20,6 +20,7 @@ from fzero.config._keys import (
     _CANONICAL,
     _DS_ONLY_OPTIMIZERS,
     _OPTIMIZERS,
+    ONEBIT_OPTIMIZERS,
     _SCHEDULERS,
     _USE,
     _check_keys,
@@ -41,13 +42,21 @@ class OptimizerConfig:
     :func:`fzero.optim.adam` (L2 decay); ``Lion`` is :func:`fzero.optim.lion`; ``SGD`` is
     :func:`fzero.optim.sgd`; ``Lamb`` is DeepSpeed's FusedLamb itself,
     :func:`fzero.optim.deepspeed_lamb` (see :meth:`build`). Defaults are DeepSpeed's optimizers' own (weight decay 0, Lion's
-    ``betas`` (0.9, 0.999), Lamb's ``eps`` 1e-8), not fzero's.
+    ``betas`` (0.9, 0.999), Lamb's ``eps`` 1e-8), not fzero's. ``bias_correction: false`` on
+    ``Adam``/``AdamW`` is :func:`fzero.optim.adam`/:func:`~fzero.optim.adamw` with
+    ``bias_correction=False`` (FusedAdam's formula; not fused). ``Adagrad`` is
+    :func:`fzero.optim.adagrad` with ``torch.optim.Adagrad``'s defaults (``lr`` 1e-2,
+    ``initial_accumulator_value`` 0, ``eps`` 1e-10), what DeepSpeed builds. ``OneBitAdam``,
+    ``ZeroOneAdam`` and ``OneBitLamb`` are :func:`fzero.optim.onebit_adam`,
+    :func:`~fzero.optim.zero_one_adam` and :func:`~fzero.optim.onebit_lamb` (ZeRO stage 0
+    only, as in DeepSpeed).
     """
 
     type: str
-    """DeepSpeed's optimizer name: ``Adam``, ``AdamW``, ``Lamb``, ``Lion`` (any case, as
-    DeepSpeed lower-cases its own names) or ``SGD`` (exact: DeepSpeed looks it up in
-    ``torch.optim``). Stored in the canonical spelling."""
+    """DeepSpeed's optimizer name: ``Adam``, ``AdamW``, ``Lamb``, ``Lion``, ``Adagrad``,
+    ``OneBitAdam``, ``ZeroOneAdam``, ``OneBitLamb`` (any case, as DeepSpeed lower-cases its
+    own names) or ``SGD`` (exact: DeepSpeed looks it up in ``torch.optim``). Stored in the
+    canonical spelling."""
 
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The ``params`` object as written, DeepSpeed's names (``lr``, ``betas``, ``eps``,
@@ -66,6 +75,7 @@ class OptimizerConfig:
                     f"{WHERE}: optimizer.type={self.type!r}: a DeepSpeed optimizer fzero does not "
                     f"implement; fzero implements {', '.join(_CANONICAL.values())}")
             names = list(_CANONICAL.values()) + [n.capitalize() for n in _DS_ONLY_OPTIMIZERS]
+            names += ["OnebitAdam", "OnebitLamb"]  # DeepSpeed's class names
             close = difflib.get_close_matches(self.type, names, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"{WHERE}: unknown optimizer.type {self.type!r}{hint} (fzero "
@@ -79,7 +89,8 @@ class OptimizerConfig:
 
     @property
     def kind(self) -> str:
-        """The fzero optimizer built: ``"adamw"``, ``"adam"``, ``"lamb"``, ``"lion"`` or ``"sgd"``."""
+        """The fzero optimizer built: ``"adamw"``, ``"adam"``, ``"lamb"``, ``"lion"``, ``"sgd"``,
+        ``"adagrad"``, ``"onebitadam"``, ``"zerooneadam"`` or ``"onebitlamb"``."""
         if self.type in ("Adam", "AdamW"):
             h = self.hyperparameters()
             return "adamw" if self.type == "AdamW" or h["adam_w_mode"] else "adam"
@@ -96,11 +107,16 @@ class OptimizerConfig:
             if not (isinstance(b, (list, tuple)) and len(b) == 2):
                 raise TypeError(f"{WHERE}: {p}betas must be a list of two numbers [beta1, beta2], got {b!r}")
             out["betas"] = (_num(p + "betas[0]", b[0]), _num(p + "betas[1]", b[1]))
-        for name in ("eps", "weight_decay", "momentum", "max_coeff", "min_coeff"):
+        for name in ("eps", "weight_decay", "momentum", "max_coeff", "min_coeff", "lr_decay",
+                     "initial_accumulator_value", "coeff_beta", "factor_max", "factor_min", "factor_threshold"):
             if name in h:
                 out[name] = _num(p + name, h[name], minimum=0.0)
-        for name in ("adam_w_mode", "torch_adam", "nesterov", "bias_correction", "eps_inside_sqrt", "decoupled_wd"):
+        for name in ("freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler",
+                     "local_step_clipper"):
             if name in h:
+                out[name] = _int(p + name, h[name], minimum=0 if "freeze" in name else 1)
+        for name in ("adam_w_mode", "torch_adam", "nesterov", "bias_correction", "eps_inside_sqrt", "decoupled_wd"):
+            if name in h and (kind not in ONEBIT_OPTIMIZERS or name in self.params):
                 out[name] = _bool(p + name, h[name])
         if kind == "muon":
             given = self.params.get("lr")
@@ -110,10 +126,13 @@ class OptimizerConfig:
             if h["ns_method"] not in ("gram", "standard"):
                 raise ValueError(f"{WHERE}: {p}ns_method must be 'gram' or 'standard', got {h['ns_method']!r}")
             out["ns_method"] = h["ns_method"]
+        if kind in ("adam", "adamw") and out["torch_adam"] and not out["bias_correction"]:
+            raise ValueError(f"{WHERE}: {p}bias_correction=false with torch_adam=true: torch.optim.Adam(W) has no "
+                             "bias_correction (DeepSpeed fails to build it); drop torch_adam")
         if kind in ("adam", "adamw") and out["torch_adam"] and "weight_decay" not in self.params and (
                 kind == "adamw" or out["adam_w_mode"]):
             out["weight_decay"] = 1e-2  # torch.optim.AdamW's default, which DeepSpeed then builds
-        if kind == "lamb" and out["min_coeff"] > out["max_coeff"]:
+        if kind in ("lamb", "onebitlamb") and out["min_coeff"] > out["max_coeff"]:
             raise ValueError(f"{WHERE}: {p}min_coeff={out['min_coeff']} is greater than "
                              f"max_coeff={out['max_coeff']}")
         return out
@@ -171,9 +190,29 @@ class OptimizerConfig:
             if kind in _MUP:
                 return _mup_optimizer(self.type, kind, learning_rate, h, infshapes)
             if kind == "adamw":
-                return optim.adamw(learning_rate, b1, b2, h["eps"], h["weight_decay"])
+                return optim.adamw(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                   bias_correction=h["bias_correction"])
             if kind == "adam":
-                return optim.adam(learning_rate, b1, b2, h["eps"], h["weight_decay"])
+                return optim.adam(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                  bias_correction=h["bias_correction"])
+            if kind == "adagrad":
+                return optim.adagrad(learning_rate, h["initial_accumulator_value"], h["eps"],
+                                     weight_decay=h["weight_decay"], lr_decay=h["lr_decay"])
+            if kind == "onebitadam":
+                return optim.onebit_adam(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                         freeze_step=h["freeze_step"])
+            if kind == "zerooneadam":
+                return optim.zero_one_adam(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                           var_freeze_step=h["var_freeze_step"],
+                                           var_update_scaler=h["var_update_scaler"],
+                                           local_step_scaler=h["local_step_scaler"],
+                                           local_step_clipper=h["local_step_clipper"])
+            if kind == "onebitlamb":
+                return optim.onebit_lamb(learning_rate, b1, b2, h["eps"], h["weight_decay"],
+                                         freeze_step=h["freeze_step"], max_coeff=h["max_coeff"],
+                                         min_coeff=h["min_coeff"], coeff_beta=h["coeff_beta"],
+                                         factor_max=h["factor_max"], factor_min=h["factor_min"],
+                                         factor_threshold=h["factor_threshold"])
             if kind == "lion":
                 return optim.lion(learning_rate, b1, b2, h["weight_decay"])
             if kind == "sgd":

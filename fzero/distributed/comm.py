@@ -33,7 +33,8 @@ import torch.distributed as dist
 from fzero.distributed import checkin, device_check, watchdog
 from fzero.distributed._errors import CollectiveError
 
-__all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce", "broadcast",
+__all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce",
+           "all_to_all_flat", "broadcast",
            "group_ranks",
            "copy_", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
 
@@ -44,7 +45,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 #: The kinds of communication that send bytes, in the order :meth:`Traffic.comm_bytes` lists
 #: them. A receive (kind ``"recv"``) is counted as payload but sends nothing.
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 #: The copies between a rank's device and its host (ZeRO-Offload's), counted as payload in
 #: :data:`traffic` and listed by :meth:`Traffic.copy_bytes`; they send nothing on the wire.
 COPY_KINDS = ("d2h", "h2d")
@@ -63,6 +64,8 @@ def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
                                             all-gather, each ``N - 1`` chunks of ``S / N``)
     ``reduce_scatter`` the whole input      ``S (N - 1) / N``
     ``all_gather``     this rank's input    ``S (N - 1)`` (the output is ``N S``)
+    ``all_to_all``     this rank's input    ``S (N - 1) / N``: ``N`` equal blocks, one per
+                                            rank, the rank's own block staying here
     ``broadcast``      the tensor           ``S (N - 1) / N``: a pipelined ring, where the
                                             root and every rank but the last forward ``S``
                                             (``S (N - 1)`` in all), averaged over the ranks
@@ -94,7 +97,7 @@ def sent_bytes(kind: str, payload: int, *, world: int) -> Fraction:
     n = world
     if kind == "all_reduce":
         return Fraction(2 * payload * (n - 1), n)
-    if kind in ("reduce_scatter", "broadcast"):
+    if kind in ("reduce_scatter", "broadcast", "all_to_all"):
         return Fraction(payload * (n - 1), n)
     if kind == "all_gather":
         return Fraction(payload * (n - 1))
@@ -124,7 +127,8 @@ class Traffic:
     ``"loss"``, ``"psum"``, ``"metadata"`` (batch sizes, shapes), ``"buffers"``,
     ``"gather"`` (:func:`fzero.gather`), ``"user"`` (a reduction over a partitioned
     tensor), ``"tp"``, ``"activations"``, ``"activation_gradients"``,
-    ``"tied_gradients"`` (pipelines), ``"offload"`` (the ``d2h``/``h2d`` copies of
+    ``"tied_gradients"`` (pipelines), ``"compressed"`` (the 1-bit optimizers' exchange of
+    packed signs and scales), ``"offload"`` (the ``d2h``/``h2d`` copies of
     :func:`copy_`) or ``"other"``.
 
     Each call's wire bytes are also filed under the ranks of its group (``ranks=``), so
@@ -339,13 +343,20 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, as
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
-def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],  # noqa: A002
-                    *, group=None, async_op: bool = False, what: str = "other"):
-    """``input_splits[r]`` elements of ``input`` to rank ``r``, ``output_splits[r]`` from it
-    into ``output`` (counted as the ``"send"`` of the elements that leave this rank)."""
-    me = dist.get_rank(group)
-    traffic.add("send", what, input.new_empty(sum(input_splits) - input_splits[me]), world=2,
-                ranks=group_ranks(group))
+def all_to_all_flat(output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,  # noqa: A002
+                    input_splits: list[int] | None = None, *, group=None, async_op: bool = False,
+                    what: str = "other"):
+    """This rank's ``input`` cut into blocks, block ``r`` to rank ``r``, whose block ``q`` of
+    ``output`` it becomes (``q`` this rank). Without splits the blocks are ``N`` equal ones on
+    the first dim, counted as ``"all_to_all"`` (``input``'s bytes); with ``input_splits[r]``
+    elements to rank ``r`` and ``output_splits[r]`` from it, the elements that leave this rank
+    are counted exactly, as a ``"send"``."""
+    if input_splits is None:
+        traffic.add("all_to_all", what, input, world=dist.get_world_size(group), ranks=group_ranks(group))
+    else:
+        me = dist.get_rank(group)
+        traffic.add("send", what, input.new_empty(sum(input_splits) - input_splits[me]), world=2,
+                    ranks=group_ranks(group))
     _launching(input, what)
     return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
 

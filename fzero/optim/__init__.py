@@ -18,14 +18,18 @@ Example:
     tensor([0.9989, 0.9989, 0.9989])
 """
 
-from fzero.optim import alias, clipping, deepspeed, lowering, matrix, schedules, torch_optim, transform
+from fzero.optim import adagrad as _adagrad_module
+from fzero.optim import alias, clipping, deepspeed, lowering, matrix, onebit, schedules, torch_optim, transform
 from fzero.optim.alias import adam, adamw, lamb, lion, sgd
 from fzero.optim._known import FusedSpec, fused_spec_of
+from fzero.optim.adagrad import ScaleByRssState, adagrad, scale_by_rss
 from fzero.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
 from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb
 from fzero.optim.fused import use_fused
 from fzero.optim.matrix import WholeTensorState, adafactor, muon, scale_by_muon
+from fzero.optim.onebit import (DataParallelExchange, OnebitLambState, ZeroOneAdamState, exchange_of, onebit_adam,
+                                onebit_lamb, scale_by_onebit_adam, zero_one_adam)
 from fzero.optim.torch_optim import FromTorchState, TorchState, from_torch
 from fzero.optim.transform import (
     MaskedState,
@@ -55,10 +59,12 @@ __all__ = [
     "identity",
     "schedules",
     "use_fused",
+    *_adagrad_module.__all__,
     *alias.__all__,
     *clipping.__all__,
     *deepspeed.__all__,
     *matrix.__all__,
+    *onebit.__all__,
     *torch_optim.__all__,
     *transform.__all__,
 ]

@@ -99,6 +99,7 @@ class ScaleByAdam(Known):
     b2: float
     eps: float
     eps_root: float
+    bias_correction: bool = True
     donates = True
     output = "new"
 
@@ -382,6 +383,8 @@ def _spec(ms: list[Known]) -> FusedSpec | None:
     :func:`fused_spec_of`. The kernels know no ``eps_root`` but LAMB's."""
     if not ms or not isinstance(ms[-1], ScaleByLearningRate) or not ms[-1].flip_sign:
         return None
+    if any(isinstance(m, ScaleByAdam) and not m.bias_correction for m in ms):
+        return None  # the kernels always correct the bias: such a chain runs as itself
     lr = ms[-1].learning_rate
     match ms[:-1]:
         case [ScaleByAdam(b1, b2, eps, 0.0), d] if (decay := _decay(d)) is not None:

@@ -104,6 +104,8 @@ def adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Adam, as ``torch.optim.Adam``, with torch's L2 weight decay (added to the gradient)::
 
@@ -116,6 +118,9 @@ def adam(
         b1, b2: the moment decay rates, in [0, 1).
         eps: added to the denominator after the square root, >= 0.
         weight_decay: L2 coefficient (torch's ``weight_decay``; optax's ``adam`` has none).
+        bias_correction: ``False`` drops the ``1 - b^t`` factors (DeepSpeed's
+            ``FusedAdam(bias_correction=False)``): ``u = -lr * mu / (sqrt(nu) + eps)``. Such a
+            chain is not fused; it runs as itself.
 
     Returns:
         ``chain(add_decayed_weights(weight_decay), scale_by_adam(b1, b2, eps),
@@ -137,7 +142,7 @@ def adam(
     a = _adam_args("adam", learning_rate, b1, b2, eps, 0.0, weight_decay)
     return chain(
         add_decayed_weights(a.weight_decay, where=a.where),
-        scale_by_adam(a.b1, a.b2, a.eps, where=a.where),
+        scale_by_adam(a.b1, a.b2, a.eps, bias_correction=bias_correction, where=a.where),
         scale_by_learning_rate(a.learning_rate, where=a.where),
     )
 
@@ -149,6 +154,8 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     mask: Any = None,
+    *,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay, scaled by the learning rate)::
 
@@ -165,6 +172,9 @@ def adamw(
             ``torch.optim.AdamW``'s (optax's ``adamw`` defaults to 1e-4).
         mask: which leaves are decayed: ``None`` (all), a pytree of bools with the params'
             structure, or a callable ``params -> such a pytree``. The Adam step applies to all.
+        bias_correction: ``False`` drops the ``1 - b^t`` factors (DeepSpeed's
+            ``FusedAdam(bias_correction=False)`` in AdamW mode):
+            ``u = -lr * (mu / (sqrt(nu) + eps) + weight_decay * p)``. Not fused.
 
     Returns:
         ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
@@ -188,7 +198,7 @@ def adamw(
     """
     a = _adam_args("adamw", learning_rate, b1, b2, eps, 0.0, weight_decay)
     return chain(
-        scale_by_adam(a.b1, a.b2, a.eps, where=a.where),
+        scale_by_adam(a.b1, a.b2, a.eps, bias_correction=bias_correction, where=a.where),
         add_decayed_weights(a.weight_decay, mask, where=a.where),
         scale_by_learning_rate(a.learning_rate, where=a.where),
     )

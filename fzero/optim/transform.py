@@ -253,6 +253,7 @@ def scale_by_adam(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
+    bias_correction: bool = True,
     where: str = "fzero.optim.scale_by_adam",
 ) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moments.
@@ -264,12 +265,16 @@ def scale_by_adam(
         out = (mu / (1 - b1^t)) / (sqrt(nu) / sqrt(1 - b2^t) + eps)
 
     (with ``eps_root > 0``, optax's ``sqrt(nu / (1 - b2^t) + eps_root)`` in the denominator).
+    With ``bias_correction=False`` both corrections are 1: ``out = mu / (sqrt(nu) + eps)``,
+    DeepSpeed's ``FusedAdam(bias_correction=False)``.
 
     Args:
         b1: decay rate of the first moment, in [0, 1).
         b2: decay rate of the second moment, in [0, 1).
         eps: added to the denominator outside the square root, >= 0.
         eps_root: added inside the square root, >= 0.
+        bias_correction: divide the moments by ``1 - b^t`` (Adam's default); ``False`` uses
+            them as they are.
         where: the name errors start with (an optimizer built on this passes its own).
 
     Returns:
@@ -289,6 +294,8 @@ def scale_by_adam(
     """
     b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
     eps, eps_root = check_nonneg(where, "eps", eps), check_nonneg(where, "eps_root", eps_root)
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"{where}: bias_correction must be a bool, got {bias_correction!r}")
 
     def init_fn(params):
         return ScaleByAdamState(count=_new_count(), mu=_zeros_like(params), nu=_zeros_like(params))
@@ -303,8 +310,8 @@ def scale_by_adam(
         # torch.optim.Adam's math: moments, bias corrections as Python floats, then
         # mu / (1 - b1^t) / (sqrt(nu) / sqrt(1 - b2^t) + eps). The 1 / (1 - b1^t) is folded
         # into the denominator (as torch's capturable path does) to save a pass.
-        bc1 = 1.0 - b1**step
-        bc2 = 1.0 - b2**step
+        bc1 = 1.0 - b1**step if bias_correction else 1.0
+        bc2 = 1.0 - b2**step if bias_correction else 1.0
         with torch.no_grad():
             if donate:  # the moments are updated where they are (the same arithmetic)
                 torch._foreach_lerp_(mu, g, 1.0 - b1)
@@ -331,7 +338,8 @@ def scale_by_adam(
             count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu)
         )
 
-    return record(GradientTransformation(init_fn, update_fn), _known.ScaleByAdam(b1, b2, eps, eps_root))
+    return record(GradientTransformation(init_fn, update_fn), _known.ScaleByAdam(b1, b2, eps, eps_root,
+                                                                                         bias_correction))
 
 
 # --------------------------------------------------------------------------- lion

@@ -19,7 +19,9 @@ backward; the handler of ``apply_gradients`` runs the unchanged optimizer on thi
 slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
 then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
-first needs them.
+first needs them. At stage 0 an optimizer that exchanges across the ranks itself (the 1-bit
+family, ``fzero.optim.exchange_of``) is handed this rank's own gradients when it asks for
+them, and its ``compressed_pmean`` runs here (``fzero/distributed/compressed.py``).
 
 This module is the handler, the partitioning at ``init`` and the transform; the parts are
 its neighbours in this package (see its ``__init__``).
@@ -36,8 +38,9 @@ from fzero import tree
 from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
-from fzero.optim import _known
+from fzero.distributed.compressed import ErrorFeedback, compressed_mean
 from fzero.distributed.mesh import Mesh
+from fzero.optim import _known, exchange_of
 from fzero.transforms._checks import check_option, default_bucket_bytes
 from fzero.transforms._arguments import Arguments
 from fzero import rng
@@ -89,6 +92,11 @@ class _ShardHandler(Handler):
         self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
         self.rows = -1  # the leading size of this step's local batch (-1: no batched tensor)
+        # An optimizer that exchanges across dp itself (the 1-bit family): whether this update
+        # hands it local gradients, and its error feedback by caller (per rank, working memory:
+        # like DeepSpeed, which resets it on a checkpoint load, it is not part of the state).
+        self.local = False
+        self.errors: dict[str, ErrorFeedback] = {}
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -116,6 +124,12 @@ class _ShardHandler(Handler):
             )
         # An optimizer that may read whole tensors must say so before it sees this rank's pieces.
         _known.check_partitionable(state.tx, stage=self.stage, where=f"{WHERE}: step.init")
+        exchange = exchange_of(state.tx, state.opt_state)
+        if exchange is not None and self.stage not in exchange.stages:
+            raise ValueError(f"{WHERE}: {exchange.optimizer} exchanges its momentum across the data-parallel ranks "
+                             f"itself and runs at ZeRO stage {' or '.join(map(str, exchange.stages))} only (as "
+                             f"DeepSpeed's 1-bit optimizers, which refuse ZeRO); got stage={self.stage}")
+        self.errors = {}
         check_same_model(params, stage=self.stage, group=self.group, world=self.world,
                          timeout_s=self.timeout_s, device=self.mesh.device)
         # Frozen parameters stay out of the flat groups: no gradient buffer, no reduction,
@@ -182,7 +196,9 @@ class _ShardHandler(Handler):
     # ---------------------------------------------------------------- primitives
 
     def psum(self, value, *, next):
-        if self.stage >= 1 and self.world > 1:
+        # With local gradients (an optimizer exchanging itself) every rank's norms and flags
+        # differ, so they are summed at stage 0 too: the ranks must agree on a skip.
+        if (self.stage >= 1 or self.local) and self.world > 1:
             # A sum an offloaded optimizer made on the host goes through the group's
             # collective on the mesh's device and comes back to the host. Anywhere else a
             # host tensor here is a mistake (a hidden synchronisation on a GPU) that the
@@ -202,6 +218,21 @@ class _ShardHandler(Handler):
                      timeout_s=self.timeout_s, where=WHERE)
             value = value / self.world
         return next(value)
+
+    def compressed_pmean(self, tensors, key, *, next):
+        if self.stage != 0:  # the tensors would be this rank's pieces, not its own whole values
+            raise ValueError(f"{WHERE}: compressed_pmean ({key}) averages each rank's whole tensors and runs at "
+                             f"ZeRO stage 0 only; got stage={self.stage}")
+        if self.world == 1:
+            return next(tensors, key)
+        numels = [t.numel() for t in tensors]
+        errors = self.errors.get(key)
+        if errors is None or errors.numels != numels:
+            errors = self.errors[key] = ErrorFeedback(numels, self.world, self.mesh.device)
+        flag = context().skip_flag  # an update about to be discarded leaves the errors as they were
+        commit = flag is None or not bool(flag > 0)
+        return compressed_mean(tensors, errors, group=self.group, world=self.world, timeout_s=self.timeout_s,
+                               where=WHERE, commit=commit)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if options.get("grad_sink") is not None:
@@ -250,7 +281,9 @@ class _ShardHandler(Handler):
 
     def _sink(self, params, **options) -> ReduceSink:
         leaf_names = [path[0].entry for path in tree.paths(params)]
-        return ReduceSink(self.layout, leaf_names, group=self.group, world=self.world, stage=self.stage,
+        # Local gradients: the sink of a world of one, which reduces nothing.
+        return ReduceSink(self.layout, leaf_names, group=self.group, world=1 if self.local else self.world,
+                          stage=self.stage,
                           reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s,
                           overlap=self.overlap_comm, **options)
 
@@ -443,6 +476,8 @@ def shard_state(
         rows = tree.leading_size(batch)
         handler.rows = -1 if rows is None else rows  # checked across ranks with the loss: see _mean_value
         rng.fold_in(handler.rank)  # ranks with different rows draw different numbers (fzero/rng.py)
+        exchange = exchange_of(state.tx, state.opt_state)
+        handler.local = exchange is not None and exchange.local_gradients
         outer = context().data_shard  # a data-parallel axis inside another splits each of its shards again
         shard = DataShard(outer.index * handler.world + handler.rank, outer.count * handler.world)
         with installed(handler), running(data_shard=shard, **({"offload_params": True} if handler.offload_param else {})):
