@@ -351,8 +351,8 @@ def test_lamb_norms_are_exact_on_zero_shards():
      "optimizer.params.bias_correction=false with torch_adam=true"),
     ({"type": "SGD", "params": {"dampening": 0.1}}, NotImplementedError, "optimizer.params.dampening"),
     ({"type": "SGD", "params": {"maximize": True}}, NotImplementedError, "optimizer.params.maximize"),
-    ({"type": "RMSprop"}, NotImplementedError, "'RMSprop'"),
-    ({"type": "MuAdam"}, NotImplementedError, "'MuAdam'"),
+    ({"type": "RMSprop", "params": {"alpah": 0.9}}, ValueError, "optimizer.params.alpah"),
+    ({"type": "RMSprop", "params": {"alpha": -1}}, ValueError, "optimizer 'RMSprop'"),
     ({"type": "Adagrad", "params": {"lr_decay": -1}}, ValueError, "optimizer.params.lr_decay"),
     ({"type": "OneBitAdam", "params": {"freeze_step": 1.5}}, TypeError, "optimizer.params.freeze_step"),
     ({"type": "OneBitAdam", "params": {"amsgrad": True}}, NotImplementedError, "optimizer.params.amsgrad"),
@@ -899,9 +899,39 @@ def test_one_table_maps_deepspeed_keys_to_compiles_options_and_the_docs_show_it(
     assert cfg.decided_options()["bucket_bytes"] == 200 and cfg.decided_options()["reduce_in"] == "bf16"
 
 
-def test_zero_allow_untested_optimizer_is_read_and_opens_no_gate():
-    """DeepSpeed refuses a client optimizer under ZeRO without the key; fzero's ZeRO runs any
-    client tx exactly, so the key is read (a bool) and a client optimizer trains either way."""
+def test_a_torch_optim_name_is_built_as_deepspeed_builds_it_and_gated_under_zero_as_deepspeed_gates_it():
+    """DeepSpeed: torch.optim.<type>(params, **optimizer.params); under ZeRO a class outside
+    its tested list needs zero_allow_untested_optimizer."""
+    torch.manual_seed(2)
+    model = ft.Blocks(3, 5, 1, 2)
+    hp = {"lr": 0.02, "alpha": 0.9, "momentum": 0.5, "centered": True}
+    ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.RMSprop(ref, **hp)
+    apply, params = fzero.functionalize(model)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "optimizer": {"type": "RMSprop", "params": hp},
+           "zero_optimization": {"stage": 2}}
+    with pytest.raises(ValueError, match=r"optimizer.type='RMSprop'.*zero_optimization.stage 2.*"
+                                         r"\"zero_allow_untested_optimizer\": true"):
+        load(cfg)
+    step = fzero.compile(ft.mse_step, config={**cfg, "zero_allow_untested_optimizer": True})
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.0)))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+        state, _ = step(state, {"x": x, "y": y})
+        loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, dict(zip(params, ref)), (x,)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ft.assert_trees_close(fzero.gather(state.params), dict(zip(params, [p.detach() for p in ref])), rtol=1e-5,
+                          atol=1e-7)
+    assert step.config.optimizer.kind == "torch" and step.config.optimizer.hyperparameters()["eps"] == 1e-8
+    assert load({**cfg, "zero_optimization": {"stage": 0}}).optimizer.type == "RMSprop"  # stage 0: no gate
+
+
+def test_zero_allow_untested_optimizer_is_read_and_a_client_tx_needs_no_permission():
+    """A client tx (fzero's own or from_torch) runs exactly at every stage: it trains the same
+    with and without the key."""
     assert load(base(zero_allow_untested_optimizer=True)).zero_allow_untested_optimizer is True
     assert load(base()).zero_allow_untested_optimizer is False
     with pytest.raises(TypeError, match="zero_allow_untested_optimizer must be true or false"):

@@ -18,7 +18,7 @@ import torch
 from fzero.config import _load, _options
 from fzero.config._keys import GRADIENT_CLIPPING_DEFAULT
 from fzero.config._options import COMM_DTYPES
-from fzero.config._sections import BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
+from fzero.config._sections import ZERO_TESTED_TORCH, BF16Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from fzero.config._values import WHERE, _bool, _int, _num
 from fzero.optim import GradientTransformation, schedules
 from fzero.options import CompileOptions, TrialSpec, field_name
@@ -197,10 +197,10 @@ class Config:
     drops a short last global batch; ``None`` when not written (the loader then drops it)."""
 
     zero_allow_untested_optimizer: bool = False
-    """``zero_allow_untested_optimizer``: DeepSpeed refuses a client optimizer (one its config
-    does not build) under ZeRO unless this is true. fzero has no such gate: a client ``tx=``
-    runs exactly at every stage (element-wise members on this rank's pieces, norms through
-    ``psum``), so the key is read and checked (a bool) and changes nothing."""
+    """``zero_allow_untested_optimizer``: as DeepSpeed, a ``torch.optim`` class the optimizer
+    section names outside DeepSpeed's tested list (``Adam``, ``AdamW``, ``Adagrad``) runs under
+    ZeRO (stage ≥ 1) only with this true. A client ``tx=`` (fzero's own, or
+    ``fzero.optim.from_torch``) needs no permission: it runs exactly at every stage."""
 
     ignored: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     """DeepSpeed keys that were accepted but have no effect in fzero, each with the reason
@@ -282,6 +282,14 @@ class Config:
         if self.dataloader_drop_last is not None:
             _bool("dataloader_drop_last", self.dataloader_drop_last)
         _bool("zero_allow_untested_optimizer", self.zero_allow_untested_optimizer)
+        opt = self.optimizer
+        if (opt is not None and opt.kind == "torch" and opt.type not in ZERO_TESTED_TORCH
+                and self.zero_optimization.stage > 0 and not self.zero_allow_untested_optimizer):
+            raise ValueError(
+                f"{WHERE}: optimizer.type={opt.type!r} (torch.optim.{opt.type}) under zero_optimization.stage "
+                f"{self.zero_optimization.stage}: DeepSpeed runs an optimizer outside its tested list under ZeRO "
+                "only with \"zero_allow_untested_optimizer\": true, and so does fzero (which runs it exactly: "
+                "element-wise on this rank's pieces, whole-tensor ones by an owner rank); add that key")
         object.__setattr__(self, "ignored", tuple(self.ignored))
         object.__setattr__(self, "pending", tuple(self.pending))
 

@@ -69,8 +69,20 @@ class OptimizerConfig:
         if kind == "sgd" and self.type != "SGD":
             raise ValueError(f"{WHERE}: unknown optimizer.type {self.type!r}; did you mean 'SGD'? "
                              "(DeepSpeed looks it up as torch.optim.SGD, case-sensitively)")
+        if kind not in _OPTIMIZERS and torch_optimizer(self.type) is not None:
+            # DeepSpeed's last resort: torch.optim.<type>(params, **params), looked up exactly.
+            cls = torch_optimizer(self.type)
+            params = _section("optimizer.params", self.params)
+            unknown = sorted(set(params) - set(_torch_defaults(cls)))
+            if unknown:
+                raise ValueError(f"{WHERE}: optimizer.params of torch.optim.{self.type}: unknown "
+                                 f"{', '.join('optimizer.params.' + k for k in unknown)} (it takes "
+                                 f"{', '.join(_torch_defaults(cls))})")
+            object.__setattr__(self, "params", _frozen(params))
+            self.build(self.hyperparameters()["lr"])  # checks every value once, here
+            return
         if kind not in _OPTIMIZERS:
-            if kind in _DS_ONLY_OPTIMIZERS or hasattr(torch.optim, self.type):
+            if kind in _DS_ONLY_OPTIMIZERS:
                 raise NotImplementedError(
                     f"{WHERE}: optimizer.type={self.type!r}: a DeepSpeed optimizer fzero does not "
                     f"implement; fzero implements {', '.join(_CANONICAL.values())}")
@@ -94,12 +106,16 @@ class OptimizerConfig:
         if self.type in ("Adam", "AdamW"):
             h = self.hyperparameters()
             return "adamw" if self.type == "AdamW" or h["adam_w_mode"] else "adam"
+        if self.type.lower() not in _OPTIMIZERS:
+            return "torch"  # torch.optim.<type>, by optim.from_torch
         return self.type.lower()
 
     def hyperparameters(self) -> dict[str, Any]:
         """Every parameter of this optimizer by DeepSpeed's name, defaults filled in."""
         p = "optimizer.params."
         kind = self.type.lower()
+        if kind not in _OPTIMIZERS:  # torch.optim.<type>: its own keywords and defaults, checked by torch
+            return {**_torch_defaults(torch_optimizer(self.type)), **self.params}
         h = {**_OPTIMIZERS[kind][1], **self.params}
         out: dict[str, Any] = {"lr": _num(p + "lr", h["lr"], minimum=0.0)}
         if "betas" in h:
@@ -177,6 +193,9 @@ class OptimizerConfig:
         kind = self.kind
         b1, b2 = h.get("betas", (0.9, 0.999))
         try:
+            if kind == "torch":
+                given = {k: v for k, v in self.params.items() if k != "lr"}
+                return optim.from_torch(torch_optimizer(self.type), lr=learning_rate, **given)
             if kind == "muon":
                 muon_lr, adam_lr = (learning_rate, learning_rate) if callable(learning_rate) else \
                     (h["muon_lr"], h["adam_lr"])
@@ -226,6 +245,27 @@ class OptimizerConfig:
 
 
 _MUP = ("muadam", "muadamw", "musgd")
+# The torch.optim classes DeepSpeed 0.19 runs under ZeRO without zero_allow_untested_optimizer
+# (its ZERO_SUPPORTED_OPTIMIZERS, torch's among them).
+ZERO_TESTED_TORCH = ("Adam", "AdamW", "Adagrad")
+
+
+def torch_optimizer(name: Any) -> type | None:
+    """``torch.optim.<name>`` if it is an optimizer class (DeepSpeed's lookup: exact), else None."""
+    cls = getattr(torch.optim, name, None) if isinstance(name, str) else None
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+
+def _torch_defaults(cls: type) -> dict[str, Any]:
+    """The keywords of ``cls(params, ...)`` with their defaults (``lr`` first)."""
+    import inspect
+
+    out = {}
+    for name, p in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "params") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        out[name] = None if p.default is inspect.Parameter.empty else p.default
+    return out
 _CHECK_ONLY: Mapping[str, Any] = {}  # build()'s infshapes while a section checks its values
 
 
