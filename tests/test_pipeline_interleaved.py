@@ -4,6 +4,7 @@ trajectory of plain PyTorch (``nn.Module`` + ``backward`` + ``torch.optim`` on t
 batch) under ZeRO over ``dp``, with a weight tied across ranks, and the activation bytes
 each model-stage boundary sends."""
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -132,6 +133,20 @@ def _interleaved_as_plain_torch(m, tx, zero, tied, *, steps=3, per_mb=2):
             "stats": {k: pipe.stats[k] for k in ("busy_slots", "idle_slots")}, "sent": sent}
 
 
+def _option_errors():
+    """The constructor's messages (every rank raises them, before any communication)."""
+    model, out = _mlp(0), []
+    for stages, mesh, kw in [(split(model, [2, 4]), fzero.Mesh(pp=2, dp=2), {"micro_batches": 2}),
+                             (split(model, [2, 4, 6]), fzero.Mesh(pp=2, dp=2), {"micro_batches": 3}),
+                             (split(model, [2, 4, 6]), fzero.Mesh(pp=2, dp=2), {"schedule": "1f1b"}),
+                             (split(model, [4]), fzero.Mesh(pp=1, dp=4), {"micro_batches": 2})]:
+        kw = {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 2, **kw}
+        with pytest.raises(ValueError) as e:
+            pipeline(stages, F.mse_loss, mesh, **kw)
+        out.append(str(e.value))
+    return out
+
+
 CASES = [(2, "sgd", 0, False), (4, "adamw", 2, False), (4, "adamw", 3, True)]
 
 
@@ -160,3 +175,14 @@ def test_interleaved_1f1b_gives_plain_torch_losses_and_parameters(ranks):
             grad = sum(m * per_mb * 4 * width[c - 1] for c in res["chunks"] if c > 0)
             assert res["sent"] == [{"activations": act, "activation_gradients": grad}] * 3, (m, res)
         assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the last stage's loss
+    for msgs in pool.run(_option_errors):
+        assert [re.sub(r"\(Mesh\([^)]*\)\)", "(MESH)", m) for m in msgs] == [
+            "fzero.pipeline: 3 stages, but the mesh's pp axis has 2 ranks (MESH); "
+            "give 2 stages per pp rank (virtual_stages=2)",
+            "fzero.pipeline: schedule='interleaved' runs micro-batches in groups of the pp size: "
+            "micro_batches=3 is not a multiple of pp=2",
+            "fzero.pipeline: virtual_stages=2 needs schedule='interleaved' (schedule='1f1b' runs one model "
+            "chunk per rank)",
+            "fzero.pipeline: schedule='interleaved' needs a pp axis of 2 ranks or more (MESH); "
+            "with one rank, run the stages as one (schedule='1f1b')",
+        ], msgs
