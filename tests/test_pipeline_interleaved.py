@@ -130,7 +130,7 @@ def _interleaved_as_plain_torch(m, tx, zero, tied, *, steps=3, per_mb=2):
     if tied and pipe.stage == p - 1:  # the last rank's copy of the tied weight, bit for bit the first's
         assert torch.equal(fzero.gather(state.params)["0.weight"], full["0.weight"])
     return {"stage": pipe.stage, "chunks": pipe.chunks, "losses": losses, "ref_losses": ref_losses,
-            "stats": {k: pipe.stats[k] for k in ("busy_slots", "idle_slots")}, "sent": sent}
+            "stats": {k: pipe.stats[k] for k in ("busy_slots", "idle_slots", "max_in_flight")}, "sent": sent}
 
 
 def _option_errors():
@@ -169,6 +169,10 @@ def test_interleaved_1f1b_gives_plain_torch_losses_and_parameters(ranks):
             assert res["chunks"] == (res["stage"], res["stage"] + 2)  # rank r holds stages r and r + p
             st = res["stats"]
             assert Fraction(st["idle_slots"], st["busy_slots"]) == Fraction(2 - 1, 2 * m), (m, res)
+            # (model stage, micro-batch) pairs held at once: the warm-up forwards and one more
+            # (all m v when m == p), 2 (p - r - 1) + (v - 1) p + 1 on rank r.
+            r = res["stage"]
+            assert st["max_in_flight"] == (2 * m if m == 2 else 2 * (2 - r - 1) + 2 + 1), (m, res)
             # Per step: one activation per micro-batch out of each of this rank's stages but
             # the last, one gradient back out of each but the first.
             act = sum(m * per_mb * 4 * width[c] for c in res["chunks"] if c < 3)
