@@ -77,7 +77,7 @@ TORCH_TX = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 FZERO_TX = {"sgd": lambda: optim.sgd(0.05, momentum=0.9), "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1)}
 
 
-def _interleaved_as_plain_torch(m, tx, zero, tied, *, steps=3, per_mb=2):
+def _interleaved_as_plain_torch(m, tx, zero, tied, *, steps=3, per_mb=2, save=None):
     """Runs on every rank of pp=2 x dp=2: v=2 model stages per rank (4 in all) under
     ``fzero.compile(pipeline=..., zero=...)``; returns what the test checks on the host."""
     p, v = 2, 2
@@ -129,7 +129,9 @@ def _interleaved_as_plain_torch(m, tx, zero, tied, *, steps=3, per_mb=2):
                                    msg=lambda s, name=name: f"rank {dist.get_rank()}, {name}: {s}")
     if tied and pipe.stage == p - 1:  # the last rank's copy of the tied weight, bit for bit the first's
         assert torch.equal(fzero.gather(state.params)["0.weight"], full["0.weight"])
-    return {"stage": pipe.stage, "chunks": pipe.chunks, "losses": losses, "ref_losses": ref_losses,
+    if save is not None:
+        fzero.checkpoint.save(save, state)
+    return {"full": full, "stage": pipe.stage, "chunks": pipe.chunks, "losses": losses, "ref_losses": ref_losses,
             "stats": {k: pipe.stats[k] for k in ("busy_slots", "idle_slots", "max_in_flight")}, "sent": sent}
 
 
@@ -147,20 +149,22 @@ def _option_errors():
     return out
 
 
-CASES = [(2, "sgd", 0, False), (4, "adamw", 2, False), (4, "adamw", 3, True)]
+CASES = [(2, "sgd", 0, False), (4, "adamw", 2, False), (4, "adamw", 3, True)]  # (m, optimizer, ZeRO, tied)
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_interleaved_1f1b_gives_plain_torch_losses_and_parameters(ranks):
+def test_interleaved_1f1b_gives_plain_torch_losses_and_parameters(ranks, tmp_path):
     """pp=2 x dp=2, v=2, m in {2, 4}, ZeRO 0/2/3 over dp (the last with a weight tied
     across ranks), one launch: the losses and whole parameters of plain PyTorch (fp32, rel
     1e-5); every rank idles ``(p-1)/(v m)`` of its busy slots; each model-stage boundary
-    carries one activation per micro-batch forward and its gradient back."""
+    carries one activation per micro-batch forward and its gradient back. The last case's
+    checkpoint loads onto the plain state of the whole model, in this process, and exports."""
     pool = ranks(4)
     per_mb = 2
     for m, tx, zero, tied in CASES:
-        results = pool.run(_interleaved_as_plain_torch, m, tx, zero, tied, per_mb=per_mb, timeout_s=120)
+        save = str(tmp_path / "ck") if tied else None
+        results = pool.run(_interleaved_as_plain_torch, m, tx, zero, tied, per_mb=per_mb, save=save, timeout_s=120)
         # Features crossing the boundaries after model stages 0, 1, 2 (fp32).
         width = [6, 6, 6] if tied else [6, 6, 5]
         for res in results:
@@ -190,3 +194,18 @@ def test_interleaved_1f1b_gives_plain_torch_losses_and_parameters(ranks):
             "fzero.pipeline: schedule='interleaved' needs a pp axis of 2 ranks or more (MESH); "
             "with one rank, run the stages as one (schedule='1f1b')",
         ], msgs
+    # The last case's checkpoint (pp=2 x dp=2, v=2, ZeRO-3, tied) onto the plain state.
+    full = results[0]["full"]
+    model = _tied(99)  # other values: every parameter must come from the file
+    apply, params = fzero.functionalize(model)
+    plain = fzero.checkpoint.load(str(tmp_path / "ck"), like=fzero.TrainState.create(
+        apply_fn=apply, params=params, tx=FZERO_TX["adamw"]()))
+    assert set(plain.params) == set(full)
+    for name, t in full.items():
+        assert torch.equal(plain.params[name], t), name
+    assert int(plain.step) == 3
+    from safetensors.torch import load_file
+
+    fzero.checkpoint.export(str(tmp_path / "ck"), tmp_path / "model.safetensors")
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert set(exported) == set(full) and all(torch.equal(exported[k], full[k]) for k in full)
