@@ -67,6 +67,7 @@ class Pipeline:
         self.stats: dict[str, Any] = {}
         self._deferred = False  # the last call's loss used a deferred fzero.global_mean
         self._buffers: dict | None = None  # the running step's state.buffers (this stage's)
+        self._timeline: dict | None = None  # this rank's busy and idle slots (``slots``)
 
     def __repr__(self) -> str:
         if self.virtual_stages > 1:
@@ -328,7 +329,9 @@ class Pipeline:
         step_s = time.perf_counter() - t_start
         # The schedule's timeline in unit slots (a chunk's forward 1, its backward 2,
         # communication free): this rank's busy and idle slots over the step.
-        timeline = slots(self.schedule, p, m, v)[s]
+        if self._timeline is None:  # the same every step: the schedule's shape is fixed
+            self._timeline = slots(self.schedule, p, m, v)[s]
+        timeline = self._timeline
         self.stats = {"schedule": self.schedule, "micro_batches": m, "virtual_stages": v,
                       "max_in_flight": max_in_flight, "compute_s": compute, "step_s": step_s,
                       "bubble": max(0.0, 1.0 - compute / step_s), "busy_slots": timeline["busy"],
