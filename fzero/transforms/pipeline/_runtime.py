@@ -26,7 +26,8 @@ from fzero.transforms.pipeline._schedule import SCHEDULES
 from fzero.transforms.pipeline._schedule import check as check_schedule
 from fzero.transforms.pipeline._schedule import ops as schedule_ops
 from fzero.transforms.pipeline._schedule import slots
-from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, _ModuleStage, held_by_rank, stage_params
+from fzero.transforms.pipeline._stages import (WHERE, Stage, StageError, _as_stage, _ModuleStage, held_by_rank,
+                                               stage_params)
 from fzero.transforms.pipeline._tied import sum_tied_grads, tied_weights
 
 
@@ -137,8 +138,8 @@ class Pipeline:
                 self._buffers = None
 
         v = f", v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return Step(call, before=self.init, name=f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches}{v})",
-                    inner=inner)
+        name = f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches}{v})"
+        return Step(call, before=self.init, name=name, inner=inner)
 
     def gather(self, params: dict) -> dict:
         """Full parameters of every stage, on every rank (for tests, logging and export).
