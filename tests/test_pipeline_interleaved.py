@@ -44,6 +44,25 @@ def test_interleaved_runs_every_op_once_in_stream_order_with_bubble_p_minus_1_ov
             assert [Fraction(t["idle"], t["busy"]) for t in slots("1f1b", p, m)] == [Fraction(p - 1, m)] * p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+def test_each_pair_of_ranks_receives_in_the_order_it_sends(p, v):
+    """What rank a sends rank b (activations out of a's stages, gradients back out of them),
+    in a's op order, is what b receives from a in b's op order: the messages match without
+    tags (NCCL has none), and no receive waits on a later send of the same peer."""
+    n = p * v
+    for m in (p, 2 * p, 3 * p):
+        orders = [schedule("interleaved", p, m, r, virtual_stages=v) for r in range(p)]
+        for a in range(p):
+            for b in set(range(p)) - {a}:
+                sent = [("act", j, c) if op == "F" else ("grad", j, c) for op, j, c in orders[a]
+                        if (op == "F" and c < n - 1 and (c + 1) % p == b) or (op == "B" and c > 0 and (c - 1) % p == b)]
+                received = [("act", j, c - 1) if op == "F" else ("grad", j, c + 1) for op, j, c in orders[b]
+                            if (op == "F" and c > 0 and (c - 1) % p == a)
+                            or (op == "B" and c < n - 1 and (c + 1) % p == a)]
+                assert sent == received, (p, v, m, a, b)
+
+
 def test_interleaved_options_are_checked_by_name():
     with pytest.raises(ValueError, match=r"micro_batches=3 is not a multiple of pp=2"):
         schedule("interleaved", 2, 3, 0, virtual_stages=2)
