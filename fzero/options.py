@@ -333,7 +333,8 @@ class CompileOptions:
 
     pipeline: Pipeline | None = None
     """The :class:`fzero.transforms.pipeline.Pipeline` over the mesh's ``pp`` axis
-    (``fzero.pipeline(stages, loss_fn, mesh, micro_batches=, schedule=)``), applied outermost
+    (``fzero.pipeline(stages, loss_fn, mesh, micro_batches=, schedule=)``; ``schedule=
+    "interleaved", virtual_stages=v`` for Megatron's interleaved 1F1B), applied outermost
     as ``pipe.transform``. The train step computes its loss and gradients with
     ``pipe(params, x, y)``. Required when the mesh has a ``pp`` axis."""
 

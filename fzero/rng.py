@@ -311,6 +311,9 @@ class Randomness:
             if where is not None and where.dim >= len(shape):
                 where = None  # a channel dropout's mask does not reach the split dim
             start, rows, unit = self.position()
+            # Counted per part of the model too: a rank running several pipeline stages
+            # (interleaved 1F1B) numbers each stage's calls after its own offset.
+            unit = (*unit, self.offset)
             number = self.numbered.get(unit, 0)
             self.numbered[unit] = number + 1
             known = self.calls[tag] = (self.offset + number, start, rows, where)

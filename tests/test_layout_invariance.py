@@ -246,8 +246,10 @@ def _pipelined(pp, m, kind, accumulate, zero, seed, steps=3, per=2, T=3):
 
     mesh = fzero.Mesh(pp=pp, dp=dp)
     model = _seq_lm(seed)
-    pipe = fzero.pipeline(fzero.transforms.pipeline.split(model, [3]), token_mean, mesh, micro_batches=m,
-                          schedule=kind)
+    # Interleaved: 4 model stages, 2 per rank, three of them with a dropout.
+    v, cuts = (2, [2, 5, 7]) if kind == "interleaved" else (1, [3])
+    pipe = fzero.pipeline(fzero.transforms.pipeline.split(model, cuts), token_mean, mesh, micro_batches=m,
+                          schedule=kind, virtual_stages=v)
 
     def train_step(state, batch):
         loss, grads = pipe(state.params, batch["x"], batch["y"])
@@ -268,7 +270,8 @@ def _pipelined(pp, m, kind, accumulate, zero, seed, steps=3, per=2, T=3):
 
 
 @pytest.mark.parametrize("world, m, kind, accumulate, zero", [
-    (2, 1, "1f1b", 1, 0), (2, 3, "gpipe", 1, 0), (2, 2, "1f1b", 2, 0), (4, 2, "1f1b", 2, 2)])
+    (2, 1, "1f1b", 1, 0), (2, 3, "gpipe", 1, 0), (2, 2, "1f1b", 2, 0), (4, 2, "1f1b", 2, 2),
+    (2, 4, "interleaved", 1, 0)])
 def test_a_pipelined_run_with_dropout_and_a_token_mean_is_the_one_process_run(ranks, world, m, kind, accumulate,
                                                                                zero):
     ranks(world).run(_pipelined, 2, m, kind, accumulate, zero, 3)

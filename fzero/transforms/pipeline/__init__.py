@@ -1,4 +1,4 @@
-"""``pipeline``: GPipe and 1F1B pipeline parallelism over the mesh's ``pp`` axis.
+"""``pipeline``: GPipe, 1F1B and interleaved 1F1B pipeline parallelism over the mesh's ``pp`` axis.
 
 The user gives *stages* -- pure functions ``stage(params, x) -> y``, each owning some keys of
 the params dict (or :func:`split` of an ``nn.Sequential``) -- and a loss on the last stage.
@@ -8,7 +8,8 @@ the params dict (or :func:`split` of an ``nn.Sequential``) -- and a loss on the 
 
 Rank ``s`` on the ``pp`` axis runs stage ``s`` on each of ``m`` micro-batches in the order
 the schedule gives (GPipe: all forwards, then all backwards; 1F1B: at most ``p - s``
-micro-batches in flight), sends activations forward and their gradients backward with real
+micro-batches in flight; interleaved: ``v`` model stages per rank, ``s, s + p, ...``, for a
+bubble ``v`` times smaller), sends activations forward and their gradients backward with real
 point-to-point sends (shapes agreed once, then cached), and accumulates this stage's
 parameter gradients. The loss is computed on the last stage and broadcast to every stage.
 
@@ -24,7 +25,7 @@ parameters) and turns 0-dim ``psum`` reductions (a global norm, fp16's overflow 
 all-reduces over ``pp`` as well.
 
 The code, one job per module: ``_stages`` (:class:`Stage`, :func:`split`, which parameters
-a stage owns), ``_schedule`` (the op orders, pure functions), ``_handshake`` (the shapes
+a stage owns), ``_schedule`` (the op orders and their unit-slot timeline, pure functions), ``_handshake`` (the shapes
 agreed once), ``_runtime`` (:class:`Pipeline`: the schedule run inside one
 ``value_and_grad`` call, and :func:`pipeline`), ``_deliver`` (the gradients it accumulated
 handed to ``value_and_grad`` through the autograd engine), ``_tied`` (tied weights' gradients summed

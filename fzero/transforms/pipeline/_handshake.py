@@ -56,12 +56,13 @@ def broadcast(t: torch.Tensor, src_stage: int, name: str, *, group, timeout_s: f
 
 
 class Handshake:
-    """Each stage's output ``(shape, dtype)``, agreed by every rank of the pipeline once per
-    input signature, then cached.
+    """Each model stage's output ``(shape, dtype)``, agreed by every rank of the pipeline
+    once per input signature, then cached.
 
     Args:
-        stages, loss_fn: the pipeline's.
-        stage, p: this rank's stage index and the number of stages.
+        stages, loss_fn: the pipeline's (all of its model stages: ``p * v`` under the
+            interleaved schedule, stage ``c`` run by rank ``c % p``).
+        stage, p: this rank's index on ``pp`` and the number of ranks.
         device: where the messages (and the zeros a stage is tried on) live.
         group, timeout_s: the ``pp`` process group, and how long a broadcast may wait.
     """
@@ -70,62 +71,66 @@ class Handshake:
         self.stages, self.loss_fn = stages, loss_fn
         self.stage, self.p, self.device = stage, p, device
         self.group, self.timeout_s = group, timeout_s
-        self._agreed: dict[tuple, tuple] = {}
+        self._agreed: dict[tuple, dict] = {}
 
     def _broadcast(self, t: torch.Tensor, src_stage: int, name: str) -> torch.Tensor:
         return broadcast(t, src_stage, name, group=self.group, timeout_s=self.timeout_s)
 
-    def agree(self, params, x0, y0) -> tuple:
-        """Run each stage once on micro-batch 0's shapes, in stage order, and tell every rank
-        what each stage gives (or why it failed): every rank then knows the shapes it
+    def agree(self, params, x0, y0) -> dict[int, tuple]:
+        """Run each model stage once on micro-batch 0's shapes, in model order, and tell every
+        rank what each gives (or why it failed): every rank then knows the shapes it
         receives, or raises the same error. Cached by the input's signature.
 
-        Returns ``(in_meta, out_meta, calls_before)``: the ``(shape, dtype)`` this stage
-        receives and sends (``None`` at the ends), and how many dropout calls the stages
-        before it make per micro-batch (counted in the rehearsal), from which this stage
-        numbers its own (:func:`fzero.rng.calls_before`): the masks of the whole model."""
+        Returns, for each model stage this rank runs, ``(in_meta, out_meta, calls_before)``:
+        the ``(shape, dtype)`` it receives and sends (``None`` at the ends), and how many
+        dropout calls the stages before it make per micro-batch (counted in the rehearsal),
+        from which it numbers its own (:func:`fzero.rng.calls_before`): the masks of the
+        whole model."""
         key = (_signature(x0), _signature(y0), torch.is_autocast_enabled(self.device.type),
                torch.get_autocast_dtype(self.device.type))
         if key in self._agreed:
             return self._agreed[key]
-        s, p = self.stage, self.p
-        in_meta = out_meta = None
-        calls_before = 0  # dropout calls the stages before this one make (fzero.rng)
-        for k in range(p):
+        r, p, n = self.stage, self.p, len(self.stages)
+        metas: dict[int, list] = {}
+        prev = None  # (shape, dtype) the model stage before gives
+        calls_before = 0  # dropout calls the model stages before this one make (fzero.rng)
+        for k in range(n):
+            owner = k % p
             # [failed, the output's (dtype, ndim, shape...), the stage's dropout calls]
             msg = torch.zeros(4 + _MAX_DIMS, dtype=torch.int64, device=self.device)
             text = ""
-            if k == s:
+            if owner == r:
+                metas[k] = [prev, None, calls_before]
                 calls = rng.rehearsed_calls()
-                text, out = self._try_stage(params, x0, y0, in_meta)
+                text, out = self._try_stage(k, params, x0, y0, prev)
                 msg[-1] = rng.rehearsed_calls() - calls
                 if text:
                     msg[0] = 1
                 elif out is not None:
                     msg[1:-1] = torch.tensor(_encode(*out))
             if p > 1:
-                self._broadcast(msg, k, f"broadcast(output shape of stage {k})")
+                self._broadcast(msg, owner, f"broadcast(output shape of stage {k})")
             if int(msg[0]):
                 if p > 1:
                     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=self.device)
-                    n = self._broadcast(torch.tensor([data.numel()], device=self.device), k, "broadcast(error length)")
-                    buf = data if k == s else torch.empty(int(n), dtype=torch.uint8, device=self.device)
-                    text = bytes(self._broadcast(buf, k, "broadcast(error)").tolist()).decode()
+                    size = self._broadcast(torch.tensor([data.numel()], device=self.device), owner,
+                                           "broadcast(error length)")
+                    buf = data if owner == r else torch.empty(int(size), dtype=torch.uint8, device=self.device)
+                    text = bytes(self._broadcast(buf, owner, "broadcast(error)").tolist()).decode()
                 raise StageError(text)
-            if k == s - 1:
-                in_meta = _decode(msg[1:-1])
-            if k == s and k < p - 1:
-                out_meta = _decode(msg[1:-1])
-            if k < s:
-                calls_before += int(msg[-1])
-        self._agreed[key] = (in_meta, out_meta, calls_before)
-        return in_meta, out_meta, calls_before
+            prev = _decode(msg[1:-1]) if k < n - 1 else None
+            if owner == r:
+                metas[k][1] = prev
+            calls_before += int(msg[-1])
+        self._agreed[key] = {k: tuple(v) for k, v in metas.items()}
+        return self._agreed[key]
 
-    def _try_stage(self, params, x0, y0, in_meta) -> tuple[str, tuple | None]:
-        """Run this stage (and, on the last, the loss) on zeros of the input's shape; return
-        ``(error text, (shape, dtype) of the output)``. No gradients; the RNG is restored."""
-        s, st = self.stage, self.stages[self.stage]
-        last = s == self.p - 1
+    def _try_stage(self, s: int, params, x0, y0, in_meta) -> tuple[str, tuple | None]:
+        """Run model stage ``s`` (and, on the last, the loss) on zeros of the input's shape;
+        return ``(error text, (shape, dtype) of the output)``. No gradients; the RNG is
+        restored."""
+        st = self.stages[s]
+        last = s == len(self.stages) - 1
         if s == 0:
             inp, given = x0, f"on {_describe(x0)} (a micro-batch of x)"
         else:

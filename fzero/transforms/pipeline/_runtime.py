@@ -22,8 +22,12 @@ from fzero.transforms.pipeline._deliver import _Deliver, _targets
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
 from fzero.transforms.pipeline._layout import PipelineLayout
 from fzero.transforms.pipeline._memory import _SavedBytes
-from fzero.transforms.pipeline._schedule import SCHEDULES, schedule
-from fzero.transforms.pipeline._stages import WHERE, Stage, StageError, _as_stage, _ModuleStage, stage_params
+from fzero.transforms.pipeline._schedule import SCHEDULES
+from fzero.transforms.pipeline._schedule import check as check_schedule
+from fzero.transforms.pipeline._schedule import ops as schedule_ops
+from fzero.transforms.pipeline._schedule import slots
+from fzero.transforms.pipeline._stages import (WHERE, Stage, StageError, _as_stage, _ModuleStage, held_by_rank,
+                                               stage_params)
 from fzero.transforms.pipeline._tied import sum_tied_grads, tied_weights
 
 
@@ -33,15 +37,18 @@ from fzero.transforms.pipeline._tied import sum_tied_grads, tied_weights
 class Pipeline:
     """A pipelined ``value_and_grad``: ``loss, grads = pipe(params, x, y)``.
 
-    Made by :func:`pipeline`. Attributes: ``stages``, ``loss_fn``, ``mesh``,
-    ``micro_batches``, ``schedule``, ``stage`` (this rank's stage index), ``tied`` (name ->
-    stages holding it), and ``stats`` (of the last call: ``max_in_flight``, ``compute_s``,
-    ``step_s``, ``bubble``, and ``peak_saved_bytes`` with ``measure_memory=True``).
+    Made by :func:`pipeline`. Attributes: ``stages`` (the model's, ``p * v`` of them),
+    ``loss_fn``, ``mesh``, ``micro_batches``, ``schedule``, ``virtual_stages`` (``v``),
+    ``stage`` (this rank's index on ``pp``), ``chunks`` (the model stages it runs: ``stage,
+    stage + p, ...``), ``tied`` (name -> ranks holding it), and ``stats`` (of the last call:
+    ``max_in_flight``, ``compute_s``, ``step_s``, ``bubble``, ``busy_slots``,
+    ``idle_slots``, ``bubble_slots``, and ``peak_saved_bytes`` with ``measure_memory=True``).
     """
 
     def __init__(self, stages, loss_fn, mesh: Mesh, micro_batches: int, kind: str, timeout_s: float,
-                 measure_memory: bool):
+                 measure_memory: bool, virtual_stages: int = 1):
         self.stages = stages
+        self.virtual_stages = virtual_stages
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.micro_batches = micro_batches
@@ -52,14 +59,21 @@ class Pipeline:
         self.stage = mesh.coords["pp"]
         self.group = mesh.group("pp")
         self.device = mesh.device
-        self.tied = tied_weights(stages)
+        self.chunks = tuple(range(self.stage, len(stages), self.p))
+        # What each rank holds: the parameters and buffers of its model stages, together.
+        self.held = held_by_rank(stages, self.p)
+        self.tied = tied_weights(self.held)
         self._channel = None
         self._shapes = Handshake(stages, loss_fn, self.stage, self.p, self.device, self.group, timeout_s)
         self.stats: dict[str, Any] = {}
         self._deferred = False  # the last call's loss used a deferred fzero.global_mean
         self._buffers: dict | None = None  # the running step's state.buffers (this stage's)
+        self._timeline: dict | None = None  # this rank's busy and idle slots (``slots``)
 
     def __repr__(self) -> str:
+        if self.virtual_stages > 1:
+            return (f"<fzero pipeline: {len(self.stages)} stages on {self.p} ranks, {self.micro_batches} "
+                    f"micro-batches, {self.schedule}; this rank runs stages {list(self.chunks)}>")
         return (f"<fzero pipeline: {self.p} stages, {self.micro_batches} micro-batches, {self.schedule}; "
                 f"this rank runs stage {self.stage}>")
 
@@ -67,8 +81,8 @@ class Pipeline:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        """The parameter names this rank's stage owns."""
-        return self.stages[self.stage].keys
+        """The parameter names this rank's stages own."""
+        return self.held[self.stage].keys
 
     def stage_params(self, params: dict) -> dict:
         """This rank's stage's entries of ``params`` (a dict by parameter name).
@@ -76,7 +90,7 @@ class Pipeline:
         Raises:
             KeyError: some of the stage's names are missing (names them).
         """
-        return stage_params(self.stages, self.stage, params)
+        return stage_params(self.held, self.stage, params)
 
     def init(self, state):
         """The state keeping only this stage's parameters, with its optimizer state rebuilt
@@ -91,15 +105,15 @@ class Pipeline:
                              "the outermost transform): this state is already partitioned or cast")
         local = self.stage_params(state.params)
         # This stage's buffers only (what its forward updates), as its parameters.
-        buffers = {k: state.buffers[k] for k in self.stages[self.stage].buffers if k in state.buffers}
+        buffers = {k: state.buffers[k] for k in self.held[self.stage].buffers if k in state.buffers}
         # On the mesh's device first: the optimizer state is built there, and the sends of
         # activations and gradients move tensors of that device.
         placed = self.mesh.place(state.replace(params=local, buffers=buffers))
         local = placed.params
         # The record of which stage holds what: fzero.gather(state) and fzero.load_into put every
         # stage's parameters and buffers on every rank from it.
-        layout = PipelineLayout(self.p, self.stage, tuple(st.keys for st in self.stages), group=self.group,
-                                timeout_s=self.timeout_s, buffer_keys=tuple(st.buffers for st in self.stages))
+        layout = PipelineLayout(self.p, self.stage, tuple(st.keys for st in self.held), group=self.group,
+                                timeout_s=self.timeout_s, buffer_keys=tuple(st.buffers for st in self.held))
         return state.replace(params=local, buffers=placed.buffers, opt_state=state.tx.init(trainable(local)),
                              pipeline=layout)
 
@@ -123,8 +137,9 @@ class Pipeline:
             finally:
                 self._buffers = None
 
-        return Step(call, before=self.init, name=f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches})",
-                    inner=inner)
+        v = f", v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        name = f"pipeline({inner.__name__}, {self.schedule}, m={self.micro_batches}{v})"
+        return Step(call, before=self.init, name=name, inner=inner)
 
     def gather(self, params: dict) -> dict:
         """Full parameters of every stage, on every rank (for tests, logging and export).
@@ -138,7 +153,7 @@ class Pipeline:
         if self.p == 1:
             return full
         out: dict[str, torch.Tensor] = {}
-        for k, st in enumerate(self.stages):
+        for k, st in enumerate(self.held):
             names = [n for n in st.keys if n not in out]
             hdr = torch.zeros(max(len(names), 1), 2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
             if k == self.stage:
@@ -206,69 +221,78 @@ class Pipeline:
         """The function ``value_and_grad`` differentiates: runs the whole schedule, returns
         the loss through :class:`_Deliver` carrying the accumulated gradients."""
         t_start = time.perf_counter()
-        in_meta, out_meta, dropouts_before = self._shapes.agree(params, xs[0], ys[0])
-        s, p, m = self.stage, self.p, self.micro_batches
-        first, last = s == 0, s == p - 1
-        st = self.stages[s]
+        metas = self._shapes.agree(params, xs[0], ys[0])
+        s, p, m, v = self.stage, self.p, self.micro_batches, self.virtual_stages
+        n = len(self.stages)
         names = [k for k in self.keys if isinstance(params[k], torch.Tensor) and params[k].requires_grad]
         ptensors = [params[k] for k in names]
         targets = _targets(ptensors)
         # Seed each micro-batch's backward with the scale mixed_precision multiplies the
         # loss by, so fp16 gradients are born scaled as in the plain step.
         scale = float(loss_scale())
-        grads_in = in_meta is not None and (in_meta[1].is_floating_point or in_meta[1].is_complex)
-        grads_out = out_meta is not None and (out_meta[1].is_floating_point or out_meta[1].is_complex)
+
+        def floating(meta):
+            return meta is not None and (meta[1].is_floating_point or meta[1].is_complex)
+
+        def tag(c: int, what: str) -> int:
+            # One stream per model stage and direction (several share a pair of ranks when
+            # interleaved); in order within a stream, as each stage runs its micro-batches.
+            return 0 if v == 1 else 2 + 2 * c + (what == "activation_gradients")
+
         # Parameters and the caller's batch (micro-batches of stage 0 are views of it) are
         # held whatever the schedule: what is counted is what the schedule keeps.
-        meter = _SavedBytes(ptensors + [v for mb in xs for v in tree.leaves(mb) if isinstance(v, torch.Tensor)]) \
+        meter = _SavedBytes(ptensors + [t for mb in xs for t in tree.leaves(mb) if isinstance(t, torch.Tensor)]) \
             if self.measure_memory else None
         acc: list[torch.Tensor | None] = [None] * len(targets)
-        saved: dict[int, tuple] = {}
-        before = means.deferred_state() if last else None
+        saved: dict[tuple[int, int], tuple] = {}
+        before = means.deferred_state() if s == p - 1 else None
         losses: list[torch.Tensor | None] = [None] * m
         in_flight = max_in_flight = 0
         compute = 0.0
-        for op, j in schedule(self.schedule, p, m, s):
+        for op, j, c in schedule_ops(self.schedule, p, m, s, v):
+            first, last = c == 0, c == n - 1
+            in_meta, out_meta, dropouts_before = metas[c]
             if op == "F":
                 if first:
                     inp = xs[j]
                 else:
                     inp = torch.empty(in_meta[0], dtype=in_meta[1], device=self.device)
-                    self.channel.recv(inp, s - 1, f"the activation of micro-batch {j} (stage {s - 1} -> {s})",
-                                      what="activations")
-                    if grads_in:
+                    self.channel.recv(inp, (c - 1) % p, f"the activation of micro-batch {j} (stage {c - 1} -> {c})",
+                                      what="activations", tag=tag(c - 1, "activations"))
+                    if floating(in_meta):
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
                 # Which micro-batch runs, for what keys itself by its rows (dropout, global means).
                 with running(pipeline_micro_batch=MicroBatch(j, m)), rng.calls_before(dropouts_before):
                     if meter is not None:
                         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                            out = self._forward(st, params, inp, ys[j], last)
+                            out = self._forward(self.stages[c], params, inp, ys[j], last)
                     else:
-                        out = self._forward(st, params, inp, ys[j], last)
+                        out = self._forward(self.stages[c], params, inp, ys[j], last)
                 compute += time.perf_counter() - t0
                 if last:
                     losses[j] = out.detach().float()
                 else:
                     if tuple(out.shape) != out_meta[0] or out.dtype != out_meta[1]:
-                        raise StageError(f"{WHERE}: stage {s} gave {_fmt(out.shape, out.dtype)} on micro-batch "
+                        raise StageError(f"{WHERE}: stage {c} gave {_fmt(out.shape, out.dtype)} on micro-batch "
                                          f"{j}, but {_fmt(*out_meta)} on micro-batch 0 of the first step: "
                                          "shapes must not change between micro-batches")
-                    self.channel.isend(out.detach(), s + 1, f"the activation of micro-batch {j}", what="activations")
-                saved[j] = (inp, out)
+                    self.channel.isend(out.detach(), (c + 1) % p, f"the activation of micro-batch {j}",
+                                       what="activations", tag=tag(c, "activations"))
+                saved[(j, c)] = (inp, out)
                 in_flight += 1
                 max_in_flight = max(max_in_flight, in_flight)
                 continue
-            inp, out = saved.pop(j)
+            inp, out = saved.pop((j, c))
             if last:
                 out, seed = out.float(), torch.tensor(scale, dtype=torch.float32, device=out.device)
-            elif grads_out:
+            elif floating(out_meta):
                 seed = torch.empty(out_meta[0], dtype=out_meta[1], device=self.device)
-                self.channel.recv(seed, s + 1, f"the gradient of micro-batch {j} (stage {s + 1} -> {s})",
-                                  what="activation_gradients")
+                self.channel.recv(seed, (c + 1) % p, f"the gradient of micro-batch {j} (stage {c + 1} -> {c})",
+                                  what="activation_gradients", tag=tag(c + 1, "activation_gradients"))
             else:
                 seed = None
-            send_grad = not first and grads_in
+            send_grad = not first and floating(in_meta)
             wrt = targets + ([inp] if send_grad else [])
             t0 = time.perf_counter()
             if seed is not None and out.requires_grad and wrt:
@@ -290,8 +314,8 @@ class Pipeline:
             compute += time.perf_counter() - t0
             if send_grad:
                 g_in = gs[-1] if gs[-1] is not None else torch.zeros_like(inp)
-                self.channel.isend(g_in.detach(), s - 1, f"the gradient of micro-batch {j}",
-                                   what="activation_gradients")
+                self.channel.isend(g_in.detach(), (c - 1) % p, f"the gradient of micro-batch {j}",
+                                   what="activation_gradients", tag=tag(c, "activation_gradients"))
             del inp, out, gs
             in_flight -= 1
         if p > 1:
@@ -304,8 +328,15 @@ class Pipeline:
                            device=self.device)
         loss = self._loss(losses, before)
         step_s = time.perf_counter() - t_start
-        self.stats = {"schedule": self.schedule, "micro_batches": m, "max_in_flight": max_in_flight,
-                      "compute_s": compute, "step_s": step_s, "bubble": max(0.0, 1.0 - compute / step_s)}
+        # The schedule's timeline in unit slots (a chunk's forward 1, its backward 2,
+        # communication free): this rank's busy and idle slots over the step.
+        if self._timeline is None:  # the same every step: the schedule's shape is fixed
+            self._timeline = slots(self.schedule, p, m, v)[s]
+        timeline = self._timeline
+        self.stats = {"schedule": self.schedule, "micro_batches": m, "virtual_stages": v,
+                      "max_in_flight": max_in_flight, "compute_s": compute, "step_s": step_s,
+                      "bubble": max(0.0, 1.0 - compute / step_s), "busy_slots": timeline["busy"],
+                      "idle_slots": timeline["idle"], "bubble_slots": timeline["idle"] / timeline["busy"]}
         if meter is not None:
             self.stats["peak_saved_bytes"] = meter.peak
         return _Deliver.apply(loss, scale, acc, *targets)
@@ -386,21 +417,28 @@ def pipeline(
     mesh: Mesh | None = None,
     *,
     micro_batches: int = 1,
-    schedule: Literal["gpipe", "1f1b"] = "1f1b",  # noqa: F811
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b",  # noqa: F811
+    virtual_stages: int = 1,
     timeout_s: float | None = None,
     measure_memory: bool = False,
 ) -> Pipeline:
     """Pipeline parallelism over the mesh's ``pp`` axis: a pipelined ``value_and_grad``.
 
     Args:
-        stages: one per rank of the ``pp`` axis, in order: :class:`Stage` ``(fn, keys)``
-            (or pairs), or ``fzero.pipeline.split(module, boundaries)``.
+        stages: the model's stages, in order: :class:`Stage` ``(fn, keys)`` (or pairs), or
+            ``fzero.pipeline.split(module, boundaries)``; one per rank of the ``pp`` axis,
+            or ``pp * virtual_stages`` with ``schedule="interleaved"`` (rank ``r`` runs
+            stages ``r, r + pp, r + 2 pp, ...``).
         loss_fn: ``loss_fn(out, y) -> scalar`` on the last stage's output and targets; a
             mean over the micro-batch, so that the mean over micro-batches is the batch's.
         mesh: the :class:`fzero.Mesh` (default ``Mesh(pp=len(stages), dp=-1)``).
         micro_batches: ``m``, how many pieces the batch is cut into on its leading dim.
-        schedule: ``"1f1b"`` (at most ``p - s`` micro-batches' activations on stage ``s``)
-            or ``"gpipe"`` (all ``m``).
+        schedule: ``"1f1b"`` (at most ``p - s`` micro-batches' activations on stage ``s``),
+            ``"gpipe"`` (all ``m``), or ``"interleaved"`` (Megatron's interleaved 1F1B over
+            ``virtual_stages`` model stages per rank: the bubble ``(p - 1) / (v m)`` of the
+            compute instead of ``(p - 1) / m``; ``m`` a multiple of ``p``).
+        virtual_stages: ``v``, the model stages each rank runs (``schedule="interleaved"``
+            only; 1 otherwise).
         timeout_s: how long a receive or a collective may wait (default: the mesh's).
         measure_memory: count the bytes autograd saves for backward on this stage (in
             ``pipe.stats["peak_saved_bytes"]``); it installs saved-tensor hooks, so not
@@ -411,8 +449,10 @@ def pipeline(
         to keep one stage's parameters per rank; ``pipe.gather(params)`` for all of them.
 
     Raises:
-        ValueError: the number of stages is not the ``pp`` size (on every rank); an
-            unknown schedule; ``micro_batches`` not a positive int.
+        ValueError: the number of stages is not the ``pp`` size (times ``virtual_stages``;
+            on every rank); an unknown schedule; ``micro_batches`` not a positive int, or
+            not a multiple of ``pp`` under ``"interleaved"``; ``virtual_stages`` other than 1
+            without ``"interleaved"``.
         NotImplementedError: a mesh with a ``tp`` axis.
 
     Example:
@@ -434,9 +474,18 @@ def pipeline(
         raise ValueError(f"{WHERE}: micro_batches={micro_batches!r} must be a positive int")
     if schedule not in SCHEDULES:
         raise ValueError(f"{WHERE}: schedule={schedule!r} must be one of {', '.join(map(repr, SCHEDULES))}")
-    mesh = mesh if mesh is not None else Mesh(pp=len(stages), dp=-1)
-    if len(stages) != mesh.size("pp"):
-        raise ValueError(f"{WHERE}: {len(stages)} stages, but the mesh's pp axis has {mesh.size('pp')} ranks "
-                         f"({mesh}); give one stage per pp rank")
+    v = virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{WHERE}: virtual_stages={v!r} must be a positive int")
+    mesh = mesh if mesh is not None else Mesh(pp=len(stages) // v, dp=-1)
+    pp = mesh.size("pp")
+    if len(stages) != pp * v:
+        per = f"{v} stages per pp rank (virtual_stages={v})" if v > 1 else "one stage per pp rank"
+        raise ValueError(f"{WHERE}: {len(stages)} stages, but the mesh's pp axis has {pp} ranks "
+                         f"({mesh}); give {per}")
+    check_schedule(schedule, pp, micro_batches, v)
+    if schedule == "interleaved" and pp < 2:
+        raise ValueError(f"{WHERE}: schedule='interleaved' needs a pp axis of 2 ranks or more ({mesh}); "
+                         "with one rank, run the stages as one (schedule='1f1b')")
     timeout_s = mesh.timeout_s if timeout_s is None else float(timeout_s)
-    return Pipeline(stages, loss_fn, mesh, micro_batches, schedule, timeout_s, measure_memory)
+    return Pipeline(stages, loss_fn, mesh, micro_batches, schedule, timeout_s, measure_memory, v)

@@ -151,6 +151,21 @@ def _as_stage(s, i: int) -> Stage:
                                                  if callable(s) else ""))
 
 
+def held_by_rank(stages: Sequence[Stage], ranks: int) -> list[Stage]:
+    """What each of ``ranks`` ranks holds when rank ``r`` runs stages ``r, r + ranks, ...``:
+    one :class:`Stage` per rank whose keys and buffers are those of its stages together, in
+    stage order (its ``fn`` is its first stage's; a name used by several stages of one rank
+    is held once). With one stage per rank, the stages themselves."""
+    if len(stages) == ranks:
+        return list(stages)
+    held = []
+    for r in range(ranks):
+        mine = stages[r::ranks]
+        held.append(Stage(mine[0].fn, tuple(k for st in mine for k in st.keys),
+                          buffers=tuple(b for st in mine for b in st.buffers)))
+    return held
+
+
 def stage_params(stages: Sequence[Stage], stage: int, params: dict) -> dict:
     """Stage ``stage``'s entries of ``params``, keeping which are frozen (for ``Pipeline.stage_params``)."""
     if not isinstance(params, dict):
