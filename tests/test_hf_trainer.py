@@ -1,0 +1,175 @@
+"""``FzeroTrainer`` against ``transformers.Trainer`` itself, with the same arguments.
+
+The reference is Hugging Face's Trainer running the same script: on one process, and on two
+real gloo ranks as DDP (accelerate wraps the model). Compared: the losses and learning rates
+the Trainer logs at every update, the gradient norm before clipping, and the final weights
+-- with gradient accumulation over micro-batches of different padded lengths (the loss
+normalised by ``num_items_in_batch``), clipping, and a linear warm-up and decay. Both runs
+use a tiny GPT-2 built from a config, without dropout (the Trainer draws its masks from
+torch's generator, fzero from its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import fzero.testing as ft  # noqa: E402
+from fzero.integrations.transformers import FzeroTrainer, TrainingArguments  # noqa: E402
+
+N_EMBD = 16
+
+
+def _rows(n=32, seed=0):
+    """Token sequences of 4 to 11 tokens: micro-batches pad to different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 64, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(n)]
+
+
+def _collate(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        mask[i, :n] = 1
+        labels[i, :n] = ids[i, :n]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=N_EMBD, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _args(out, **kw):
+    base = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
+                weight_decay=0.1, warmup_steps=2, max_steps=4, logging_steps=1, report_to="none",
+                save_strategy="no", use_cpu=True, max_grad_norm=0.5, seed=0, disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(out, **base)
+
+
+def _train(cls, out, *, resume=None, args=None, **kw):
+    trainer = cls(model=_model(), args=args or _args(out), train_dataset=_rows(), data_collator=_collate, **kw)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _log(trainer):
+    """(step, loss, learning rate, grad norm) as the Trainer logged them."""
+    return [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"]) for h in trainer.state.log_history
+            if "loss" in h]
+
+
+def _weights(trainer):
+    """The trained weights, without the keys' part of the attention bias: its gradient is zero
+    in exact arithmetic (a bias added to every key shifts each query's scores by a constant,
+    which softmax ignores), so what either run computes for it is rounding noise, and Adam
+    scales noise of any size to a step of the learning rate."""
+    out = {}
+    for k, v in trainer.model.named_parameters():
+        v = v.detach().clone()
+        if k.endswith("attn.c_attn.bias"):
+            v = torch.cat([v[:N_EMBD], v[2 * N_EMBD:]])
+        out[k] = v
+    return out
+
+
+def _assert_same_run(got, ref, *, from_step=1):
+    g = [x for x in _log(got) if x[0] >= from_step]
+    r = [x for x in _log(ref) if x[0] >= from_step]
+    assert [x[0] for x in g] == [x[0] for x in r]
+    ft.assert_trees_close(torch.tensor([x[1:] for x in g]), torch.tensor([x[1:] for x in r]), tol="fp32",
+                          what="logged loss, learning_rate, grad_norm")
+    ft.assert_trees_close(_weights(got), _weights(ref), tol="fp32", what="final weights")
+
+
+def _zero2_config():
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+
+
+def _two_ranks(tmp):
+    """On each of 2 gloo ranks: the Trainer (DDP) and FzeroTrainer at ZeRO 0 and ZeRO 2 (the
+    stage from a DeepSpeed config with "auto" values), then a resume from checkpoint-2."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ref = _train(transformers.Trainer, f"{tmp}/ref")
+    assert ref.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
+    assert isinstance(ref.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    z0 = _train(FzeroTrainer, f"{tmp}/z0")
+    assert z0.fzero_step.options.zero == 0 and z0.fzero_step.mesh.size("dp") == 2
+    _assert_same_run(z0, ref)
+    # ZeRO 2 from args.deepspeed set after the arguments were made; checkpoint-2 on the way.
+    args = _args(f"{tmp}/z2", save_strategy="steps", save_steps=2)
+    args.deepspeed = _zero2_config()
+    z2 = _train(FzeroTrainer, f"{tmp}/z2", args=args)
+    assert z2.fzero_step.options.zero == 2
+    _assert_same_run(z2, ref)
+    ckpt = f"{tmp}/z2/checkpoint-2"
+    assert sorted(os.listdir(f"{tmp}/z2")) == ["checkpoint-2", "checkpoint-4"]
+    state = json.loads(open(f"{ckpt}/trainer_state.json").read())
+    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"]] == [1, 2]
+    assert not [f for f in os.listdir(ckpt) if f.endswith((".bin", ".pt", ".pth"))]  # no pickle
+    # Resumed mid-run: the same later losses and the same final weights as the whole run.
+    args = _args(f"{tmp}/z2", save_strategy="no")
+    args.deepspeed = _zero2_config()
+    resumed = _train(FzeroTrainer, f"{tmp}/z2", args=args, resume=ckpt)
+    _assert_same_run(resumed, ref, from_step=3)
+    _assert_same_run(resumed, z2)
+    # The saved model loads with from_pretrained and generates the reference's tokens.
+    z2.save_model(f"{tmp}/z2/final")
+    dist.barrier()
+    back = transformers.GPT2LMHeadModel.from_pretrained(f"{tmp}/z2/final")
+    prompt = torch.tensor([[5, 9, 3]])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(back.generate(prompt, **kw), ref.model.generate(prompt, **kw))
+    return rank
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_two_ranks_equal_the_trainer_with_ddp_at_zero_0_and_2_and_after_a_resume(ranks, tmp_path):
+    assert ranks(2).run(_two_ranks, str(tmp_path), timeout_s=400) == [0, 1]
+
+
+@pytest.mark.slow
+def test_one_process_equals_the_trainer(tmp_path):
+    ref = _train(transformers.Trainer, tmp_path / "ref")
+    got = _train(FzeroTrainer, tmp_path / "got", fzero={"zero": 3})
+    assert got.fzero_step.options.zero == 3
+    _assert_same_run(got, ref)
+    # After train() the module is a normal trained module, not meta tensors.
+    assert not any(p.is_meta for p in got.model.parameters())
+    assert got.model.lm_head.weight is got.model.transformer.wte.weight
+
+
+def test_training_arguments_take_deepspeed_without_the_package(tmp_path):
+    args = TrainingArguments(str(tmp_path), deepspeed={"zero_optimization": {"stage": 1}}, report_to="none",
+                             use_cpu=True)
+    assert args.deepspeed == {"zero_optimization": {"stage": 1}} and args.deepspeed_plugin is None
+    with pytest.raises(ImportError, match="DeepSpeed|deepspeed"):
+        transformers.TrainingArguments(str(tmp_path), deepspeed={"zero_optimization": {"stage": 1}})
+
+
+def test_what_fzero_does_not_carry_over_is_refused_by_name(tmp_path):
+    with pytest.raises(NotImplementedError, match=r"label_smoothing_factor=0.1[\s\S]*compute_loss_func"):
+        FzeroTrainer(model=_model(), args=_args(str(tmp_path), label_smoothing_factor=0.1),
+                     compute_loss_func=lambda *a, **k: 0)
+    trainer = FzeroTrainer(model=_model(), args=_args(str(tmp_path), optim="adafactor"), train_dataset=_rows(),
+                           data_collator=_collate)
+    with pytest.raises(NotImplementedError, match="optim='adafactor'"):
+        trainer.train()
