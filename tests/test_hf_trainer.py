@@ -56,21 +56,44 @@ def _model():
 def _args(out, **kw):
     base = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
                 weight_decay=0.1, warmup_steps=2, max_steps=4, logging_steps=1, report_to="none",
-                save_strategy="no", use_cpu=True, max_grad_norm=0.5, seed=0, disable_tqdm=True)
+                save_strategy="no", use_cpu=True, max_grad_norm=0.5, seed=0, disable_tqdm=True,
+                eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     base.update(kw)
     return TrainingArguments(out, **base)
 
 
-def _train(cls, out, *, resume=None, args=None, **kw):
-    trainer = cls(model=_model(), args=args or _args(out), train_dataset=_rows(), data_collator=_collate, **kw)
+class Recorder(transformers.TrainerCallback):
+    """The callbacks the Trainer calls, in order, with the step they saw."""
+
+    def __init__(self, stop_at=None):
+        self.events, self.stop_at = [], stop_at
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            def record(args, state, control, **kw):
+                self.events.append((name, state.global_step))
+                if name == "on_step_end" and state.global_step == self.stop_at:
+                    control.should_training_stop = True
+                return control
+            return record
+        return super().__getattribute__(name)
+
+
+def _train(cls, out, *, resume=None, args=None, stop_at=None, **kw):
+    recorder = Recorder(stop_at)
+    trainer = cls(model=_model(), args=args or _args(out), train_dataset=_rows(), eval_dataset=_rows(8, seed=1),
+                  data_collator=_collate, callbacks=[recorder], **kw)
     trainer.train(resume_from_checkpoint=resume)
+    trainer.recorded = recorder.events
     return trainer
 
 
 def _log(trainer):
-    """(step, loss, learning rate, grad norm) as the Trainer logged them."""
-    return [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"]) for h in trainer.state.log_history
-            if "loss" in h]
+    """(step, loss, learning rate, grad norm) as the Trainer logged them, then (step, eval
+    loss) of each evaluation."""
+    train = [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"]) for h in trainer.state.log_history
+             if "loss" in h]
+    return train + [(h["step"], h["eval_loss"], 0.0, 0.0) for h in trainer.state.log_history if "eval_loss" in h]
 
 
 def _weights(trainer):
@@ -90,7 +113,7 @@ def _weights(trainer):
 def _assert_same_run(got, ref, *, from_step=1):
     g = [x for x in _log(got) if x[0] >= from_step]
     r = [x for x in _log(ref) if x[0] >= from_step]
-    assert [x[0] for x in g] == [x[0] for x in r]
+    assert [x[0] for x in g] == [x[0] for x in r] and g
     ft.assert_trees_close(torch.tensor([x[1:] for x in g]), torch.tensor([x[1:] for x in r]), tol="fp32",
                           what="logged loss, learning_rate, grad_norm")
     ft.assert_trees_close(_weights(got), _weights(ref), tol="fp32", what="final weights")
@@ -113,6 +136,10 @@ def _two_ranks(tmp):
     z0 = _train(FzeroTrainer, f"{tmp}/z0")
     assert z0.fzero_step.options.zero == 0 and z0.fzero_step.mesh.size("dp") == 2
     _assert_same_run(z0, ref)
+    assert z0.recorded == ref.recorded  # every callback, in the Trainer's order
+    z3 = _train(FzeroTrainer, f"{tmp}/z3", fzero={"zero": 3})
+    assert z3.fzero_step.options.zero == 3
+    _assert_same_run(z3, ref)
     # ZeRO 2 from args.deepspeed set after the arguments were made; checkpoint-2 on the way.
     args = _args(f"{tmp}/z2", save_strategy="steps", save_steps=2)
     args.deepspeed = _zero2_config()
@@ -122,7 +149,7 @@ def _two_ranks(tmp):
     ckpt = f"{tmp}/z2/checkpoint-2"
     assert sorted(os.listdir(f"{tmp}/z2")) == ["checkpoint-2", "checkpoint-4"]
     state = json.loads(open(f"{ckpt}/trainer_state.json").read())
-    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"]] == [1, 2]
+    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"]] == [1, 2, 2]  # two updates, one evaluation
     assert not [f for f in os.listdir(ckpt) if f.endswith((".bin", ".pt", ".pth"))]  # no pickle
     # Resumed mid-run: the same later losses and the same final weights as the whole run.
     args = _args(f"{tmp}/z2", save_strategy="no")
@@ -147,14 +174,32 @@ def test_two_ranks_equal_the_trainer_with_ddp_at_zero_0_and_2_and_after_a_resume
 
 
 @pytest.mark.slow
-def test_one_process_equals_the_trainer(tmp_path):
+def test_one_process_equals_the_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     ref = _train(transformers.Trainer, tmp_path / "ref")
-    got = _train(FzeroTrainer, tmp_path / "got", fzero={"zero": 3})
+    got = _train(FzeroTrainer, tmp_path / "got", fzero={"zero": 3},
+                 args=_args(tmp_path / "got", report_to="tensorboard"))
     assert got.fzero_step.options.zero == 3
     _assert_same_run(got, ref)
+    assert got.recorded == ref.recorded
     # After train() the module is a normal trained module, not meta tensors.
     assert not any(p.is_meta for p in got.model.parameters())
     assert got.model.lm_head.weight is got.model.transformer.wte.weight
+    # predict() on the trained module: the reference's logits.
+    test = _rows(4, seed=2)
+    ft.assert_trees_close(torch.as_tensor(got.predict(test).predictions[0]),
+                          torch.as_tensor(ref.predict(test).predictions[0]), tol="fp32")
+    # report_to="tensorboard": Hugging Face's own writer saw every logged loss.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    ft.assert_trees_close(torch.tensor([e.value for e in events.Scalars("train/loss")]),
+                          torch.tensor([x[1] for x in _log(ref)[:4]]), tol="fp32")
+    # A callback's should_training_stop ends training after that update, as in the Trainer.
+    stopped = _train(FzeroTrainer, tmp_path / "stop", stop_at=2, args=_args(tmp_path / "stop", eval_strategy="no"))
+    assert stopped.state.global_step == 2
+    ft.assert_trees_close(torch.tensor([x[1:] for x in _log(stopped)]), torch.tensor([x[1:] for x in _log(ref)[:2]]),
+                          tol="fp32")
 
 
 def test_training_arguments_take_deepspeed_without_the_package(tmp_path):
@@ -165,11 +210,22 @@ def test_training_arguments_take_deepspeed_without_the_package(tmp_path):
         transformers.TrainingArguments(str(tmp_path), deepspeed={"zero_optimization": {"stage": 1}})
 
 
+def test_push_to_hub_is_refused_offline(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    trainer = FzeroTrainer(model=_model(), args=_args(str(tmp_path), eval_strategy="no"), data_collator=_collate)
+    with pytest.raises(RuntimeError, match=r"push_to_hub: the Hub is offline"):
+        trainer.push_to_hub()
+    with pytest.raises(NotImplementedError, match=r"push_to_hub=True while offline"):
+        FzeroTrainer(model=_model(), args=_args(str(tmp_path), eval_strategy="no", push_to_hub=True))
+
+
 def test_what_fzero_does_not_carry_over_is_refused_by_name(tmp_path):
     with pytest.raises(NotImplementedError, match=r"label_smoothing_factor=0.1[\s\S]*compute_loss_func"):
-        FzeroTrainer(model=_model(), args=_args(str(tmp_path), label_smoothing_factor=0.1),
+        FzeroTrainer(model=_model(), args=_args(str(tmp_path), eval_strategy="no", label_smoothing_factor=0.1),
                      compute_loss_func=lambda *a, **k: 0)
-    trainer = FzeroTrainer(model=_model(), args=_args(str(tmp_path), optim="adafactor"), train_dataset=_rows(),
+    trainer = FzeroTrainer(model=_model(), args=_args(str(tmp_path), eval_strategy="no", optim="adafactor"),
+                           train_dataset=_rows(),
                            data_collator=_collate)
     with pytest.raises(NotImplementedError, match="optim='adafactor'"):
         trainer.train()
