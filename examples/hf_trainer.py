@@ -3,7 +3,7 @@
 A plain Trainer script with one line changed: the import (see docs/huggingface.md). The
 model is built from a config and the text is generated here, so nothing is downloaded.
 
-    python examples/hf_trainer.py --output_dir out/hf --max_steps 40
+    python examples/hf_trainer.py --output_dir out/hf --max_steps 120
     fzero launch --nproc 2 examples/hf_trainer.py --output_dir out/hf --deepspeed ds.json
 
 Any TrainingArguments flag works (``--gradient_accumulation_steps 2 --max_grad_norm 1.0
@@ -59,8 +59,8 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 def main(argv=None) -> GPT2LMHeadModel:
     parser = HfArgumentParser(TrainingArguments)
-    parser.set_defaults(output_dir="out/hf_trainer", max_steps=40, per_device_train_batch_size=8,
-                        learning_rate=3e-3, warmup_steps=4, logging_steps=10, save_strategy="no",
+    parser.set_defaults(output_dir="out/hf_trainer", max_steps=120, per_device_train_batch_size=8,
+                        learning_rate=5e-3, warmup_steps=10, logging_steps=20, save_strategy="no",
                         report_to="none", use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     torch.manual_seed(args.seed)

@@ -229,3 +229,32 @@ def test_what_fzero_does_not_carry_over_is_refused_by_name(tmp_path):
                            data_collator=_collate)
     with pytest.raises(NotImplementedError, match="optim='adafactor'"):
         trainer.train()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_the_example_script_runs_under_fzero_launch_with_a_deepspeed_config(tmp_path):
+    """examples/hf_trainer.py, a plain Trainer script but for its import, on 2 ranks with
+    `--deepspeed ds.json` (ZeRO 3, "auto" values): it trains, evaluates, saves a model that
+    loads with from_pretrained."""
+    import sys
+    from pathlib import Path
+
+    from harness.commands import run_command
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "ds.json").write_text(json.dumps(
+        {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = run_command([sys.executable, "-m", "fzero.cli.main", "launch", "--nproc", "2",
+                        str(root / "examples" / "hf_trainer.py"), "--output_dir", str(tmp_path / "out"),
+                        "--deepspeed", str(tmp_path / "ds.json"), "--max_steps", "2", "--logging_steps", "1"],
+                       cwd=tmp_path, env=env, timeout_s=240)
+    assert done.returncode == 0, done.output
+    # Rank 0 logs each of the 2 updates, the "auto" values it filled, and the evaluation.
+    assert done.output.count("'loss'") == 2 and "eval_loss" in done.output, done.output
+    assert "train_micro_batch_size_per_gpu = 8" in done.output, done.output
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert not any(p.is_meta for p in back.parameters())
