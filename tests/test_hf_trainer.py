@@ -53,13 +53,26 @@ def _model():
     return transformers.GPT2LMHeadModel(cfg)
 
 
+ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1,
+            warmup_steps=2, max_steps=4, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+            max_grad_norm=0.5, seed=0, disable_tqdm=True)
+
+# A config of Hugging Face's examples' shape, with DeepSpeed's optimizer and scheduler: what
+# transformers.Trainer + DeepSpeed give with it is recorded by
+# benchmarks/record_hf_trainer_deepspeed.py in tests/data/hf_trainer_deepspeed.json.
+DEEPSPEED_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+}
+DEEPSPEED_ARGS = {**ARGS, "max_steps": 6, "warmup_steps": 3, "use_cpu": False}
+
+
 def _args(out, **kw):
-    base = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
-                weight_decay=0.1, warmup_steps=2, max_steps=4, logging_steps=1, report_to="none",
-                save_strategy="no", use_cpu=True, max_grad_norm=0.5, seed=0, disable_tqdm=True,
-                eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
-    base.update(kw)
-    return TrainingArguments(out, **base)
+    return TrainingArguments(out, **{**ARGS, "eval_strategy": "steps", "eval_steps": 2,
+                                     "per_device_eval_batch_size": 4, **kw})
 
 
 class Recorder(transformers.TrainerCallback):
@@ -81,7 +94,9 @@ class Recorder(transformers.TrainerCallback):
 
 def _train(cls, out, *, resume=None, args=None, stop_at=None, **kw):
     recorder = Recorder(stop_at)
-    trainer = cls(model=_model(), args=args or _args(out), train_dataset=_rows(), eval_dataset=_rows(8, seed=1),
+    args = args or _args(out)
+    evals = _rows(8, seed=1) if args.eval_strategy != "no" else None
+    trainer = cls(model=_model(), args=args, train_dataset=_rows(), eval_dataset=evals,
                   data_collator=_collate, callbacks=[recorder], **kw)
     trainer.train(resume_from_checkpoint=resume)
     trainer.recorded = recorder.events
@@ -101,13 +116,12 @@ def _weights(trainer):
     in exact arithmetic (a bias added to every key shifts each query's scores by a constant,
     which softmax ignores), so what either run computes for it is rounding noise, and Adam
     scales noise of any size to a step of the learning rate."""
-    out = {}
-    for k, v in trainer.model.named_parameters():
-        v = v.detach().clone()
-        if k.endswith("attn.c_attn.bias"):
-            v = torch.cat([v[:N_EMBD], v[2 * N_EMBD:]])
-        out[k] = v
-    return out
+    return _drop_key_bias({k: v.detach().clone() for k, v in trainer.model.named_parameters()})
+
+
+def _drop_key_bias(weights):
+    return {k: torch.cat([v[:N_EMBD], v[2 * N_EMBD:]]) if k.endswith("attn.c_attn.bias") else v
+            for k, v in weights.items()}
 
 
 def _assert_same_run(got, ref, *, from_step=1):
