@@ -144,8 +144,10 @@ class FzeroTrainer(transformers.Trainer):
             options.setdefault("zero", 0)
             if gas > 1:
                 options.setdefault("accumulate", gas)
-            if args.max_grad_norm is not None and args.max_grad_norm > 0:
-                options.setdefault("clip_norm", float(args.max_grad_norm))
+            # The Trainer logs the gradient norm with or without clipping; a bound of inf
+            # measures it and leaves the gradients as they are.
+            clip = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else float("inf")
+            options.setdefault("clip_norm", float(clip))
             if args.bf16 or args.fp16:
                 options.setdefault("precision", "bf16" if args.bf16 else "fp16")
             step = fzero.compile(self._train_step_fn(), mesh, **options)
