@@ -10,8 +10,12 @@ environment, for instance with DeepSpeed's wheel installed without dependencies 
 repository's torch::
 
     pip install --target /tmp/dsdeps --no-deps deepspeed==0.19.8 hjson py-cpuinfo msgpack einops ninja
-    DS_ACCELERATOR=cpu PYTHONPATH=$PWD:/tmp/dsdeps torchrun --nproc 2 \\
+    DS_ACCELERATOR=cpu PYTHONPATH=$PWD:/tmp/dsdeps torchrun --nproc 1 \\
         benchmarks/record_hf_trainer_deepspeed.py --out tests/data/hf_trainer_deepspeed.json
+
+One process: on two CPU ranks (DS_ACCELERATOR=cpu, accelerate 1.15) the Trainer + DeepSpeed
+run logged exactly the one-process numbers -- every rank was handed the same batches -- so a
+two-rank recording would not be the two-rank run it claims to be.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import fzero.testing as ft  # noqa: E402
 from fzero.integrations.transformers import FzeroTrainer, TrainingArguments  # noqa: E402
 
 N_EMBD = 16
+RECORDED = Path(__file__).parent / "data" / "hf_trainer_deepspeed.json"
 
 
 def _rows(n=32, seed=0):
@@ -62,7 +64,10 @@ ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learni
 # benchmarks/record_hf_trainer_deepspeed.py in tests/data/hf_trainer_deepspeed.json.
 DEEPSPEED_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    # torch_adam: DeepSpeed's FusedAdam is a C++ extension built on first use (minutes on a
+    # small CPU); torch's AdamW computes the same update.
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                              "torch_adam": True}},
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
@@ -210,6 +215,20 @@ def test_one_process_equals_the_trainer(tmp_path, monkeypatch):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     ft.assert_trees_close(torch.tensor([e.value for e in events.Scalars("train/loss")]),
                           torch.tensor([x[1] for x in _log(ref)[:4]]), tol="fp32")
+    # A config with DeepSpeed's optimizer and scheduler: what Trainer + DeepSpeed 0.19.8 gave
+    # with it (recorded on one process): its WarmupDecayLR log warm-up, each rate one update
+    # late, weight decay on every parameter.
+    rec = json.loads(RECORDED.read_text())
+    assert (rec["world_size"], rec["config"], rec["args"]) == (1, DEEPSPEED_CONFIG, DEEPSPEED_ARGS)
+    args = TrainingArguments(tmp_path / "ds", **{**DEEPSPEED_ARGS, "use_cpu": True})
+    args.deepspeed = DEEPSPEED_CONFIG
+    ds = _train(FzeroTrainer, tmp_path / "ds", args=args)
+    ft.assert_trees_close(torch.tensor(_log(ds)), torch.tensor(rec["log"]), tol="fp32",
+                          what="step, loss, learning_rate, grad_norm against Trainer + DeepSpeed")
+    digest = {k: [v.sum().item(), v.norm().item()] for k, v in _weights(ds).items()}
+    ft.assert_trees_close(torch.tensor(list(digest.values())), torch.tensor(list(rec["weights"].values())),
+                          tol="fp32", what="final weights' sums and norms against Trainer + DeepSpeed")
+    assert list(digest) == list(rec["weights"])
     # A callback's should_training_stop ends training after that update, as in the Trainer.
     stopped = _train(FzeroTrainer, tmp_path / "stop", stop_at=2,
                      args=_args(tmp_path / "stop", eval_strategy="no", max_grad_norm=0.0))

@@ -167,8 +167,13 @@ class FzeroTrainer(transformers.Trainer):
             step = fzero.compile(self._train_step_fn(), mesh, config=cfg, auto=auto, **options)
         self.fzero_state = step.init(state)
         self.fzero_step = step
+        # The rate the Trainer logs for an update: its own LambdaLR is read before it steps
+        # (the rate the update used); DeepSpeed steps its scheduler inside engine.step(), so
+        # the Trainer + DeepSpeed log the rate the next update will use.
+        self._logged_ahead = 0
         if self._schedule is None:
             self._schedule = step.config.make_schedule()
+            self._logged_ahead = 1
         self._module_current = False
 
     def _train_step_fn(self):
@@ -282,7 +287,7 @@ class FzeroTrainer(transformers.Trainer):
                 self.current_flos += float(self.floating_point_ops(inputs))
                 self._track_num_input_tokens(inputs)
             grad_norm = metrics.get("grad_norm")
-            learning_rate = self._lr = float(self._schedule(count))
+            learning_rate = self._lr = float(self._schedule(count + self._logged_ahead))
             self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             self.state.global_step += 1
