@@ -144,8 +144,8 @@ def _zero2_config():
 
 
 def _two_ranks(tmp):
-    """On each of 2 gloo ranks: the Trainer (DDP) and FzeroTrainer at ZeRO 0 and ZeRO 2 (the
-    stage from a DeepSpeed config with "auto" values), then a resume from checkpoint-2."""
+    """On each of 2 gloo ranks: the Trainer (DDP) and FzeroTrainer at ZeRO 0, 1, 3 (fzero=) and
+    ZeRO 2 (from a DeepSpeed config with "auto" values), then a resume from checkpoint-2."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -156,9 +156,10 @@ def _two_ranks(tmp):
     assert z0.fzero_step.options.zero == 0 and z0.fzero_step.mesh.size("dp") == 2
     _assert_same_run(z0, ref)
     assert z0.recorded == ref.recorded  # every callback, in the Trainer's order
-    z3 = _train(FzeroTrainer, f"{tmp}/z3", fzero={"zero": 3})
-    assert z3.fzero_step.options.zero == 3
-    _assert_same_run(z3, ref)
+    for stage in (1, 3):
+        got = _train(FzeroTrainer, f"{tmp}/z{stage}", fzero={"zero": stage})
+        assert got.fzero_step.options.zero == stage
+        _assert_same_run(got, ref)
     # ZeRO 2 from args.deepspeed set after the arguments were made; checkpoint-2 on the way.
     args = _args(f"{tmp}/z2", save_strategy="steps", save_steps=2)
     args.deepspeed = _zero2_config()
@@ -188,7 +189,7 @@ def _two_ranks(tmp):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_two_ranks_equal_the_trainer_with_ddp_at_zero_0_and_2_and_after_a_resume(ranks, tmp_path):
+def test_two_ranks_equal_the_trainer_with_ddp_at_zero_0_to_3_and_after_a_resume(ranks, tmp_path):
     assert ranks(2).run(_two_ranks, str(tmp_path), timeout_s=400) == [0, 1]
 
 
@@ -293,3 +294,20 @@ def test_the_example_script_runs_under_fzero_launch_with_a_deepspeed_config(tmp_
     assert "train_micro_batch_size_per_gpu = 8" in done.output, done.output
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
     assert not any(p.is_meta for p in back.parameters())
+
+
+def test_an_epoch_that_does_not_split_into_whole_updates_is_refused(tmp_path):
+    # 6 rows in micro-batches of 2: 3 batches, not whole updates of 2 micro-batches.
+    trainer = FzeroTrainer(model=_model(), args=_args(str(tmp_path), eval_strategy="no", max_steps=-1,
+                                                      num_train_epochs=1),
+                           train_dataset=_rows(6), data_collator=_collate)
+    with pytest.raises(NotImplementedError, match=r"update 2 has 1 micro-batches.*gradient_accumulation_steps=2"):
+        trainer.train()
+
+
+def test_a_config_scheduler_without_its_optimizer_is_refused(tmp_path):
+    args = _args(str(tmp_path), eval_strategy="no")
+    args.deepspeed = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
+    trainer = FzeroTrainer(model=_model(), args=args, train_dataset=_rows(), data_collator=_collate)
+    with pytest.raises(NotImplementedError, match="scheduler section but no optimizer section"):
+        trainer.train()

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.trainer_callback import ExportableState  # noqa: F401  (HF's checkpointed callbacks)
 
 import fzero
 from fzero.integrations.transformers._optim import hf_optimizer, hf_schedule
