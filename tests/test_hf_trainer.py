@@ -311,3 +311,15 @@ def test_a_config_scheduler_without_its_optimizer_is_refused(tmp_path):
     trainer = FzeroTrainer(model=_model(), args=args, train_dataset=_rows(), data_collator=_collate)
     with pytest.raises(NotImplementedError, match="scheduler section but no optimizer section"):
         trainer.train()
+
+
+@pytest.mark.slow
+def test_bf16_is_close_to_the_trainers_bf16(tmp_path):
+    """bf16=True: the Trainer autocasts each op, fzero computes in bf16 with fp32 masters; the
+    roundings differ, so the runs agree loosely (the "bf16" row: a few units in the last place
+    of bf16's 8-bit mantissa)."""
+    ref = _train(transformers.Trainer, tmp_path / "ref", args=_args(tmp_path / "ref", bf16=True, eval_strategy="no"))
+    got = _train(FzeroTrainer, tmp_path / "got", args=_args(tmp_path / "got", bf16=True, eval_strategy="no"))
+    assert got.fzero_step.options.precision == "bf16"
+    ft.assert_trees_close(torch.tensor(_log(got)), torch.tensor(_log(ref)), tol="bf16", what="logged values")
+    ft.assert_trees_close(_weights(got), _weights(ref), tol="bf16", what="final weights")
