@@ -169,7 +169,9 @@ def _two_ranks(tmp):
     ckpt = f"{tmp}/z2/checkpoint-2"
     assert sorted(os.listdir(f"{tmp}/z2")) == ["checkpoint-2", "checkpoint-4"]
     state = json.loads(open(f"{ckpt}/trainer_state.json").read())
-    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"]] == [1, 2, 2]  # two updates, one evaluation
+    # two updates, one evaluation
+    assert state["global_step"] == 2 and [h["step"] for h in state["log_history"]] == [1, 2, 2]
+    assert {"model.safetensors", "trainer_state.json", "training_args.json", "fzero_state"} <= set(os.listdir(ckpt))
     assert not [f for f in os.listdir(ckpt) if f.endswith((".bin", ".pt", ".pth"))]  # no pickle
     # Resumed mid-run: the same later losses and the same final weights as the whole run.
     args = _args(f"{tmp}/z2", save_strategy="no")
