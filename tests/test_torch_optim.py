@@ -565,3 +565,55 @@ def test_mup_types_scale_each_parameters_learning_rate_by_its_infshape(kind):
 
     ref = _torch_run(make)
     ft.assert_trees_close(dict(state.params), ref, tol="fp32", what=kind)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def _seq():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH),
+                               torch.nn.Tanh(), torch.nn.Linear(WIDTH, D_OUT))
+
+
+PIPELINED = [("RMSprop", dict(lr=0.01, momentum=0.5, centered=True)), ("Adafactor", dict(lr=0.02))]
+
+
+def _pipelined(zero):
+    """On 2 ranks, one stage each: from_torch's optimizers under a 2-stage pipeline (2
+    micro-batches), each stage updating its own layers; the whole parameters, and the
+    references (one process, the module, backward on each full batch, torch's optimizer)."""
+    mesh = fzero.Mesh(pp=2, dp=1)
+    out = []
+    for name, kw in PIPELINED:
+        cls = getattr(torch.optim, name)
+        model = _seq()
+        pipe = fzero.pipeline(fzero.transforms.pipeline.split(model, [2]), F.mse_loss, mesh, micro_batches=2)
+
+        def train_step(state, batch):
+            loss, grads = pipe(state.params, batch["x"], batch["y"])
+            return state.apply_gradients(grads), {"loss": loss}
+
+        step = fzero.compile(train_step, mesh, zero=zero, pipeline=pipe)
+        apply, params = fzero.functionalize(model)
+        state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.from_torch(cls, **kw)))
+        for b in _batches():
+            state, _ = step(state, b)
+        ref_model = _seq()
+        opt = cls(ref_model.parameters(), **kw)
+        for b in _batches():
+            opt.zero_grad()
+            F.mse_loss(ref_model(b["x"]), b["y"]).backward()
+            opt.step()
+        out.append((name, pipe.gather(state.params), {k: v.detach() for k, v in ref_model.named_parameters()}))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_from_torch_under_a_pipeline_equals_torch(ranks):
+    pool = ranks(2)
+    for zero in (0, 1):
+        for results in pool.run(_pipelined, zero):
+            for name, got, ref in results:
+                ft.assert_trees_close(got, ref, tol="fp32", what=f"from_torch({name}) under pp=2, zero={zero}")
