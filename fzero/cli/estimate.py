@@ -59,19 +59,24 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _formula(a: int, b: int, psi: str = "Ψ") -> str:
-    terms = ([f"{a}{psi}"] if a else []) + ([f"{b}{psi}/N"] if b else [])
+def _formula(a: float, b: float, psi: str = "Ψ") -> str:
+    terms = ([f"{a:.4g}{psi}"] if a else []) + ([f"{b:.4g}{psi}/N"] if b else [])
     return " + ".join(terms) or "0"
 
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
            optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int | None = None,
-           tp: int = 1, pp: int = 1) -> str:
-    """The table ``fzero estimate`` prints; ``tp``/``pp`` as in :func:`fzero.memory.model_state_bytes`."""
+           tp: int = 1, pp: int = 1, optimizer_bytes: float | None = None) -> str:
+    """The table ``fzero estimate`` prints; ``tp``/``pp``/``optimizer_bytes`` as in
+    :func:`fzero.memory.model_state_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
     local, dp = rank_share(num_params, world_size=world_size, tp=tp, pp=pp)
     split = tp * pp > 1  # the formulas are then in Ψ' = Ψ/(tp·pp)
-    n_states = OPTIMIZER_STATES[optimizer]
+    if optimizer_bytes is None:
+        n_states = OPTIMIZER_STATES[optimizer]
+        opt_line = f"optimizer: {optimizer} ({n_states} fp32 state{'s' if n_states != 1 else ''} per parameter)"
+    else:
+        opt_line = f"optimizer: {optimizer_bytes:.4g} bytes of state per parameter (--optimizer-bytes)"
     if precision == "fp32":
         prec = "fp32 (4-byte parameters and gradients)"
     else:
@@ -83,20 +88,20 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         f"({num_params:,}), {ranks}",
         *([f"a rank holds Ψ' = Ψ/(tp·pp) = {_count(local)} parameters ({local:,}), partitioned by ZeRO "
            f"over N = dp = {dp}"] if split else []),
-        f"precision: {prec}; optimizer: {optimizer} "
-        f"({n_states} fp32 state{'s' if n_states != 1 else ''} per parameter)",
+        f"precision: {prec}; {opt_line}",
         "",
     ]
     header = ["stage", "params", "grads", "optimizer", "model states", "buffers", "total", "formula"]
     rows = []
     for stage in stages:
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
-                              optimizer=optimizer, tp=tp, pp=pp)
+                              optimizer=optimizer, optimizer_bytes=optimizer_bytes, tp=tp, pp=pp)
         buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
                                   bucket_bytes=bucket_bytes, tp=tp, pp=pp)
         rows.append([str(stage), fmt(b["params"]), fmt(b["grads"]), fmt(b["optimizer"]), fmt(b["total"]),
                      fmt(buf), fmt(b["total"] + buf),
-                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer),
+                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer,
+                                            optimizer_bytes=optimizer_bytes),
                               "Ψ'" if split else "Ψ")])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
@@ -128,6 +133,16 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
     return n
+
+
+def _bytes_per_param(text: str) -> float:
+    try:
+        k = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes per parameter") from None
+    if not 0 <= k < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return k
 
 
 def _count_arg(text: str) -> int:
@@ -162,8 +177,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or bf16/fp16 mixed precision with fp32 master weights (default fp32)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam",
-                   help="decides the fp32 states per parameter: adam/adamw/lamb 2, lion/sgd-momentum 1, "
-                        "sgd 0 (default adam)")
+                   help="decides the fp32 states per parameter: adam/adamw/lamb/adadelta/rprop 2, "
+                        "lion/sgd-momentum/muon/adagrad/rmsprop 1, sgd 0 (default adam)")
+    p.add_argument("--optimizer-bytes", type=_bytes_per_param, default=None, metavar="K",
+                   help="instead of --optimizer: the optimizer's bytes of state per parameter, as "
+                        "fzero.memory.optimizer_state_bytes(tx, params) / params measures it for any optimizer"),
     p.add_argument("--bucket-bytes", type=_positive_int, default=None, metavar="BYTES",
                    help="shard_state's bucket_bytes (default shard_state's: 1/32 of the parameters' bytes, "
                         "at most 25 MiB): sizes the reduce buffers of stages 2-3")
@@ -284,7 +302,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
     print(render(args.params, world_size=world, stages=stages, precision=args.precision,
                  optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
-                 tp=tp, pp=pp))
+                 tp=tp, pp=pp, optimizer_bytes=args.optimizer_bytes))
     if not args.time:
         return 0
     try:

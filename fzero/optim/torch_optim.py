@@ -196,7 +196,10 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
             try:
                 opt.step()
             except Exception as e:
-                raise type(e)(f"{WHERE}: {optimizer_cls.__qualname__}.step() failed: {e}") from e
+                # Meta tensors have no values: torch builds a parameter's state before its
+                # math, which may read a value (.item()); the state built is what a probe needs.
+                if not (copies[0].device.type == "meta" and fresh and all(q in opt.state for q in copies)):
+                    raise type(e)(f"{WHERE}: {optimizer_cls.__qualname__}.step() failed: {e}") from e
             out = []
             for q, (_, p, _, _) in zip(copies, items):
                 new_state = dict(opt.state.get(q, {}))
