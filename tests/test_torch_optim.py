@@ -92,12 +92,20 @@ def _torch_params(model_params):
 
 
 def test_from_torch_equals_torch_optimizers_in_one_process():
-    # every element-wise class runs on ranks below; here the unlaunched path, one of each kind
-    for name, kw in [ELEMENTWISE_CASES[0], ELEMENTWISE_CASES[-1], ("Adafactor", dict(lr=0.01))]:
+    """The unlaunched path. A compiled step owns its state (donate=True): an element-wise
+    optimizer then steps the parameters themselves, in place, and the result is torch's, bit
+    for bit. Undonated (pure: p + (new - old), one more rounding) and whole-tensor: fp32."""
+    for name, kw in ELEMENTWISE_CASES:
         cls = getattr(torch.optim, name)
         ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
         got, _ = _fzero_run(optim.from_torch(cls, **kw), 0)
-        ft.assert_trees_close(got, ref, tol="fp32", what=name)
+        ft.assert_trees_close(got, ref, tol="exact", what=f"{name}, donated")
+        if name in ("RMSprop", "Rprop"):
+            got, _ = _fzero_run(optim.from_torch(cls, **kw), 0, donate=False)
+            ft.assert_trees_close(got, ref, tol="fp32", what=f"{name}, not donated")
+    ref = _torch_run(lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.01)])
+    got, _ = _fzero_run(optim.from_torch(torch.optim.Adafactor, lr=0.01), 0)
+    ft.assert_trees_close(got, ref, tol="fp32", what="Adafactor")
 
 
 def test_a_schedule_drives_the_learning_rate_and_masks_choose_param_groups():
@@ -217,7 +225,8 @@ def _elementwise_on_ranks(names):
     full batch in fp32: fp32 runs to the SPEC's 1e-5, bf16 runs (bf16 compute, fp32 masters)
     to the "bf16 vs fp32" row. One run per stage and precision trains a copy of the model per
     optimizer, each copy's parameters masked to its own from_torch (so one step covers every
-    class). Two updates: the second is the first that loads the state the first built (a
+    class), and one class in turn alone (a bare from_torch, which a donated step runs on the
+    parameters in place; at stage 2 in fp32 with its state offloaded). Two updates: the second is the first that loads the state the first built (a
     third would repeat it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cases = [(name, kw) for name, kw in ELEMENTWISE_CASES if name in names]
@@ -245,6 +254,16 @@ def _elementwise_on_ranks(names):
                                           what=f"{name} zero={stage} {precision or 'fp32'}")
                 except AssertionError as e:
                     failures.append(str(e))
+            # and one class alone, a bare from_torch: the path that steps the parameters in place
+            name, kw = cases[(2 * stage + (precision is not None)) % len(cases)]
+            options = {"offload_optimizer": "cpu"} if (stage, precision) == (2, None) else {}
+            got, _ = _fzero_run(optim.from_torch(getattr(torch.optim, name), **kw), stage, precision, steps=2,
+                                **options)
+            try:
+                ft.assert_trees_close(got, refs[name], tol=tol, what=f"{name} alone zero={stage} "
+                                                                    f"{precision or 'fp32'} {options}")
+            except AssertionError as e:
+                failures.append(str(e))
     return failures
 
 

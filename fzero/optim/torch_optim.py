@@ -174,16 +174,17 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
         return out
 
     def step(items: list[tuple[torch.Tensor, torch.Tensor, dict, int]], count: int, *, fresh: bool,
-             donate: bool, inplace: bool) -> list[tuple[torch.Tensor, dict]]:
+             donate: bool, inplace: bool, on_params: bool = False) -> list[tuple[torch.Tensor | None, dict]]:
         """One ``step()`` of a throwaway optimizer over ``(grad, param, state, group)``;
-        ``fresh``: the optimizer starts its state itself (the first update)."""
+        ``fresh``: the optimizer starts its state itself (the first update). ``on_params``:
+        it steps the parameters themselves, in place, and returns no update."""
         if not items:
             return []
         with torch.no_grad():
             copies = []
             members: dict[int, list[torch.Tensor]] = {}
             for g, p, _, gi in items:
-                q = p.detach().clone()
+                q = p if on_params else p.detach().clone()
                 g = g.detach()
                 q.grad = g.to(q.dtype) if (trusted or inplace) else g.to(q.dtype, copy=True)
                 copies.append(q)
@@ -196,6 +197,9 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
             try:
                 opt.step()
             except Exception as e:
+                if on_params:
+                    for q in copies:
+                        q.grad = None
                 # Meta tensors have no values: torch builds a parameter's state before its
                 # math, which may read a value (.item()); the state built is what a probe needs.
                 if not (copies[0].device.type == "meta" and fresh and all(q in opt.state for q in copies)):
@@ -208,7 +212,11 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
                     raise TypeError(f"{WHERE}: {optimizer_cls.__qualname__} keeps non-tensor state {bad} per "
                                     f"parameter; fzero keeps optimizer state as tensors only (checkpoints hold "
                                     f"no pickled objects)")
-                out.append((q.sub_(p), new_state))
+                if on_params:
+                    q.grad = None  # the parameter outlives this step; its gradient must not
+                    out.append((None, new_state))
+                else:
+                    out.append((q.sub_(p), new_state))
             return out
 
     probes: dict[tuple, dict] = {}
@@ -247,6 +255,16 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
                                                                                         TorchState())))
 
     def update_fn(updates, state, params=None, *, inplace=False, donate=False):
+        return _update(updates, state, params, inplace=inplace, donate=donate, on_params=False)
+
+    def step_in_place(grads, state, params):
+        """A donated update that steps the optimizer on ``params`` themselves (this rank's
+        pieces under ZeRO): no copy of the parameters, no update tensor, and the new
+        parameters are the optimizer's own bits. Returns ``(params, state)``."""
+        _, new_state = _update(grads, state, params, inplace=False, donate=True, on_params=True)
+        return params, new_state
+
+    def _update(updates, state, params, *, inplace, donate, on_params):
         _need_params(WHERE, params)
         if whole:
             refuse_split(WHERE, params)
@@ -264,6 +282,8 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
         count = int(state.count)
         gis = group_of(params)
         opts = dict(fresh=count == 0, donate=donate, inplace=inplace)
+        if on_params:
+            opts["on_params"] = True
         if whole:
             def whole_step(idx, wholes):
                 return step([(g, p, st, gis[i]) for i, (g, p, st) in zip(idx, wholes)], count, **opts)
@@ -275,13 +295,13 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
                       {k: (v.local if is_piece(v) else v) for k, v in s.items()}, gi)
                      for g, p, s, gi in zip(g_leaves, p_leaves, s_leaves, gis)]
             results = step(local, count, **opts)
-            new_u = [type(g)(u, g.info) if is_piece(g) else u for g, (u, _) in zip(g_leaves, results)]
+            new_u = [type(g)(u, g.info) if is_piece(g) and u is not None else u for g, (u, _) in zip(g_leaves, results)]
             new_s = [TorchState(_as_pieces(s, p)) for p, (_, s) in zip(p_leaves, results)]
         return tree.unflatten(spec, _fill(all_g, here, new_u)), FromTorchState(
             count=_increment(state.count), state=tree.unflatten(s_spec, _fill(all_s, here, new_s)))
 
     tx = GradientTransformation(init_fn, update_fn)
-    return _known.record(tx, _known.FromTorch(optimizer_cls, declared))
+    return _known.record(tx, _known.FromTorch(optimizer_cls, declared, None if whole else step_in_place))
 
 
 def _fill(leaves: list, here: list[int], values: list, absent: Any = None) -> list:
