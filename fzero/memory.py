@@ -200,7 +200,8 @@ def optimizer_state_bytes(tx, params, *, world_size: int = 1, bucket_bytes: int 
         >>> params = {"w": torch.empty(1024, 512, device="meta"), "b": torch.empty(512, device="meta")}
         >>> optimizer_state_bytes(optim.adamw(1e-3), params)  # 2 fp32 moments, an int64 count
         4198408
-        >>> optimizer_state_bytes(optim.from_torch(torch.optim.Adafactor, lr=1e-2), params)  # 4 * (1024 + 512 + 512) + ...
+        >>> tx = optim.from_torch(torch.optim.Adafactor, lr=1e-2)
+        >>> optimizer_state_bytes(tx, params)  # 4 x (1024 + 512 row/column means, 512 for b) + steps, count
         8208
     """
     import torch
@@ -215,7 +216,8 @@ def optimizer_state_bytes(tx, params, *, world_size: int = 1, bucket_bytes: int 
     p_paths, p_leaves, spec = tree.flatten_with_path(params)
     bad = [tree.keystr(k) for k, v in zip(p_paths, p_leaves) if not isinstance(v, torch.Tensor)]
     if bad:
-        raise TypeError(f"optimizer_state_bytes: params must be an nn.Module or a pytree of tensors; not tensors: {bad}")
+        raise TypeError(f"optimizer_state_bytes: params must be an nn.Module or a pytree of tensors; "
+                        f"not tensors: {bad}")
     meta_leaves = [torch.empty(v.shape, dtype=v.dtype, device="meta") for v in p_leaves]
     meta = tree.unflatten(spec, meta_leaves)
     state = tx.init(meta)

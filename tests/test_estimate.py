@@ -411,7 +411,8 @@ def _state_bytes_on_ranks():
             apply, params = fzero.functionalize(model)
             step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage)
             state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))
-            out.append((f"{name} zero={stage}", _live_bytes(state.opt_state), optimizer_state_bytes(tx, model, world_size=2)))
+            out.append((f"{name} zero={stage}", _live_bytes(state.opt_state),
+                        optimizer_state_bytes(tx, model, world_size=2)))
     return out
 
 

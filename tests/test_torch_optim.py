@@ -226,8 +226,8 @@ def _elementwise_on_ranks(names):
     to the "bf16 vs fp32" row. One run per stage and precision trains a copy of the model per
     optimizer, each copy's parameters masked to its own from_torch (so one step covers every
     class), and one class in turn alone (a bare from_torch, which a donated step runs on the
-    parameters in place; at stage 2 in fp32 with its state offloaded). Two updates: the second is the first that loads the state the first built (a
-    third would repeat it)."""
+    parameters in place; at stage 2 in fp32 with its state offloaded). Two updates: the
+    second is the first that loads the state the first built (a third would repeat it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cases = [(name, kw) for name, kw in ELEMENTWISE_CASES if name in names]
     refs = {name: _torch_run(lambda m: [getattr(torch.optim, name)(m.parameters(), **kw)], steps=2)
