@@ -97,15 +97,24 @@ def test_from_torch_equals_torch_optimizers_in_one_process():
     for bit. Undonated (pure: p + (new - old), one more rounding) and whole-tensor: fp32."""
     for name, kw in ELEMENTWISE_CASES:
         cls = getattr(torch.optim, name)
-        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
-        got, _ = _fzero_run(optim.from_torch(cls, **kw), 0)
+        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)], steps=2)
+        got, _ = _fzero_run(optim.from_torch(cls, **kw), 0, steps=2)
         ft.assert_trees_close(got, ref, tol="exact", what=f"{name}, donated")
         if name in ("RMSprop", "Rprop"):
-            got, _ = _fzero_run(optim.from_torch(cls, **kw), 0, donate=False)
+            got, _ = _fzero_run(optim.from_torch(cls, **kw), 0, steps=2, donate=False)
             ft.assert_trees_close(got, ref, tol="fp32", what=f"{name}, not donated")
     ref = _torch_run(lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.01)])
     got, _ = _fzero_run(optim.from_torch(torch.optim.Adafactor, lr=0.01), 0)
     ft.assert_trees_close(got, ref, tol="fp32", what="Adafactor")
+    # last in a chain: the members before it run first, then it steps the parameters in place
+    kw = dict(ELEMENTWISE_CASES)["NAdam"]
+    ref = _torch_run(lambda m: [torch.optim.NAdam(m.parameters(), **kw)], steps=2)
+    got, _ = _fzero_run(optim.chain(optim.scale(1.0), optim.from_torch(torch.optim.NAdam, **kw)), 0, steps=2)
+    ft.assert_trees_close(got, ref, tol="exact", what="chain(scale(1.0), from_torch(NAdam)), donated")
+    ref = _torch_run(_clipped(lambda m: [torch.optim.RMSprop(m.parameters(), lr=0.01)], 0.05), steps=2)
+    got, _ = _fzero_run(optim.chain(optim.clip_by_global_norm(0.05), optim.from_torch(torch.optim.RMSprop, lr=0.01)),
+                        0, steps=2)
+    ft.assert_trees_close(got, ref, tol="fp32", what="chain(clip_by_global_norm, from_torch(RMSprop)), donated")
 
 
 def test_a_schedule_drives_the_learning_rate_and_masks_choose_param_groups():
@@ -225,8 +234,9 @@ def _elementwise_on_ranks(names):
     full batch in fp32: fp32 runs to the SPEC's 1e-5, bf16 runs (bf16 compute, fp32 masters)
     to the "bf16 vs fp32" row. One run per stage and precision trains a copy of the model per
     optimizer, each copy's parameters masked to its own from_torch (so one step covers every
-    class), and one class in turn alone (a bare from_torch, which a donated step runs on the
-    parameters in place; at stage 2 in fp32 with its state offloaded). Two updates: the
+    class), and at each stage one class alone (a bare from_torch, which a donated step runs on
+    the parameters in place: fp32 at stages 0 and 2, its state offloaded at 2; bf16 at 1 and
+    3). Two updates: the
     second is the first that loads the state the first built (a third would repeat it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cases = [(name, kw) for name, kw in ELEMENTWISE_CASES if name in names]
@@ -255,8 +265,10 @@ def _elementwise_on_ranks(names):
                 except AssertionError as e:
                     failures.append(str(e))
             # and one class alone, a bare from_torch: the path that steps the parameters in place
-            name, kw = cases[(2 * stage + (precision is not None)) % len(cases)]
-            options = {"offload_optimizer": "cpu"} if (stage, precision) == (2, None) else {}
+            if (stage % 2 == 1) != (precision is not None):
+                continue
+            name, kw = cases[(3 * stage) % len(cases)]
+            options = {"offload_optimizer": "cpu"} if stage == 2 else {}
             got, _ = _fzero_run(optim.from_torch(getattr(torch.optim, name), **kw), stage, precision, steps=2,
                                 **options)
             try:

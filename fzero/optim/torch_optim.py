@@ -8,7 +8,10 @@ with the rest of the state. ``update`` is pure: each call builds a throwaway opt
 over fresh copies of the parameters, loads the state tensors into ``optimizer.state[p]``,
 calls ``step()`` and reads back the new parameters (the update is ``new - old``) and the
 new state. Under ``donate=True`` (the step owns its input state) the state tensors are
-handed to the optimizer as they are and it writes them in place.
+handed to the optimizer as they are and it writes them in place; a compiled step's update of
+an element-wise ``from_torch``, bare or last in a chain, goes further (``step_in_place``,
+taken by :mod:`fzero.optim.lowering`): the optimizer steps the parameters themselves, so no
+copy of them is made and the new parameters are torch's own bits.
 
 Under ZeRO stages 1-3 the optimizer sees this rank's pieces of each parameter (flat runs of
 elements). An element-wise optimizer computes the same there; one whose update reads the
