@@ -58,23 +58,30 @@ N → dp: mixed precision ZeRO-2 on pp × dp × tp = 2 × 4 × 2 is 2Ψ' + 14Ψ'
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from fzero.transforms._checks import default_bucket_bytes
 
-__all__ = ["model_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share", "format_bytes", "KEPT",
-           "OPTIMIZER_STATES", "PRECISIONS", "REDUCE_BUFFERS"]
+__all__ = ["model_state_bytes", "optimizer_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share",
+           "format_bytes", "KEPT", "OPTIMIZER_STATES", "PRECISIONS", "REDUCE_BUFFERS"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Kept = Literal["fp32", "bf16"]
 
-# fp32 state tensors per parameter that each optimizer keeps.
+# fp32 state tensors per parameter element that each optimizer keeps (docs/optim.md's table);
+# any other optimizer, Adafactor's factored moments included: optimizer_state_bytes.
 OPTIMIZER_STATES = {
     "adam": 2,  # exp_avg, exp_avg_sq
     "adamw": 2,
     "lamb": 2,
+    "adadelta": 2,  # square_avg, acc_delta
+    "rprop": 2,  # prev, step_size
     "lion": 1,  # momentum
     "sgd-momentum": 1,  # momentum buffer
+    "muon": 1,  # momentum (torch's Muon; fzero's muon keeps Adam's 2 on the non-matrices)
+    "adagrad": 1,  # sum
+    "rmsprop": 1,  # square_avg (+1 with momentum, +1 centered)
     "sgd": 0,
 }
 # Bytes of the parameters (and gradients) a step computes with.
@@ -135,6 +142,7 @@ def model_state_bytes(
     master_weights: Kept = "fp32",
     optimizer_states: Kept = "fp32",
     rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
+    optimizer_bytes: float | None = None,
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that one rank holds.
 
@@ -146,8 +154,15 @@ def model_state_bytes(
             2 also the gradients, 3 also the parameters.
         precision: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` mixed precision (2-byte
             parameters and gradients, fp32 master weights counted as optimizer state).
-        optimizer: ``adam``, ``adamw``, ``lamb`` (2 fp32 states per parameter), ``lion``,
-            ``sgd-momentum`` (1) or ``sgd`` (0).
+        optimizer: a name of :data:`OPTIMIZER_STATES`: ``adam``, ``adamw``, ``lamb``,
+            ``adadelta``, ``rprop`` (2 fp32 states per parameter), ``lion``,
+            ``sgd-momentum``, ``muon``, ``adagrad``, ``rmsprop`` (1) or ``sgd`` (0).
+        optimizer_bytes: instead of ``optimizer``, the optimizer's own bytes of state per
+            parameter (without the masters), measured:
+            ``optimizer_state_bytes(tx, params) / num_params`` for any optimizer (Adafactor's
+            factored moments, a ``from_torch`` class). Counted ``·/N`` at stages 1-3 (a
+            whole-tensor optimizer's owners hold about that; ``optimizer_state_bytes(tx,
+            params, world_size=N)`` gives the busiest owner exactly).
         tp, pp: tensor- and pipeline-parallel degrees: a rank holds Ψ' = Ψ/(tp·pp) of the
             parameters and ZeRO partitions them over N = dp = world_size/(tp·pp) (see
             :func:`rank_share` for the assumption).
@@ -177,30 +192,133 @@ def model_state_bytes(
         raise ValueError(f"{name}: stage must be 0, 1, 2 or 3, got {stage!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"{name}: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    opt = str(optimizer).lower().replace("_", "-")
-    if opt not in OPTIMIZER_STATES:
-        raise ValueError(f"{name}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
-
-    for key, value in (("master_weights", master_weights), ("optimizer_states", optimizer_states)):
-        if value not in KEPT:
-            raise ValueError(f"{name}: {key} must be 'fp32' or 'bf16', got {value!r}")
-    if master_weights == "bf16" and precision != "bf16":
-        raise ValueError(f"{name}: master_weights='bf16' needs precision='bf16', got {precision!r}")
-    if optimizer_states == "bf16" and master_weights != "bf16":
-        raise ValueError(f"{name}: optimizer_states='bf16' needs master_weights='bf16'")
-    if rounding not in ("nearest", "stochastic", "kahan"):
-        raise ValueError(f"{name}: rounding must be 'nearest', 'stochastic' or 'kahan', got {rounding!r}")
-    if rounding != "nearest" and master_weights != "bf16":
-        raise ValueError(f"{name}: rounding={rounding!r} needs master_weights='bf16'")
-
     p = g = PRECISIONS[precision]
-    masters = KEPT[master_weights] if precision != "fp32" else 0  # the masters beside the 16-bit parameters
-    k = KEPT[optimizer_states] * OPTIMIZER_STATES[opt] + masters + (KEPT["bf16"] if rounding == "kahan" else 0)
+    k = _optimizer_k(name, precision, optimizer, optimizer_bytes, master_weights, optimizer_states, rounding)
     shard = -(-num_params // world_size)  # ceil: the flat buffer is padded to a multiple of N
     params = p * (shard if stage >= 3 else num_params)
     grads = g * (shard if stage >= 2 else num_params)
-    optim = k * (shard if stage >= 1 else num_params)
+    optim = math.ceil(k * (shard if stage >= 1 else num_params))
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+def optimizer_state_bytes(tx, params, *, world_size: int = 1, bucket_bytes: int | None = None) -> int:
+    """Bytes of the optimizer state ``tx.init`` makes for ``params``, measured, not tabled:
+    ``tx.init`` runs on meta stand-ins of the parameters (same shapes and dtypes, no memory),
+    so any optimizer counts exactly -- ``from_torch`` of any class, Adafactor's factored
+    moments, scalars such as ``step``.
+
+    With ``world_size`` N > 1: the busiest rank's bytes under ZeRO 1-3 over N data-parallel
+    ranks. A per-element state tensor (one per parameter element, as Adam's moments) is cut
+    as ``shard_state`` cuts its parameter (its layout of these parameters at ``bucket_bytes``,
+    ``None`` its default: groups of loose parameters, each padded to N equal runs; ZeRO-3's
+    units are not modelled); a scalar is kept on every rank. For a
+    whole-tensor optimizer (``fzero.optim._known.needs_whole_tensors``: ``adafactor``,
+    ``muon``, ``from_torch(Adafactor / Muon)``) each parameter's state, scalars included,
+    lives on its owner rank, assigned as ZeRO assigns it (largest first, to the least loaded
+    rank); a chain that mixes it with element-wise members counts every member's state on the
+    owners. A state tensor belongs to the parameter whose key path ends its own (``mu['w']``)
+    or ends it but for one entry (``state['w']['exp_avg']``); the update count belongs to none.
+
+    Args:
+        tx: a :class:`fzero.optim.GradientTransformation`.
+        params: an ``nn.Module`` (its trainable parameters) or a pytree of tensors, on any
+            device (``torch.device("meta")`` included: build the model under
+            ``with torch.device("meta"):`` to count a model that does not fit).
+        world_size: N, the data-parallel ranks ZeRO partitions over (1: the whole state).
+
+    Divide by the number of parameters for ``model_state_bytes``'s ``optimizer_bytes``.
+
+    Example:
+        >>> import torch
+        >>> from fzero import optim
+        >>> params = {"w": torch.empty(1024, 512, device="meta"), "b": torch.empty(512, device="meta")}
+        >>> optimizer_state_bytes(optim.adamw(1e-3), params)  # 2 fp32 moments, an int64 count
+        4198408
+        >>> tx = optim.from_torch(torch.optim.Adafactor, lr=1e-2)
+        >>> optimizer_state_bytes(tx, params)  # 4 x (1024 + 512 row/column means, 512 for b) + steps, count
+        8208
+    """
+    import torch
+
+    from fzero import tree
+    from fzero.optim import _known
+    from fzero.optim._owners import assign_owners
+
+    _positive("optimizer_state_bytes", "world_size", world_size)
+    if isinstance(params, torch.nn.Module):
+        params = {k: v for k, v in params.named_parameters() if v.requires_grad}
+    p_paths, p_leaves, spec = tree.flatten_with_path(params)
+    bad = [tree.keystr(k) for k, v in zip(p_paths, p_leaves) if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"optimizer_state_bytes: params must be an nn.Module or a pytree of tensors; "
+                        f"not tensors: {bad}")
+    meta_leaves = [torch.empty(v.shape, dtype=v.dtype, device="meta") for v in p_leaves]
+    meta = tree.unflatten(spec, meta_leaves)
+    state = tx.init(meta)
+    s_paths, s_leaves, _ = tree.flatten_with_path(state)
+    tensors = [(k, v) for k, v in zip(s_paths, s_leaves) if isinstance(v, torch.Tensor)]
+    total = sum(v.numel() * v.element_size() for _, v in tensors)
+    if world_size == 1:
+        return total
+    names = [tree.keystr(k) for k in p_paths]
+
+    def owner_of(path) -> int | None:
+        """The parameter of a state tensor: the longest parameter path that ends the state's
+        path (``mu['w']``) or ends it but for one entry (``state['w']['exp_avg']``)."""
+        found = [i for i, k in enumerate(p_paths) if k and len(path) > len(k) - 1 and names[i] in (
+            tree.keystr(path[len(path) - len(k):]), tree.keystr(path[len(path) - len(k) - 1: len(path) - 1]))]
+        return max(found, key=lambda i: len(p_paths[i])) if found else None
+
+    whole = _whole_tensor_state(tx, state, _known)
+    owners = assign_owners([v.numel() for v in p_leaves], world_size) if whole else []
+    owned = [0] * world_size
+    per_element = [0] * len(p_leaves)  # bytes of state per element of each parameter
+    replicated = 0
+    for path, v in tensors:
+        i = owner_of(path)
+        if i is not None and id(v) in whole:
+            owned[owners[i]] += v.numel() * v.element_size()
+        elif i is not None and v.dim() > 0 and v.numel() == p_leaves[i].numel():
+            per_element[i] += v.element_size()
+        else:
+            replicated += v.numel() * v.element_size()
+    # shard_state's own layout of these parameters: groups cut by bucket_bytes, each padded to
+    # N equal runs, one per rank.
+    from fzero.transforms.shard_state._layout import build_layout
+
+    named = dict(zip(names, meta_leaves))
+    if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
+        # shard_state lays out a flat dict in its own order (a module's registration order)
+        named = {tree.keystr((k,)): named[tree.keystr((k,))] for k in params}
+    if bucket_bytes is None:
+        bucket_bytes = default_bucket_bytes(sum(v.numel() * v.element_size() for v in meta_leaves))
+    layout = build_layout(named, world=world_size, rank=0, bucket_bytes=bucket_bytes)
+    load = [0] * world_size
+    for i, (name, k) in enumerate(zip(names, per_element)):
+        if not k:
+            continue
+        gi, j = layout.where[name]
+        g = layout.groups[gi]
+        start = g.offsets[j]
+        end = start + meta_leaves[i].numel()
+        for r in range(world_size):
+            load[r] += k * max(0, min(end, (r + 1) * g.chunk) - max(start, r * g.chunk))
+    return replicated + max(a + b for a, b in zip(load, owned))
+
+
+def _whole_tensor_state(tx, state, known) -> set[int]:
+    """The ids of the tensors in ``state`` that a whole-tensor member of ``tx`` keeps (chains
+    and masks opened: a chain's state is its members' states in order, a mask's its inner's)."""
+    from fzero import tree
+
+    what = known.known(tx)
+    if what is None or not what.whole_tensors:
+        return set()
+    if isinstance(what, known.Chain):
+        return set().union(*(_whole_tensor_state(t, s, known) for t, s in zip(what.transforms, state)))
+    if isinstance(what, known.Masked):
+        return _whole_tensor_state(what.inner, state.inner_state, known)
+    return {id(t) for t in tree.leaves(state)}
 
 
 def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precision: Precision = "fp32",
@@ -254,8 +372,47 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     return total
 
 
+def _optimizer_k(name: str, precision: str, optimizer: str, optimizer_bytes: float | None, master_weights: str,
+                 optimizer_states: str, rounding: str) -> float:
+    """K, the optimizer-side bytes per parameter: its state (measured or tabled, halved when kept
+    in bf16), the master weights beside 16-bit parameters and a Kahan compensation."""
+    state = _state_bytes(name, optimizer, optimizer_bytes)  # as fp32; halved when the moments are kept in bf16
+    for key, value in (("master_weights", master_weights), ("optimizer_states", optimizer_states)):
+        if value not in KEPT:
+            raise ValueError(f"{name}: {key} must be 'fp32' or 'bf16', got {value!r}")
+    if master_weights == "bf16" and precision != "bf16":
+        raise ValueError(f"{name}: master_weights='bf16' needs precision='bf16', got {precision!r}")
+    if optimizer_states == "bf16" and master_weights != "bf16":
+        raise ValueError(f"{name}: optimizer_states='bf16' needs master_weights='bf16'")
+    if rounding not in ("nearest", "stochastic", "kahan"):
+        raise ValueError(f"{name}: rounding={rounding!r} must be 'nearest', 'stochastic' or 'kahan'")
+    if rounding != "nearest" and master_weights != "bf16":
+        raise ValueError(f"{name}: rounding={rounding!r} needs master_weights='bf16'")
+
+    masters = KEPT[master_weights] if precision != "fp32" else 0  # the masters beside the 16-bit parameters
+    k = state * KEPT[optimizer_states] / 4 + masters + (KEPT["bf16"] if rounding == "kahan" else 0)
+    k = int(k) if float(k).is_integer() else k
+    return k
+
+
+def _state_bytes(name: str, optimizer: str, optimizer_bytes: float | None) -> float:
+    """Bytes of optimizer state per parameter: measured (``optimizer_bytes``) or tabled."""
+    if optimizer_bytes is not None:
+        if isinstance(optimizer_bytes, bool) or not isinstance(optimizer_bytes, (int, float)) or \
+                not 0 <= optimizer_bytes < math.inf:
+            raise ValueError(f"{name}: optimizer_bytes must be a finite number >= 0 (bytes of optimizer state "
+                             f"per parameter), got {optimizer_bytes!r}")
+        return optimizer_bytes
+    opt = str(optimizer).lower().replace("_", "-")
+    if opt not in OPTIMIZER_STATES:
+        raise ValueError(f"{name}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r} "
+                         f"(any other optimizer: optimizer_bytes=optimizer_state_bytes(tx, params) / num_params)")
+    return 4 * OPTIMIZER_STATES[opt]
+
+
 def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = "adam", master_weights: Kept = "fp32",
-                 optimizer_states: Kept = "fp32", rounding: str = "nearest") -> tuple[int, int]:
+                 optimizer_states: Kept = "fp32", rounding: str = "nearest",
+                 optimizer_bytes: float | None = None) -> tuple[float, float]:
     """``(a, b)`` such that the per-rank bytes are ``aΨ + bΨ/N`` (before padding); with
     tensor or pipeline parallelism, ``aΨ' + bΨ'/dp`` with Ψ' = Ψ/(tp·pp).
 
@@ -265,12 +422,15 @@ def coefficients(*, stage: int, precision: Precision = "fp32", optimizer: str = 
     """
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"coefficients: stage must be 0, 1, 2 or 3, got {stage!r}")
-    one = model_state_bytes(1, world_size=1, stage=0, precision=precision, optimizer=optimizer,
-                            master_weights=master_weights, optimizer_states=optimizer_states, rounding=rounding)
+    p = PRECISIONS.get(precision)
+    if p is None:
+        raise ValueError(f"coefficients: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    one = {"params": p, "grads": p, "optimizer": _optimizer_k("coefficients", precision, optimizer, optimizer_bytes,
+                                                             master_weights, optimizer_states, rounding)}
     parts = [("params", 3), ("grads", 2), ("optimizer", 1)]
-    a = sum(one[k] for k, s in parts if stage < s)
-    b = sum(one[k] for k, s in parts if stage >= s)
-    return a, b
+    a = sum(one[part] for part, s in parts if stage < s)
+    b = sum(one[part] for part, s in parts if stage >= s)
+    return tuple(int(x) if float(x).is_integer() else x for x in (a, b))
 
 
 def format_bytes(n: int) -> str:

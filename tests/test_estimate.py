@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from fzero.cli.estimate import format_bytes, parse_count
 from fzero.cli.main import main
-from fzero.memory import coefficients, model_state_bytes, rank_share, reduce_buffer_bytes
+from fzero.memory import coefficients, model_state_bytes, optimizer_state_bytes, rank_share, reduce_buffer_bytes
 
 PSI = 1_000_000
 
@@ -75,7 +76,8 @@ def test_padding():
     (dict(num_params=10, world_size=0, stage=0), "world_size"),
     (dict(num_params=10, world_size=1, stage=5), "stage"),
     (dict(num_params=10, world_size=1, stage=1, precision="fp8"), "precision"),
-    (dict(num_params=10, world_size=1, stage=1, optimizer="adagrad"), "optimizer"),
+    (dict(num_params=10, world_size=1, stage=1, optimizer="adafactor"), "optimizer"),
+    (dict(num_params=10, world_size=1, stage=1, optimizer_bytes=-1.0), "optimizer_bytes"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"model_state_bytes: {name}"):
@@ -128,7 +130,8 @@ def test_cli_all_stages_in_bytes(capsys):
     (["--params", "1M", "--stage", "5"], "argument --stage"),
     (["--params", "1M", "--world-size", "0"], "argument --world-size"),
     (["--params", "1M", "--precision", "fp8"], "argument --precision"),
-    (["--params", "1M", "--optimizer", "adagrad"], "argument --optimizer"),
+    (["--params", "1M", "--optimizer", "adafactor"], "argument --optimizer"),
+        (["--params", "1M", "--optimizer-bytes", "nan"], "argument --optimizer-bytes"),
     (["--world-size", "8"], "--params"),
 ])
 def test_cli_bad_input(capsys, argv, name):
@@ -340,3 +343,116 @@ def test_cli_bf16_kept_dtypes_that_contradict_are_named(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--params", "1M", *argv])
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- measured optimizer state
+
+
+def _optimizers():
+    import torch
+
+    from fzero import optim
+
+    matrices = lambda p: {k: v.ndim == 2 for k, v in p.items()}  # noqa: E731
+    rest = lambda p: {k: v.ndim != 2 for k, v in p.items()}  # noqa: E731
+    txs = {name: optim.from_torch(getattr(torch.optim, name), lr=0.01, **kw) for name, kw in [
+        ("SGD", {"momentum": 0.9}), ("Adam", {"amsgrad": True}), ("AdamW", {}), ("Adamax", {}), ("NAdam", {}),
+        ("RAdam", {}), ("RMSprop", {"momentum": 0.5, "centered": True}), ("Adagrad", {}), ("Adadelta", {}),
+        ("ASGD", {}), ("Rprop", {}), ("Adafactor", {})]}
+    txs["Muon + AdamW"] = optim.chain(optim.masked(optim.from_torch(torch.optim.Muon, lr=0.01), matrices),
+                                      optim.masked(optim.from_torch(torch.optim.AdamW, lr=0.01), rest))
+    txs.update(adamw=optim.adamw(1e-3), sgd=optim.sgd(0.1, momentum=0.9), lion=optim.lion(1e-4),
+               lamb=optim.lamb(1e-3), adafactor=optim.adafactor(0.01, min_dim_size_to_factor=4),
+               muon=optim.muon(0.01))
+    return txs
+
+
+def _live_bytes(state) -> int:
+    import torch
+
+    import fzero
+
+    return sum(t.numel() * t.element_size() for t in fzero.tree.leaves(state) if isinstance(t, torch.Tensor))
+
+
+def test_optimizer_state_bytes_measured_on_meta_equal_a_real_states_bytes():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+    model[2].bias.requires_grad_(False)  # frozen: no state
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    for name, tx in _optimizers().items():
+        live = _live_bytes(tx.init(params))
+        assert optimizer_state_bytes(tx, model) == live, name
+        with torch.device("meta"):  # a model built without memory counts the same
+            meta = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+        meta[2].bias.requires_grad_(False)
+        assert optimizer_state_bytes(tx, meta) == live, name
+
+
+def test_the_optimizer_table_is_what_the_optimizers_keep():
+    """Each named row of OPTIMIZER_STATES against torch's own optimizer measured on a large
+    matrix (the per-tensor scalars vanish in the bytes per element)."""
+    import torch
+
+    from fzero import optim
+    from fzero.memory import OPTIMIZER_STATES
+
+    params = {"w": torch.empty(1000, 1000, device="meta")}
+    torch_of = {"adam": ("Adam", {}), "adamw": ("AdamW", {}), "adadelta": ("Adadelta", {}), "rprop": ("Rprop", {}),
+                "sgd-momentum": ("SGD", {"momentum": 0.9}), "muon": ("Muon", {}), "adagrad": ("Adagrad", {}),
+                "rmsprop": ("RMSprop", {}), "sgd": ("SGD", {})}
+    native = {"lamb": optim.lamb(1e-3), "lion": optim.lion(1e-4)}
+    assert set(torch_of) | set(native) == set(OPTIMIZER_STATES)
+    for name, states in OPTIMIZER_STATES.items():
+        if name in native:
+            tx = native[name]
+        else:
+            cls, kw = torch_of[name]
+            tx = optim.from_torch(getattr(torch.optim, cls), lr=0.01, **kw)
+        per_param = optimizer_state_bytes(tx, params) / 1e6
+        assert abs(per_param - 4 * states) < 1e-4, (name, per_param)
+        got = model_state_bytes(10**6, world_size=4, stage=1, optimizer_bytes=per_param)["optimizer"]
+        assert got == math.ceil(per_param * 250_000), name
+
+
+def test_measured_bytes_per_parameter_drive_the_estimate(capsys):
+    assert model_state_bytes(PSI, world_size=4, stage=1, optimizer_bytes=8) == \
+        model_state_bytes(PSI, world_size=4, stage=1, optimizer="adam")
+    got = model_state_bytes(PSI, world_size=4, stage=2, precision="bf16", optimizer_bytes=0.5)
+    assert got["optimizer"] == 4.5 * PSI // 4  # + the fp32 masters
+    assert coefficients(stage=2, precision="bf16", optimizer_bytes=0.5) == (2, 6.5)
+    assert main(["estimate", "--params", "1M", "-N", "4", "--stage", "2", "--precision", "bf16",
+                 "--optimizer-bytes", "0.5", "--bytes"]) == 0
+    out = capsys.readouterr().out
+    assert "0.5 bytes of state per parameter" in out and "2Ψ + 6.5Ψ/N" in out and "1,125,000" in out, out
+
+
+def _state_bytes_on_ranks():
+    """Each optimizer under ZeRO 1 and 3 on 2 ranks: this rank's live bytes of optimizer
+    state, and what optimizer_state_bytes measures for the busiest rank."""
+    import torch
+
+    import fzero
+    import fzero.testing as ft
+
+    out = []
+    for stage in (1, 3):
+        for name, tx in _optimizers().items():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+            apply, params = fzero.functionalize(model)
+            step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage)
+            state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))
+            out.append((f"{name} zero={stage}", _live_bytes(state.opt_state),
+                        optimizer_state_bytes(tx, model, world_size=2)))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_optimizer_state_bytes_per_rank_are_the_busiest_ranks_live_bytes(ranks):
+    r0, r1 = ranks(2).run(_state_bytes_on_ranks)
+    wrong = [(name, a, b, est) for (name, a, est), (_, b, _) in zip(r0, r1) if max(a, b) != est]
+    assert not wrong, wrong

@@ -41,17 +41,17 @@ def _model():
     return ft.Blocks(D_IN, WIDTH, 1, D_OUT)
 
 
-def _batches():
+def _batches(steps=STEPS):
     g = torch.Generator().manual_seed(1)
     return [{"x": torch.randn(GLOBAL_ROWS, D_IN, generator=g), "y": torch.randn(GLOBAL_ROWS, D_OUT, generator=g)}
-            for _ in range(STEPS)]
+            for _ in range(steps)]
 
 
-def _torch_run(make_opts) -> dict[str, torch.Tensor]:
+def _torch_run(make_opts, steps=STEPS) -> dict[str, torch.Tensor]:
     """Plain PyTorch: the module, backward on each full batch, the optimizers ``make_opts(model)``."""
     model = _model()
     opts = make_opts(model)
-    for b in _batches():
+    for b in _batches(steps):
         for o in opts:
             o.zero_grad()
         F.mse_loss(model(b["x"]), b["y"]).backward()
@@ -60,7 +60,7 @@ def _torch_run(make_opts) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _fzero_run(tx, stage: int, precision: str | None = None, **options):
+def _fzero_run(tx, stage: int, precision: str | None = None, steps=STEPS, **options):
     """fzero on this world's ranks, each with its rows of each batch; the whole parameters and
     the final state."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
@@ -70,7 +70,7 @@ def _fzero_run(tx, stage: int, precision: str | None = None, **options):
         options["precision"] = precision
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=stage, **options)
     state = step.init(state)
-    for b in _batches():
+    for b in _batches(steps):
         state, _ = step(state, ft.local_batch(b, world, rank))
     return fzero.gather(state.params), state
 
@@ -92,12 +92,29 @@ def _torch_params(model_params):
 
 
 def test_from_torch_equals_torch_optimizers_in_one_process():
-    # every element-wise class runs on ranks below; here the unlaunched path, one of each kind
-    for name, kw in [ELEMENTWISE_CASES[0], ELEMENTWISE_CASES[-1], ("Adafactor", dict(lr=0.01))]:
+    """The unlaunched path. A compiled step owns its state (donate=True): an element-wise
+    optimizer then steps the parameters themselves, in place, and the result is torch's, bit
+    for bit. Undonated (pure: p + (new - old), one more rounding) and whole-tensor: fp32."""
+    for name, kw in ELEMENTWISE_CASES:
         cls = getattr(torch.optim, name)
-        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
-        got, _ = _fzero_run(optim.from_torch(cls, **kw), 0)
-        ft.assert_trees_close(got, ref, tol="fp32", what=name)
+        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)], steps=2)
+        got, _ = _fzero_run(optim.from_torch(cls, **kw), 0, steps=2)
+        ft.assert_trees_close(got, ref, tol="exact", what=f"{name}, donated")
+        if name in ("RMSprop", "Rprop"):
+            got, _ = _fzero_run(optim.from_torch(cls, **kw), 0, steps=2, donate=False)
+            ft.assert_trees_close(got, ref, tol="fp32", what=f"{name}, not donated")
+    ref = _torch_run(lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.01)])
+    got, _ = _fzero_run(optim.from_torch(torch.optim.Adafactor, lr=0.01), 0)
+    ft.assert_trees_close(got, ref, tol="fp32", what="Adafactor")
+    # last in a chain: the members before it run first, then it steps the parameters in place
+    kw = dict(ELEMENTWISE_CASES)["NAdam"]
+    ref = _torch_run(lambda m: [torch.optim.NAdam(m.parameters(), **kw)], steps=2)
+    got, _ = _fzero_run(optim.chain(optim.scale(1.0), optim.from_torch(torch.optim.NAdam, **kw)), 0, steps=2)
+    ft.assert_trees_close(got, ref, tol="exact", what="chain(scale(1.0), from_torch(NAdam)), donated")
+    ref = _torch_run(_clipped(lambda m: [torch.optim.RMSprop(m.parameters(), lr=0.01)], 0.05), steps=2)
+    got, _ = _fzero_run(optim.chain(optim.clip_by_global_norm(0.05), optim.from_torch(torch.optim.RMSprop, lr=0.01)),
+                        0, steps=2)
+    ft.assert_trees_close(got, ref, tol="fp32", what="chain(clip_by_global_norm, from_torch(RMSprop)), donated")
 
 
 def test_a_schedule_drives_the_learning_rate_and_masks_choose_param_groups():
@@ -195,23 +212,70 @@ def test_whole_tensor_kinds_are_declared():
 # --------------------------------------------------------------------------- ranks
 
 
+class _SideBySide(torch.nn.Module):
+    """A copy of the model per optimizer; the loss is the sum of the copies' losses, so each
+    copy's gradient is its own loss's."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.m = torch.nn.ModuleDict({name: _model() for name in names})
+
+    def forward(self, x, y):
+        return sum(F.mse_loss(m(x), y) for m in self.m.values())
+
+
+def _side_by_side_step(state, batch):
+    loss, grads = fzero.value_and_grad(lambda p: state.apply_fn(p, batch["x"], batch["y"]))(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
 def _elementwise_on_ranks(names):
     """Every listed optimizer at ZeRO 0-3, fp32 and bf16, against torch in one process on the
     full batch in fp32: fp32 runs to the SPEC's 1e-5, bf16 runs (bf16 compute, fp32 masters)
-    to the "bf16 vs fp32" row."""
+    to the "bf16 vs fp32" row. One run per stage and precision trains a copy of the model per
+    optimizer, each copy's parameters masked to its own from_torch (so one step covers every
+    class), and at each stage one class alone (a bare from_torch, which a donated step runs on
+    the parameters in place: fp32 at stages 0 and 2, its state offloaded at 2; bf16 at 1 and
+    3). Two updates: the
+    second is the first that loads the state the first built (a third would repeat it)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cases = [(name, kw) for name, kw in ELEMENTWISE_CASES if name in names]
+    refs = {name: _torch_run(lambda m: [getattr(torch.optim, name)(m.parameters(), **kw)], steps=2)
+            for name, kw in cases}
+
+    def copy_of(name):
+        return lambda p: {k: k.startswith(f"m.{name}.") for k in p}
+
+    tx = optim.chain(*[optim.masked(optim.from_torch(getattr(torch.optim, name), **kw), copy_of(name))
+                       for name, kw in cases])
     failures = []
-    for name, kw in ELEMENTWISE_CASES:
-        if name not in names:
-            continue
-        cls = getattr(torch.optim, name)
-        ref = _torch_run(lambda m: [cls(m.parameters(), **kw)])
-        for stage in (0, 1, 2, 3):
-            for precision, tol in ((None, "fp32"), ("bf16", "bf16 vs fp32")):
-                got, _ = _fzero_run(optim.from_torch(cls, **kw), stage, precision)
+    for stage in (0, 1, 2, 3):
+        for precision, tol in ((None, "fp32"), ("bf16", "bf16 vs fp32")):
+            apply, params = fzero.functionalize(_SideBySide([name for name, _ in cases]))
+            step = fzero.compile(_side_by_side_step, fzero.Mesh(dp=-1), zero=stage,
+                                 **({"precision": precision} if precision else {}))
+            state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=tx))
+            for b in _batches(2):
+                state, _ = step(state, ft.local_batch(b, world, rank))
+            got = fzero.gather(state.params)
+            for name, _ in cases:
                 try:
-                    ft.assert_trees_close(got, ref, tol=tol, what=f"{name} zero={stage} {precision or 'fp32'}")
+                    ft.assert_trees_close({k: got[f"m.{name}.{k}"] for k in refs[name]}, refs[name], tol=tol,
+                                          what=f"{name} zero={stage} {precision or 'fp32'}")
                 except AssertionError as e:
                     failures.append(str(e))
+            # and one class alone, a bare from_torch: the path that steps the parameters in place
+            if (stage % 2 == 1) != (precision is not None):
+                continue
+            name, kw = cases[(3 * stage) % len(cases)]
+            options = {"offload_optimizer": "cpu"} if stage == 2 else {}
+            got, _ = _fzero_run(optim.from_torch(getattr(torch.optim, name), **kw), stage, precision, steps=2,
+                                **options)
+            try:
+                ft.assert_trees_close(got, refs[name], tol=tol, what=f"{name} alone zero={stage} "
+                                                                    f"{precision or 'fp32'} {options}")
+            except AssertionError as e:
+                failures.append(str(e))
     return failures
 
 
@@ -239,12 +303,12 @@ def _not_matrix(p):
     return {k: v.ndim != 2 for k, v in p.items()}
 
 
-def _one_process(tx):
+def _one_process(tx, steps=STEPS):
     """``tx`` by hand on whole tensors in this process: plain torch gradients, ``tx.update``."""
     model = _model()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = tx.init(params)
-    for b in _batches():
+    for b in _batches(steps):
         live = {k: v.clone().requires_grad_() for k, v in params.items()}
         loss = F.mse_loss(torch.func.functional_call(model, live, (b["x"],)), b["y"])
         grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
@@ -286,9 +350,10 @@ def _adafactor_on_pieces_differs(state) -> bool:
 
 
 def _whole_tensor_on_ranks(stages):
+    """Two updates each (the second loads the state the first built)."""
     lr, wd = 0.02, 0.1
-    adafactor_ref = _torch_run(lambda m: [torch.optim.Adafactor(m.parameters(), lr=lr)])
-    muon_ref = _torch_run(_muon_and_adamw(lr, wd))
+    adafactor_ref = _torch_run(lambda m: [torch.optim.Adafactor(m.parameters(), lr=lr)], steps=2)
+    muon_ref = _torch_run(_muon_and_adamw(lr, wd), steps=2)
     native_muon = dict(learning_rate=lr, weight_decay=0.05, beta=0.9)
     cases = [
         ("from_torch(Adafactor)", lambda: optim.from_torch(torch.optim.Adafactor, lr=lr), adafactor_ref),
@@ -299,31 +364,34 @@ def _whole_tensor_on_ranks(stages):
         ("adafactor", lambda: optim.adafactor(lr, min_dim_size_to_factor=1), adafactor_ref),
         ("muon as torch's", lambda: optim.muon(lr, eps=1e-7, weight_decay=wd, ns_dtype=torch.bfloat16,
                                                bias_correction=False), muon_ref),
-        ("muon (optax's nesterov)", lambda: optim.muon(**native_muon), _one_process(optim.muon(**native_muon))),
+        ("muon (optax's nesterov)", lambda: optim.muon(**native_muon),
+         _one_process(optim.muon(**native_muon), steps=2)),
     ]
     failures, owners = [], {}
     # composed with clipping, accumulation, offload and bf16 (fp32 masters)
-    clipped_ref = _torch_run(_clipped(lambda m: [torch.optim.Adafactor(m.parameters(), lr=lr)], 0.05))
+    clipped_ref = _torch_run(_clipped(lambda m: [torch.optim.Adafactor(m.parameters(), lr=lr)], 0.05), steps=2)
     for name, tx, options, tol in [
         ("clip + accumulate + offload", optim.from_torch(torch.optim.Adafactor, lr=lr),
          dict(clip_norm=0.05, accumulate=GLOBAL_ROWS // dist.get_world_size(), offload_optimizer="cpu"), "fp32"),
         ("clip + bf16", optim.chain(optim.clip_by_global_norm(0.05), optim.adafactor(lr, min_dim_size_to_factor=1)),
          dict(precision="bf16"), "bf16 vs fp32"),
     ]:
-        got, _ = _fzero_run(tx, stages[-1], **options)
+        got, _ = _fzero_run(tx, stages[-1], steps=2, **options)
         try:
             ft.assert_trees_close(got, clipped_ref, tol=tol, what=f"Adafactor, {name}, zero={stages[-1]}")
         except AssertionError as e:
             failures.append(str(e))
     for stage in stages:
         for name, make, ref in cases:
-            got, state = _fzero_run(make(), stage)
+            got, state = _fzero_run(make(), stage, steps=2)
+            if name == "from_torch(Adafactor)":
+                adafactor_state = state
             try:
                 ft.assert_trees_close(got, ref, tol="fp32", what=f"{name} zero={stage}")
             except AssertionError as e:
                 failures.append(str(e))
         if stage == 3:
-            _, state = _fzero_run(optim.from_torch(torch.optim.Adafactor, lr=lr), stage)
+            state = adafactor_state
             held = state.opt_state.state["blocks.0.0.weight"]["row_var"].local.numel()
             owners["hidden weight's row_var elements here"] = held
             owners["mid-row boundary"] = _mid_row_boundary(state)
@@ -402,11 +470,14 @@ def _resume(name, path, stage):
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["RMSprop", "Adafactor"])
-def test_a_from_torch_state_saved_at_zero_2_on_2_ranks_resumes_at_zero_3_on_1(ranks, tmp_path, name):
+def test_a_from_torch_state_saved_at_zero_2_on_2_ranks_resumes_at_zero_3_on_3(ranks, tmp_path, name):
+    """Resharded onto 3 ranks (the world the whole-tensor test starts): other pieces, and
+    other owners of the whole-tensor state (the output weight's moves from rank 1 to 2)."""
     path = str(tmp_path / "ckpt")
     whole = ranks(2).run(_train_and_save, name, path, 2, STEPS, 2)
-    resumed = ranks(1).run(_resume, name, path, 3)
-    ft.assert_trees_close(resumed[0], whole[0], tol="fp32", what=f"{name} resumed at ZeRO 3 on 1 rank")
+    resumed = ranks(3).run(_resume, name, path, 3)
+    for r, got in enumerate(resumed):
+        ft.assert_trees_close(got, whole[0], tol="fp32", what=f"{name} resumed at ZeRO 3 on rank {r} of 3")
 
 
 # --------------------------------------------------------------------------- DeepSpeed config types
@@ -565,3 +636,55 @@ def test_mup_types_scale_each_parameters_learning_rate_by_its_infshape(kind):
 
     ref = _torch_run(make)
     ft.assert_trees_close(dict(state.params), ref, tol="fp32", what=kind)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def _seq():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH),
+                               torch.nn.Tanh(), torch.nn.Linear(WIDTH, D_OUT))
+
+
+PIPELINED = [("RMSprop", dict(lr=0.01, momentum=0.5, centered=True)), ("Adafactor", dict(lr=0.02))]
+
+
+def _pipelined(zero):
+    """On 2 ranks, one stage each: from_torch's optimizers under a 2-stage pipeline (2
+    micro-batches), each stage updating its own layers; the whole parameters, and the
+    references (one process, the module, backward on each full batch, torch's optimizer)."""
+    mesh = fzero.Mesh(pp=2, dp=1)
+    out = []
+    for name, kw in PIPELINED:
+        cls = getattr(torch.optim, name)
+        model = _seq()
+        pipe = fzero.pipeline(fzero.transforms.pipeline.split(model, [2]), F.mse_loss, mesh, micro_batches=2)
+
+        def train_step(state, batch):
+            loss, grads = pipe(state.params, batch["x"], batch["y"])
+            return state.apply_gradients(grads), {"loss": loss}
+
+        step = fzero.compile(train_step, mesh, zero=zero, pipeline=pipe)
+        apply, params = fzero.functionalize(model)
+        state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.from_torch(cls, **kw)))
+        for b in _batches():
+            state, _ = step(state, b)
+        ref_model = _seq()
+        opt = cls(ref_model.parameters(), **kw)
+        for b in _batches():
+            opt.zero_grad()
+            F.mse_loss(ref_model(b["x"]), b["y"]).backward()
+            opt.step()
+        out.append((name, pipe.gather(state.params), {k: v.detach() for k, v in ref_model.named_parameters()}))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_from_torch_under_a_pipeline_equals_torch(ranks):
+    pool = ranks(2)
+    for zero in (0, 1):
+        for results in pool.run(_pipelined, zero):
+            for name, got, ref in results:
+                ft.assert_trees_close(got, ref, tol="fp32", what=f"from_torch({name}) under pp=2, zero={zero}")

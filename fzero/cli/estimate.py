@@ -59,21 +59,27 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _formula(a: int, b: int, psi: str = "Ψ") -> str:
-    terms = ([f"{a}{psi}"] if a else []) + ([f"{b}{psi}/N"] if b else [])
+def _formula(a: float, b: float, psi: str = "Ψ") -> str:
+    terms = ([f"{a:.4g}{psi}"] if a else []) + ([f"{b:.4g}{psi}/N"] if b else [])
     return " + ".join(terms) or "0"
 
 
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
            optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int | None = None,
            tp: int = 1, pp: int = 1, master_weights: str = "fp32", optimizer_states: str = "fp32",
-           rounding: str = "nearest") -> str:
-    """The table ``fzero estimate`` prints; ``tp``/``pp``, ``master_weights`` and
-    ``optimizer_states`` as in :func:`fzero.memory.model_state_bytes`."""
+           rounding: str = "nearest", optimizer_bytes: float | None = None) -> str:
+    """The table ``fzero estimate`` prints; ``tp``/``pp``, ``master_weights``,
+    ``optimizer_states``, ``rounding`` and ``optimizer_bytes`` as in
+    :func:`fzero.memory.model_state_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
     local, dp = rank_share(num_params, world_size=world_size, tp=tp, pp=pp)
     split = tp * pp > 1  # the formulas are then in Ψ' = Ψ/(tp·pp)
-    n_states = OPTIMIZER_STATES[optimizer]
+    if optimizer_bytes is None:
+        n_states = OPTIMIZER_STATES[optimizer]
+        opt_line = (f"optimizer: {optimizer} ({n_states} {optimizer_states} state{'s' if n_states != 1 else ''} "
+                    "per parameter)")
+    else:
+        opt_line = f"optimizer: {optimizer_bytes:.4g} bytes of state per parameter (--optimizer-bytes)"
     if precision == "fp32":
         prec = "fp32 (4-byte parameters and gradients)"
     else:
@@ -85,9 +91,8 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         f"({num_params:,}), {ranks}",
         *([f"a rank holds Ψ' = Ψ/(tp·pp) = {_count(local)} parameters ({local:,}), partitioned by ZeRO "
            f"over N = dp = {dp}"] if split else []),
-        f"precision: {prec}; optimizer: {optimizer} "
-        f"({n_states} {optimizer_states} state{'s' if n_states != 1 else ''} per parameter"
-        f"{', and a bf16 Kahan compensation' if rounding == 'kahan' else ''})",
+        f"precision: {prec}; {opt_line}"
+        f"{', and a bf16 Kahan compensation per parameter' if rounding == 'kahan' else ''}",
         "",
     ]
     header = ["stage", "params", "grads", "optimizer", "model states", "buffers", "total", "formula"]
@@ -95,12 +100,13 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
     for stage in stages:
         kept = {"master_weights": master_weights, "optimizer_states": optimizer_states, "rounding": rounding}
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
-                              optimizer=optimizer, tp=tp, pp=pp, **kept)
+                              optimizer=optimizer, optimizer_bytes=optimizer_bytes, tp=tp, pp=pp, **kept)
         buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
                                   bucket_bytes=bucket_bytes, tp=tp, pp=pp)
         rows.append([str(stage), fmt(b["params"]), fmt(b["grads"]), fmt(b["optimizer"]), fmt(b["total"]),
                      fmt(buf), fmt(b["total"] + buf),
-                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer, **kept),
+                     _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer,
+                                            optimizer_bytes=optimizer_bytes, **kept),
                               "Ψ'" if split else "Ψ")])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
@@ -132,6 +138,16 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
     return n
+
+
+def _bytes_per_param(text: str) -> float:
+    try:
+        k = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes per parameter") from None
+    if not 0 <= k < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return k
 
 
 def _count_arg(text: str) -> int:
@@ -175,8 +191,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --master-weights bf16: how updates round into the bf16 masters; kahan keeps a "
                         "2-byte compensation per parameter (default nearest)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam",
-                   help="decides the fp32 states per parameter: adam/adamw/lamb 2, lion/sgd-momentum 1, "
-                        "sgd 0 (default adam)")
+                   help="decides the fp32 states per parameter: adam/adamw/lamb/adadelta/rprop 2, "
+                        "lion/sgd-momentum/muon/adagrad/rmsprop 1, sgd 0 (default adam)")
+    p.add_argument("--optimizer-bytes", type=_bytes_per_param, default=None, metavar="K",
+                   help="instead of --optimizer: the optimizer's bytes of state per parameter, as "
+                        "fzero.memory.optimizer_state_bytes(tx, params) / params measures it for any optimizer"),
     p.add_argument("--bucket-bytes", type=_positive_int, default=None, metavar="BYTES",
                    help="shard_state's bucket_bytes (default shard_state's: 1/32 of the parameters' bytes, "
                         "at most 25 MiB): sizes the reduce buffers of stages 2-3")
@@ -305,7 +324,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(render(args.params, world_size=world, stages=stages, precision=args.precision,
                  optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
                  tp=tp, pp=pp, master_weights=args.master_weights, optimizer_states=args.optimizer_states,
-                 rounding=args.rounding))
+                 rounding=args.rounding, optimizer_bytes=args.optimizer_bytes))
     if not args.time:
         return 0
     try:

@@ -192,6 +192,9 @@ class FromTorch(Known):
 
     optimizer_cls: type
     elementwise: bool | None
+    # (grads, state, params) -> (params, state): one donated update that steps the optimizer
+    # on the parameters themselves, in place (the lowering's path for a bare from_torch).
+    step_in_place: Any = None
     inplace = True
     donates = True
     output = "new"

@@ -8,7 +8,10 @@ with the rest of the state. ``update`` is pure: each call builds a throwaway opt
 over fresh copies of the parameters, loads the state tensors into ``optimizer.state[p]``,
 calls ``step()`` and reads back the new parameters (the update is ``new - old``) and the
 new state. Under ``donate=True`` (the step owns its input state) the state tensors are
-handed to the optimizer as they are and it writes them in place.
+handed to the optimizer as they are and it writes them in place; a compiled step's update of
+an element-wise ``from_torch``, bare or last in a chain, goes further (``step_in_place``,
+taken by :mod:`fzero.optim.lowering`): the optimizer steps the parameters themselves, so no
+copy of them is made and the new parameters are torch's own bits.
 
 Under ZeRO stages 1-3 the optimizer sees this rank's pieces of each parameter (flat runs of
 elements). An element-wise optimizer computes the same there; one whose update reads the
@@ -174,16 +177,17 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
         return out
 
     def step(items: list[tuple[torch.Tensor, torch.Tensor, dict, int]], count: int, *, fresh: bool,
-             donate: bool, inplace: bool) -> list[tuple[torch.Tensor, dict]]:
+             donate: bool, inplace: bool, on_params: bool = False) -> list[tuple[torch.Tensor | None, dict]]:
         """One ``step()`` of a throwaway optimizer over ``(grad, param, state, group)``;
-        ``fresh``: the optimizer starts its state itself (the first update)."""
+        ``fresh``: the optimizer starts its state itself (the first update). ``on_params``:
+        it steps the parameters themselves, in place, and returns no update."""
         if not items:
             return []
         with torch.no_grad():
             copies = []
             members: dict[int, list[torch.Tensor]] = {}
             for g, p, _, gi in items:
-                q = p.detach().clone()
+                q = p if on_params else p.detach().clone()
                 g = g.detach()
                 q.grad = g.to(q.dtype) if (trusted or inplace) else g.to(q.dtype, copy=True)
                 copies.append(q)
@@ -196,7 +200,13 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
             try:
                 opt.step()
             except Exception as e:
-                raise type(e)(f"{WHERE}: {optimizer_cls.__qualname__}.step() failed: {e}") from e
+                if on_params:
+                    for q in copies:
+                        q.grad = None
+                # Meta tensors have no values: torch builds a parameter's state before its
+                # math, which may read a value (.item()); the state built is what a probe needs.
+                if not (copies[0].device.type == "meta" and fresh and all(q in opt.state for q in copies)):
+                    raise type(e)(f"{WHERE}: {optimizer_cls.__qualname__}.step() failed: {e}") from e
             out = []
             for q, (_, p, _, _) in zip(copies, items):
                 new_state = dict(opt.state.get(q, {}))
@@ -205,7 +215,11 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
                     raise TypeError(f"{WHERE}: {optimizer_cls.__qualname__} keeps non-tensor state {bad} per "
                                     f"parameter; fzero keeps optimizer state as tensors only (checkpoints hold "
                                     f"no pickled objects)")
-                out.append((q.sub_(p), new_state))
+                if on_params:
+                    q.grad = None  # the parameter outlives this step; its gradient must not
+                    out.append((None, new_state))
+                else:
+                    out.append((q.sub_(p), new_state))
             return out
 
     probes: dict[tuple, dict] = {}
@@ -244,6 +258,16 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
                                                                                         TorchState())))
 
     def update_fn(updates, state, params=None, *, inplace=False, donate=False):
+        return _update(updates, state, params, inplace=inplace, donate=donate, on_params=False)
+
+    def step_in_place(grads, state, params):
+        """A donated update that steps the optimizer on ``params`` themselves (this rank's
+        pieces under ZeRO): no copy of the parameters, no update tensor, and the new
+        parameters are the optimizer's own bits. Returns ``(params, state)``."""
+        _, new_state = _update(grads, state, params, inplace=False, donate=True, on_params=True)
+        return params, new_state
+
+    def _update(updates, state, params, *, inplace, donate, on_params):
         _need_params(WHERE, params)
         if whole:
             refuse_split(WHERE, params)
@@ -261,6 +285,8 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
         count = int(state.count)
         gis = group_of(params)
         opts = dict(fresh=count == 0, donate=donate, inplace=inplace)
+        if on_params:
+            opts["on_params"] = True
         if whole:
             def whole_step(idx, wholes):
                 return step([(g, p, st, gis[i]) for i, (g, p, st) in zip(idx, wholes)], count, **opts)
@@ -272,13 +298,13 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
                       {k: (v.local if is_piece(v) else v) for k, v in s.items()}, gi)
                      for g, p, s, gi in zip(g_leaves, p_leaves, s_leaves, gis)]
             results = step(local, count, **opts)
-            new_u = [type(g)(u, g.info) if is_piece(g) else u for g, (u, _) in zip(g_leaves, results)]
+            new_u = [type(g)(u, g.info) if is_piece(g) and u is not None else u for g, (u, _) in zip(g_leaves, results)]
             new_s = [TorchState(_as_pieces(s, p)) for p, (_, s) in zip(p_leaves, results)]
         return tree.unflatten(spec, _fill(all_g, here, new_u)), FromTorchState(
             count=_increment(state.count), state=tree.unflatten(s_spec, _fill(all_s, here, new_s)))
 
     tx = GradientTransformation(init_fn, update_fn)
-    return _known.record(tx, _known.FromTorch(optimizer_cls, declared))
+    return _known.record(tx, _known.FromTorch(optimizer_cls, declared, None if whole else step_in_place))
 
 
 def _fill(leaves: list, here: list[int], values: list, absent: Any = None) -> list:
