@@ -14,11 +14,19 @@ from fzero import optim, replicas
 pytestmark = pytest.mark.multirank
 
 
-def _train(stage: int, every: int, drift_at: int | None, steps: int = 4):
-    """Train a tiny MLP on 2 ranks; in the step from ``drift_at``, rank 1 nudges one updated
-    weight by one ulp (a user's per-rank code). Returns the error's text, or the losses."""
+def _train(stage: int, every: int, drift_at: int | None, steps: int = 4, tp: bool = False,
+           leaf: str = "2.weight"):
+    """Train a tiny model on 2 ranks (dp=2, or tp=2 with the tensor-parallel tests' ``Net``);
+    in the step from update ``drift_at``, rank 1 nudges element 3 of the updated ``leaf`` by
+    one ulp (a user's per-rank code). Returns the error's text, or the losses."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if tp:
+        from test_tensor_parallel import PLAN, Net
+
+        model, mesh, d_in, d_out, extra = Net(), fzero.Mesh(dp=1, tp=2), 5, 3, {"tp": PLAN}
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        mesh, d_in, d_out, extra = fzero.Mesh(dp=-1), 6, 2, {}
     apply, params = fzero.functionalize(model)
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
 
@@ -26,17 +34,18 @@ def _train(stage: int, every: int, drift_at: int | None, steps: int = 4):
         loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
         new = state.apply_gradients(g)
         if int(state.step) == drift_at and dist.get_rank() == 1:  # after the update (and ZeRO's gather)
-            w = new.params["2.weight"].view(-1)
+            w = new.params[leaf].view(-1)
             w[3] = torch.nextafter(w[3], torch.tensor(10.0))
         return new, {"loss": loss}
 
-    step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage, check_replicas=every)
+    step = fzero.compile(train_step, mesh, zero=stage, check_replicas=every, **extra)
     state = step.init(state)
     losses = []
     try:
         for i in range(steps):
-            g = torch.Generator().manual_seed(100 * i + dist.get_rank())
-            state, m = step(state, {"x": torch.randn(4, 6, generator=g), "y": torch.randn(4, 2, generator=g)})
+            g = torch.Generator().manual_seed(100 * i + (0 if tp else dist.get_rank()))
+            x, y = torch.randn(4, d_in, generator=g), torch.randn(4, d_out, generator=g)
+            state, m = step(state, {"x": x, "y": y})
             losses.append(float(m["loss"]))
     except fzero.ReplicaDivergenceError as e:
         return f"{e}\nstep={e.step} leaves={sorted(e.leaves)}"
@@ -58,6 +67,15 @@ def test_a_replica_nudged_by_one_ulp_is_named_with_the_leaf_ranks_and_step(ranks
 def test_replicas_that_agree_pass_every_check(ranks, stage):
     said = ranks(2).run(_train, stage, 1, None)
     assert said[0] == said[1] and len(said[0]) == 4, said
+
+
+def test_under_tp_the_whole_weights_are_compared_across_the_peers_and_each_slice_alone(ranks):
+    assert len(ranks(2).run(_train, 0, 1, None, 3, True)[0]) == 3  # tp peers that agree pass
+    # A whole weight (the head) nudged on rank 1: named. A split weight's slice has one holder at dp=1.
+    said = ranks(2).run(_train, 0, 1, 1, 3, True, "head.weight")
+    assert said[0] == said[1] and "  .params['head.weight'] differs between its holders (rank 0: sum " in said[0], said
+    assert said[0].startswith("fzero.compile(check_replicas=): replicas diverged at step 2: "), said[0]
+    assert len(ranks(2).run(_train, 0, 1, 1, 3, True, "blocks.0.fc.weight")[0]) == 3
 
 
 def _holders(drift: bool):
