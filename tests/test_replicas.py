@@ -114,3 +114,19 @@ def test_the_fingerprint_is_exact_and_order_free():
     assert torch.equal(a, b) and a[0, 0] != c[0, 0]
     keys, fp = replicas.fingerprints({"w": torch.ones(3, dtype=torch.bfloat16), "m": torch.tensor([True, False])})
     assert keys == ["['m']", "['w']"] and fp.tolist()[0][0] == 1 and fp.tolist()[1][0] == 3 * 0x3F80  # bf16 1.0
+
+
+def test_the_config_key_is_fzero_check_replicas():
+    apply, params = fzero.functionalize(torch.nn.Linear(2, 1))
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    cfg = {"train_batch_size": 4, "fzero": {"check_replicas": 100}}
+    step = fzero.compile(lambda s, b: (s, {}), config=cfg)
+    assert step.options.check_replicas == 100 and fzero.Config.load(cfg).check_replicas == 100
+    with pytest.raises(ValueError, match=r"check_replicas=5 contradicts the config's check_replicas=100 "
+                                         r"\(fzero.check_replicas\)"):
+        fzero.compile(lambda s, b: (s, {}), config=cfg, check_replicas=5)
+    with pytest.raises(ValueError, match=r"fzero.check_replicas must be >= 1, got 0"):
+        fzero.Config.load({"train_batch_size": 4, "fzero": {"check_replicas": 0}})
+    with pytest.raises(ValueError, match=r"check_replicas=0 must be"):
+        fzero.compile(lambda s, b: (s, {}), check_replicas=0)
+    step.init(state)  # one process: nothing to compare, nothing to fail
