@@ -70,6 +70,21 @@ def test_a_save_into_a_full_disk_is_a_named_error_and_latest_stays_on_the_last_g
     assert ckpt.latest(tmp_path, verify=True) == str(tmp_path / "step_2")
 
 
+def test_a_failed_asynchronous_save_nobody_waited_for_is_raised_by_the_next_save(tmp_path, monkeypatch):
+    ckpt.save(tmp_path / "step_1", _state(1))
+    _fail_writes_after(monkeypatch, 5000)
+    handle = ckpt.save(tmp_path / "step_2", _state(2), async_=True)  # nobody waits for it
+    while not handle.done():
+        handle._done.wait(0.1)
+    monkeypatch.undo()
+    with pytest.raises(ckpt.CheckpointError, match=rf"the previous asynchronous save to {tmp_path}/step_2 failed: "
+                                                   r".*the disk is full \(ENOSPC"):
+        ckpt.save(tmp_path / "step_3", _state(3))
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step_1")
+    ckpt.save(tmp_path / "step_3", _state(3))  # reported once: the next save goes ahead
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step_3")
+
+
 def test_a_full_disk_while_the_manifest_is_written_commits_nothing(tmp_path, monkeypatch):
     ckpt.save(tmp_path / "step_1", _state(1))
     real = _format.write_json

@@ -195,11 +195,11 @@ def save(
     with _PENDING_LOCK:
         previous = _PENDING
     if previous is not None:
+        reported = previous._reported  # (wait() marks its error reported as it raises it)
         try:
             previous.wait()  # a second save waits for the first
         except BaseException as e:
-            if not previous._reported:
-                previous._reported = True
+            if not reported:
                 raise CheckpointError(f"{WHERE}: the previous asynchronous save to {previous.path} failed: {e}") from e
     world = _comm.world(WHERE, timeout_s, path=path)
     plan = make_plan(state, world)
