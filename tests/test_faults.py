@@ -109,10 +109,12 @@ def test_a_rank_whose_disk_is_full_fails_the_job_naming_it_and_latest_stays_on_t
     done = _launch(tmp_path, "--zero", "3", "--fault", "full:rank=1:at=save:step=4")
     assert done.returncode != 0, done.output[-4000:]
     ckpt = tmp_path / "ckpt"
-    said = (f"CheckpointError: fzero.checkpoint.save: the previous asynchronous save to {ckpt}/step_0004 failed: "
+    said = (f"fzero.checkpoint._format.CheckpointError: fzero.checkpoint.save: the previous asynchronous save to "
+            f"{ckpt}/step_0004 failed: "
             f"fzero.checkpoint.save: nothing was committed to {ckpt}/step_0004: writing failed on rank 1: the file "
             f"size limit was reached (EFBIG: File too large) writing {ckpt}/.step_0004.tmp-")
-    assert f"[rank0]: {said}" in done.output and f"[rank1]: {said}" in done.output, done.output[-4000:]
+    # Each rank raises it; the first to end the job is shown (torchrun stops the other).
+    assert f"[rank0]: {said}" in done.output or f"[rank1]: {said}" in done.output, done.output[-4000:]
     assert f"the newest committed checkpoint in {ckpt} is unchanged: step_0002" in done.output
     assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0002")
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_0002"]  # no partial files left behind
