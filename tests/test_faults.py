@@ -132,6 +132,9 @@ def test_a_checkpoint_damaged_after_commit_is_skipped_and_the_run_resumes_from_t
             f"checksum mismatch in {ckpt}/step_0004/rank00000.safetensors, bytes [") in done.output, done.output[-4000:]
     assert "fault_job: resuming from step_0002 (attempt 1)" in done.output, done.output[-4000:]
     assert _curve(tmp_path) == reference  # bit for bit, from the last intact checkpoint
+    # The resumed run saved step 4 again, over the damaged one (overwrite=True).
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0006")
+    fzero.checkpoint.verify(str(ckpt / "step_0004"))
 
 
 @pytest.mark.parametrize("flag, says", [

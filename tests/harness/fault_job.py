@@ -24,7 +24,8 @@ interpreter exits). Before failing, the rank writes the time (``time.time()``) t
 
 ``--damage flip|truncate`` damages the newest checkpoint when a restarted attempt begins
 (rank 0 flips a byte inside a tensor of its shard, or cuts the shard's last 8 bytes), and
-``--verify-latest`` resumes from ``latest(root, verify=True)``: the newest intact one.
+``--verify-latest`` resumes from ``latest(root, verify=True)``, the newest intact one, and
+saves with ``overwrite=True`` (the resumed run saves the damaged one's step again).
 
 ``--tree-differs`` gives rank 1 one more parameter, ``--stage-differs`` rank 1 another ZeRO
 stage, ``--path-differs`` rank 1 another checkpoint path: inputs the job must refuse.
@@ -146,7 +147,9 @@ def main(argv=None) -> None:
         if int(state.step) % args.every == 0:
             if fault and fault["kind"] == "full" and i + 1 == fault["step"]:
                 fail()
-            fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True)
+            # Resumed past a damaged checkpoint, the run saves that step again: replace it.
+            fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True,
+                                  overwrite=args.verify_latest)
             if fault and fault["kind"] != "full" and fault["at"] == "save" and i + 1 == fault["step"]:
                 fail()  # the save's thread is writing or agreeing with the other ranks now
     if fault and fault["at"] == "exit":
