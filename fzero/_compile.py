@@ -171,7 +171,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             fp16 scaler's settings, ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``,
             ``overlap_comm``, ``nonfinite`` (an update with an inf/NaN gradient: skipped by
             default), ``buffer_sync``, ``donate``, ``jit``, ``comm_bytes``, ``offload_optimizer``,
-            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``, and the
+            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``,
+            ``check_replicas`` (every N updates, compare what should be identical across
+            the ranks; :class:`fzero.ReplicaDivergenceError` names what differs), and the
             measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken
             for ``zero`` and ``precision``, with a ``DeprecationWarning``.
 
