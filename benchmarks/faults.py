@@ -44,6 +44,11 @@ ROWS = [
      r"fault_job: rank 0: done \(attempt 1\)"),
     ("SIGKILL rank 1 at exit", ["--fault", "kill:rank=1:at=exit"], 0, r"exitcode\s+: -9.*"),
     ("SIGSTOP rank 1 mid-backward", ["--fault", "stop:rank=1:at=backward:step=3"], 0, r"CollectiveError: .*"),
+    ("rank 1's disk full from the save of step 4 (1 KiB file size limit)", ["--fault", "full:rank=1:at=save:step=4"],
+     0, r"CheckpointError: fzero.checkpoint.save: the previous asynchronous save .*"),
+    ("newest checkpoint damaged (a flipped byte) before a restart, --max-restarts 1, latest(verify=True)",
+     ["--fault", "kill:rank=1:at=backward:step=5", "--damage", "flip", "--verify-latest"], 1,
+     r"fault_job: resuming from step_0002 \(attempt 1\)"),
     ("rank 1 has one more layer", ["--tree-differs"], 0, r"rank 1 has .*"),
     ("rank 1 compiled another ZeRO stage", ["--stage-differs"], 0, r"ZeRO stage: .*"),
     ("rank 1 saves to another path", ["--path-differs"], 0, r"ValueError: .*"),
@@ -63,7 +68,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="FZERO_TIMEOUT in the ranks (s)")
     p.add_argument("--zero", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--only", default=None, help="run the rows whose label contains this text")
+    p.add_argument("--only", default=None, help="run the rows whose label contains this text (or one of "
+                   "several, separated by |)")
     args = p.parse_args()
     env = {**os.environ, "FZERO_TIMEOUT": f"{args.timeout:g}", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -71,7 +77,7 @@ def main() -> None:
     print(f"2 ranks (gloo, CPU), ZeRO-{args.zero}, FZERO_TIMEOUT={args.timeout:g} s, {args.steps} steps")
     print(f"| fault | exit | seconds | what the job says |\n| --- | --- | --- | --- |")
     for label, extra, restarts, pattern in ROWS:
-        if args.only and args.only not in label:
+        if args.only and not any(part in label for part in args.only.split("|")):
             continue
         with tempfile.TemporaryDirectory(prefix="fzero-faults-") as tmp:
             out = Path(tmp)

@@ -15,6 +15,7 @@ from fzero.functional import functionalize, grad, load_into, remat, value_and_gr
 from fzero.means import global_mean
 from fzero import rng
 from fzero.train_state import TrainState
+from fzero.replicas import ReplicaDivergenceError
 # Step -> step transforms: each takes a train step and returns one with the same signature
 # (compile applies them in one fixed order, fzero/_compile.py's ORDER).
 from fzero.transforms import (Step, accumulate, check_finite, clip, mixed_precision, offload_optimizer, shard_state,
@@ -34,6 +35,7 @@ __all__ = [
     "DivideAttributes",
     "Mesh",
     "NonFiniteGradientError",
+    "ReplicaDivergenceError",
     "Params",
     "Step",
     "TrainState",

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fzero import replicas
 from fzero._jit import Jit
 from fzero.autotune._profile import TrialProfiler
 from fzero.config import AutoFill, Config
@@ -170,7 +171,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             fp16 scaler's settings, ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``,
             ``overlap_comm``, ``nonfinite`` (an update with an inf/NaN gradient: skipped by
             default), ``buffer_sync``, ``donate``, ``jit``, ``comm_bytes``, ``offload_optimizer``,
-            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``, and the
+            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``,
+            ``check_replicas`` (every N updates, compare what should be identical across
+            the ranks; :class:`fzero.ReplicaDivergenceError` names what differs), and the
             measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken
             for ``zero`` and ``precision``, with a ``DeprecationWarning``.
 
@@ -307,7 +310,19 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             metrics = monitoring.report(metrics, times, new, batch, update)
         if profiler is not None:
             profiler.after_call(mesh)  # ends the trial after its last profiled step
+        if opts.check_replicas is not None and isinstance(new, TrainState):
+            _check_replicas(new)
         return new, metrics
+
+    checked: dict[str, Any] = {"step": None}
+
+    def _check_replicas(state: TrainState) -> None:
+        at = int(state.step)
+        if at % opts.check_replicas or checked["step"] == at:  # every N updates; a skipped one is not one
+            return
+        checked["step"] = at
+        replicas.check(state, at, device=mesh.device, timeout_s=mesh.timeout_s,
+                       buffers=opts.buffer_sync != "local", _counts=checked)
 
     step = Step(call, before=before, after=after, name=f"compiled({getattr(train_step, '__name__', 'step')})", inner=inner)
     step.mesh = mesh

@@ -145,6 +145,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "memory": boolean,
     "peak_flops": optional(positive_number),
     "tokens_per_batch": optional(positive_int),
+    "check_replicas": optional(positive_int),
     "monitors": _monitors,
 }
 
@@ -371,6 +372,13 @@ class CompileOptions:
     tokens_per_batch: int | None = None
     """Tokens in one local batch, for ``tokens_per_s`` (default: the element count of the
     batch's first integer tensor of two or more dimensions, :func:`fzero.monitor.batch_tokens`)."""
+
+    check_replicas: int | None = None
+    """Every this many updates, compare a fingerprint of every leaf that should be identical
+    on the ranks holding it (dp replicas' parameters at stages 0-2 and replicated optimizer
+    state, tp peers' whole weights, a tied weight's copies on pipeline stages) and raise
+    :class:`fzero.ReplicaDivergenceError` on every rank, naming the leaves, the ranks and
+    the step, when they differ (:mod:`fzero.replicas`). ``None``: never."""
 
     monitors: tuple = ()
     """Writers of each step's scalar metrics, on rank 0 (:class:`fzero.monitor.TensorBoard`,

@@ -103,6 +103,40 @@ def test_a_rank_killed_at_exit_fails_the_job_naming_it_and_loses_no_checkpoint(t
     assert fzero.checkpoint.latest(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / f"step_{STEPS:04d}")
 
 
+def test_a_rank_whose_disk_is_full_fails_the_job_naming_it_and_latest_stays_on_the_last_good_one(tmp_path):
+    # Rank 1's writes fail from the save of step 4 on (a 1 KiB file size limit: EFBIG, as a
+    # full disk's ENOSPC); the save of step 6 reports the failed asynchronous save and ends the job.
+    done = _launch(tmp_path, "--zero", "3", "--fault", "full:rank=1:at=save:step=4")
+    assert done.returncode != 0, done.output[-4000:]
+    ckpt = tmp_path / "ckpt"
+    said = (f"fzero.checkpoint._format.CheckpointError: fzero.checkpoint.save: the previous asynchronous save to "
+            f"{ckpt}/step_0004 failed: "
+            f"fzero.checkpoint.save: nothing was committed to {ckpt}/step_0004: writing failed on rank 1: the file "
+            f"size limit was reached (EFBIG: File too large) writing {ckpt}/.step_0004.tmp-")
+    # Each rank raises it; the first to end the job is shown (torchrun stops the other).
+    assert f"[rank0]: {said}" in done.output or f"[rank1]: {said}" in done.output, done.output[-4000:]
+    assert f"the newest committed checkpoint in {ckpt} is unchanged: step_0002" in done.output
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0002")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_0002"]  # no partial files left behind
+
+
+def test_a_checkpoint_damaged_after_commit_is_skipped_and_the_run_resumes_from_the_last_intact_one(
+        tmp_path, uninterrupted):
+    _, reference, _ = uninterrupted
+    # Killed in step 5, after step_0004 committed; the restart finds step_0004 damaged.
+    done = _launch(tmp_path, "--zero", "3", "--fault", "kill:rank=1:at=backward:step=5", "--damage", "flip",
+                   "--verify-latest", restarts=1)
+    assert done.returncode == 0, done.output[-4000:]
+    ckpt = tmp_path / "ckpt"
+    assert (f"CorruptCheckpointWarning: fzero.checkpoint.latest: skipped the damaged checkpoint {ckpt}/step_0004: "
+            f"checksum mismatch in {ckpt}/step_0004/rank00000.safetensors, bytes [") in done.output, done.output[-4000:]
+    assert "fault_job: resuming from step_0002 (attempt 1)" in done.output, done.output[-4000:]
+    assert _curve(tmp_path) == reference  # bit for bit, from the last intact checkpoint
+    # The resumed run saved step 4 again, over the damaged one (overwrite=True).
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0006")
+    fzero.checkpoint.verify(str(ckpt / "step_0004"))
+
+
 @pytest.mark.parametrize("flag, says", [
     ("--tree-differs", "rank 1 has '3.weight', '3.bias', which rank 0 has not"),
     ("--stage-differs", "ZeRO stage: rank 0 compiled stage 2, rank 1 compiled stage 3"),

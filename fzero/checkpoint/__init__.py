@@ -6,7 +6,8 @@
   ``tp`` split it was saved with (ranks may hold different trees: each pipeline stage its
   own parameters; a tensor-parallel rank its slices); checksums verified; no code ever runs
   on load.
-* :func:`latest` -- the newest committed checkpoint in a directory.
+* :func:`latest` -- the newest committed checkpoint in a directory (with ``verify=True``, the
+  newest intact one: damaged ones are passed over with a :class:`CorruptCheckpointWarning`).
 * :func:`export` -- the parameters, whole, in one safetensors file for ``load_state_dict``.
 * :func:`verify`, :func:`metadata`, :func:`manifest` -- read-only helpers (and the
   ``fzero checkpoint inspect|verify|export PATH`` command).
@@ -29,6 +30,7 @@ from fzero.checkpoint._format import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    CorruptCheckpointWarning,
     Progress,
 )
 from fzero.checkpoint._load import load, manifest, metadata, verify
@@ -38,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
+    "CorruptCheckpointWarning",
     "Progress",
     "SaveHandle",
     "export",

@@ -39,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
+    "CorruptCheckpointWarning",
     "FORMAT",
     "VERSION",
     "Progress",
@@ -65,6 +66,16 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, file: str | os.PathLike | None = None):
         super().__init__(message)
         self.file = None if file is None else os.fspath(file)
+
+
+class CorruptCheckpointWarning(UserWarning):
+    """A committed checkpoint was passed over because it is damaged (``latest(root,
+    verify=True)``). ``path`` is the checkpoint; ``error`` the :class:`CheckpointError`
+    that says which file and why."""
+
+    def __init__(self, message: str, path: str | None = None, error: BaseException | None = None):
+        super().__init__(message)
+        self.path, self.error = path, error
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):

@@ -19,12 +19,14 @@ overwrites a committed checkpoint before its replacement is complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import shutil
 import threading
 import time
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -193,11 +195,11 @@ def save(
     with _PENDING_LOCK:
         previous = _PENDING
     if previous is not None:
+        reported = previous._reported  # (wait() marks its error reported as it raises it)
         try:
             previous.wait()  # a second save waits for the first
         except BaseException as e:
-            if not previous._reported:
-                previous._reported = True
+            if not reported:
                 raise CheckpointError(f"{WHERE}: the previous asynchronous save to {previous.path} failed: {e}") from e
     world = _comm.world(WHERE, timeout_s, path=path)
     plan = make_plan(state, world)
@@ -325,7 +327,7 @@ def _write_and_commit(handle, path, plan, entries, world, step, metadata, rng_js
         written: dict[str, Any] = _format.write_file(os.path.join(tmp, fname), entries, meter=meter)
         written.update(ok=True, file=fname, rng=rng_json, fingerprint=plan.fingerprint)
     except Exception as e:  # noqa: BLE001
-        written = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        written = {"ok": False, "error": _write_error(e, os.path.join(tmp, fname), meter.done, total)}
     handle.stats = meter.finish()
 
     # 3. rank 0 learns what everyone wrote; 4. it commits.
@@ -340,7 +342,31 @@ def _write_and_commit(handle, path, plan, entries, world, step, metadata, rng_js
             shutil.rmtree(tmp, ignore_errors=True)
     outcome = world.broadcast_json("commit outcome", outcome)
     if "error" in outcome:
-        raise CheckpointError(f"{WHERE}: nothing was committed to {path}: {outcome['error']}")
+        before = latest(parent)
+        raise CheckpointError(f"{WHERE}: nothing was committed to {path}: {outcome['error']}; the newest committed "
+                              f"checkpoint in {parent} is unchanged: "
+                              f"{os.path.basename(before) if before else 'there is none'}")
+
+
+# errno -> what it means for a checkpoint being written
+_STORAGE_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EFBIG: "the file size limit was reached",
+    errno.EIO: "the storage reported an I/O error",
+    errno.EROFS: "the file system is read-only",
+}
+
+
+def _write_error(e: BaseException, file: str, done: int, total: int) -> str:
+    """What went wrong writing ``file``: the cause in words when the storage refused
+    (disk full, quota, size limit, I/O error), the file, and how far the write got."""
+    code = getattr(e, "errno", None)
+    cause = _STORAGE_ERRNOS.get(code)
+    what = f"{type(e).__name__}: {e}" if code is None else f"{errno.errorcode.get(code, code)}: {e.strerror or e}"
+    if cause is None:
+        return f"{what} (writing {file}, after {done} of {total} tensor bytes)"
+    return f"{cause} ({what}) writing {file}, after {done} of {total} tensor bytes"
 
 
 def _commit(path, tmp, plan, reports, world, step, metadata, keep, overwrite) -> dict:
@@ -423,11 +449,19 @@ def _committed(root: str) -> list[tuple[tuple, str]]:
     return out
 
 
-def latest(root: str | os.PathLike) -> str | None:
+def latest(root: str | os.PathLike, *, verify: bool = False) -> str | None:
     """The newest committed checkpoint in the directory ``root``, or ``None``.
 
     Newest means the highest step, then the latest commit. Directories whose save did not
     finish (no ``COMMITTED`` marker, or a hidden ``.tmp-`` directory) are never returned.
+
+    With ``verify=True`` the candidates are checked newest first, every byte against its
+    checksums (as :func:`fzero.checkpoint.verify` does), and the newest intact one is
+    returned: each damaged one passed over (a flipped byte, a truncated or missing file, a
+    damaged manifest) gives a :class:`CorruptCheckpointWarning` naming it and saying why
+    (its ``path`` and ``error`` attributes hold the same). It reads every byte of each
+    checkpoint it checks, in this process: on a job's every rank, that is the checkpoint
+    read once per rank.
 
     Example:
         >>> import tempfile, fzero.checkpoint as ckpt
@@ -435,16 +469,60 @@ def latest(root: str | os.PathLike) -> str | None:
         True
     """
     found = _committed(os.path.abspath(os.fspath(root)))
-    return found[-1][1] if found else None
+    if not verify:
+        return found[-1][1] if found else None
+    from fzero.checkpoint._load import verify as verify_all
+
+    for _, p in reversed(found):
+        try:
+            verify_all(p)
+        except (CheckpointError, OSError) as e:
+            why = str(e).removeprefix("fzero.checkpoint.verify: ")
+            warnings.warn(_format.CorruptCheckpointWarning(
+                f"fzero.checkpoint.latest: skipped the damaged checkpoint {p}: {why}", p, e), stacklevel=2)
+            continue
+        return p
+    return None
+
+
+def _intact(path: str) -> bool:
+    """Whether ``path`` looks intact without reading its tensor bytes: its marker and
+    manifest check out, and every data file is there, at its recorded size, with its
+    header's checksum. (A flipped byte inside tensor data needs every byte read:
+    :func:`fzero.checkpoint.verify`.)"""
+    try:
+        man = _format.read_manifest(path, "fzero.checkpoint.save(keep=)")
+        files = _format.Files(path, man, "fzero.checkpoint.save(keep=)")
+        try:
+            for name in man["files"]:
+                files.check_head(name)
+        finally:
+            files.close()
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _retain(root: str, keep: int, just: str) -> None:
+    """Delete all but the newest ``keep`` intact checkpoints (and damaged ones older than
+    them). Only checkpoints that look intact (:func:`_intact`) count: damaged ones among the
+    newest are left, and while fewer than ``keep`` intact ones exist nothing is deleted, so
+    retention never deletes the only intact checkpoint. ``just`` (the checkpoint just
+    written) always stays, even if older by step."""
     found = [p for _, p in _committed(root)]
-    newest = found[-keep:]
-    if just not in newest:  # never delete what was just written, even if older by step
-        newest = newest[1:] + [just]
+    kept, intact = {just}, int(_intact(just))
+    for p in reversed(found):
+        if intact >= keep:
+            break
+        if p != just and _intact(p):
+            kept.add(p)
+            intact += 1
+        elif p != just:
+            kept.add(p)  # damaged but newer than the kept intact ones: left for the user to see
+    if intact < keep:
+        kept = set(found)  # too few intact checkpoints: delete nothing
     for p in found:
-        if p in newest:
+        if p in kept:
             continue
         # Renamed first, so a crash while deleting never leaves a half-deleted checkpoint
         # that still looks committed.

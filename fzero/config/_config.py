@@ -185,6 +185,11 @@ class Config:
     """The ``wandb`` section's keys as written (``enabled``, ``project``, ``group``,
     ``team``), or ``None``."""
 
+    check_replicas: int | None = None
+    """``fzero.check_replicas`` (fzero's own section, not DeepSpeed's): compare the
+    replicas' fingerprints every this many updates (``fzero.compile(check_replicas=)``);
+    ``None`` when not written."""
+
     trial: TrialSpec | None = None
     """The ``autotuning`` section as the trial it asks of this run (``fzero.compile(trial=)``),
     as DeepSpeed's engine reads it: ``enabled`` with ``model_info.profile`` and

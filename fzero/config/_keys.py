@@ -243,6 +243,7 @@ _TOP: dict[str, _Rule] = {
     "aio": _noop("asynchronous I/O for NVMe offload, which fzero does not do", _never),
     "graph_harvesting": _noop(_PERF),
     "compile": _USE,  # compile(jit=)
+    "fzero": _USE,  # fzero's own options, not DeepSpeed's (_FZERO)
     "seq_parallel_communication_data_type": _noop("fzero has no sequence parallelism", _never),
     "sequence_parallel_size": _reject("sequence parallelism (DeepSpeed-Ulysses)", lambda v: v not in (1, None)),
     "gradient_allreduce_op": _reject("only 'mean' (DeepSpeed's default) is supported",
@@ -498,6 +499,11 @@ _COMMS_LOGGER: dict[str, _Rule] = {
 
 # DeepSpeed's ``compile`` section (deepspeed/runtime/compiler.py, CompileConfig): ``enabled``,
 # ``backend`` and ``kwargs`` are ``compile(jit=)``, torch.compile of the model's forward.
+# fzero's own options (not DeepSpeed's): the "fzero" section.
+_FZERO: dict[str, _Rule] = {
+    "check_replicas": _USE,  # compile(check_replicas=)
+}
+
 _COMPILE: dict[str, _Rule] = {
     "enabled": _USE,
     "backend": _USE,

@@ -14,6 +14,7 @@ from fzero.config._keys import (
     _CANONICAL,
     _COMMS_LOGGER,
     _COMPILE,
+    _FZERO,
     _TORCH_AUTOCAST,
     _FLOPS_PROFILER,
     _FP16,
@@ -94,6 +95,7 @@ _TABLES: dict[str, Mapping[str, _Rule]] = {
     "zero_optimization.offload_optimizer.": _OFFLOAD_OPTIMIZER,
     "zero_optimization.offload_param.": _OFFLOAD_PARAM, "comms_logger.": _COMMS_LOGGER,
     "compile.": _COMPILE,
+    "fzero.": _FZERO,
     "torch_autocast.": _TORCH_AUTOCAST,
     "pipeline.": _PIPELINE,
 }
@@ -415,6 +417,13 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
                                            lambda: _bool("dataloader_drop_last", top["dataloader_drop_last"]))
         _used(notes, "", {"dataloader_drop_last": top["dataloader_drop_last"]},
               {"dataloader_drop_last": "fzero.data.DataLoader(config=...)"})
+    if top.get("fzero") is not None:  # fzero's own options
+        section = build("fzero", lambda: _fields("fzero.", _section("fzero", top["fzero"]), _FZERO, notes))
+        if section is not None and section.get("check_replicas") is not None:
+            kw["check_replicas"] = build("fzero.check_replicas",
+                                         lambda: _int("fzero.check_replicas", section["check_replicas"], minimum=1))
+        if section is not None:
+            _used(notes, "fzero.", section)
     kw = {k: v for k, v in kw.items() if v is not None}
     return build("", lambda: cls(world_size=world_size, ignored=tuple(notes.ignored),
                                  source=source, pending=pending, **kw))

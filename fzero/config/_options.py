@@ -100,6 +100,8 @@ OPTIONS: tuple[Row, ...] = (
     Row("tp", ("tensor_parallel.autotp_size",), lambda c: "auto" if c.autotp_size > 1 else ABSENT,
         "tp=\"auto\" over the mesh's tp axis"),
     Row("comm_bytes", ("comms_logger.enabled",), lambda c: _written(c.comms_logger), "metrics[\"comm_bytes\"]"),
+    Row("check_replicas", ("fzero.check_replicas",), lambda c: _written(c.check_replicas),
+        "compare the replicas' fingerprints every N updates"),
     Row("jit", ("compile.enabled", "compile.backend", "compile.kwargs"), lambda c: _written(c.compile),
         "torch.compile of the model's forward"),
     Row("timers", ("wall_clock_breakdown",), lambda c: _written(c.wall_clock_breakdown), "metrics[\"time\"]"),

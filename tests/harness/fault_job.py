@@ -14,10 +14,18 @@ gives the uninterrupted run's losses bit for bit.
 
 ``--fault KIND:rank=R:at=WHERE[:step=S][:attempt=A]`` makes rank ``R`` fail in attempt ``A``
 (``TORCHELASTIC_RESTART_COUNT``, default 0): ``KIND`` is ``kill`` (SIGKILL), ``stop``
-(SIGSTOP: a hung rank), or ``exit`` (``sys.exit(3)``); ``WHERE`` is ``init`` (before the
-process group), ``backward`` (inside the backward pass of step ``S``), ``save`` (while the
-asynchronous save of step ``S`` runs) or ``exit`` (after training, as the interpreter exits).
-Before failing, the rank writes the time (``time.time()``) to ``OUT/fault_time``.
+(SIGSTOP: a hung rank), ``exit`` (``sys.exit(3)``) or ``full`` (the rank's file size limit,
+``RLIMIT_FSIZE``, drops to 1 KiB just before the save of step ``S``: its writes fail as into
+a full disk, and the job goes on until the next save reports it); ``WHERE`` is ``init``
+(before the process group), ``backward`` (inside the backward pass of step ``S``), ``save``
+(while the asynchronous save of step ``S`` runs) or ``exit`` (after training, as the
+interpreter exits). Before failing, the rank writes the time (``time.time()``) to
+``OUT/fault_time``.
+
+``--damage flip|truncate`` damages the newest checkpoint when a restarted attempt begins
+(rank 0 flips a byte inside a tensor of its shard, or cuts the shard's last 8 bytes), and
+``--verify-latest`` resumes from ``latest(root, verify=True)``, the newest intact one, and
+saves with ``overwrite=True`` (the resumed run saves the damaged one's step again).
 
 ``--tree-differs`` gives rank 1 one more parameter, ``--stage-differs`` rank 1 another ZeRO
 stage, ``--path-differs`` rank 1 another checkpoint path: inputs the job must refuse.
@@ -52,6 +60,8 @@ def main(argv=None) -> None:
     p.add_argument("--tree-differs", action="store_true")
     p.add_argument("--stage-differs", action="store_true")
     p.add_argument("--path-differs", action="store_true")
+    p.add_argument("--damage", choices=("flip", "truncate"), default=None)
+    p.add_argument("--verify-latest", action="store_true")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -64,7 +74,12 @@ def main(argv=None) -> None:
             f.write(repr(time.time()))
         print(f"fault_job: rank {rank}: {fault['kind']} at {fault['at']} (attempt {attempt})", file=sys.stderr,
               flush=True)
-        if fault["kind"] == "kill":
+        if fault["kind"] == "full":
+            import resource
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), no signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        elif fault["kind"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault["kind"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -103,7 +118,14 @@ def main(argv=None) -> None:
     step = fzero.compile(train_step, mesh, zero=stage)
     state = step.init(state)
     root = os.path.join(args.out, "ckpt" if not (args.path_differs and rank == 1) else "ckpt-rank1")
-    resume = fzero.checkpoint.latest(root)
+    if args.damage and attempt > 0:
+        newest = fzero.checkpoint.latest(root)
+        if mesh.rank == 0 and newest is not None:
+            _damage(os.path.join(newest, "rank00000.safetensors"), args.damage)
+        torch.distributed.barrier()
+    resume = fzero.checkpoint.latest(root, verify=args.verify_latest)
+    if resume is not None and mesh.rank == 0:
+        print(f"fault_job: resuming from {os.path.basename(resume)} (attempt {attempt})", file=sys.stderr, flush=True)
     if resume is not None:
         state = fzero.checkpoint.load(resume, like=state)
     losses = open(os.path.join(args.out, "losses.jsonl"), "a") if mesh.rank == 0 else None
@@ -123,14 +145,32 @@ def main(argv=None) -> None:
             losses.write(json.dumps({"attempt": attempt, "step": i, "loss": float(metrics["loss"]).hex()}) + "\n")
             losses.flush()
         if int(state.step) % args.every == 0:
-            fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True)
-            if fault and fault["at"] == "save" and i + 1 == fault["step"]:
+            if fault and fault["kind"] == "full" and i + 1 == fault["step"]:
+                fail()
+            # Resumed past a damaged checkpoint, the run saves that step again: replace it.
+            fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True,
+                                  overwrite=args.verify_latest)
+            if fault and fault["kind"] != "full" and fault["at"] == "save" and i + 1 == fault["step"]:
                 fail()  # the save's thread is writing or agreeing with the other ranks now
     if fault and fault["at"] == "exit":
         import atexit
 
         atexit.register(fail)
     print(f"fault_job: rank {rank}: done (attempt {attempt})", file=sys.stderr, flush=True)
+
+
+def _damage(path: str, how: str) -> None:
+    """Damage a committed shard on disk: flip a bit of its last byte (inside a tensor), or
+    cut its last 8 bytes."""
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if how == "truncate":
+            f.truncate(size - 8)
+        else:
+            f.seek(size - 1)
+            byte = f.read(1)[0]
+            f.seek(size - 1)
+            f.write(bytes([byte ^ 0x01]))
 
 
 if __name__ == "__main__":
