@@ -13,8 +13,8 @@ from typing import Any
 
 from fzero import tree
 
-__all__ = ["check_coeff_bounds", "check_int", "check_lr", "check_nonneg", "check_number", "check_unit",
-           "check_update_args", "type_name"]
+__all__ = ["check_adamw_args", "check_coeff_bounds", "check_int", "check_lr", "check_nonneg", "check_number",
+           "check_unit", "check_update_args", "type_name"]
 
 
 def type_name(x: Any) -> str:
@@ -56,6 +56,15 @@ def check_lr(where: str, learning_rate: Any) -> float | Callable[[int], float]:
     if not float(learning_rate) >= 0.0:
         raise ValueError(f"{where}: learning_rate must be >= 0, got {learning_rate!r}")
     return float(learning_rate)
+
+
+def check_adamw_args(where: str, learning_rate: Any, b1: Any, b2: Any, eps: Any,
+                     weight_decay: Any) -> tuple[float | Callable[[int], float], float, float, float, float]:
+    """The arguments of an Adam-like optimizer with decoupled weight decay, checked in this
+    order: ``(learning_rate, b1, b2, eps, weight_decay)``."""
+    lr = check_lr(where, learning_rate)
+    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
+    return lr, b1, b2, check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
 
 
 def check_int(where: str, name: str, value: Any, low: int = 0) -> int:

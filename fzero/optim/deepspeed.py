@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fzero import tree
-from fzero.optim._checks import check_coeff_bounds, check_lr, check_nonneg, check_unit, check_update_args
+from fzero.optim._checks import check_adamw_args, check_coeff_bounds, check_update_args
 from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain
 from fzero.optim.clipping import leaf_norms
 from fzero.optim.transform import _adam_moments, scale_by_learning_rate
@@ -86,9 +86,7 @@ def deepspeed_lamb(
         tensor([-0.1581, -0.0000])
     """
     where = "fzero.optim.deepspeed_lamb"
-    lr = check_lr(where, learning_rate)
-    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
-    eps, weight_decay = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
+    lr, b1, b2, eps, weight_decay = check_adamw_args(where, learning_rate, b1, b2, eps, weight_decay)
     max_coeff, min_coeff = check_coeff_bounds(where, max_coeff, min_coeff)
 
     def init_fn(params):

@@ -25,7 +25,8 @@ import torch
 from fzero import tree
 from fzero.core import compressed_pmean
 from fzero.optim import _known
-from fzero.optim._checks import check_coeff_bounds, check_int, check_lr, check_nonneg, check_unit, check_update_args
+from fzero.optim._checks import (check_adamw_args, check_coeff_bounds, check_int, check_lr, check_nonneg, check_unit,
+                                 check_update_args)
 from fzero.optim._known import record
 from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain
 from fzero.optim.transform import (ScaleByAdamState, _adam_moments, _moment_leaves, add_decayed_weights,
@@ -294,9 +295,7 @@ def zero_one_adam(
         (tensor([-0.3162,  0.3162]), 1)
     """
     where = "fzero.optim.zero_one_adam"
-    lr_of = check_lr(where, learning_rate)
-    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
-    eps, wd = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
+    lr_of, b1, b2, eps, wd = check_adamw_args(where, learning_rate, b1, b2, eps, weight_decay)
     for name, value, low in (("var_freeze_step", var_freeze_step, 0), ("var_update_scaler", var_update_scaler, 1),
                              ("local_step_scaler", local_step_scaler, 1),
                              ("local_step_clipper", local_step_clipper, 1)):
@@ -428,9 +427,7 @@ def onebit_lamb(
         tensor([-0.5000, -0.0000])
     """
     where = "fzero.optim.onebit_lamb"
-    lr_of = check_lr(where, learning_rate)
-    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
-    eps, wd = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
+    lr_of, b1, b2, eps, wd = check_adamw_args(where, learning_rate, b1, b2, eps, weight_decay)
     max_coeff, min_coeff = check_coeff_bounds(where, max_coeff, min_coeff)
     coeff_beta = check_unit(where, "coeff_beta", coeff_beta, closed=True)
     factor_max = check_nonneg(where, "factor_max", factor_max)
