@@ -1,5 +1,6 @@
 """The plain train step that tests hold transforms to, the loop that runs a step over
-batches, a rank's rows of a global batch, and a small model with ZeRO-3 units.
+batches, plain PyTorch's run of the same training, a rank's rows of a global batch, and a
+small model with ZeRO-3 units.
 
 Example:
     >>> import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 import fzero
 
-__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "token_mean_step"]
+__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "token_mean_step", "torch_mse_steps"]
 
 
 class Blocks(torch.nn.Module):
@@ -96,6 +97,22 @@ def run_steps(step: Callable, state: Any, batches) -> tuple[Any, torch.Tensor]:
         state, m = step(state, b)
         losses.append(m["loss"])
     return state, torch.stack(losses)
+
+
+def torch_mse_steps(model: torch.nn.Module, optimizer: Callable[[list], torch.optim.Optimizer],
+                    batches) -> dict[str, torch.Tensor]:
+    """What plain PyTorch makes of :func:`mse_step`'s training: a copy of ``model``'s
+    parameters, trained by ``optimizer(parameters)`` (a ``torch.optim`` optimizer) with
+    ``mse_loss`` and ``backward`` over ``batches`` (``{"x", "y"}`` each). Returns the trained
+    parameters by name; ``model`` keeps its own."""
+    ref = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    opt = optimizer(list(ref.values()))
+    for b in batches:
+        loss = F.mse_loss(torch.func.functional_call(model, ref, (b["x"],)), b["y"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {n: p.detach() for n, p in ref.items()}
 
 
 def local_batch(batch: Any, world_size: int, rank: int) -> Any:
