@@ -147,15 +147,10 @@ def _configs():
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(ranks):
-    return ranks(2)
-
-
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_torch_autocast_equals_plain_torch_autocast_with_deepspeeds_gradient_reduction(two_ranks):
-    for res in two_ranks.run(_against_torch):
+def test_torch_autocast_equals_plain_torch_autocast_with_deepspeeds_gradient_reduction(ranks):
+    for res in ranks(2).run(_against_torch):
         for case, r in res.items():
             assert r["params"] and r["losses"], (case, r)
             assert r["dtypes"] == {"torch.float32"} and r["master"], (case, r)  # fp32 weights, no copies
@@ -165,8 +160,8 @@ def test_torch_autocast_equals_plain_torch_autocast_with_deepspeeds_gradient_red
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_configs_naming_the_bf16_modes_and_torch_autocast_train(two_ranks):
-    for res in two_ranks.run(_configs):
+def test_configs_naming_the_bf16_modes_and_torch_autocast_train(ranks):
+    for res in ranks(2).run(_configs):
         r = res["bf16_master_weights_zero2"]
         assert r["options"] == ("bf16", "bf16", "bf16", None), r
         assert r["params"] == r["master"] == r["moments"] == {"torch.bfloat16"}, r
