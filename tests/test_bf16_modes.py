@@ -63,16 +63,8 @@ def _reference(states, batches, world):
         opt = torch.optim.AdamW(shadow, lr=LR, weight_decay=WD)
     losses = []
     for b in batches:
-        grads, loss = [torch.zeros_like(p, dtype=torch.float32) for p in params], 0.0
-        for x, y in zip(b["x"].chunk(world), b["y"].chunk(world)):
-            ref.zero_grad()
-            with torch.autocast("cpu", dtype=BF16):
-                out = F.mse_loss(ref(x), y)
-            out.backward()
-            loss += float(out.detach()) / world
-            for acc, p in zip(grads, params):
-                acc += p.grad.float()
-        grads = [(g / world).to(BF16) for g in grads]
+        loss, slices = ft.torch_rank_grads(ref, b, world, autocast=BF16)
+        grads = [(sum(s[n].float() for s in slices) / world).to(BF16) for n, _ in ref.named_parameters()]
         if states == "bf16":
             for p, g in zip(params, grads):
                 p.grad = g

@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fzero
 import fzero.testing as ft
@@ -71,15 +70,7 @@ def _reference(batches, world, low: set[str]):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for b in batches:
-        slices = []
-        loss = 0.0
-        for x, y in zip(b["x"].chunk(world), b["y"].chunk(world)):
-            ref.zero_grad()
-            with torch.autocast("cpu", dtype=BF16):
-                out = F.mse_loss(ref(x), y)
-            out.backward()
-            loss += float(out.detach()) / world
-            slices.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        loss, slices = ft.torch_rank_grads(ref, b, world, autocast=BF16)
         for n, p in ref.named_parameters():
             if n in low:
                 p.grad = (sum(s[n].to(BF16).float() for s in slices) / world).to(BF16).float()
