@@ -62,20 +62,14 @@ def test_the_config_adagrad_is_what_deepspeed_builds():
     torch.manual_seed(2)
     model = ft.Blocks(3, 5, 1, 2)
     params_hp = {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.001}
-    ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.Adagrad(ref, **params_hp)
+    g = torch.Generator().manual_seed(3)
+    batches = [{"x": torch.randn(4, 3, generator=g), "y": torch.randn(4, 2, generator=g)} for _ in range(4)]
+    expected = ft.torch_mse_steps(model, lambda ps: torch.optim.Adagrad(ps, **params_hp), batches)
     apply, params = fzero.functionalize(model)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
            "optimizer": {"type": "Adagrad", "params": params_hp}}
     step = fzero.compile(ft.mse_step, config=cfg)
     state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.0)))
-    g = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
-        state, _ = step(state, {"x": x, "y": y})
-        loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, dict(zip(params, ref)), (x,)), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    ft.assert_trees_close(state.params, dict(zip(params, [p.detach() for p in ref])), rtol=1e-6, atol=1e-7)
+    state, _ = ft.run_steps(step, state, batches)
+    ft.assert_trees_close(state.params, expected, rtol=1e-6, atol=1e-7)
     assert step.config.optimizer.type == "Adagrad" and step.config.optimizer.hyperparameters()["eps"] == 1e-10

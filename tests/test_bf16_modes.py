@@ -63,16 +63,8 @@ def _reference(states, batches, world):
         opt = torch.optim.AdamW(shadow, lr=LR, weight_decay=WD)
     losses = []
     for b in batches:
-        grads, loss = [torch.zeros_like(p, dtype=torch.float32) for p in params], 0.0
-        for x, y in zip(b["x"].chunk(world), b["y"].chunk(world)):
-            ref.zero_grad()
-            with torch.autocast("cpu", dtype=BF16):
-                out = F.mse_loss(ref(x), y)
-            out.backward()
-            loss += float(out.detach()) / world
-            for acc, p in zip(grads, params):
-                acc += p.grad.float()
-        grads = [(g / world).to(BF16) for g in grads]
+        loss, slices = ft.torch_rank_grads(ref, b, world, autocast=BF16)
+        grads = [(sum(s[n].float() for s in slices) / world).to(BF16) for n, _ in ref.named_parameters()]
         if states == "bf16":
             for p, g in zip(params, grads):
                 p.grad = g
@@ -190,15 +182,10 @@ def _layouts():
     }
 
 
-@pytest.fixture(scope="module")
-def two_ranks(ranks):
-    return ranks(2)
-
-
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_bf16_masters_and_states_equal_torch_adamw_on_bf16_weights_at_stages_1_to_3(two_ranks):
-    for res in two_ranks.run(_against_torch):
+def test_bf16_masters_and_states_equal_torch_adamw_on_bf16_weights_at_stages_1_to_3(ranks):
+    for res in ranks(2).run(_against_torch):
         for (states, stage), r in res.items():
             where = f"optimizer_states={states}, stage {stage}: {r}"
             assert r["dtypes"] == ({"torch.bfloat16"}, {"torch.bfloat16"}, {f"torch.{'float32' if states == 'fp32' else 'bfloat16'}"}), where
@@ -210,8 +197,8 @@ def test_bf16_masters_and_states_equal_torch_adamw_on_bf16_weights_at_stages_1_t
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_bf16_modes_hold_their_memory_formula_per_rank(two_ranks):
-    for res in two_ranks.run(_memory):
+def test_bf16_modes_hold_their_memory_formula_per_rank(ranks):
+    for res in ranks(2).run(_memory):
         for (states, stage, rounding), r in res.items():
             psi, n = r["psi"], r["n"]
             k = K[states] + (2 if rounding == "kahan" else 0)  # the bf16 compensation, with the optimizer state
@@ -227,8 +214,8 @@ def test_bf16_modes_hold_their_memory_formula_per_rank(two_ranks):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_stochastic_rounding_is_the_same_at_every_layout_and_seeded(two_ranks):
-    for res in two_ranks.run(_layouts):
+def test_stochastic_rounding_is_the_same_at_every_layout_and_seeded(ranks):
+    for res in ranks(2).run(_layouts):
         plain = res["plain"]
         for layout in ("zero0", "zero2", "plain_again"):
             assert all(torch.equal(res[layout][k], v) for k, v in plain.items()), layout

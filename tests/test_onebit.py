@@ -67,14 +67,39 @@ def _signs(x):
     return torch.where(x >= 0, 1.0, -1.0)
 
 
+def _padded(n: int, world: int) -> int:
+    """``n`` elements rounded up to whole packed bytes in every rank's chunk (DeepSpeed's padding)."""
+    unit = world * math.lcm(world, 8)
+    return -(-n // unit) * unit
+
+
+def _new_errors(n: int, world: int):
+    """The zero error-feedback buffers of one exchanged tensor of ``n`` elements: each worker's
+    (padded) and each server's (its chunk)."""
+    padded = _padded(n, world)
+    return [torch.zeros(padded) for _ in range(world)], [torch.zeros(padded // world) for _ in range(world)]
+
+
+def _worker_grads(model, params, batch, world: int) -> list:
+    """Module + backward for each simulated worker: worker ``w``'s gradients of the loss on its
+    rows of ``batch``, at its parameters ``params[w]`` loaded into ``model``."""
+    local = []
+    for w in range(world):
+        with torch.no_grad():
+            for q, x in zip(model.parameters(), params[w]):
+                q.copy_(x)
+        rows = ft.local_batch(batch, world, w)
+        local.append(torch.autograd.grad(F.mse_loss(model(rows["x"]), rows["y"]), list(model.parameters())))
+    return local
+
+
 def _simulated_compressed_allreduce(ms, worker_err, server_err, world):
     """Tang et al. (2021), Algorithm 1 with DeepSpeed's chunking: every worker compresses its
     momentum plus its error to scale * sign (scale = ||b|| / sqrt(P)); the server of chunk r
     averages the workers' compressed chunks, adds its own error, compresses again; everyone
     receives every server's compressed chunk. ``ms``: the workers' tensors (same shape)."""
     n = ms[0].numel()
-    unit = world * (world * 8 // math.gcd(world, 8))
-    padded = -(-n // unit) * unit
+    padded = _padded(n, world)
     sent = []
     for w in range(world):
         b = torch.cat([ms[w].reshape(-1), torch.zeros(padded - n)]) + worker_err[w]
@@ -110,14 +135,7 @@ def _reference(world: int, feedback: bool = True):
     errors = {}
     out = []
     for k, b in enumerate(_batches(world)):
-        local = []
-        for w in range(world):
-            with torch.no_grad():
-                for q, x in zip(model.parameters(), p):
-                    q.copy_(x)
-            rows = ft.local_batch(b, world, w)
-            loss = F.mse_loss(model(rows["x"]), rows["y"])
-            local.append(torch.autograd.grad(loss, list(model.parameters())))
+        local = _worker_grads(model, [p] * world, b, world)
         for i in range(len(p)):
             if k < FREEZE:
                 g = sum(gs[i] for gs in local) / world
@@ -125,12 +143,8 @@ def _reference(world: int, feedback: bool = True):
                 v[i] = B2 * v[i] + (1 - B2) * g * g
             else:
                 ms = [_ema(m[i], gs[i]) for gs in local]
-                n = p[i].numel()
                 if i not in errors:
-                    unit = world * (world * 8 // math.gcd(world, 8))
-                    padded = -(-n // unit) * unit
-                    errors[i] = ([torch.zeros(padded) for _ in range(world)],
-                                 [torch.zeros(padded // world) for _ in range(world)])
+                    errors[i] = _new_errors(p[i].numel(), world)
                 m[i], _ = _simulated_compressed_allreduce(ms, *errors[i], world)
                 if not feedback:
                     errors.pop(i)
@@ -182,10 +196,7 @@ def test_the_compressed_trajectory_equals_a_simulation_of_the_workers(runs):
 def test_after_the_warm_up_the_bytes_are_the_formula(runs):
     world, res = runs
     numels = [p.numel() for p in _model().parameters()]
-    unit = world * math.lcm(world, 8)
-    padded = [-(-n // unit) * unit for n in numels]
-    packed = sum(p // (8 * world) for p in padded)  # B: one rank's packed chunk of every tensor
-    formula = (world - 1) * (2 * packed + 8 * len(numels))
+    formula = _formula(numels, world)
     for sent in res[0]["sent"][FREEZE:]:
         assert sent["gradients"] == 0
         assert sent["compressed"] == formula
@@ -332,22 +343,12 @@ def _reference_zero_one(world: int):
 
     def compress(tag, i, xs):
         if (tag, i) not in errors:
-            n = xs[0].numel()
-            unit = world * (world * 8 // math.gcd(world, 8))
-            padded = -(-n // unit) * unit
-            errors[tag, i] = ([torch.zeros(padded) for _ in range(world)],
-                              [torch.zeros(padded // world) for _ in range(world)])
+            errors[tag, i] = _new_errors(xs[0].numel(), world)
         return _simulated_compressed_allreduce(xs, *errors[tag, i], world)[0]
 
     for k, b in enumerate(_batches(world)):
         t = k + 1
-        local = []
-        for w in range(world):
-            with torch.no_grad():
-                for q, x in zip(model.parameters(), p[w]):
-                    q.copy_(x)
-            rows = ft.local_batch(b, world, w)
-            local.append(torch.autograd.grad(F.mse_loss(model(rows["x"]), rows["y"]), list(model.parameters())))
+        local = _worker_grads(model, p, b, world)
         variance_step = k <= ZO["var_freeze_step"] and t % vi == 0
         for i in range(len(v)):
             if k <= ZO["var_freeze_step"]:
@@ -405,13 +406,7 @@ def _reference_onebit_lamb(world: int, coeff_beta=0.9, factor_max=4.0, factor_mi
     m, v, fresh = ([torch.zeros_like(x) for x in p] for _ in range(3))
     frozen, last, scaling, errors, out = [0.0] * len(p), [1.0] * len(p), None, None, []
     for k, b in enumerate(_batches(world)):
-        local = []
-        for w in range(world):
-            with torch.no_grad():
-                for q, x in zip(model.parameters(), p):
-                    q.copy_(x)
-            rows = ft.local_batch(b, world, w)
-            local.append(torch.autograd.grad(F.mse_loss(model(rows["x"]), rows["y"]), list(model.parameters())))
+        local = _worker_grads(model, [p] * world, b, world)
         if k < LAMB_FREEZE:
             for i in range(len(p)):
                 g = sum(gs[i] for gs in local) / world
@@ -434,9 +429,7 @@ def _reference_onebit_lamb(world: int, coeff_beta=0.9, factor_max=4.0, factor_mi
         order = sorted(range(len(p)), key=lambda i: names[i])
         flats = [torch.cat([(_ema(m[i], gs[i]) * scaling[i]).reshape(-1) for i in order]) for gs in local]
         if errors is None:
-            unit = world * (world * 8 // math.gcd(world, 8))
-            padded = -(-flats[0].numel() // unit) * unit
-            errors = ([torch.zeros(padded) for _ in range(world)], [torch.zeros(padded // world) for _ in range(world)])
+            errors = _new_errors(flats[0].numel(), world)
         flat = _simulated_compressed_allreduce(flats, *errors, world)[0]
         parts = dict(zip(order, flat.split([m[i].numel() for i in order])))
         new_m = [parts[i].reshape(m[i].shape) / scaling[i] for i in range(len(p))]
@@ -506,8 +499,7 @@ def test_the_compressed_exchange_hands_collectives_device_tensors_only(ranks):
 
 def _formula(numels: list[int], world: int) -> int:
     """docs/optim.md: (N - 1) (2 B + 8 T), B = sum_i P_i / (8 N) over the T tensors exchanged."""
-    unit = world * math.lcm(world, 8)
-    return (world - 1) * (2 * sum(-(-n // unit) * unit // (8 * world) for n in numels) + 8 * len(numels))
+    return (world - 1) * (2 * sum(_padded(n, world) // (8 * world) for n in numels) + 8 * len(numels))
 
 
 @pytest.mark.multirank

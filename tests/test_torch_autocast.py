@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fzero
 import fzero.testing as ft
@@ -71,15 +70,7 @@ def _reference(batches, world, low: set[str]):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for b in batches:
-        slices = []
-        loss = 0.0
-        for x, y in zip(b["x"].chunk(world), b["y"].chunk(world)):
-            ref.zero_grad()
-            with torch.autocast("cpu", dtype=BF16):
-                out = F.mse_loss(ref(x), y)
-            out.backward()
-            loss += float(out.detach()) / world
-            slices.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        loss, slices = ft.torch_rank_grads(ref, b, world, autocast=BF16)
         for n, p in ref.named_parameters():
             if n in low:
                 p.grad = (sum(s[n].to(BF16).float() for s in slices) / world).to(BF16).float()
@@ -147,15 +138,10 @@ def _configs():
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(ranks):
-    return ranks(2)
-
-
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_torch_autocast_equals_plain_torch_autocast_with_deepspeeds_gradient_reduction(two_ranks):
-    for res in two_ranks.run(_against_torch):
+def test_torch_autocast_equals_plain_torch_autocast_with_deepspeeds_gradient_reduction(ranks):
+    for res in ranks(2).run(_against_torch):
         for case, r in res.items():
             assert r["params"] and r["losses"], (case, r)
             assert r["dtypes"] == {"torch.float32"} and r["master"], (case, r)  # fp32 weights, no copies
@@ -165,8 +151,8 @@ def test_torch_autocast_equals_plain_torch_autocast_with_deepspeeds_gradient_red
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_configs_naming_the_bf16_modes_and_torch_autocast_train(two_ranks):
-    for res in two_ranks.run(_configs):
+def test_configs_naming_the_bf16_modes_and_torch_autocast_train(ranks):
+    for res in ranks(2).run(_configs):
         r = res["bf16_master_weights_zero2"]
         assert r["options"] == ("bf16", "bf16", "bf16", None), r
         assert r["params"] == r["master"] == r["moments"] == {"torch.bfloat16"}, r

@@ -6,9 +6,9 @@ What ``deepspeed.initialize`` builds for ``{"optimizer": {"type": "Lamb"}}``, re
 optax in three places: the direction uses the moments *without* bias correction, the trust
 ratio is clamped to ``[min_coeff, max_coeff]``, and the bias corrections multiply the step.
 
-It is written on the public contract alone (:class:`~fzero.optim.GradientTransformation`,
+It is written on the public contract (:class:`~fzero.optim.GradientTransformation`,
 :func:`~fzero.optim.chain`, :func:`~fzero.optim.leaf_norms`), as a transformation of one's own
-would be.
+would be, with the argument checks and Adam's moment arithmetic that the other LAMBs share.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 import torch
 
 from fzero import tree
-from fzero.optim._checks import check_lr, check_nonneg, check_unit
+from fzero.optim._checks import check_adamw_args, check_coeff_bounds, check_update_args
 from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain
 from fzero.optim.clipping import leaf_norms
-from fzero.optim.transform import scale_by_learning_rate
+from fzero.optim.transform import _adam_moments, scale_by_learning_rate
 
 __all__ = ["ScaleByDeepSpeedLambState", "deepspeed_lamb"]
 
@@ -86,12 +86,8 @@ def deepspeed_lamb(
         tensor([-0.1581, -0.0000])
     """
     where = "fzero.optim.deepspeed_lamb"
-    lr = check_lr(where, learning_rate)
-    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
-    eps, weight_decay = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
-    max_coeff, min_coeff = check_nonneg(where, "max_coeff", max_coeff), check_nonneg(where, "min_coeff", min_coeff)
-    if min_coeff > max_coeff:
-        raise ValueError(f"{where}: min_coeff={min_coeff} is greater than max_coeff={max_coeff}")
+    lr, b1, b2, eps, weight_decay = check_adamw_args(where, learning_rate, b1, b2, eps, weight_decay)
+    max_coeff, min_coeff = check_coeff_bounds(where, max_coeff, min_coeff)
 
     def init_fn(params):
         return ScaleByDeepSpeedLambState(count=torch.zeros((), dtype=torch.int64),
@@ -100,20 +96,11 @@ def deepspeed_lamb(
 
     @torch.no_grad()
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(f"{where}: needs the parameters; call update(updates, state, params)")
-        for x, name in ((updates, "updates"), (params, "params")):
-            tree.assert_same_structure(state.mu, x, what=where, names=("the optimizer state's mu", name))
-        mu, spec = tree.flatten(state.mu)
-        g, p = tree.leaves(updates), tree.leaves(params)
+        mu, spec, g, p = check_update_args(where, state.mu, updates, params)
         count = state.count + 1
         if not g:
             return updates, state._replace(count=count)
-        nu = tree.leaves(state.nu)
-        g = [x.to(m.dtype) for x, m in zip(g, mu)]
-        mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-        nu = torch._foreach_mul(nu, b2)
-        torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+        mu, nu = _adam_moments(mu, tree.leaves(state.nu), g, b1, b2)
         if eps_inside_sqrt:
             denom = torch._foreach_add(nu, eps)
             torch._foreach_sqrt_(denom)

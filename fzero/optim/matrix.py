@@ -24,8 +24,8 @@ import torch
 from fzero import tree
 from fzero.optim import _known
 from fzero.optim._checks import check_lr, check_nonneg, check_unit, type_name
-from fzero.optim._owners import LeafState, assign_owners, is_leaf_state, is_piece, owned_leaf, present, refuse_split, run_whole
-from fzero.optim.torch_optim import _fill
+from fzero.optim._owners import LeafState, assign_owners, is_piece, owned_leaf, present, refuse_split, run_whole
+from fzero.optim.torch_optim import _fill, _per_leaf
 from fzero.optim.base import GradientTransformation, ScalarOrSchedule, _increment, _new_count, chain
 from fzero.optim.transform import (_need_params, _resolve_mask, _schedule_value, add_decayed_weights, masked,
                                    scale_by_adam, scale_by_learning_rate)
@@ -76,15 +76,8 @@ def _whole_tensor(where: str, what: _known.Known, leaf_init: LeafInit, leaf_step
         refuse_split(where, params)
         if not isinstance(state, WholeTensorState):
             raise TypeError(f"{where}: the state must be the WholeTensorState init returned, got {type_name(state)}")
-        all_p, spec = tree.flatten(params, is_leaf=is_piece)
-        all_g, g_spec = tree.flatten(updates, is_leaf=is_piece)
-        if g_spec != spec:
-            tree.assert_same_structure(params, updates, what=where, names=("params", "updates"))
-        all_s, s_spec = tree.flatten(state.state, is_leaf=is_leaf_state)
-        if len(all_s) != len(all_p) or not all(map(is_leaf_state, all_s)):
-            tree.assert_same_structure(params, state.state, what=where, names=("params", "the optimizer state"))
-        here = present(all_p)
-        p_leaves, g_leaves, s_leaves = ([xs[i] for i in here] for xs in (all_p, all_g, all_s))
+        all_g, all_s, spec, s_spec, here, (p_leaves, g_leaves, s_leaves) = _per_leaf(where, updates, state.state,
+                                                                                     params)
         count = int(state.count)
         decay = _resolve_mask(where, decay_mask, params) if decay_mask is not None else [True] * len(p_leaves)
 

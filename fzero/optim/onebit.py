@@ -25,11 +25,12 @@ import torch
 from fzero import tree
 from fzero.core import compressed_pmean
 from fzero.optim import _known
-from fzero.optim._checks import check_lr, check_nonneg, check_unit
+from fzero.optim._checks import (check_adamw_args, check_coeff_bounds, check_int, check_lr, check_nonneg, check_unit,
+                                 check_update_args)
 from fzero.optim._known import record
 from fzero.optim.base import GradientTransformation, ScalarOrSchedule, chain
-from fzero.optim.transform import (ScaleByAdamState, _moment_leaves, add_decayed_weights, scale_by_adam,
-                                   scale_by_learning_rate)
+from fzero.optim.transform import (ScaleByAdamState, _adam_moments, _moment_leaves, add_decayed_weights,
+                                   scale_by_adam, scale_by_learning_rate)
 
 __all__ = ["DataParallelExchange", "OnebitLambState", "ZeroOneAdamState", "exchange_of", "onebit_adam",
            "onebit_lamb", "scale_by_onebit_adam", "zero_one_adam"]
@@ -136,8 +137,7 @@ def scale_by_onebit_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     """
     b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
     eps = check_nonneg(where, "eps", eps)
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
-        raise TypeError(f"{where}: freeze_step must be an int >= 0, got {freeze_step!r}")
+    check_int(where, "freeze_step", freeze_step)
     adam = scale_by_adam(b1, b2, eps, bias_correction=False, where=where)
 
     @torch.no_grad()
@@ -233,6 +233,15 @@ def _scalar(value, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
+def _zeros(params) -> Any:
+    return tree.map(torch.zeros_like, params)
+
+
+def _lr_at(lr_of, count: int) -> float:
+    """The learning rate of the update with 0-based index ``count``."""
+    return float(lr_of(count)) if callable(lr_of) else lr_of
+
+
 def zero_one_adam(
     learning_rate: ScalarOrSchedule = 1e-3,
     b1: float = 0.9,
@@ -286,23 +295,16 @@ def zero_one_adam(
         (tensor([-0.3162,  0.3162]), 1)
     """
     where = "fzero.optim.zero_one_adam"
-    lr_of = check_lr(where, learning_rate)
-    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
-    eps, wd = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
+    lr_of, b1, b2, eps, wd = check_adamw_args(where, learning_rate, b1, b2, eps, weight_decay)
     for name, value, low in (("var_freeze_step", var_freeze_step, 0), ("var_update_scaler", var_update_scaler, 1),
                              ("local_step_scaler", local_step_scaler, 1),
                              ("local_step_clipper", local_step_clipper, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise TypeError(f"{where}: {name} must be an int >= {low}, got {value!r}")
+        check_int(where, name, value, low)
 
     def init_fn(params):
-        zeros = lambda: tree.map(torch.zeros_like, params)  # noqa: E731
-        return ZeroOneAdamState(count=_scalar(0), mu=zeros(), nu=zeros(), buffer=zeros(),
+        return ZeroOneAdamState(count=_scalar(0), mu=_zeros(params), nu=_zeros(params), buffer=_zeros(params),
                                 lrs=_scalar(0.0, torch.float64), var_interval=_scalar(1), var_counter=_scalar(0),
                                 local_step_interval=_scalar(1), local_step_counter=_scalar(0))
-
-    def lr_at(count: int) -> float:
-        return float(lr_of(count)) if callable(lr_of) else lr_of
 
     def step_of(mu, nu, p, lr):
         """``-lr * (mu / (sqrt(nu) + eps) + wd * p)``, as adamw's chain computes it."""
@@ -314,22 +316,15 @@ def zero_one_adam(
 
     @torch.no_grad()
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(f"{where}: needs the parameters; call update(updates, state, params)")
-        for x, name in ((updates, "updates"), (params, "params")):
-            tree.assert_same_structure(state.mu, x, what=where, names=("the optimizer state's mu", name))
-        mu, spec = tree.flatten(state.mu)
-        g = [x.to(m.dtype) for x, m in zip(tree.leaves(updates), mu)]
-        p, nu, buf = tree.leaves(params), tree.leaves(state.nu), tree.leaves(state.buffer)
+        mu, spec, g, p = check_update_args(where, state.mu, updates, params)
+        nu, buf = tree.leaves(state.nu), tree.leaves(state.buffer)
         k = int(state.count)
-        t, lr = k + 1, lr_at(k)
+        t, lr = k + 1, _lr_at(lr_of, k)
         vi, vc = int(state.var_interval), int(state.var_counter)
         lsi, lsc, lrs = int(state.local_step_interval), int(state.local_step_counter), float(state.lrs)
         if k <= var_freeze_step:  # the variance phase
             if t % vi == 0:  # an averaged gradient (shard_state reduced it: see exchange_of)
-                mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-                nu = torch._foreach_mul(nu, b2)
-                torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+                mu, nu = _adam_moments(mu, nu, g, b1, b2)
                 vc += 1
                 if vc == var_update_scaler:
                     vc, vi = 0, vi * 2
@@ -432,24 +427,18 @@ def onebit_lamb(
         tensor([-0.5000, -0.0000])
     """
     where = "fzero.optim.onebit_lamb"
-    lr_of = check_lr(where, learning_rate)
-    b1, b2 = check_unit(where, "b1", b1), check_unit(where, "b2", b2)
-    eps, wd = check_nonneg(where, "eps", eps), check_nonneg(where, "weight_decay", weight_decay)
-    max_coeff, min_coeff = check_nonneg(where, "max_coeff", max_coeff), check_nonneg(where, "min_coeff", min_coeff)
+    lr_of, b1, b2, eps, wd = check_adamw_args(where, learning_rate, b1, b2, eps, weight_decay)
+    max_coeff, min_coeff = check_coeff_bounds(where, max_coeff, min_coeff)
     coeff_beta = check_unit(where, "coeff_beta", coeff_beta, closed=True)
     factor_max = check_nonneg(where, "factor_max", factor_max)
     factor_min = check_nonneg(where, "factor_min", factor_min)
     factor_threshold = check_nonneg(where, "factor_threshold", factor_threshold)
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
-        raise TypeError(f"{where}: freeze_step must be an int >= 0, got {freeze_step!r}")
-    if min_coeff > max_coeff:
-        raise ValueError(f"{where}: min_coeff={min_coeff} is greater than max_coeff={max_coeff}")
+    check_int(where, "freeze_step", freeze_step)
 
     def init_fn(params):
         n = len(tree.leaves(params))
-        zeros = lambda: tree.map(torch.zeros_like, params)  # noqa: E731
         f64 = torch.float64
-        return OnebitLambState(count=torch.zeros((), dtype=torch.int64), mu=zeros(), nu=zeros(), nu_fresh=zeros(),
+        return OnebitLambState(count=_scalar(0), mu=_zeros(params), nu=_zeros(params), nu_fresh=_zeros(params),
                                coeff_freeze=torch.zeros(n, dtype=f64), last_factor=torch.ones(n, dtype=f64),
                                scaling_coeff=torch.ones(n, dtype=f64))
 
@@ -458,23 +447,15 @@ def onebit_lamb(
 
     @torch.no_grad()
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(f"{where}: needs the parameters; call update(updates, state, params)")
-        for x, name in ((updates, "updates"), (params, "params")):
-            tree.assert_same_structure(state.mu, x, what=where, names=("the optimizer state's mu", name))
-        mu, spec = tree.flatten(state.mu)
-        g = [x.to(m.dtype) for x, m in zip(tree.leaves(updates), mu)]
-        p, nu, fresh = tree.leaves(params), tree.leaves(state.nu), tree.leaves(state.nu_fresh)
+        mu, spec, g, p = check_update_args(where, state.mu, updates, params)
+        nu, fresh = tree.leaves(state.nu), tree.leaves(state.nu_fresh)
         k = int(state.count)
-        t = k + 1
-        lr = float(lr_of(k)) if callable(lr_of) else lr_of
+        t, lr = k + 1, _lr_at(lr_of, k)
         coeff_freeze, last_factor = state.coeff_freeze.clone(), state.last_factor.clone()
         scaling = state.scaling_coeff.clone()
         out = []
         if k < freeze_step:  # warm-up: LAMB on the averaged gradient
-            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-            nu = torch._foreach_mul(nu, b2)
-            torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+            mu, nu = _adam_moments(mu, nu, g, b1, b2)
             if t == freeze_step:
                 fresh = [x.clone() for x in nu]
             for i, (m, v, x) in enumerate(zip(mu, nu, p)):
@@ -514,7 +495,7 @@ def onebit_lamb(
                 last_factor[i] = factor
                 out.append(u * (-lr * float(coeff_freeze[i]) * factor))
         return tree.unflatten(spec, out), OnebitLambState(
-            count=torch.tensor(t, dtype=torch.int64), mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu),
+            count=_scalar(t), mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu),
             nu_fresh=tree.unflatten(spec, fresh), coeff_freeze=coeff_freeze, last_factor=last_factor,
             scaling_coeff=scaling)
 

@@ -273,15 +273,8 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
             refuse_split(WHERE, params)
         if not isinstance(state, FromTorchState):
             raise TypeError(f"{WHERE}: the state must be the FromTorchState init returned, got {type_name(state)}")
-        all_p, spec = tree.flatten(params, is_leaf=is_piece)
-        all_g, g_spec = tree.flatten(updates, is_leaf=is_piece)
-        if g_spec != spec:
-            tree.assert_same_structure(params, updates, what=WHERE, names=("params", "updates"))
-        all_s, s_spec = tree.flatten(state.state, is_leaf=is_leaf_state)
-        if len(all_s) != len(all_p) or not all(map(is_leaf_state, all_s)):
-            tree.assert_same_structure(params, state.state, what=WHERE, names=("params", "the optimizer state"))
-        here = present(all_p)
-        p_leaves, g_leaves, s_leaves = ([xs[i] for i in here] for xs in (all_p, all_g, all_s))
+        all_g, all_s, spec, s_spec, here, (p_leaves, g_leaves, s_leaves) = _per_leaf(WHERE, updates, state.state,
+                                                                                     params)
         count = int(state.count)
         gis = group_of(params)
         opts = dict(fresh=count == 0, donate=donate, inplace=inplace)
@@ -305,6 +298,22 @@ def from_torch(optimizer_cls: type, *, elementwise: bool | None = None, param_gr
 
     tx = GradientTransformation(init_fn, update_fn)
     return _known.record(tx, _known.FromTorch(optimizer_cls, declared, None if whole else step_in_place))
+
+
+def _per_leaf(where: str, updates: Any, state_tree: Any, params: Any) -> tuple:
+    """The leaves of a per-parameter optimizer's ``update``, ZeRO pieces whole:
+    ``(update leaves, state leaves, params' spec, the state's spec, here, (params, updates,
+    states at here))``, ``here`` the indices of the parameters present on this rank; the
+    three trees must have the parameters' structure."""
+    all_p, spec = tree.flatten(params, is_leaf=is_piece)
+    all_g, g_spec = tree.flatten(updates, is_leaf=is_piece)
+    if g_spec != spec:
+        tree.assert_same_structure(params, updates, what=where, names=("params", "updates"))
+    all_s, s_spec = tree.flatten(state_tree, is_leaf=is_leaf_state)
+    if len(all_s) != len(all_p) or not all(map(is_leaf_state, all_s)):
+        tree.assert_same_structure(params, state_tree, what=where, names=("params", "the optimizer state"))
+    here = present(all_p)
+    return all_g, all_s, spec, s_spec, here, tuple([xs[i] for i in here] for xs in (all_p, all_g, all_s))
 
 
 def _fill(leaves: list, here: list[int], values: list, absent: Any = None) -> list:

@@ -102,6 +102,15 @@ def _state_leaves(where: str, state_tree: Params, updates: Updates, what: str) -
     return _cast_to(u_leaves, s_leaves), s_leaves, spec
 
 
+def _adam_moments(mu: list, nu: list, g: list, b1: float, b2: float) -> tuple[list, list]:
+    """Adam's moments, new lists: ``mu = b1 * mu + (1 - b1) * g``, ``nu = b2 * nu + (1 - b2) * g^2``
+    (``scale_by_adam``'s arithmetic, bit for bit)."""
+    mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+    nu = torch._foreach_mul(nu, b2)
+    torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+    return mu, nu
+
+
 def _moment_leaves(where: str, state: Any, updates: Updates) -> tuple[list, list, Any, torch.Tensor]:
     """``(update leaves, leaves of state.mu, spec, the next count)`` for Adam and Lion."""
     g, mu, spec = _state_leaves(where, state.mu, updates, "mu")

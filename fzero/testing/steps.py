@@ -1,5 +1,6 @@
 """The plain train step that tests hold transforms to, the loop that runs a step over
-batches, a rank's rows of a global batch, and a small model with ZeRO-3 units.
+batches, plain PyTorch's run of the same training and its ranks' gradients, a rank's rows of a global batch, and a
+small model with ZeRO-3 units.
 
 Example:
     >>> import torch
@@ -18,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 
 import fzero
 
-__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "token_mean_step"]
+__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "token_mean_step", "torch_mse_steps",
+           "torch_rank_grads"]
 
 
 class Blocks(torch.nn.Module):
@@ -96,6 +99,40 @@ def run_steps(step: Callable, state: Any, batches) -> tuple[Any, torch.Tensor]:
         state, m = step(state, b)
         losses.append(m["loss"])
     return state, torch.stack(losses)
+
+
+def torch_mse_steps(model: torch.nn.Module, optimizer: Callable[[list], torch.optim.Optimizer],
+                    batches) -> dict[str, torch.Tensor]:
+    """What plain PyTorch makes of :func:`mse_step`'s training: a copy of ``model``'s
+    parameters, trained by ``optimizer(parameters)`` (a ``torch.optim`` optimizer) with
+    ``mse_loss`` and ``backward`` over ``batches`` (``{"x", "y"}`` each). Returns the trained
+    parameters by name; ``model`` keeps its own."""
+    ref = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    opt = optimizer(list(ref.values()))
+    for b in batches:
+        loss = F.mse_loss(torch.func.functional_call(model, ref, (b["x"],)), b["y"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {n: p.detach() for n, p in ref.items()}
+
+
+def torch_rank_grads(module: torch.nn.Module, batch: dict[str, torch.Tensor], world_size: int, *,
+                     autocast: torch.dtype | None = None) -> tuple[float, list[dict[str, torch.Tensor]]]:
+    """Plain PyTorch's data-parallel gradients before their reduction: for each of
+    ``world_size`` ranks, module + backward of ``mse_loss`` on its rows of ``batch``
+    (``{"x", "y"}``, cut as :func:`local_batch` cuts them), the forward under
+    ``torch.autocast("cpu", autocast)`` when ``autocast`` is a dtype. Returns the ranks' mean
+    loss and each rank's gradients by name; ``module``'s ``.grad`` are the last rank's."""
+    loss, grads = 0.0, []
+    for x, y in zip(batch["x"].chunk(world_size), batch["y"].chunk(world_size)):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            out = F.mse_loss(module(x), y)
+        out.backward()
+        loss += float(out.detach()) / world_size
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+    return loss, grads
 
 
 def local_batch(batch: Any, world_size: int, rank: int) -> Any:

@@ -30,10 +30,10 @@ from typing import Literal
 
 import torch
 
-from fzero import tree
 from fzero._params import with_values
 from fzero.core import Handler, Step, as_step, installed
 from fzero.transforms._deferred import is_deferred
+from fzero.transforms.mixed_precision._transform import next_device
 from fzero.transforms.shard_state import is_shard
 
 __all__ = ["DEFAULT_SAFE_MODULES", "safe_module_classes", "torch_autocast"]
@@ -111,7 +111,7 @@ class _AutocastHandler(Handler):
             if low and by_name:
                 p = with_values(p, {name: _rounding_alias(p[name], dtype) for name in low & p.keys()
                                     if isinstance(p[name], torch.Tensor) and p[name].requires_grad})
-            with torch.autocast(device_type=_device(p), dtype=dtype):
+            with torch.autocast(device_type=next_device(p), dtype=dtype):
                 return fn(p, *a, **kw)
 
         value, grads = next(autocast, params, args, kwargs, **options)
@@ -135,13 +135,6 @@ class _AutocastHandler(Handler):
             if type(m) in self.classes:
                 names.update(f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False))
         self.low = frozenset(names & set(state.params))
-
-
-def _device(params) -> str:
-    for x in tree.leaves(params):
-        if isinstance(x, torch.Tensor):
-            return x.device.type
-    return "cpu"
 
 
 def torch_autocast(

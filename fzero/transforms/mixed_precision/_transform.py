@@ -228,6 +228,8 @@ def _round_into(params, masters):
 
 
 def next_device(params) -> str:
+    """The device type (``"cpu"``, ``"cuda"``) of the first tensor leaf of ``params``, the one
+    ``torch.autocast`` is entered for; ``"cpu"`` without one."""
     for x in tree.leaves(params):
         if isinstance(x, torch.Tensor):
             return x.device.type

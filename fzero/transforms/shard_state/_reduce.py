@@ -184,21 +184,31 @@ class ReduceSink:
             self._complete(next(iter(self.sending)))
         return self.pool.take(group.padded, dtype, group.device)
 
-    def on_grad(self, i: int, g: torch.Tensor) -> None:
-        if self.leaf_groups[i] is None:  # a differentiated argument beside the parameters: this
-            self.local[self.leaf_names[i]] = g / self.world  # rank's share of the global gradient
-            return
+    def _slot(self, i: int, g: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """``(group, the view of its reduce buffer that leaf i's gradient goes to)``, the
+        buffer taken from the pool at the group's first gradient; the leaf is no longer
+        missing. ``None`` for a differentiated argument beside the parameters, whose
+        gradient is kept as it is (this rank's share of the global gradient)."""
+        if self.leaf_groups[i] is None:
+            self.local[self.leaf_names[i]] = g / self.world
+            return None
         gi, pos = self.leaf_groups[i]
         group = self.layout.groups[gi]
         buf = self.buffers.get(gi)
         if buf is None:
             buf = self.buffers[gi] = self._buffer(group, reduce_dtype(g.dtype, self.reduce_in))
         o = group.offsets[pos]
-        if gi in self.carried:
-            buf[o: o + g.numel()].add_(g.reshape(-1))
-        else:
-            buf[o: o + g.numel()].copy_(g.reshape(-1))
         self.missing[gi].discard(pos)
+        return gi, buf[o: o + g.numel()]
+
+    def on_grad(self, i: int, g: torch.Tensor) -> None:
+        if (slot := self._slot(i, g)) is None:
+            return
+        gi, dst = slot
+        if gi in self.carried:
+            dst.add_(g.reshape(-1))
+        else:
+            dst.copy_(g.reshape(-1))
         if self.on_complete is not None and not self.missing[gi]:
             self.on_complete(gi)
         if self.hold is None and self.overlap:
@@ -209,21 +219,12 @@ class ReduceSink:
         ``indices[k]``'s (``None`` where the loss did not reach it)."""
         copy_dst, copy_src, add_dst, add_src = [], [], [], []
         for i, g in zip(indices, grads):
-            if g is None:
+            if g is None or (slot := self._slot(i, g)) is None:
                 continue
-            if self.leaf_groups[i] is None:
-                self.local[self.leaf_names[i]] = g / self.world
-                continue
-            gi, pos = self.leaf_groups[i]
-            group = self.layout.groups[gi]
-            buf = self.buffers.get(gi)
-            if buf is None:
-                buf = self.buffers[gi] = self._buffer(group, reduce_dtype(g.dtype, self.reduce_in))
-            o = group.offsets[pos]
+            gi, view = slot
             dst, src = (add_dst, add_src) if gi in self.carried else (copy_dst, copy_src)
-            dst.append(buf[o: o + g.numel()])
+            dst.append(view)
             src.append(g.reshape(-1))
-            self.missing[gi].discard(pos)
         if copy_dst:
             torch._foreach_copy_(copy_dst, copy_src)
         if add_dst:
