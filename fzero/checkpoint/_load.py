@@ -29,6 +29,7 @@ import torch
 
 from fzero import tree
 from fzero.checkpoint import _comm, _format, _leaves, _rng
+from fzero.checkpoint._pending import wait_pending
 from fzero.checkpoint._format import (
     CheckpointError,
     CheckpointMismatchError,
@@ -381,8 +382,6 @@ def load(
         >>> ckpt.load(f"{root}/a", like={"w": torch.zeros(3)})["w"].tolist()
         [0.0, 1.0, 2.0]
     """
-    from fzero.checkpoint._save import wait_pending
-
     path = os.path.abspath(os.fspath(path))
     # An asynchronous save talks to the other ranks on the checkpoint's process group from
     # its thread; collectives from two threads on one group could pair up differently on

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from fzero._version import __version__
-from fzero.checkpoint import _comm, _format, _rng
+from fzero.checkpoint import _comm, _format, _pending, _rng
+from fzero.checkpoint._load import verify as verify_all
+from fzero.checkpoint._pending import wait_pending
 from fzero.checkpoint._format import MANIFEST, MARKER, CheckpointError, Progress
 from fzero.checkpoint._plan import Plan, plan as make_plan
 from fzero.transforms.shard_state import Shard
@@ -43,8 +45,6 @@ __all__ = ["SaveHandle", "latest", "save"]
 
 WHERE = "fzero.checkpoint.save"
 
-_PENDING: "SaveHandle | None" = None  # this process's last asynchronous save
-_PENDING_LOCK = threading.Lock()
 _STAGING: dict[str, torch.Tensor] = {}  # reused host buffer for asynchronous snapshots
 
 
@@ -187,13 +187,11 @@ def save(
         >>> ckpt.latest(root) == f"{root}/step_3", ckpt.metadata(h.path)
         (True, {'epoch': 1})
     """
-    global _PENDING
     path = os.path.abspath(os.fspath(path))
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"{WHERE}: keep={keep!r} must be a positive int or None")
     _check_json(metadata, WHERE)
-    with _PENDING_LOCK:
-        previous = _PENDING
+    previous = _pending.current()
     if previous is not None:
         reported = previous._reported  # (wait() marks its error reported as it raises it)
         try:
@@ -215,21 +213,9 @@ def save(
         return handle
     args = (handle, path, plan, _snapshot(entries), *args[3 + 1:])
     handle._thread = threading.Thread(target=_run, args=args, name="fzero-checkpoint-save", daemon=False)
-    with _PENDING_LOCK:
-        _PENDING = handle
+    _pending.set_current(handle)
     handle._thread.start()
     return handle
-
-
-def wait_pending() -> None:
-    """Wait for this process's asynchronous save, if one is running (its error, if any, is
-    left for its handle or the next save to raise)."""
-    with _PENDING_LOCK:
-        previous = _PENDING
-    if previous is not None:
-        previous._done.wait()
-        if previous._thread is not None:
-            previous._thread.join()
 
 
 def _finish_at_exit() -> None:
@@ -471,8 +457,6 @@ def latest(root: str | os.PathLike, *, verify: bool = False) -> str | None:
     found = _committed(os.path.abspath(os.fspath(root)))
     if not verify:
         return found[-1][1] if found else None
-    from fzero.checkpoint._load import verify as verify_all
-
     for _, p in reversed(found):
         try:
             verify_all(p)

@@ -135,7 +135,7 @@ def main(argv=None) -> None:
             # The kill comes mid-step, after the last checkpoint has committed: on a loaded
             # machine an asynchronous save can still be running one step later, and the
             # restart would then (rightly) begin at step 0, not show a resume.
-            from fzero.checkpoint._save import wait_pending
+            from fzero.checkpoint._pending import wait_pending
 
             wait_pending()
         g = torch.Generator().manual_seed(1000 * i + mesh.rank)
