@@ -455,7 +455,7 @@ def _train_and_save(name, path, stage, steps, save_at=None):
 
 
 def _resume(name, path, stage):
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     tx = _resumable(name)
     apply, params = fzero.functionalize(_model())
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
@@ -470,14 +470,16 @@ def _resume(name, path, stage):
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["RMSprop", "Adafactor"])
-def test_a_from_torch_state_saved_at_zero_2_on_2_ranks_resumes_at_zero_3_on_3(ranks, tmp_path, name):
+def test_a_from_torch_state_saved_at_zero_2_on_2_ranks_resumes_at_zero_3_on_3_and_on_1(ranks, tmp_path, name):
     """Resharded onto 3 ranks (the world the whole-tensor test starts): other pieces, and
-    other owners of the whole-tensor state (the output weight's moves from rank 1 to 2)."""
+    other owners of the whole-tensor state (the output weight's moves from rank 1 to 2); and
+    onto one process (this one), where every piece and every owner is rank 0."""
     path = str(tmp_path / "ckpt")
     whole = ranks(2).run(_train_and_save, name, path, 2, STEPS, 2)
     resumed = ranks(3).run(_resume, name, path, 3)
     for r, got in enumerate(resumed):
         ft.assert_trees_close(got, whole[0], tol="fp32", what=f"{name} resumed at ZeRO 3 on rank {r} of 3")
+    ft.assert_trees_close(_resume(name, path, 3), whole[0], tol="fp32", what=f"{name} resumed at ZeRO 3 on 1 rank")
 
 
 # --------------------------------------------------------------------------- DeepSpeed config types
