@@ -67,10 +67,18 @@ def hf_optimizer(args: Any, decay_names: set[str], params: Mapping[str, Any],
     name = _name(args.optim)
     cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
     if cls is not torch.optim.AdamW:
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            # Any other torch optimizer the Trainer builds (sgd, adagrad, rmsprop, Hugging Face's
+            # Adafactor, ...) runs as itself, with the Trainer's two groups: weight decay on the
+            # decayed names, none on the rest.
+            hp = {k: v for k, v in kwargs.items() if k != "lr" and k not in _ADAMW_RUNTIME}
+            no_decay = {k: k not in decay_names for k in params}
+            return optim.from_torch(cls, lr=schedule, weight_decay=args.weight_decay, **hp,
+                                    param_groups=[{"mask": no_decay, "weight_decay": 0.0}])
         raise NotImplementedError(
-            f"{WHERE}: optim={name!r} ({getattr(cls, '__qualname__', cls)}) has no fzero counterpart here; "
-            "FzeroTrainer runs adamw_torch and adamw_torch_fused (torch.optim.AdamW, as fzero.optim.adamw), or the "
-            "optimizer section of args.deepspeed")
+            f"{WHERE}: optim={name!r} ({getattr(cls, '__qualname__', cls)}) is not a torch.optim.Optimizer; "
+            "FzeroTrainer runs the Trainer's torch optimizers (adamw_torch as fzero.optim.adamw, the others "
+            "through fzero.optim.from_torch), or the optimizer section of args.deepspeed")
     extra = sorted(set(kwargs) - {"lr", "betas", "eps"} - _ADAMW_RUNTIME)
     if extra or kwargs.get("capturable") or kwargs.get("differentiable"):
         raise NotImplementedError(f"{WHERE}: optim={name!r} with {extra or kwargs}: only lr, betas and eps "
