@@ -21,6 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import fzero  # noqa: E402
 import fzero.testing as ft  # noqa: E402
 from fzero.integrations.transformers import FzeroTrainer, TrainingArguments  # noqa: E402
 
@@ -340,3 +341,17 @@ def test_bf16_is_close_to_the_trainers_bf16(tmp_path):
     assert got.fzero_step.options.precision == "bf16"
     ft.assert_trees_close(torch.tensor(_log(got)), torch.tensor(_log(ref)), tol="bf16", what="logged values")
     ft.assert_trees_close(_weights(got), _weights(ref), tol="bf16", what="final weights")
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints_as_the_trainer_does(tmp_path):
+    """save_steps=1 with save_total_limit=2 over 4 updates: Hugging Face's rotation leaves the
+    two newest checkpoint-N directories, each a complete fzero checkpoint."""
+    got = _train(FzeroTrainer, tmp_path, args=_args(tmp_path, eval_strategy="no", save_strategy="steps", save_steps=1,
+                                                    save_total_limit=2))
+    kept = sorted(p.name for p in Path(tmp_path).glob("checkpoint-*"))
+    assert kept == ["checkpoint-3", "checkpoint-4"], kept
+    for name in kept:
+        assert (Path(tmp_path) / name / "trainer_state.json").is_file()
+        assert (Path(tmp_path) / name / "model.safetensors").is_file()
+        fzero.checkpoint.verify(str(Path(tmp_path) / name / "fzero_state"))  # committed, every byte intact
+    assert got.state.global_step == 4
