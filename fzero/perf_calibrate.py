@@ -14,10 +14,12 @@ on a CPU host run, one core each):
   :data:`fzero.perf_model.OPTIMIZER_BYTES` per parameter; the gradient's own passes ride in it).
 * **free cores**: a 256³ matmul alone, and on 2 ranks at once; the cores the ranks get is
   2 × (at once / alone): 2 on a quiet 2-core host, less when other jobs share it.
-* **collectives** between 2 local gloo ranks: 16 all-reduces of 4 KiB in flight at once, as
-  fzero issues its buckets (latency: 2 ring steps each) and one of 8 MiB (bandwidth: the ring sends ``2(N-1)/N`` of it), and the overlap: an
-  all-reduce launched asynchronously and waited for after a matmul loop of about its length,
-  against the two alone.
+* **collectives** between 2 local gloo ranks, each kind (all-reduce, reduce-scatter,
+  all-gather) alone: 16 of 4 KiB in flight at once, as fzero issues its buckets (latency per
+  ring step), and one of 8 MiB (bandwidth, in the ring's bytes sent); 16 all-reduces of 4 KiB
+  one after another, each waited for (the latency tensor parallelism pays); and the overlap:
+  an all-reduce launched asynchronously and waited for after a matmul loop of about its
+  length, against the two alone.
 
 The result is written as JSON with the raw measurements beside it (``measured``), and read by
 ``fzero estimate --time --machine PATH``.
@@ -119,15 +121,40 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
             return lambda: (dist.barrier(), dist.all_reduce(t))
 
         t_barrier = _median_time(dist.barrier, reps=11)
-        # Latency as fzero pays it: its bucket reductions are issued asynchronously, back to
-        # back, and waited for later, so 16 small all-reduces in flight at once, per all-reduce.
-        def in_flight():
-            dist.barrier()
-            for w in [dist.all_reduce(small, async_op=True) for _ in range(16)]:
-                w.wait()
+        half_small, half_big = torch.zeros(512), torch.zeros(2**20)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-        t_small = (_median_time(in_flight, reps=7) - t_barrier) / 16
-        t_big = _median_time(ar(big), reps=7) - t_barrier
+        def launch(kind: str, x: torch.Tensor, half: torch.Tensor):
+            if kind == "all_reduce":
+                return dist.all_reduce(x, async_op=True)
+            if kind == "reduce_scatter":
+                return reduce_scatter(half, x, async_op=True)
+            return all_gather(x, half, async_op=True)
+
+        # Each kind as fzero pays it: its buckets are issued asynchronously, back to back, and
+        # waited for later, so 16 small ones in flight at once (latency), and one of 8 MiB
+        # (bandwidth). Gloo's algorithms are not all rings: its reduce-scatter costs what its
+        # all-reduce does, which the ring's formula would halve.
+        out = {}
+        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+            def in_flight(kind=kind):
+                dist.barrier()
+                for w in [launch(kind, small, half_small) for _ in range(16)]:
+                    w.wait()
+
+            out[f"{kind}_4KiB_s"] = (_median_time(in_flight, reps=7) - t_barrier) / 16
+            out[f"{kind}_8MiB_s"] = _median_time(lambda kind=kind: (dist.barrier(), launch(kind, big, half_big).wait()),
+                                                 reps=7) - t_barrier
+
+        # Tensor parallelism's all-reduces: one at a time, each waited for before the next.
+        def serial():
+            dist.barrier()
+            for _ in range(16):
+                dist.all_reduce(small)
+
+        out["all_reduce_4KiB_serial_s"] = (_median_time(serial, reps=7) - t_barrier) / 16
+        t_big = out["all_reduce_8MiB_s"]
         # Overlap: an all-reduce behind a matmul loop of about its length.
         a, b = torch.randn(256, 256), torch.randn(256, 256)
         t_mm1 = _median_time(lambda: a @ b, reps=5)
@@ -148,8 +175,7 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         flops_together = 2 * 256 ** 3 * loops / t_mm
         t_both = _median_time(both, reps=5) - t_barrier
         if rank == 0:
-            queue.put(dict(barrier_s=t_barrier, all_reduce_4KiB_s=t_small, all_reduce_8MiB_s=t_big,
-                           matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
+            queue.put(dict(barrier_s=t_barrier, **out, matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
                            matmul_flops_2_ranks_at_once=flops_together))
     finally:
         dist.destroy_process_group()
@@ -172,6 +198,13 @@ def _collectives(world: int = 2) -> dict:
     return queue.get()
 
 
+def free_cores(coll: dict, flops_alone: float, cores: int) -> float:
+    """The cores our ranks get, other jobs running: 2 ranks computing at once, each at a share
+    of one alone; a quiet 2-core host gives 2, a loaded one less. The model's rates scale by
+    ``min(1, this / ranks)``."""
+    return min(float(cores), max(0.25, 2 * coll["matmul_flops_2_ranks_at_once"] / flops_alone))
+
+
 def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
     """Measure this machine, write its :class:`~fzero.perf_model.Machine` to ``path`` as
     JSON, and return it. Takes about half a minute on 2 cores."""
@@ -191,16 +224,22 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
     leaf = max(0.0, (t64 - t2) / 62)
     step = max(0.0, t2 - 2 * leaf)
     optimizer_bw = OPTIMIZER_BYTES["fp32"] * 2 * big_elems / max(t_big - t2, 1e-9)
-    latency = max(coll["all_reduce_4KiB_s"] / 2, 1e-7)  # 2(N-1) = 2 ring steps at N = 2
-    bandwidth = 8 * 2**20 / max(coll["all_reduce_8MiB_s"] - 2 * latency, 1e-9)  # sends 2(N-1)/N · 8 MiB = 8 MiB
+    # At N = 2 a ring all-reduce takes 2 steps and sends its whole tensor; a reduce-scatter
+    # and an all-gather 1 step, sending half the 8 MiB input (a 4 MiB piece of the output).
+    steps, sent = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}, {"all_reduce": 1.0}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    free = free_cores(coll, flops_alone, cores)
+    slowed = min(1.0, free / 2)  # bandwidths measured on 2 ranks sharing the free cores: scaled back
+    kinds = {}
+    for kind, n in steps.items():
+        lat = max(coll[f"{kind}_4KiB_s"] / n, 1e-7)
+        bw = sent.get(kind, 0.5) * 8 * 2**20 / max(coll[f"{kind}_8MiB_s"] - n * lat, 1e-9)
+        kinds[kind] = {"bandwidth": bw / slowed, "latency": lat}
+    latency, bandwidth = kinds["all_reduce"]["latency"], kinds["all_reduce"]["bandwidth"]
+    serial_latency = max(coll["all_reduce_4KiB_serial_s"] / 2, 1e-7)
     t_mm, t_ar, t_both = coll["matmul_loop_s"], coll["all_reduce_8MiB_s"], coll["all_reduce_behind_matmul_s"]
     hidden = t_mm + t_ar - t_both  # what ran at once; overlap is its share of the compute window
     overlap = min(1.0, max(0.0, hidden / t_mm))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # The cores our ranks get, other jobs running: 2 ranks computing at once, each at a share of
-    # one alone; a quiet 2-core host gives 2, a loaded one less. Rates scale by min(1, this / ranks).
-    free = min(float(cores), max(0.25, 2 * coll["matmul_flops_2_ranks_at_once"] / flops_alone))
-    bandwidth /= min(1.0, free / 2)  # measured on 2 ranks sharing the free cores: the model scales it back
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = Machine(
         name=name,
@@ -211,7 +250,7 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
         ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
-        collective_overhead=0.0, host_async=False)
+        collective_overhead=0.0, host_async=False, collectives=kinds, serial_latency=serial_latency)
     save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
                  fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone, **coll)
     return machine

@@ -13,7 +13,10 @@
   stage 1 ``Ψ'gf + Ψ'pf``, stage 2 ``kΨ'gf + Ψ'pf``, stage 3 ``kΨ'gf + 2kΨ_u pf + kΨ_o pf``
   with ``f = (N-1)/N``, ``g`` = 4 (gradients reduced in fp32), ``p`` the parameters' bytes,
   ``k`` micro-batches; each collective costs ``sent / bandwidth + steps × latency``, ``steps``
-  = ``N - 1`` for a reduce-scatter or all-gather, ``2(N - 1)`` for an all-reduce. Tensor
+  = ``N - 1`` for a reduce-scatter or all-gather, ``2(N - 1)`` for an all-reduce; a machine
+  may carry measured bandwidth and latency per kind instead (``Machine.collectives``: gloo's
+  reduce-scatter is not a ring) and a latency for collectives issued one at a time
+  (``Machine.serial_latency``, tensor parallelism's). Tensor
   parallelism all-reduces the activations 4 times per block per micro-batch, forward and
   backward (Megatron, Shoeybi et al. 2019, sec. 3), on the critical path; a pipeline sends a
   micro-batch's activations forward and its gradient back at each stage boundary.
@@ -124,6 +127,16 @@ class Machine:
     """Host seconds per collective call."""
     host_async: bool = False
     """The host launches ahead of the device (a GPU): the step is max(host, device), not their sum."""
+    collectives: dict = field(default_factory=dict)
+    """Measured costs by collective kind (``all_reduce``, ``reduce_scatter``, ``all_gather``):
+    ``{"bandwidth": B/s, "latency": s per step}`` each, in the ring's terms (bytes sent per
+    rank, steps of the ring). A backend whose algorithm is not the ring's (gloo's
+    reduce-scatter costs what its all-reduce does) is described by these; a kind not here
+    uses the ``intra``/``inter`` link. Empty on the datasheet presets: NCCL's rings."""
+    serial_latency: float = 0.0
+    """Seconds per ring step of a collective issued alone and waited for at once (tensor
+    parallelism's all-reduces on the critical path), when it is more than the in-flight
+    ``latency`` (0: the same)."""
 
     def share(self, ranks_on_node: int) -> float:
         """The fraction of one core's rates a rank gets when ``ranks_on_node`` ranks run."""
@@ -316,17 +329,19 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     compute = (flops / m.matmul_flops[lay.precision] + elem_bytes / m.elementwise_bandwidth) / share
     bubble = compute * (pp - 1) / k
 
-    def link(span: int) -> Link:
+    def link(span: int, kind: str | None = None, serial: bool = False) -> Link:
         base = m.intra if span <= m.ranks_per_node else m.inter
-        return Link(bandwidth=base.bandwidth * share, latency=base.latency)
+        if kind in m.collectives:
+            base = Link(**m.collectives[kind])
+        latency = max(base.latency, m.serial_latency) if serial else base.latency
+        return Link(bandwidth=base.bandwidth * share, latency=latency)
 
     # data parallel: the dp group's ranks are tp apart, so it spans dp·tp ranks
     colls = dp_collectives(w, lay)
-    dp_link = link(dp * tp)
     secs = {"backward": 0.0, "forward": 0.0, "after": 0.0}
     last = {"backward": 0.0, "forward": 0.0}
     for kind, payload, when in colls:
-        t = ring_seconds(kind, payload, dp, dp_link)
+        t = ring_seconds(kind, payload, dp, link(dp * tp, kind))
         secs[when] += t
         last[when] = t  # the last reduce, the first gather: never behind compute
     dp_comm = sum(secs.values())
@@ -343,7 +358,7 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     act = micro_tokens * w.hidden * PRECISIONS[lay.precision]
     blocks = w.layers / pp
     n_tp = int(4 * blocks * k) if tp > 1 else 0
-    tp_comm = n_tp * ring_seconds("all_reduce", act, tp, link(tp))
+    tp_comm = n_tp * ring_seconds("all_reduce", act, tp, link(tp, "all_reduce", serial=True))
     # pipeline: a micro-batch's activations forward and its gradient back, per slot of the schedule
     n_pp = 2 * (k + pp - 1) if pp > 1 else 0
     pp_comm = n_pp * ring_seconds("send", act, 2, link(tp * dp * pp))
@@ -404,7 +419,8 @@ def load_machine(path: str) -> Machine:
     """A :class:`Machine` from the JSON ``fzero estimate --calibrate`` writes (or one by hand).
 
     Raises:
-        ValueError: a field missing or unknown, naming it and the file.
+        ValueError: a field missing or unknown, or a collective's cost malformed, naming it
+            and the file.
     """
     with open(path) as f:
         data = json.load(f)
@@ -414,9 +430,16 @@ def load_machine(path: str) -> Machine:
         raise ValueError(f"load_machine: {path}: unknown field(s) {', '.join(unknown)}; a machine has "
                          f"{', '.join(sorted(names))}")
     try:
-        return Machine(**{k: Link(**v) if k in ("intra", "inter") else v for k, v in data.items() if k in names})
+        machine = Machine(**{k: Link(**v) if k in ("intra", "inter") else v for k, v in data.items() if k in names})
     except TypeError as e:
         raise ValueError(f"load_machine: {path}: {e}") from None
+    bad = sorted(k for k, v in machine.collectives.items()
+                 if k not in ("all_reduce", "reduce_scatter", "all_gather") or not isinstance(v, dict)
+                 or set(v) != {"bandwidth", "latency"})
+    if bad:
+        raise ValueError(f"load_machine: {path}: collectives: {', '.join(bad)}: each must be one of all_reduce, "
+                         f"reduce_scatter, all_gather with exactly bandwidth and latency")
+    return machine
 
 
 def save_machine(machine: Machine, path: str, **measured) -> None:

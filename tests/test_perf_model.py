@@ -113,6 +113,24 @@ def test_shared_cores_slow_every_rate():
     assert shared.comm == pytest.approx(2 * quiet.comm)
 
 
+def test_measured_collective_costs_replace_the_rings_by_kind():
+    # Gloo-like: a reduce-scatter that costs what an all-reduce of the same tensor does (half
+    # the ring's bandwidth for the bytes it sends) and 1 ms per step for a collective alone.
+    w = _workload()
+    lay = Layout(world_size=2, stage=2, bucket_bytes=32000)
+    ring = step_time(w, lay, ROUND, global_batch=8)
+    gloo = dataclasses.replace(ROUND, collectives={"reduce_scatter": {"bandwidth": 0.5e9, "latency": 0.0}},
+                               serial_latency=1e-3)
+    measured = step_time(w, lay, gloo, global_batch=8)
+    # the 16,000 B the reduce-scatter sends take 32 µs, not 16; the all-gather is the ring's
+    assert measured.comm - ring.comm == pytest.approx(16000 / 0.5e9 - 16000 / 1e9)
+    assert measured.sent_bytes == ring.sent_bytes  # what is sent does not change
+    # the serial latency is tensor parallelism's (one all-reduce at a time), not ZeRO's buckets
+    tp = Layout(world_size=2, stage=0, tp=2)
+    assert step_time(_workload(layers=2), tp, gloo, global_batch=8).comm == pytest.approx(
+        step_time(_workload(layers=2), tp, ROUND, global_batch=8).comm + 8 * 2 * 1e-3)
+
+
 def test_layout_errors_name_the_argument():
     with pytest.raises(ValueError, match="stage"):
         Layout(world_size=2, stage=4)
@@ -130,6 +148,14 @@ def test_machine_round_trips_through_json(tmp_path):
     data["bogus"] = 1
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="unknown field.*bogus"):
+        load_machine(str(path))
+    measured = dataclasses.replace(ROUND, collectives={"all_gather": {"bandwidth": 2e9, "latency": 1e-4}})
+    save_machine(measured, str(path))
+    assert load_machine(str(path)) == measured
+    data = json.loads(path.read_text())
+    data["collectives"] = {"all_gather": {"bandwidth": 2e9}, "broadcast": {"bandwidth": 1.0, "latency": 0.0}}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="collectives: all_gather, broadcast"):
         load_machine(str(path))
 
 
