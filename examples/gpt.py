@@ -66,6 +66,11 @@ class GPTConfig:
             )
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    # No call at all without dropout: a model without it has no dropout in its graph.
+    return F.dropout(x, p, training) if p and training else x
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -88,7 +93,7 @@ class CausalSelfAttention(nn.Module):
         # is_causal=True lets torch pick a fused kernel (flash / memory-efficient) and never
         # materialise the T x T mask that nanoGPT's fallback path keeps as a buffer.
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return F.dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)), self.dropout, self.training)
+        return _dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -99,7 +104,7 @@ class MLP(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
+        return _dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -161,7 +166,7 @@ class GPT(nn.Module):
         if T > self.cfg.block_size:
             raise ValueError(f"GPT: a sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = F.dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)
+        x = _dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
