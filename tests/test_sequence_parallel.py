@@ -31,7 +31,7 @@ from fzero.transforms import tp_plans
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
-B, T = 3, 16
+B, T = 4, 16
 LR, WD = 1e-3, 0.1
 
 
@@ -93,7 +93,30 @@ def _sp_equals_torch_and_checkpoints():
         state, m = step(state, b)
         losses.append(m["loss"])
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
-    whole = fzero.gather(state.params)
+    _check_params(fzero.gather(state.params), ref_params)
+
+    # The same under accumulation (two micro-batches of two sequences) at ZeRO stage 1.
+    model = _gpt()
+    acc = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp=tp_plans.gpt(model, sequence_parallel=True),
+                        sequence_parallel=True, accumulate=2, zero=1)
+    acc_state = acc.init(_state(model))
+    acc_losses = []
+    for b in batches:
+        acc_state, m = acc(acc_state, b)
+        acc_losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(acc_losses), ref_losses, tol="fp32", what="losses (accumulate=2)")
+    _check_params(fzero.gather(acc_state.params), ref_params)
+    # the module is its own again outside the step: no forward of the plan's left on it
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+    path = os.path.join(tempfile.gettempdir(), f"fzero-sp-gpt-{os.getppid()}")
+    fzero.checkpoint.save(path, state, overwrite=True)
+    one = fzero.checkpoint.load(path, like=_state(_gpt()))  # a plain, unsplit one-process state
+    ft.assert_trees_close(dict(one.params), fzero.gather(state.params), tol="exact", what="loaded at tp=1")
+    return tuple(state.params["blocks.0.mlp.c_fc.weight"].shape)
+
+
+def _check_params(whole, ref_params):
     ref_params = {k: v.detach() for k, v in ref_params.items()}
     # The key projection's bias has an exact gradient of zero (softmax over the keys does not
     # see a shift common to every key): both runs move it only by rounding noise, which AdamW
@@ -104,14 +127,6 @@ def _sp_equals_torch_and_checkpoints():
         for t in (whole, ref_params):
             t[name] = torch.cat([t[name][:32], t[name][64:]])
     ft.assert_trees_close(whole, ref_params, tol="fp32", what="parameters")
-    # the module is its own again outside the step: no forward of the plan's left on it
-    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
-
-    path = os.path.join(tempfile.gettempdir(), f"fzero-sp-gpt-{os.getppid()}")
-    fzero.checkpoint.save(path, state, overwrite=True)
-    one = fzero.checkpoint.load(path, like=_state(_gpt()))  # a plain, unsplit one-process state
-    ft.assert_trees_close(dict(one.params), fzero.gather(state.params), tol="exact", what="loaded at tp=1")
-    return tuple(state.params["blocks.0.mlp.c_fc.weight"].shape)
 
 
 class _SavedBytes:

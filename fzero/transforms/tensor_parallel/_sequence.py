@@ -154,7 +154,10 @@ class _GatherLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dim, group, timeout_s = ctx.args
         whole = _gather(x, dim, group, timeout_s, "sequence shards, again for the weight gradient")
-        g2, x2 = g.reshape(-1, g.shape[-1]), whole.reshape(-1, whole.shape[-1])
+        # In the gradient's dtype: under autocast the forward's matmul ran in the low dtype
+        # whatever the input's (a norm's output stays fp32).
+        weight = weight.to(g.dtype)
+        g2, x2 = g.reshape(-1, g.shape[-1]), whole.reshape(-1, whole.shape[-1]).to(g.dtype)
         if ctx.conv1d:  # weight (in, out): y = x @ w
             gx, gw = g @ weight.t(), x2.t() @ g2
         else:  # weight (out, in): y = x @ w.T
