@@ -209,3 +209,6 @@ def test_sequence_parallel_styles_without_the_option_and_the_option_without_a_sh
             _state(model))
     with pytest.raises(ValueError, match=r"sequence_parallel=True shards the activations .* pass tp=plan"):
         fzero.compile(train_step, fzero.Mesh(dp=-1), sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True with jit=True: .* use jit=False"):
+        fzero.compile(train_step, fzero.Mesh(dp=-1), tp=tp_plans.gpt(model, sequence_parallel=True),
+                      sequence_parallel=True, jit=True)
