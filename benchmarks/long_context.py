@@ -263,7 +263,8 @@ def run(args) -> dict:
 def report(result: dict) -> None:
     a = result["args"]
     print(f"\nexamples/gpt.py GPT: {a['n_layer']} layers, width {a['n_embd']}, {a['n_head']} heads, dropout "
-          f"{a['dropout']}; global batch {a['batch_size']} sequences; 2 ranks; {result['cpu']}; load {result['loadavg']}")
+          f"{a['dropout']}; global batch {a['batch_size']} sequences; 2 ranks; {result['cpu']}; "
+          f"load {result['loadavg']}")
     print(f"{'seq':>6} | {'contestant':<9} | {'activations / rank (MiB)':>24} | {'x tp+sp':>7} | {'step (s)':>8} | "
           f"{'tp bytes / rank':>15}")
     print("-" * 88)

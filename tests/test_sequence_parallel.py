@@ -19,7 +19,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero
@@ -241,6 +240,66 @@ def test_sequence_parallel_gpt_with_dropout_equals_torch_and_loads_onto_one_proc
 @pytest.mark.multirank
 def test_sequence_parallel_hugging_face_gpt2_with_dropout_equals_torch(ranks):
     assert ranks(2).run(_gpt2_sp_equals_torch) == ["ok", "ok"]
+
+
+class _VocabLM(torch.nn.Module):
+    """Untied embedding and head, pre-norm MLP blocks with dropout, a final norm."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, depth: int = 2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.lns = torch.nn.ModuleList(torch.nn.LayerNorm(d) for _ in range(depth))
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(d, 4 * d) for _ in range(depth))
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(4 * d, d) for _ in range(depth))
+        self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for ln, fc, proj in zip(self.lns, self.fcs, self.projs):
+            x = x + F.dropout(proj(F.gelu(fc(ln(x)))), 0.1, self.training)
+        return self.head(self.ln_f(x))
+
+
+def _vocab_lm():
+    torch.manual_seed(6)
+    return _VocabLM()
+
+
+def _vocab_split_sp_equals_torch():
+    """A vocabulary-split embedding begins the shards (its output reduce-scattered) and a
+    vocabulary-split head gathers them; the loss is computed on the split logits."""
+    batches = _batches(3)
+    for b in batches:
+        b["ids"], b["y"] = b["ids"] % 32, b["y"] % 32
+    ref = _vocab_lm()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    ref_losses = []
+    for i, b in enumerate(batches):
+        opt.zero_grad()
+        with _masks(i, b):
+            loss = _loss(ref(b["ids"]), b["y"])
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.detach())
+    model = _vocab_lm()
+    plan = {"emb": fzero.RowwiseParallel(), "lns.*": fzero.SequenceParallel(), "fcs.*": fzero.ColwiseParallel(),
+            "projs.*": fzero.RowwiseParallel(), "ln_f": fzero.SequenceParallel(),
+            "head": fzero.ColwiseParallel(output="vocab")}
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp=plan, sequence_parallel=True)
+    state = step.init(_state(model))
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
+    ref_params = {k: v.detach() for k, v in ref.named_parameters()}
+    ft.assert_trees_close(fzero.gather(state.params), ref_params, tol="fp32", what="parameters")
+    return tuple(state.params["emb.weight"].shape)
+
+
+@pytest.mark.multirank
+def test_a_vocabulary_split_embedding_and_head_begin_and_end_the_shards(ranks):
+    assert ranks(2).run(_vocab_split_sp_equals_torch) == [(16, 16), (16, 16)]
 
 
 @pytest.mark.multirank

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fzero.transforms.tensor_parallel import _sequence
-from fzero.transforms.tensor_parallel._styles import _SHARED_INPUT, ColwiseParallel, DivideAttributes, RowwiseParallel
+from fzero.transforms.tensor_parallel._styles import _SHARED_INPUT, ColwiseParallel, DivideAttributes
 
 _ABSENT = object()
 

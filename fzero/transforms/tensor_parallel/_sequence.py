@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+# What torch.func.functional_call binds parameters with: a norm's own forward runs with its
+# parameters passed through *f* (SequenceParallel), nested inside the step's functional_call.
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero.distributed import comm
