@@ -48,7 +48,13 @@ class GPTConfig:
     bias: bool = True
     """Biases in the Linear layers and LayerNorms (nanoGPT's GPT-2 default)."""
 
+    dropout: float = 0.0
+    """Dropout rate on the embeddings, the attention probabilities and each block's two
+    residual branches (nanoGPT's places); 0 for none."""
+
     def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -60,26 +66,34 @@ class GPTConfig:
             )
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    # No call at all without dropout: a model without it has no dropout in its graph.
+    return F.dropout(x, p, training) if p and training else x
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
+        self.dropout = cfg.dropout
         # One matmul makes q, k and v for every head at once: fewer, larger kernels.
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # Sizes come from the tensors, not the config: under tensor parallelism a rank's c_attn
-        # makes q, k and v for its own heads only, and this code runs unchanged.
+        # Sizes come from the projection's output, not the config or the input: under tensor
+        # parallelism a rank's c_attn makes q, k and v for its own heads only, and under sequence
+        # parallelism its input is the rank's shard of the sequence and its output the whole
+        # sequence; this code runs unchanged.
         q, k, v = self.c_attn(x).chunk(3, dim=2)
+        B, T = q.shape[:2]
         # (B, T, C) -> (B, heads, T, head_dim): heads become a batch dim for the attention kernel.
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # is_causal=True lets torch pick a fused kernel (flash / memory-efficient) and never
         # materialise the T x T mask that nanoGPT's fallback path keeps as a buffer.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return _dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -87,9 +101,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return _dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -151,7 +166,7 @@ class GPT(nn.Module):
         if T > self.cfg.block_size:
             raise ValueError(f"GPT: a sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = _dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -25,7 +25,8 @@ from fzero.transforms import (Step, accumulate, check_finite, clip, mixed_precis
 # .transform(step) is the step transform, which compile(pipeline=pipe) applies.
 from fzero.transforms import pipeline
 # What the transforms take and raise: tensor_parallel's plan styles, check_finite's error.
-from fzero.transforms import ColwiseParallel, DivideAttributes, NonFiniteGradientError, RowwiseParallel
+from fzero.transforms import (ColwiseParallel, DivideAttributes, NonFiniteGradientError, PrepareModuleInput,
+                              RowwiseParallel, SequenceParallel)
 from fzero._version import __version__
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "NonFiniteGradientError",
     "ReplicaDivergenceError",
     "Params",
+    "PrepareModuleInput",
+    "SequenceParallel",
     "Step",
     "TrainState",
     "accumulate",

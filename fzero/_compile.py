@@ -103,7 +103,8 @@ ORDER: tuple[Layer, ...] = (
           "outside ZeRO: its init moves to the host what shard_state partitioned and placed on the device (this "
           "rank's masters and optimizer state), and its update handler, the last before the optimizer's, steps "
           "exactly those pieces there"),
-    Layer("tensor_parallel", lambda p: p.opts.tp is not None, lambda s, p: tensor_parallel(s, p.mesh, p.opts.tp),
+    Layer("tensor_parallel", lambda p: p.opts.tp is not None,
+          lambda s, p: tensor_parallel(s, p.mesh, p.opts.tp, sequence_parallel=p.opts.sequence_parallel),
           "outside ZeRO and mixed precision: its init keeps this rank's slice of each split layer before they "
           "cast, partition and build optimizer state on it (Ψ/tp per rank)"),
     Layer("pipeline", lambda p: p.opts.pipeline is not None, lambda s, p: p.opts.pipeline.transform(s),
@@ -223,6 +224,13 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if mesh.size("tp") > 1 and opts.tp is None:
         raise ValueError(f"fzero.compile: {mesh} has a tp axis of {mesh.size('tp')}: pass tp={{...}}, a plan "
                          "of module-name globs to fzero.ColwiseParallel() / fzero.RowwiseParallel()")
+    if opts.sequence_parallel and opts.tp is None:
+        raise ValueError("fzero.compile: sequence_parallel=True shards the activations between tensor-parallel "
+                         "layers: pass tp=plan too (fzero.transforms.tp_plans.gpt(model, sequence_parallel=True))")
+    if opts.sequence_parallel and opts.jit:
+        raise ValueError(f"fzero.compile: sequence_parallel=True with jit={opts.jit!r}: a compiled graph's tensors "
+                         "do not carry which shard of the sequence they are, which the split layers read; use "
+                         "jit=False with sequence_parallel")
     fill = AutoFill(cfg, itemsize=2 if opts.reduce_in in ("fp16", "bf16") else 4,
                     default_bucket=opts.bucket_bytes) if cfg is not None else None
     # Everything the transforms are built from is known here, as plain data.

@@ -138,6 +138,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "comm_bytes": boolean,
     "offload_optimizer": choice("none", "cpu"),
     "tp": optional(_plan),
+    "sequence_parallel": boolean,
     "pipeline": optional(_pipeline),
     "trial": optional(_trial),
     "timers": boolean,
@@ -331,6 +332,15 @@ class CompileOptions:
     module-name globs to ``fzero.ColwiseParallel()`` / ``fzero.RowwiseParallel()``, or
     ``"auto"`` (DeepSpeed's AutoTP: the common Linear layouts). Required when the mesh has a
     ``tp`` axis."""
+
+    sequence_parallel: bool = False
+    """With ``tp``: Megatron's sequence parallelism (Megatron-LM's ``--sequence-parallel``).
+    Between the split pairs the activations are this rank's shard of the sequence: the
+    pairs' all-reduces become an all-gather and a reduce-scatter, and the norms and dropouts
+    run on ``1/tp`` of the tokens. The plan says where the shards begin and end
+    (``fzero.PrepareModuleInput``, ``fzero.SequenceParallel``; ``tp_plans.gpt(model,
+    sequence_parallel=True)``). No config key: DeepSpeed's ``sequence_parallel_size`` is
+    Ulysses (the mesh's ``sp`` axis), and DeepSpeed's ``tensor_parallel`` section has none."""
 
     pipeline: Pipeline | None = None
     """The :class:`fzero.transforms.pipeline.Pipeline` over the mesh's ``pp`` axis

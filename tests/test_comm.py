@@ -302,3 +302,73 @@ def test_a_two_stage_pipeline_sends_one_boundary_tensor_per_micro_batch_each_way
             assert metric == _by_kind(by_what), (stage, i, metric)
             assert received == m * boundary, (stage, i, received)
         assert ("broadcast", "metadata") in steps[0][0]
+
+
+# --------------------------------------------------------------------------- tensor and sequence parallelism
+
+
+def _tp_step_bytes(sequence_parallel: bool, rows: int, seq: int, d: int, layers: int):
+    """One step of the example GPT at tp=2 (no dropout), ``metrics["comm_bytes"]``."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPT, GPTConfig
+
+    from fzero.transforms import tp_plans
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=seq, n_layer=layers, n_head=2, n_embd=d))
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+
+    def train_step(state, batch):
+        def loss_fn(p):
+            return F.cross_entropy(state.apply_fn(p, batch["x"]).flatten(0, 1), batch["y"].flatten())
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp=tp_plans.gpt(model, sequence_parallel=sequence_parallel),
+                         sequence_parallel=sequence_parallel, comm_bytes=True)
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randint(0, 32, (rows, seq), generator=g), "y": torch.randint(0, 32, (rows, seq), generator=g)}
+    _, metrics = step(step.init(state), batch)
+    return metrics["comm_bytes"]
+
+
+def _tp_and_sp_bytes(rows, seq, d, layers):
+    return _tp_step_bytes(False, rows, seq, d, layers), _tp_step_bytes(True, rows, seq, d, layers)
+
+
+@multirank
+def test_sequence_parallel_sends_tensor_parallels_bytes_as_all_gathers_and_reduce_scatters(ranks):
+    """Megatron's count, per rank and step at tp=2, for the example GPT (``L`` blocks, each an
+    attention and an MLP pair; ``S = rows x seq x d x 4`` bytes of one activation).
+
+    Tensor parallelism: per pair one all-reduce of ``S`` forward (*g*) and one backward (*f*),
+    each sending ``2 S (N-1)/N = S``: ``4 S`` per block. Sequence parallelism: per pair an
+    all-gather of the ``S/N`` shard into the column-parallel layer and a reduce-scatter of
+    ``S`` out of the row-parallel one, forward, and the reverse backward, each sending ``S/2``
+    -- the same ``4 S`` per block, as a ring all-reduce is a reduce-scatter then an
+    all-gather. On top: the column-parallel layers' shards all-gathered again in backward for
+    their weight gradients (``S/2`` each, 2 per block), the residual stream cut into shards
+    at the first block (its gradient all-gathered, ``S/2``) and gathered whole for the LM head
+    (``S/2``), and the whole parameters used on shards summed over tp: each LayerNorm's
+    weight and bias (``2 d`` fp32, 2 per block and the final one) and each row-parallel
+    layer's bias (``d``, 2 per block), as all-reduces sending their payload. Both steps also
+    check the batch (4 int64 all-gathered per rank) and all-reduce the non-finite flag (one
+    fp32)."""
+    rows, seq, d, layers, n = 3, 8, 16, 2, 2
+    S = rows * seq * d * 4
+    check, flag = 4 * 8 * (n - 1), Fraction(2 * 4 * (n - 1), n)
+    for tp, sp in ranks(n).run(_tp_and_sp_bytes, rows, seq, d, layers):
+        pairs_tp = layers * 4 * S  # two pairs per block, two all-reduces each
+        assert tp["all_reduce"] == pairs_tp + flag and tp["all_gather"] == check and tp["reduce_scatter"] == 0, tp
+        half = Fraction(S, n)
+        regather, ends = layers * 2 * half, 2 * half
+        pairs_sp = sp["all_gather"] - check - regather - ends + sp["reduce_scatter"]
+        assert pairs_sp == pairs_tp, (sp, tp)  # the same bytes, another pair of collectives
+        assert sp["reduce_scatter"] == layers * 4 * half
+        assert sp["all_gather"] == check + layers * 4 * half + regather + ends
+        norms, biases = (2 * layers + 1) * 2 * d * 4, 2 * layers * d * 4
+        assert sp["all_reduce"] == flag + norms + biases, sp

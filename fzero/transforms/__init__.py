@@ -18,7 +18,8 @@ from fzero.transforms.mixed_precision import mixed_precision, torch_autocast
 from fzero.transforms.offload import offload_optimizer
 from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
-from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, RowwiseParallel,
+from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, PrepareModuleInput,
+                                             RowwiseParallel, SequenceParallel,
                                              VocabShardedLogits, plans as tp_plans, tensor_parallel)
 
 # The plans live in the tensor_parallel package; their public path stays
@@ -29,5 +30,5 @@ sys.modules[f"{__name__}.tp_plans"] = tp_plans
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
            "emit_metric", "installed", "psum", "running",
            "accumulate", "check_finite", "clip", "NonFiniteGradientError", "mixed_precision", "offload_optimizer",
-           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
-           "VocabShardedLogits", "BatchMismatchError", "tp_plans"]
+           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ColwiseParallel", "DivideAttributes",
+           "PrepareModuleInput", "RowwiseParallel", "SequenceParallel", "VocabShardedLogits", "BatchMismatchError", "tp_plans"]

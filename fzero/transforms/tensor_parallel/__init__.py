@@ -43,16 +43,25 @@ only and sums over ``tp`` -- a split leaf's slices add up, a whole one is counte
 ``fzero.checkpoint`` saves, reshards and exports it, and ``fzero.gather`` /
 ``fzero.load_into`` give the whole model back.
 
+With ``sequence_parallel=True`` (``_sequence.py``), Megatron's sequence parallelism: the
+activations between the split pairs are this rank's shard of the sequence, the pairs'
+all-reduces become an all-gather into the column-parallel layer and a reduce-scatter out of the
+row-parallel one, and the norms and dropouts run on the shards (:class:`SequenceParallel`),
+their weights' gradients summed over ``tp``; :class:`PrepareModuleInput` says where the
+shards begin and end.
+
 Plans for the models people train (Hugging Face Llama and GPT-2, the example GPT) are in
 ``plans.py``, public as ``fzero.transforms.tp_plans``.
 """
 
 from fzero.transforms.tensor_parallel._batch import BatchMismatchError
+from fzero.transforms.tensor_parallel._sequence import PrepareModuleInput, SequenceParallel
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes,
                                                       RowwiseParallel)
 from fzero.transforms.tensor_parallel._transform import tensor_parallel
 from fzero.transforms.tensor_parallel._vocab import VocabShardedLogits
 
-__all__ = ["BatchMismatchError", "ColwiseParallel", "DivideAttributes", "RowwiseParallel", "TensorParallelLayout",
+__all__ = ["BatchMismatchError", "ColwiseParallel", "DivideAttributes", "PrepareModuleInput", "RowwiseParallel",
+           "SequenceParallel", "TensorParallelLayout",
            "VocabShardedLogits", "auto_plan", "tensor_parallel"]

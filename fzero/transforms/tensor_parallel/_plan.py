@@ -12,6 +12,7 @@ import torch
 from fzero import tree
 from fzero._params import Params, frozen_names
 from fzero.distributed import comm
+from fzero.transforms.tensor_parallel._sequence import PrepareModuleInput, SequenceParallel
 from fzero.transforms.tensor_parallel._styles import (STYLES, WHERE, ColwiseParallel, DivideAttributes, RowwiseParallel,
                                                       _io, _is_conv1d, _whole)
 
@@ -227,10 +228,11 @@ def check_plan(plan: Any, where: str = WHERE) -> None:
     if not isinstance(plan, Mapping) or not plan:
         raise TypeError(f"{where}: the plan must be a non-empty dict of module-name globs to "
                         f"ColwiseParallel() / RowwiseParallel(), or 'auto', got {plan!r}")
-    bad = [f"{k!r}: {v!r}" for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, STYLES))]
+    styles = STYLES + (SequenceParallel, PrepareModuleInput)
+    bad = [f"{k!r}: {v!r}" for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, styles))]
     if bad:
-        raise TypeError(f"{where}: plan entries must be 'glob': ColwiseParallel(), RowwiseParallel() or "
-                        "DivideAttributes(...); "
+        raise TypeError(f"{where}: plan entries must be 'glob': ColwiseParallel(), RowwiseParallel(), "
+                        "DivideAttributes(...), SequenceParallel() or PrepareModuleInput(...); "
                         f"got {', '.join(bad)}")
 
 
@@ -272,6 +274,13 @@ def resolve_plan(module: torch.nn.Module, params: Mapping[str, torch.Tensor], pl
                     problems.append(f"module {name!r} has no integer attribute {attr!r} to divide (got {v!r})")
                 elif v % tp:
                     problems.append(f"module {name!r}: {attr}={v} does not divide by tp={tp}")
+            continue
+        if isinstance(style, (SequenceParallel, PrepareModuleInput)):
+            # Nothing split: the module runs on (or moves its input to) sequence shards. A
+            # module of another pipeline stage is not run here.
+            own = [n for n, _ in m.named_parameters(remove_duplicate=False)]
+            if not own or any(a in params for n in own for a in aliases.get(id(m.get_parameter(n)), [n])):
+                local[name] = style
             continue
         embedding = isinstance(m, torch.nn.Embedding)
         if embedding and not isinstance(style, RowwiseParallel):

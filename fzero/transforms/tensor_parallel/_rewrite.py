@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fzero.transforms.tensor_parallel import _sequence
 from fzero.transforms.tensor_parallel._styles import _SHARED_INPUT, ColwiseParallel, DivideAttributes
 
 _ABSENT = object()
@@ -49,9 +50,13 @@ class Rewrite:
             (``resolve_plan``'s first result).
         tp: the ``tp`` degree (attributes are divided by it).
         group, timeout_s: the ``tp`` process group and its collectives' timeout.
+        sequence_parallel: the split layers take and give sequence shards (``_sequence.py``):
+            a column-parallel layer all-gathers its input, a row-parallel one reduce-scatters
+            its output.
     """
 
-    def __init__(self, module: torch.nn.Module, chosen: Mapping[str, Any], tp: int, group, timeout_s: float):
+    def __init__(self, module: torch.nn.Module, chosen: Mapping[str, Any], tp: int, group, timeout_s: float, *,
+                 sequence_parallel: bool = False):
         self.tp = tp
         self.forwards: list[tuple[torch.nn.Module, Any]] = []
         self.divided: list[tuple[torch.nn.Module, str]] = []
@@ -61,8 +66,16 @@ class Rewrite:
             if isinstance(style, DivideAttributes):
                 self.divided += [(m, attr) for attr in style.names]
                 continue
-            self.forwards.append((m, functools.partial(style.forward, m, group=group, timeout_s=timeout_s)))
-            if isinstance(style, ColwiseParallel):
+            if isinstance(style, (_sequence.SequenceParallel, _sequence.PrepareModuleInput)):
+                forward = functools.partial(style.forward, m, group=group, timeout_s=timeout_s, name=name)
+            elif sequence_parallel:
+                on_shards = _sequence.colwise_forward if isinstance(style, ColwiseParallel) else \
+                    _sequence.rowwise_forward
+                forward = functools.partial(on_shards, style, m, group=group, timeout_s=timeout_s, name=name)
+            else:
+                forward = functools.partial(style.forward, m, group=group, timeout_s=timeout_s)
+            self.forwards.append((m, forward))
+            if isinstance(style, ColwiseParallel) and not sequence_parallel:
                 siblings[name.rpartition(".")[0]] += 1
         # The modules whose forward calls several column-parallel children: where they read one
         # input, it is all-reduced once in backward (Megatron's count).

@@ -17,7 +17,8 @@ from fzero.transforms.tensor_parallel._batch import check_same_batch
 from fzero.transforms.tensor_parallel._plan import TensorParallelLayout, _Split, auto_plan, check_plan, resolve_plan
 from fzero.transforms.tensor_parallel._rewrite import Rewrite
 from fzero.transforms.tensor_parallel._slices import SliceTracker
-from fzero.transforms.tensor_parallel._styles import WHERE, _all_reduce, _local
+from fzero.transforms.tensor_parallel._sequence import PrepareModuleInput, SequenceParallel
+from fzero.transforms.tensor_parallel._styles import WHERE, RowwiseParallel, _all_reduce, _local
 
 
 # --------------------------------------------------------------------------- the transform
@@ -62,7 +63,8 @@ class _TensorParallelHandler(Handler):
         return next(tracked, params, args, kwargs, **options)
 
 
-def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None) -> Step:
+def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None, *,
+                    sequence_parallel: bool = False) -> Step:
     """Tensor parallelism over the mesh's ``tp`` axis, as Megatron-LM splits layers.
 
     Every ``tp`` rank of a ``dp`` coordinate passes the same batch (checked every step, by
@@ -77,6 +79,12 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
             ``"auto"`` (:func:`auto_plan`, at ``init``). An ``nn.Embedding`` under
             :class:`RowwiseParallel` is split by vocabulary; an LM head under
             ``ColwiseParallel(output="vocab")`` returns :class:`VocabShardedLogits`.
+        sequence_parallel: Megatron's sequence parallelism (``_sequence.py``): between the
+            split pairs activations are this rank's shard of the sequence; column-parallel
+            layers all-gather their input, row-parallel ones reduce-scatter their output. The
+            plan says where the shards begin and end and which modules run on them
+            (:class:`PrepareModuleInput`, :class:`SequenceParallel`; ``tp_plans.gpt(model,
+            sequence_parallel=True)``).
 
     Returns:
         A :class:`Step`. ``init`` keeps this rank's slices (before the transforms inside it
@@ -89,7 +97,8 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
 
     Raises:
         TypeError: a plan that is not globs to styles.
-        ValueError: at ``init``, a plan that does not fit the model (every problem named).
+        ValueError: at ``init``, a plan that does not fit the model (every problem named); a
+            plan whose sequence-parallel styles disagree with ``sequence_parallel``.
         BatchMismatchError: a step whose ``tp`` peers were handed different batches (each
             differing leaf named by key path, with both ranks and both shapes), on every peer.
 
@@ -132,6 +141,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
             raise ValueError(f"{WHERE}: plan='auto' found no Linear layers to split in {type(module).__name__} "
                              "(an expansion d -> h beside a contraction h -> d in one module); give a plan")
         chosen, found = resolve_plan(module, state.params, planned, tp)
+        _check_sequence_styles(module, chosen, sequence_parallel)
         splits.clear()
         splits.update(found)
         handler.names = frozenset(state.params)
@@ -139,7 +149,7 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
             return state.replace(tensor_parallel=TensorParallelLayout(1, 0, tuple(sorted(splits.items()))))
         # The planned forwards and divided attributes are the step's, not the module's: they are
         # in place only while a step runs (_rewrite.py), so the module stays the user's own.
-        running["rewrite"] = Rewrite(module, chosen, tp, group, mesh.timeout_s)
+        running["rewrite"] = Rewrite(module, chosen, tp, group, mesh.timeout_s, sequence_parallel=sequence_parallel)
         layout = TensorParallelLayout(tp, rank, tuple(sorted(splits.items())), group=group, timeout_s=mesh.timeout_s)
         local = {name: _local(state.params[name], s.dim, tp, rank, s.parts) for name, s in splits.items()}
         # The layout rides on the params container, as its frozen names do: gradients, masters,
@@ -158,4 +168,23 @@ def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str,
         with installed(handler), rewrite.applied() if rewrite is not None else contextlib.nullcontext():
             return inner(state, batch)
 
-    return Step(call, before=before, name=f"tensor_parallel({inner.__name__}, tp={tp})", inner=inner)
+    sp = ", sequence_parallel=True" if sequence_parallel else ""
+    return Step(call, before=before, name=f"tensor_parallel({inner.__name__}, tp={tp}{sp})", inner=inner)
+
+
+def _check_sequence_styles(module: torch.nn.Module, chosen: Mapping[str, Any], sequence_parallel: bool) -> None:
+    """Sequence-parallel styles only with ``sequence_parallel=True``, which needs a place where
+    the shards begin."""
+    on_shards = sorted(n for n, s in chosen.items() if isinstance(s, (SequenceParallel, PrepareModuleInput)))
+    if on_shards and not sequence_parallel:
+        raise ValueError(f"{WHERE}: the plan runs {', '.join(map(repr, on_shards))} on sequence shards "
+                         "(SequenceParallel / PrepareModuleInput) but sequence_parallel is off: pass "
+                         "sequence_parallel=True (compile(..., tp=plan, sequence_parallel=True)), or drop them")
+    begins = [n for n, s in chosen.items() if (isinstance(s, PrepareModuleInput) and s.shards())
+              or (isinstance(s, RowwiseParallel) and isinstance(module.get_submodule(n), torch.nn.Embedding))]
+    if sequence_parallel and not begins:
+        raise ValueError(f"{WHERE}: sequence_parallel=True, but the plan shards no activation on the sequence: "
+                         "add PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)) on "
+                         "the first block (or split the embedding by vocabulary) and SequenceParallel() on the "
+                         "norms between the split pairs; fzero.transforms.tp_plans.gpt(model, "
+                         "sequence_parallel=True) is one")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fzero.transforms.tensor_parallel._sequence import PrepareModuleInput, SequenceParallel
 from fzero.transforms.tensor_parallel._styles import ColwiseParallel, DivideAttributes, RowwiseParallel
 
 __all__ = ["gpt", "gpt2", "llama"]
@@ -57,30 +58,67 @@ def llama(model: torch.nn.Module, *, vocab: bool = False) -> dict[str, Any]:
     }
 
 
-def gpt2(model: torch.nn.Module) -> dict[str, Any]:
+def gpt2(model: torch.nn.Module, *, sequence_parallel: bool = False) -> dict[str, Any]:
     """Hugging Face GPT-2 blocks (``Conv1D`` layers): the fused q/k/v projection split as
     three blocks by heads, the attention's ``split_size`` and ``num_heads`` divided (its
-    forward cuts the fused output with them), the MLP by columns then rows."""
+    forward cuts the fused output with them), the MLP by columns then rows.
+
+    Args:
+        sequence_parallel: also the places of Megatron's sequence parallelism, for
+            ``compile(..., tp=plan, sequence_parallel=True)``: shards from the first block's
+            input, the blocks' LayerNorms on them, and the whole sequence gathered for the
+            final LayerNorm (``GPT2Model`` reshapes its output to the input's length).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
     head = model.config.n_embd // model.config.n_head
     blocks = "transformer.h.*"
-    return {
+    plan: dict[str, Any] = {
         f"{blocks}.attn.c_attn": ColwiseParallel(parts=3, unit=head),
         f"{blocks}.attn.c_proj": RowwiseParallel(unit=head),
         f"{blocks}.attn": DivideAttributes("split_size", "num_heads"),
         f"{blocks}.mlp.c_fc": ColwiseParallel(),
         f"{blocks}.mlp.c_proj": RowwiseParallel(),
     }
+    if sequence_parallel:
+        plan.update({
+            "transformer.h.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+            f"{blocks}.ln_1": SequenceParallel(),
+            f"{blocks}.ln_2": SequenceParallel(),
+            "transformer.ln_f": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        })
+    return plan
 
 
-def gpt(model: torch.nn.Module) -> dict[str, Any]:
+def gpt(model: torch.nn.Module, *, sequence_parallel: bool = False) -> dict[str, Any]:
     """The example GPT (``examples/gpt.py``): the fused q/k/v projection as three blocks by
     heads (``n_head`` must divide by ``tp``) and the output projection by rows, the MLPs by
     columns then rows. Its attention reads the head count from the tensors' shapes, so
-    nothing else changes."""
+    nothing else changes.
+
+    Args:
+        sequence_parallel: also the places of Megatron's sequence parallelism, for
+            ``compile(..., tp=plan, sequence_parallel=True)``: the residual stream is cut into
+            sequence shards at the first block's input, the blocks' LayerNorms and the final
+            one run on the shards, and the whole LM head (tied to the embedding) gets the
+            whole sequence back (as torch's Llama plan: ``norm: SequenceParallel()`` before the
+            output layer).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
     head = model.cfg.n_embd // model.cfg.n_head
-    return {
+    plan: dict[str, Any] = {
         "blocks.*.attn.c_attn": ColwiseParallel(parts=3, unit=head),
         "blocks.*.attn.c_proj": RowwiseParallel(unit=head),
         "blocks.*.mlp.c_fc": ColwiseParallel(),
         "blocks.*.mlp.c_proj": RowwiseParallel(),
     }
+    if sequence_parallel:
+        plan.update({
+            "blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+            "blocks.*.ln_1": SequenceParallel(),
+            "blocks.*.ln_2": SequenceParallel(),
+            "ln_f": SequenceParallel(),
+            "lm_head": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        })
+    return plan
