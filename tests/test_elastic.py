@@ -10,9 +10,10 @@ equal an uninterrupted one-process run of the same global batches (fp32, relativ
 dropout, the token-mean loss and the data order do not depend on the layout, and
 ``fzero.data``'s position is resumed exactly across the world sizes.
 
-The reference builds its global batches from the documented rule (epoch ``e``'s order is
-``torch.randperm`` seeded with ``seed + e``; batch ``b`` its rows ``[bB, (b+1)B)``), not through
-``fzero.data``, and runs the step in one process (``fzero.Step``: no transform).
+The reference (``elastic_job.reference``) builds its global batches from the documented
+rule (epoch ``e``'s order is ``torch.randperm`` seeded with ``seed + e``; batch ``b`` its rows
+``[bB, (b+1)B)``), not through ``fzero.data``, and runs the step in one process
+(``fzero.Step``: no transform).
 
 The launcher's plan (the agents' commands, option errors, the exit code) is checked without
 starting anything.
@@ -106,20 +107,6 @@ def test_the_exit_code_forgives_lost_nodes_only_when_the_job_finished():
 # --------------------------------------------------------------------------- a real elastic run
 
 
-def _reference(steps: int):
-    """Losses and final parameters of the uninterrupted one-process run."""
-    data = elastic_job.dataset()
-    per_epoch = len(data) // elastic_job.GLOBAL_BATCH
-    state, step, losses = elastic_job.initial_state(), fzero.Step(elastic_job.train_step), []
-    for i in range(steps):
-        epoch, b = divmod(i, per_epoch)
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0 + epoch))
-        rows = order[b * elastic_job.GLOBAL_BATCH:(b + 1) * elastic_job.GLOBAL_BATCH]
-        state, m = step(state, [t[rows] for t in data.tensors])
-        losses.append(float(m["loss"]))
-    return losses, dict(state.params)
-
-
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_a_job_that_loses_two_of_four_nodes_and_gains_one_is_the_uninterrupted_run(tmp_path):
@@ -141,7 +128,7 @@ def test_a_job_that_loses_two_of_four_nodes_and_gains_one_is_the_uninterrupted_r
     assert "fzero launch: node 2 (agent pid" in done.output and "fzero launch: node 3 (agent pid" in done.output
     assert "was lost (SIGKILL)" in done.output
 
-    ref_losses, ref_params = _reference(STEPS)
+    ref_losses, ref_params = elastic_job.reference(STEPS)
     for rec in log:  # every run of a step, on each world that ran it
         if "step" in rec:
             ft.assert_trees_close(torch.tensor(float.fromhex(rec["loss"])), torch.tensor(ref_losses[rec["step"]]),

@@ -177,9 +177,27 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> ElasticPlan:
             "--max-restarts", str(restarts), *(["--env-file", args.env_file] if args.env_file else []),
             args.script, *args.script_args]
     node_env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", JOIN_VAR: shlex.join(join)}
-    nodes = [Node(host=None, node_rank=i, nproc=per_node, env=node_env, argv=argv) for i in range(count)]
+    devices = _devices(count) if count > 1 else [{}]
+    nodes = [Node(host=None, node_rank=i, nproc=per_node, env={**node_env, **devices[i]}, argv=argv)
+             for i in range(count)]
     return ElasticPlan(nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes, master_addr=addr, master_port=port,
                        host_store=host_store, join=join)
+
+
+def _devices(count: int) -> list[dict[str, str]]:
+    # One host, one rank per agent: every worker has LOCAL_RANK 0, so agent i is shown its own
+    # GPU, the i-th visible one. (A node added later picks its GPU by CUDA_VISIBLE_DEVICES.)
+    import torch
+
+    from fzero.cli.launch import LaunchError
+
+    if not torch.cuda.is_available():
+        return [{} for _ in range(count)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(d) for d in range(torch.cuda.device_count())]
+    if count > len(ids):
+        raise LaunchError(f"--nproc {count} exceeds the {len(ids)} visible GPU(s) ({','.join(ids)}): one node per GPU")
+    return [{"CUDA_VISIBLE_DEVICES": ids[i]} for i in range(count)]
 
 
 # --------------------------------------------------------------------------- running

@@ -25,7 +25,10 @@ metadata, and on start resumes from ``fzero.checkpoint.latest`` onto whatever wo
 
 Rank 0 appends JSON lines to ``OUT/log.jsonl``: ``{"start": step, "world": W, "zero": stage, "t": time}`` when
 a worker group starts and ``{"step", "loss" (float.hex), "world"}`` after each step. A rank
-that kills its node first writes the time to ``OUT/fault_time``.
+that kills its node first writes the time to ``OUT/fault_time``; rank 0 writes the time it
+adds a node to ``OUT/grown``.
+
+:func:`reference` is the uninterrupted run in one process, for comparison.
 """
 
 from __future__ import annotations
@@ -102,6 +105,30 @@ def train_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
+def reference(steps: int):
+    """Losses and final parameters of the uninterrupted run, in this process.
+
+    The global batches come from the rule docs/data.md states (epoch ``e``'s order is
+    ``torch.randperm`` under a generator seeded with ``seed + e``; batch ``b`` is its rows
+    ``[bB, (b+1)B)``), not through ``fzero.data``; the step runs in a world of one
+    (``fzero.Step``: no transform, the whole global batch), with fzero's dropout.
+    """
+    import torch
+
+    import fzero
+
+    data = dataset()
+    per_epoch = len(data) // GLOBAL_BATCH
+    state, step, losses = initial_state(), fzero.Step(train_step), []
+    for i in range(steps):
+        epoch, b = divmod(i, per_epoch)
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0 + epoch))
+        rows = order[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH]
+        state, m = step(state, [t[rows] for t in data.tensors])
+        losses.append(float(m["loss"]))
+    return losses, dict(state.params)
+
+
 def _wait_for_restart(rank: int, why: str) -> None:
     print(f"elastic_job: rank {rank}: {why}; waiting for the agents to restart the group", file=sys.stderr,
           flush=True)
@@ -120,7 +147,8 @@ def _lose_node(out: str, rank: int) -> None:
 
 
 def _add_node(out: str) -> None:
-    open(os.path.join(out, "grown"), "w").close()
+    with open(os.path.join(out, "grown"), "w") as f:
+        f.write(repr(time.time()))
     # The new agent gets this machine's environment, not this rank's.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TORCHELASTIC_") and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
