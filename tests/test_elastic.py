@@ -124,7 +124,9 @@ def test_a_job_that_loses_two_of_four_nodes_and_gains_one_is_the_uninterrupted_r
     assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]][-3:] == [4, 2, 3], log
     last = {rec["step"]: rec for rec in log if "step" in rec}
     assert sorted(last) == list(range(STEPS))
-    assert (last[0]["world"], last[2]["world"], last[STEPS - 1]["world"]) == (4, 2, 3), log
+    # (The first round may complete before a slow node arrives: then steps 0-1 ran on fewer
+    # ranks, and the job waited at step 2 for the fourth node.)
+    assert (last[2]["world"], last[STEPS - 1]["world"]) == (2, 3), log
     assert "fzero launch: node 2 (agent pid" in done.output and "fzero launch: node 3 (agent pid" in done.output
     assert "was lost (SIGKILL)" in done.output
 
