@@ -56,7 +56,7 @@ def test_nproc_min_starts_one_agent_of_one_rank_per_node_on_an_elastic_rendezvou
     argv = p.nodes[0].argv
     assert argv[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "1", "--nnodes", "2:4", "--rdzv-backend",
                         "c10d", "--rdzv-endpoint", "127.0.0.1:4321", "--rdzv-id", "fzero-4321", "--rdzv-conf",
-                        "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout=2",
+                        "is_host=false,keep_alive_interval=5,keep_alive_max_attempt=3,last_call_timeout=2",
                         "--max-restarts", "3", "--local-addr", "127.0.0.1", "t.py", "--lr", "1"]
     assert all(n.argv == argv for n in p.nodes)
     env = p.nodes[0].env

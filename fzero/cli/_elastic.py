@@ -27,15 +27,17 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["ElasticPlan", "RDZV_CONF", "elastic_torchrun_command", "exit_code", "parse_nnodes", "plan", "requested",
-           "run"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "ElasticPlan", "JOIN_VAR", "RDZV_CONF", "elastic_torchrun_command", "exit_code",
+           "parse_nnodes", "plan", "requested", "run"]
 
-#: The rendezvous settings fzero's elastic agents use (torchrun's ``--rdzv-conf``). A node
-#: whose agent has not renewed its keep-alive for 1 s x 5 is dead and is dropped from the
-#: rendezvous (torchrun's default: 5 s x 3); once the minimum of nodes is there, the
-#: rendezvous waits 2 s more for others before it completes (torchrun's default: 30 s).
-#: ``is_host=false``: an agent never hosts the store, the launcher does.
-RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5, "last_call_timeout": 2}
+#: The rendezvous settings fzero's elastic agents use (torchrun's ``--rdzv-conf``). Once the
+#: minimum of nodes is there, the rendezvous waits 2 s more for others before it completes
+#: (torchrun's default: 30 s). A node whose agent has not renewed its keep-alive for 5 s x 3
+#: is dead and is dropped from the rendezvous: torchrun's default, kept, because the drop
+#: also rewrites a completed round, and agents that read the round before and after it
+#: disagree on the world (on 2 loaded cores, 1 s x 5 dropped live agents that way and the
+#: job failed). ``is_host=false``: an agent never hosts the store, the launcher does.
+RDZV_CONF = {"keep_alive_interval": 5, "keep_alive_max_attempt": 3, "last_call_timeout": 2}
 
 #: Set in every agent's environment: the command that adds one node to this job from this
 #: machine (a shell line). A worker inherits it.
@@ -79,7 +81,7 @@ def elastic_torchrun_command(script: str, script_args=(), *, nproc: int, min_nod
         ...     python="py")  # doctest: +NORMALIZE_WHITESPACE
         ['py', '-m', 'torch.distributed.run', '--nproc-per-node', '1', '--nnodes', '2:4',
          '--rdzv-backend', 'c10d', '--rdzv-endpoint', '127.0.0.1:1234', '--rdzv-id', 'fzero-1234',
-         '--rdzv-conf', 'is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout=2',
+         '--rdzv-conf', 'is_host=false,keep_alive_interval=5,keep_alive_max_attempt=3,last_call_timeout=2',
          '--max-restarts', '3', 't.py', '--lr', '1']
     """
     conf = ",".join([f"is_host={'true' if is_host else 'false'}", *(f"{k}={v}" for k, v in RDZV_CONF.items())])
@@ -108,7 +110,6 @@ class ElasticPlan:
     master_port: int
     host_store: bool  # this launcher hosts the rendezvous store (if the port is free)
     join: list[str]  # the argv that adds one node from this machine
-    multinode: bool = False  # kept False: the agents run here
 
     @property
     def world_size(self) -> int:
