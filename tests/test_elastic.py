@@ -76,6 +76,16 @@ def test_nnodes_min_max_runs_one_agent_of_nproc_ranks_here():
     assert node.argv[node.argv.index("--max-restarts") + 1] == "5" and "--local-addr" not in node.argv
 
 
+def test_on_a_gpu_host_each_one_rank_agent_sees_its_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    p = launch.plan(_parse("--nproc", "2", "--nproc-min", "1", "t.py"), env={})
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in p.nodes] == ["3", "5"]
+    with pytest.raises(launch.LaunchError, match=r"--nproc 3 exceeds the 2 visible GPU\(s\) \(3,5\)"):
+        launch.plan(_parse("--nproc", "3", "--nproc-min", "1", "t.py"), env={})
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--nproc", "2", "--nproc-min", "3"], "--nproc-min 3 must be between 1 and --nproc 2"),
     (["--nproc", "2", "--nproc-min", "1", "--max-restarts", "0", "--node-rank", "1"],
