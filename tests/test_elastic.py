@@ -5,8 +5,10 @@ The run: ``tests/harness/elastic_job.py`` under ``fzero launch --nproc 4 --nproc
 (four torchrun agents of one rank each, an elastic c10d rendezvous hosted by the launcher).
 At step 2 two ranks SIGKILL their agents and themselves; the two survivors rendezvous again
 and resume from ``fzero.checkpoint.latest()`` on 2 ranks; at step 5 a node is added and the
-job resumes on 3. The loss of every step each world ran, and the final parameters, must
-equal an uninterrupted one-process run of the same global batches (fp32, relative 1e-5):
+job resumes on 3. The job runs ZeRO 3 on 4 ranks, ZeRO 2 on 2 and ZeRO 3 on 3, so each
+resume reshards onto another world size and another stage, and both stages run elastic.
+The loss of every step each world ran, and the final parameters, must equal an
+uninterrupted one-process run of the same global batches (fp32, relative 1e-5):
 dropout, the token-mean loss and the data order do not depend on the layout, and
 ``fzero.data``'s position is resumed exactly across the world sizes.
 
