@@ -8,6 +8,10 @@ the failing rank wrote just before failing) to the end of the ``fzero launch`` p
 from the start of the launch where there is no fault. Rows with ``--max-restarts`` also say
 whether the resumed run's losses equal the uninterrupted run's bit for bit.
 
+The last row is an elastic job (``tests/harness/elastic_job.py`` under ``fzero launch --nproc 4
+--nproc-min 2``): two of its four nodes are lost, one is added; it says how long the job took
+to resume at each new size, and whether every step's loss equals the one-process run's.
+
 Run::
 
     .venv/bin/python benchmarks/faults.py --timeout 10
@@ -29,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # fzero, and the test harness in tests/harness/
 
-from harness import fault_job  # noqa: E402
+from harness import elastic_job, fault_job  # noqa: E402
 from harness.commands import run_command  # noqa: E402
 
 # (label, job arguments, --max-restarts, pattern of the line to show)
@@ -53,6 +57,38 @@ ROWS = [
     ("rank 1 compiled another ZeRO stage", ["--stage-differs"], 0, r"ZeRO stage: .*"),
     ("rank 1 saves to another path", ["--path-differs"], 0, r"ValueError: .*"),
 ]
+
+
+# The elastic row: 4 nodes of one rank (--nproc 4 --nproc-min 2), 2 of them lost at step 2
+# (each rank SIGKILLs its torchrun agent and itself), one added at step 5.
+ELASTIC_STEPS = 8
+ELASTIC_LABEL = ("SIGKILL of 2 of 4 nodes (agent and rank) at step 2, a node added at step 5; "
+                 "--nproc 4 --nproc-min 2, ZeRO 3 / 2 / 3 on 4 / 2 / 3 ranks")
+
+
+def _elastic_row(args, env) -> str:
+    with tempfile.TemporaryDirectory(prefix="fzero-elastic-") as tmp:
+        out = Path(tmp)
+        argv = [sys.executable, "-m", "fzero.cli.main", "launch", "--nproc", "4", "--nproc-min", "2",
+                elastic_job.__file__, str(out), "--zero", "4:3,2:2,3:3", "--steps", str(ELASTIC_STEPS),
+                "--shrink-at", "2", "--grow-at", "5"]
+        start = time.time()
+        done = run_command(argv, env=env, timeout_s=600)
+        if done.timed_out or not (out / "fault_time").exists():
+            return f"| {ELASTIC_LABEL} | - | timed out | {done.output[-300:]!r} |"
+        fault, grown = float((out / "fault_time").read_text()), float((out / "grown").read_text())
+        log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+        starts = [r for r in log if "start" in r]
+        on2 = next(r["t"] for r in starts if r["world"] == 2)
+        on3 = next(r["t"] for r in starts if r["world"] == 3)
+        ref, _ = elastic_job.reference(ELASTIC_STEPS)
+        same = all(abs(float.fromhex(r["loss"]) - ref[r["step"]]) <= 1e-5 * abs(ref[r["step"]])
+                   for r in log if "step" in r)
+        last = next(ln for ln in done.output.splitlines() if "elastic_job: rank 0: done" in ln)
+        said = (f"{last} — resumed on 2 ranks {on2 - fault:.1f} s after the kill, on 3 ranks {on3 - grown:.1f} s "
+                f"after the node was added; every step's loss equals the uninterrupted one-process run's "
+                f"(fp32, rel 1e-5): {same}")
+        return f"| {ELASTIC_LABEL} | {done.returncode} | {start + done.seconds - fault:.1f} | {said} |"
 
 
 def _curve(out: Path) -> dict:
@@ -98,6 +134,8 @@ def main() -> None:
                 said += f" — losses equal the uninterrupted run's bit for bit: {_curve(out) == reference}"
             code = "-" if done.timed_out else done.returncode
             print(f"| {label} | {code} | {seconds} | {said} |", flush=True)
+    if not args.only or any(part in ELASTIC_LABEL for part in args.only.split("|")):
+        print(_elastic_row(args, env), flush=True)
 
 
 if __name__ == "__main__":

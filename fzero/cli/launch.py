@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from fzero.cli import _elastic
 from fzero.cli.hostfile import HostfileError, read_hostfile, select_slots
 
 __all__ = [
@@ -208,12 +209,15 @@ def plan(args: argparse.Namespace, *, env: dict[str, str] | None = None) -> Plan
         LaunchError, HostfileError: inconsistent options, a malformed hostfile or filter.
     """
     env = dict(_load_env(args.env_file) if env is None else env)
+    if _elastic.requested(args):
+        return _elastic.plan(args, env)
+    max_restarts = 0 if args.max_restarts is None else args.max_restarts
     for opt in ("nproc", "nnodes", "master_port"):
         v = getattr(args, opt)
         if v is not None and v < 1:
             raise LaunchError(f"--{opt.replace('_', '-')} must be a positive integer, got {v}")
-    if args.max_restarts < 0:
-        raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
     if args.node_rank is not None and args.node_rank < 0:
         raise LaunchError(f"--node-rank must be >= 0, got {args.node_rank}")
 
@@ -265,7 +269,7 @@ def plan(args: argparse.Namespace, *, env: dict[str, str] | None = None) -> Plan
     def node(host, rank, slots):
         argv = torchrun_command(args.script, args.script_args, nproc=len(slots), nnodes=nnodes, node_rank=rank,
                                 master_addr=master_addr, master_port=master_port,
-                                max_restarts=args.max_restarts)
+                                max_restarts=max_restarts)
         return Node(host=host, node_rank=rank, nproc=len(slots), env={**env, **_visible(slots)}, argv=argv)
 
     if args.hostfile:
@@ -344,6 +348,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         p = plan(args)
     except (LaunchError, HostfileError) as e:
         parser.error(str(e))
+    if isinstance(p, _elastic.ElasticPlan):
+        return _elastic.run(p, args, parser)
     cwd = os.getcwd()
     if not p.multinode:
         (n,) = p.nodes
@@ -393,8 +399,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="ranks per node (default: the visible GPUs, or 1 without GPUs); "
                         "with --hostfile, use slots 0..N-1 of every host")
-    p.add_argument("--nnodes", type=int, default=None, metavar="N",
-                   help="number of nodes (default 1, or the hosts the hostfile selects)")
+    p.add_argument("--nnodes", type=_elastic.parse_nnodes, default=None, metavar="N|MIN:MAX",
+                   help="number of nodes (default 1, or the hosts the hostfile selects); MIN:MAX: an elastic "
+                        "job that goes on while at least MIN nodes are there (one fzero launch per host)")
+    p.add_argument("--nproc-min", type=int, default=None, metavar="K",
+                   help="an elastic job on this host: --nproc nodes of one rank each, going on (resharded) "
+                        "while at least K of them are there")
     p.add_argument("--node-rank", type=int, default=None, metavar="R",
                    help="run only node R's agent here (start one per node yourself)")
     p.add_argument("--master-addr", default=None, metavar="ADDR",
@@ -407,8 +417,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--exclude", default="", metavar="SPEC", help="use all slots but these (same syntax)")
     p.add_argument("--env-file", default=None, metavar="PATH",
                    help=f"KEY=VALUE lines set on every rank (default: ./{ENV_FILE_NAME}, else ~/{ENV_FILE_NAME})")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="restart the worker group up to K times after a failure (torchrun's)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                   help="restart the worker group up to K times after a failure (torchrun's; default 0, "
+                        f"or {_elastic.DEFAULT_MAX_RESTARTS} in an elastic job)")
     p.add_argument("--ssh", action="store_true", help="run each host's command over ssh (with --hostfile)")
     p.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
     p.add_argument("--dry-run", action="store_true", help="print the command(s) instead of running them")

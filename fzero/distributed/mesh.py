@@ -221,14 +221,21 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     process that is gone ("Gloo connectFullMesh failed ... Connection refused"). Each attempt
     (``TORCHELASTIC_RESTART_COUNT``) gets keys of its own under a ``PrefixStore``.
 
+    Without the agent's store (``TORCHELASTIC_USE_AGENT_STORE`` not ``True``: an elastic
+    ``fzero launch`` sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) rank 0 hosts a new store
+    for each worker group, so no key outlives its attempt, and no prefix is used: the agents
+    of an elastic job count their restarts differently (a node that joins later starts at 0),
+    so a prefix by restart count would part ranks of one group.
+
     And a group made here is destroyed as the interpreter exits (:func:`_destroy_at_exit`).
     """
     from torch.distributed import rendezvous
 
     store, rank, world = next(rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"default_pg/attempt{attempt}", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"default_pg/attempt{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     atexit.register(_destroy_at_exit)
 
