@@ -70,8 +70,9 @@ ROWS = [
         r"fault_job: rank 0: preempted, saved .*", resume=True),
     Row("SIGTERM to rank 1 mid-backward", ["--fault", "term:rank=1:at=backward:step=2"], 0,
         r"fzero.preempted: SIGTERM on rank 1: .*"),
-    Row("SIGTERM to fzero launch mid-backward, a second one while the ranks save", ["--fault", TERM_LAUNCHER + ":again=1"],
-        0, r"fzero.preempted: rank \d received a second SIGTERM: exiting at once.*"),
+    Row("SIGTERM to fzero launch mid-backward, a second one while the ranks save",
+        ["--fault", TERM_LAUNCHER + ":again=1"], 0,
+        r"fzero.preempted: rank \d received a second SIGTERM: exiting at once.*"),
     Row("SIGTERM to fzero launch mid-backward, a save slower than --grace 2", ["--fault", TERM_LAUNCHER,
         "--slow-preempt-save", "120"], 0, r"fzero launch: the ranks did not stop within .*", launcher=("--grace", "2")),
 ]

@@ -224,7 +224,8 @@ def test_ranks_that_outlast_the_grace_period_are_killed_and_the_launcher_says_so
                    "--slow-preempt-save", "120", launcher=("--grace", "2"))
     assert done.returncode == 128 + signal.SIGTERM, done.output[-4000:]
     assert re.search(r"fzero launch: the ranks did not stop within the grace period of 2 s \(--grace\) after "
-                     r"SIGTERM: killed rank 0 \(pid \d+\), rank 1 \(pid \d+\) \(SIGKILL\)", done.output), done.output[-4000:]
+                     r"SIGTERM: killed rank 0 \(pid \d+\), rank 1 \(pid \d+\) \(SIGKILL\)", done.output), \
+        done.output[-4000:]
     assert _seconds_since_fault(tmp_path, started, done) < 2 + LOAD_MARGIN_S
     ckpt = tmp_path / "ckpt"
     assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0002")

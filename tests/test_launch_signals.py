@@ -79,7 +79,8 @@ def test_a_sigterm_reaches_the_ranks_not_the_agent_and_ranks_past_the_grace_peri
     # Rank 0 stopped on the SIGTERM (exit 0); rank 1 ignored it and was killed past the grace period.
     assert (tmp_path / "codes").read_text() == f"0 {-signal.SIGKILL}"
     pids = _pids(tmp_path)
-    assert (f"fzero launch: SIGTERM: passed on to the ranks as SIGTERM (rank 0 (pid {pids[0]}), rank 1 (pid {pids[1]})); "
+    assert (f"fzero launch: SIGTERM: passed on to the ranks as SIGTERM (rank 0 (pid {pids[0]}), "
+            f"rank 1 (pid {pids[1]})); "
             "they save and stop within the grace period of 1 s (--grace), or are killed") in err, err
     assert (f"fzero launch: the ranks did not stop within the grace period of 1 s (--grace) after SIGTERM: killed "
             f"rank 1 (pid {pids[1]}) (SIGKILL)") in err, err
