@@ -19,17 +19,19 @@ import pytest
 from fzero.cli import _signals, launch
 from fzero.cli.main import build_parser
 
-# The agent stand-in: starts the ranks given as Python snippets (each with RANK=i in its
-# environment), writes their pids to OUT/pids once all run, waits for them, writes their exit
-# codes to OUT/codes and notes any signal it got itself in OUT/agent (as torchrun's handler would
-# act on it).
+# The agent stand-in: starts the ranks given as Python snippets (each with RANK=i and OUT in
+# its environment), writes their pids to OUT/pids once each has said it is ready (OUT/readyI,
+# written by READY) or ended, waits for them, writes their exit codes to OUT/codes and notes
+# any signal it got itself in OUT/agent (as torchrun's handler would act on it).
 AGENT = r"""
 import os, signal, subprocess, sys, time
 out, ranks = sys.argv[1], sys.argv[2:]
 signal.signal(signal.SIGTERM, lambda s, f: open(os.path.join(out, "agent"), "a").write("SIGTERM\n"))
-procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": str(i)})
+procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": str(i), "OUT": out})
          for i, code in enumerate(ranks)]
-time.sleep(0.3)
+for i, p in enumerate(procs):
+    while p.poll() is None and not os.path.exists(os.path.join(out, f"ready{i}")):
+        time.sleep(0.02)
 with open(os.path.join(out, "pids.tmp"), "w") as f:
     f.write(" ".join(str(p.pid) for p in procs))
 os.rename(os.path.join(out, "pids.tmp"), os.path.join(out, "pids"))
@@ -43,12 +45,13 @@ for p in procs:
             continue
 open(os.path.join(out, "codes"), "w").write(" ".join(map(str, codes)))
 """
+READY = "import os; open(os.path.join(os.environ['OUT'], 'ready' + os.environ['RANK']), 'w').close()\n"
 SAVES_ON_SIGTERM = ("import signal, sys, time\n"
                     "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))\n"
-                    "time.sleep(60)\n")
+                    + READY + "time.sleep(60)\n")
 IGNORES_SIGTERM = ("import signal, time\n"
                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                   "time.sleep(60)\n")
+                   + READY + "time.sleep(60)\n")
 
 
 def _pids(out: Path, timeout_s: float = 60) -> list[int]:
@@ -124,7 +127,7 @@ def test_a_rank_stopped_without_a_sigterm_is_left_alone(tmp_path, capsys):
         os.kill(pids[0], signal.SIGCONT)
     _after_start(tmp_path, stop_then_continue)
     code = _signals.supervise([sys.executable, "-c", AGENT, str(tmp_path),
-                               "import time; time.sleep(2)"], dict(os.environ))
+                               READY + "import time; time.sleep(2)"], dict(os.environ))
     assert code == 0
     assert (tmp_path / "codes").read_text() == "0"
     assert "killed" not in capsys.readouterr().err

@@ -135,7 +135,8 @@ class _Supervisor:
             return None
         out = []
         for pid in _child_pids(self.proc.pid):
-            if pid not in self.names:
+            if pid not in self.names or self.names[pid].rank == "?":
+                # (Between fork and exec a rank still shows torchrun's environment: no RANK yet.)
                 self.names[pid] = _Rank(pid, _rank_of(pid))
             out.append(self.names[pid])
         return sorted(out, key=lambda r: (r.rank, r.pid))
