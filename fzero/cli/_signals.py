@@ -6,7 +6,10 @@ not to torchrun: torchrun would stop the ranks itself and report the job failed 
 they all saved and exited 0. The ranks (whose loop asks :func:`fzero.preempted`) finish the
 step, save and exit 0; torchrun sees a group that succeeded and exits 0. The launcher gives
 them ``--grace`` seconds from the first signal; past it, it kills them (SIGKILL), says so,
-and exits 128 + 15. A second signal is passed on too (the ranks then exit at once).
+and exits 128 + 15. A second signal is passed on too (the ranks then exit at once), unless
+it comes within ``REPEAT_S`` of the first: a scheduler that signals every process reaches
+the launcher through each process above it too (``timeout``, a shell), and the ranks take
+such repeats for the same request.
 
 Stopped ranks. When a rank fails, torchrun stops the others with SIGTERM and waits a fixed
 30 s before SIGKILL (its ``_stop_workers`` ignores ``--shutdown-timeout``). A rank stopped
@@ -27,6 +30,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from fzero.distributed.preemption import REPEAT_S
 
 __all__ = ["DEFAULT_GRACE_S", "POLL_S", "supervise"]
 
@@ -124,6 +129,7 @@ class _Supervisor:
 
     def __init__(self, proc: subprocess.Popen, grace_s: float):
         self.proc, self.grace_s = proc, grace_s
+        self.first: float | None = None  # when the first signal came
         self.deadline: float | None = None  # set by the first signal
         self.killed = False  # the grace period ran out and the ranks were killed
         self.reported: set[int] = set()
@@ -143,6 +149,9 @@ class _Supervisor:
 
     def on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.first is not None and now - self.first <= REPEAT_S:
+            return  # the same request again
         ranks = self.ranks()
         if ranks is None:  # no /proc: torchrun stops the ranks, as it does on its own
             self.proc.send_signal(signum)
@@ -151,7 +160,7 @@ class _Supervisor:
             _kill(r.pid, signal.SIGTERM)
         listed = ", ".join(map(str, ranks)) or "none running"
         if self.deadline is None:
-            self.deadline = time.monotonic() + self.grace_s
+            self.first, self.deadline = now, now + self.grace_s
             _say(f"{name}: passed on to the ranks as SIGTERM ({listed}); they save and stop within the grace period "
                  f"of {self.grace_s:g} s (--grace), or are killed")
         else:
