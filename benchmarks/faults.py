@@ -6,7 +6,9 @@ one fault injected. The columns: the job's exit code; the line of its output tha
 happened (the first match of the row's pattern); and the seconds from the fault (the time
 the failing rank wrote just before failing) to the end of the ``fzero launch`` process, or
 from the start of the launch where there is no fault. Rows with ``--max-restarts`` also say
-whether the resumed run's losses equal the uninterrupted run's bit for bit.
+whether the resumed run's losses equal the uninterrupted run's bit for bit; so do the
+preemption rows marked to resume, where a second ``fzero launch`` (no fault) resumes from the
+checkpoint the preempted one saved.
 
 The last row is an elastic job (``tests/harness/elastic_job.py`` under ``fzero launch --nproc 4
 --nproc-min 2``): two of its four nodes are lost, one is added; it says how long the job took
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # fzero, and the test harness in tests/harness/
@@ -36,26 +39,46 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # fzero, and the test harness i
 from harness import elastic_job, fault_job  # noqa: E402
 from harness.commands import run_command  # noqa: E402
 
-# (label, job arguments, --max-restarts, pattern of the line to show)
+
+
+class Row(NamedTuple):
+    label: str
+    job: list[str]  # fault_job's arguments
+    restarts: int  # --max-restarts
+    pattern: str  # of the line of output to show
+    launcher: tuple[str, ...] = ()  # fzero launch's own options
+    resume: bool = False  # launch again without the fault, and compare the losses
+
+
+TERM_LAUNCHER = "term:rank=0:at=backward:step=2:to=launcher"  # rank 0 signals fzero launch mid-step
 ROWS = [
-    ("no fault", [], 0, r"fault_job: rank 0: done"),
-    ("SIGKILL rank 1 at init", ["--fault", "kill:rank=1:at=init"], 0, r"exitcode\s+: -9.*"),
-    ("SIGKILL rank 1 mid-backward", ["--fault", "kill:rank=1:at=backward:step=3"], 0, r"CollectiveError: .*"),
-    ("SIGKILL rank 1 mid-backward, --max-restarts 1", ["--fault", "kill:rank=1:at=backward:step=3"], 1,
-     r"fault_job: rank 0: done \(attempt 1\)"),
-    ("SIGKILL rank 1 mid-save", ["--fault", "kill:rank=1:at=save:step=4"], 0, r"CollectiveError: .*"),
-    ("SIGKILL rank 1 mid-save, --max-restarts 1", ["--fault", "kill:rank=1:at=save:step=4"], 1,
-     r"fault_job: rank 0: done \(attempt 1\)"),
-    ("SIGKILL rank 1 at exit", ["--fault", "kill:rank=1:at=exit"], 0, r"exitcode\s+: -9.*"),
-    ("SIGSTOP rank 1 mid-backward", ["--fault", "stop:rank=1:at=backward:step=3"], 0, r"CollectiveError: .*"),
-    ("rank 1's disk full from the save of step 4 (1 KiB file size limit)", ["--fault", "full:rank=1:at=save:step=4"],
-     0, r"CheckpointError: fzero.checkpoint.save: the previous asynchronous save .*"),
-    ("newest checkpoint damaged (a flipped byte) before a restart, --max-restarts 1, latest(verify=True)",
-     ["--fault", "kill:rank=1:at=backward:step=5", "--damage", "flip", "--verify-latest"], 1,
-     r"fault_job: resuming from step_0002 \(attempt 1\)"),
-    ("rank 1 has one more layer", ["--tree-differs"], 0, r"rank 1 has .*"),
-    ("rank 1 compiled another ZeRO stage", ["--stage-differs"], 0, r"ZeRO stage: .*"),
-    ("rank 1 saves to another path", ["--path-differs"], 0, r"ValueError: .*"),
+    Row("no fault", [], 0, r"fault_job: rank 0: done"),
+    Row("SIGKILL rank 1 at init", ["--fault", "kill:rank=1:at=init"], 0, r"exitcode\s+: -9.*"),
+    Row("SIGKILL rank 1 mid-backward", ["--fault", "kill:rank=1:at=backward:step=3"], 0, r"CollectiveError: .*"),
+    Row("SIGKILL rank 1 mid-backward, --max-restarts 1", ["--fault", "kill:rank=1:at=backward:step=3"], 1,
+        r"fault_job: rank 0: done \(attempt 1\)"),
+    Row("SIGKILL rank 1 mid-save", ["--fault", "kill:rank=1:at=save:step=4"], 0, r"CollectiveError: .*"),
+    Row("SIGKILL rank 1 mid-save, --max-restarts 1", ["--fault", "kill:rank=1:at=save:step=4"], 1,
+        r"fault_job: rank 0: done \(attempt 1\)"),
+    Row("SIGKILL rank 1 at exit", ["--fault", "kill:rank=1:at=exit"], 0, r"exitcode\s+: -9.*"),
+    Row("SIGSTOP rank 1 mid-backward", ["--fault", "stop:rank=1:at=backward:step=3"], 0, r"CollectiveError: .*"),
+    Row("rank 1's disk full from the save of step 4 (1 KiB file size limit)", ["--fault", "full:rank=1:at=save:step=4"],
+        0, r"CheckpointError: fzero.checkpoint.save: the previous asynchronous save .*"),
+    Row("newest checkpoint damaged (a flipped byte) before a restart, --max-restarts 1, latest(verify=True)",
+        ["--fault", "kill:rank=1:at=backward:step=5", "--damage", "flip", "--verify-latest"], 1,
+        r"fault_job: resuming from step_0002 \(attempt 1\)"),
+    Row("rank 1 has one more layer", ["--tree-differs"], 0, r"rank 1 has .*"),
+    Row("rank 1 compiled another ZeRO stage", ["--stage-differs"], 0, r"ZeRO stage: .*"),
+    Row("rank 1 saves to another path", ["--path-differs"], 0, r"ValueError: .*"),
+    Row("SIGTERM to fzero launch mid-backward, then a second launch", ["--fault", TERM_LAUNCHER], 0,
+        r"fault_job: rank 0: preempted, saved .*", resume=True),
+    Row("SIGTERM to rank 1 mid-backward", ["--fault", "term:rank=1:at=backward:step=2"], 0,
+        r"fzero.preempted: SIGTERM on rank 1: .*"),
+    Row("SIGTERM to fzero launch mid-backward, a second one while the ranks save",
+        ["--fault", TERM_LAUNCHER + ":again=1"], 0,
+        r"fzero.preempted: rank \d received a second SIGTERM: exiting at once.*"),
+    Row("SIGTERM to fzero launch mid-backward, a save slower than --grace 2", ["--fault", TERM_LAUNCHER,
+        "--slow-preempt-save", "120"], 0, r"fzero launch: the ranks did not stop within .*", launcher=("--grace", "2")),
 ]
 
 
@@ -112,25 +135,30 @@ def main() -> None:
     reference = None
     print(f"2 ranks (gloo, CPU), ZeRO-{args.zero}, FZERO_TIMEOUT={args.timeout:g} s, {args.steps} steps")
     print(f"| fault | exit | seconds | what the job says |\n| --- | --- | --- | --- |")
-    for label, extra, restarts, pattern in ROWS:
+    for row in ROWS:
+        label, restarts = row.label, row.restarts
         if args.only and not any(part in label for part in args.only.split("|")):
             continue
         with tempfile.TemporaryDirectory(prefix="fzero-faults-") as tmp:
             out = Path(tmp)
             argv = [sys.executable, "-m", "fzero.cli.main", "launch", "--nproc", "2", "--max-restarts", str(restarts),
-                    fault_job.__file__, str(out), "--zero", str(args.zero), "--steps", str(args.steps), *extra]
+                    *row.launcher, fault_job.__file__, str(out), "--zero", str(args.zero), "--steps", str(args.steps)]
             start = time.time()
-            done = run_command(argv, env=env, timeout_s=300)
+            done = run_command([*argv, *row.job], env=env, timeout_s=300)
             end = start + done.seconds
             fault = out / "fault_time"
             since = float(fault.read_text()) if fault.exists() else start
             seconds = "timed out" if done.timed_out else f"{end - since:.1f}"
-            said = next((m.group(0) for ln in done.output.splitlines() if (m := re.search(pattern, ln))), "(nothing)")
+            said = next((m.group(0) for ln in done.output.splitlines() if (m := re.search(row.pattern, ln))),
+                        "(nothing)")
             said = re.sub(r"\s+", " ", said.replace(tmp, "OUT"))
             said = said.split(": [/")[0][:320]  # gloo's own text after the colon is long; ours comes first
             if label == "no fault":
                 reference = _curve(out)
-            elif restarts and reference is not None and (out / "losses.jsonl").exists():
+            elif row.resume:
+                again = run_command(argv, env=env, timeout_s=300)  # the same job, no fault: it resumes
+                said += f"; the second launch exits {again.returncode}"
+            if (restarts or row.resume) and reference is not None and (out / "losses.jsonl").exists():
                 said += f" — losses equal the uninterrupted run's bit for bit: {_curve(out) == reference}"
             code = "-" if done.timed_out else done.returncode
             print(f"| {label} | {code} | {seconds} | {said} |", flush=True)

@@ -11,6 +11,7 @@ from fzero._compile import compile
 from fzero.config import Config
 from fzero.options import CompileOptions
 from fzero.distributed import Mesh, gather
+from fzero.distributed.preemption import preempted
 from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
 from fzero.means import global_mean
 from fzero import rng
@@ -57,6 +58,7 @@ __all__ = [
     "offload_optimizer",
     "optim",
     "pipeline",
+    "preempted",
     "RowwiseParallel",
     "remat",
     "rng",

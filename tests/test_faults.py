@@ -1,5 +1,5 @@
-"""Faults on real ranks: ranks killed, stopped and restarted at chosen points (init,
-mid-backward, mid-save, exit), and ranks given inputs that disagree.
+"""Faults on real ranks: ranks killed, stopped, preempted (SIGTERM) and restarted at chosen
+points (init, mid-backward, mid-save, exit), and ranks given inputs that disagree.
 
 Two kinds of job. Whole training jobs run under ``fzero launch`` (torchrun) with
 ``tests/harness/fault_job.py``, a tiny MLP that checkpoints asynchronously and resumes from
@@ -36,15 +36,20 @@ TIMEOUT_S = 4  # FZERO_TIMEOUT in the jobs: a hang is found in seconds
 STEPS = 6
 
 
-def _launch(out: Path, *args: str, restarts: int = 0, timeout_s: float = 150):
+def _launch(out: Path, *args: str, restarts: int = 0, timeout_s: float = 150, launcher: tuple[str, ...] = ()):
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FZERO_TIMEOUT": str(TIMEOUT_S), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(fzero.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     done = run_command([sys.executable, "-m", "fzero.cli.main", "launch", "--nproc", "2", "--max-restarts",
-                        str(restarts), fault_job.__file__, str(out), "--steps", str(STEPS), *args],
+                        str(restarts), *launcher, fault_job.__file__, str(out), "--steps", str(STEPS), *args],
                        env=env, timeout_s=timeout_s)
     assert not done.timed_out, f"the job did not end in {timeout_s} s:\n{done.output[-4000:]}"
     return done
+
+
+def _seconds_since_fault(out: Path, started: float, done) -> float:
+    """Seconds from the fault (the time the failing rank wrote) to the end of ``fzero launch``."""
+    return started + done.seconds - float((out / "fault_time").read_text())
 
 
 def _curve(out: Path) -> dict[int, str]:
@@ -150,6 +155,91 @@ def test_ranks_that_disagree_are_refused_on_every_rank_naming_the_difference(tmp
     assert "SIGABRT" not in done.output and "differs in values" not in done.output
     if flag == "--path-differs":
         assert "ckpt-rank1/step_0002" in done.output and not (tmp_path / "ckpt" / "step_0002").exists()
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+GRACE_S = 20  # fzero launch --grace in the preemption jobs
+# The bounds below are the contract (the grace period; the collective timeout plus 5 s) with
+# room for this loaded machine, where a rank's start or exit alone can take seconds.
+LOAD_MARGIN_S = 15
+
+
+def test_a_sigterm_to_the_launcher_saves_at_the_step_every_rank_agreed_on_and_the_next_launch_resumes_exactly(
+        tmp_path, uninterrupted):
+    _, reference, _ = uninterrupted
+    started = time.time()
+    # Rank 0 sends fzero launch a SIGTERM inside the backward pass of step 2 (after step_0002
+    # committed): step 2 finishes on both ranks, and they save step_0003, off the schedule.
+    done = _launch(tmp_path, "--zero", "3", "--fault", "term:rank=0:at=backward:step=2:to=launcher",
+                   launcher=("--grace", str(GRACE_S)))
+    assert done.returncode == 0, done.output[-4000:]
+    assert _seconds_since_fault(tmp_path, started, done) < GRACE_S
+    assert "fzero launch: SIGTERM: passed on to the ranks as SIGTERM (rank 0 (pid " in done.output, done.output[-4000:]
+    assert "fzero.preempted: SIGTERM on ranks 0, 1: every rank stops after this step" in done.output
+    for r in (0, 1):
+        assert f"fault_job: rank {r}: preempted, saved step_0003 (attempt 0)" in done.output, done.output[-4000:]
+    ckpt = tmp_path / "ckpt"
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0003")
+    assert sorted(_curve(tmp_path)) == [0, 1, 2]
+
+    again = _launch(tmp_path, "--zero", "3")
+    assert again.returncode == 0, again.output[-4000:]
+    assert "fault_job: resuming from step_0003 (attempt 0)" in again.output, again.output[-4000:]
+    assert _curve(tmp_path) == reference  # bit for bit, as if never interrupted
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_exit_0(tmp_path):
+    done = _launch(tmp_path, "--zero", "2", "--fault", "term:rank=1:at=backward:step=2")
+    assert done.returncode == 0, done.output[-4000:]
+    assert "fzero.preempted: rank 1 received SIGTERM" in done.output
+    assert "fzero.preempted: rank 0 received SIGTERM" not in done.output  # nothing told rank 0 but rank 1
+    assert "fzero.preempted: SIGTERM on rank 1: every rank stops after this step" in done.output, done.output[-4000:]
+    for r in (0, 1):
+        assert f"fault_job: rank {r}: preempted, saved step_0003 (attempt 0)" in done.output, done.output[-4000:]
+    ckpt = tmp_path / "ckpt"
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0003")
+    assert fzero.checkpoint.manifest(str(ckpt / "step_0003"))["step"] == 3
+
+
+def test_a_second_sigterm_during_the_save_exits_at_once_and_leaves_the_last_good_checkpoint(tmp_path):
+    started = time.time()
+    done = _launch(tmp_path, "--zero", "3", "--fault", "term:rank=0:at=backward:step=2:to=launcher:again=1",
+                   launcher=("--grace", str(GRACE_S)))
+    assert done.returncode != 0, done.output[-4000:]
+    assert "fzero launch: a second SIGTERM: passed on to the ranks" in done.output, done.output[-4000:]
+    for r in (0, 1):
+        assert f"fzero.preempted: rank {r} received a second SIGTERM: exiting at once" in done.output
+    assert done.output.count("exitcode  : 143") == 2, done.output[-4000:]  # 128 + SIGTERM, both ranks
+    assert _seconds_since_fault(tmp_path, started, done) < GRACE_S  # at once: not the grace period
+    ckpt = tmp_path / "ckpt"
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0002")
+    assert not (ckpt / "step_0003").exists()  # only its hidden temporary directory, which latest() ignores
+
+
+def test_ranks_that_outlast_the_grace_period_are_killed_and_the_launcher_says_so(tmp_path):
+    started = time.time()
+    done = _launch(tmp_path, "--zero", "3", "--fault", "term:rank=0:at=backward:step=2:to=launcher",
+                   "--slow-preempt-save", "120", launcher=("--grace", "2"))
+    assert done.returncode == 128 + signal.SIGTERM, done.output[-4000:]
+    assert re.search(r"fzero launch: the ranks did not stop within the grace period of 2 s \(--grace\) after "
+                     r"SIGTERM: killed rank 0 \(pid \d+\), rank 1 \(pid \d+\) \(SIGKILL\)", done.output), \
+        done.output[-4000:]
+    assert _seconds_since_fault(tmp_path, started, done) < 2 + LOAD_MARGIN_S
+    ckpt = tmp_path / "ckpt"
+    assert fzero.checkpoint.latest(str(ckpt), verify=True) == str(ckpt / "step_0002")
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_plus_5_s_not_torchruns_30_s(tmp_path):
+    started = time.time()
+    done = _launch(tmp_path, "--zero", "3", "--fault", "stop:rank=1:at=backward:step=3")
+    assert done.returncode != 0
+    assert re.search(r"\(rank 1 \(its process \d+ is stopped\) did not arrive\)", done.output), done.output[-4000:]
+    assert re.search(r"fzero launch: rank 1 \(pid \d+\) is stopped \(SIGSTOP\) and cannot act on the SIGTERM it "
+                     r"was sent: killed it \(SIGKILL\)", done.output), done.output[-4000:]
+    # Before: the timeout + torchrun's 30 s. The survivor's own exit and torchrun's count too.
+    assert _seconds_since_fault(tmp_path, started, done) < TIMEOUT_S + 5 + LOAD_MARGIN_S
 
 
 # --------------------------------------------------------------------------- one collective

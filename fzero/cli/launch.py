@@ -21,14 +21,13 @@ import dataclasses
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from fzero.cli import _elastic
+from fzero.cli import _elastic, _signals
 from fzero.cli.hostfile import HostfileError, read_hostfile, select_slots
 
 __all__ = [
@@ -218,6 +217,8 @@ def plan(args: argparse.Namespace, *, env: dict[str, str] | None = None) -> Plan
             raise LaunchError(f"--{opt.replace('_', '-')} must be a positive integer, got {v}")
     if max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if not args.grace >= 0:  # (NaN too)
+        raise LaunchError(f"--grace must be >= 0 seconds, got {args.grace}")
     if args.node_rank is not None and args.node_rank < 0:
         raise LaunchError(f"--node-rank must be >= 0, got {args.node_rank}")
 
@@ -293,24 +294,9 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal s -> 128+s, as a shell reports it
 
 
-def _run_local(argv: list[str], env: dict[str, str]) -> int:
-    proc = subprocess.Popen(argv, env=env)
-    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731
-    old = {}
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            old[s] = signal.signal(s, forward)  # so a scheduler's SIGTERM reaches torchrun, which stops the ranks
-        except ValueError:  # not the main thread
-            pass
-    try:
-        while True:
-            try:
-                return _exit_code(proc.wait())
-            except KeyboardInterrupt:
-                proc.send_signal(signal.SIGINT)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+def _run_local(argv: list[str], env: dict[str, str], grace_s: float = _signals.DEFAULT_GRACE_S) -> int:
+    # SIGTERM/SIGHUP reach the ranks with a grace period; stopped ranks are not waited for.
+    return _signals.supervise(argv, env, grace_s=grace_s)
 
 
 def _run_ssh(cmds: list[list[str]]) -> int:
@@ -358,7 +344,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
         if not Path(args.script).is_file():
             parser.error(f"script {args.script!r} does not exist (looked in {cwd})")
-        return _run_local(n.argv, {**os.environ, **n.env})
+        return _run_local(n.argv, {**os.environ, **n.env}, args.grace)
 
     k = len(p.nodes)
     print(f"# fzero launch: {k} node{'s' if k != 1 else ''}, {p.world_size} ranks, "
@@ -420,6 +406,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help="restart the worker group up to K times after a failure (torchrun's; default 0, "
                         f"or {_elastic.DEFAULT_MAX_RESTARTS} in an elastic job)")
+    p.add_argument("--grace", type=float, default=_signals.DEFAULT_GRACE_S, metavar="S",
+                   help="after a SIGTERM, the seconds the ranks get to save and stop before they are killed "
+                        f"(default {_signals.DEFAULT_GRACE_S:g})")
     p.add_argument("--ssh", action="store_true", help="run each host's command over ssh (with --hostfile)")
     p.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
     p.add_argument("--dry-run", action="store_true", help="print the command(s) instead of running them")

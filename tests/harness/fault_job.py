@@ -14,7 +14,10 @@ gives the uninterrupted run's losses bit for bit.
 
 ``--fault KIND:rank=R:at=WHERE[:step=S][:attempt=A]`` makes rank ``R`` fail in attempt ``A``
 (``TORCHELASTIC_RESTART_COUNT``, default 0): ``KIND`` is ``kill`` (SIGKILL), ``stop``
-(SIGSTOP: a hung rank), ``exit`` (``sys.exit(3)``) or ``full`` (the rank's file size limit,
+(SIGSTOP: a hung rank), ``exit`` (``sys.exit(3)``), ``term`` (a SIGTERM: to the rank itself,
+or with ``:to=launcher`` to ``fzero launch``, its grandparent; with ``:again=1`` the rank
+sends a second one, more than ``preemption.REPEAT_S`` later, while it writes the
+preemption's checkpoint) or ``full`` (the rank's file size limit,
 ``RLIMIT_FSIZE``, drops to 1 KiB just before the save of step ``S``: its writes fail as into
 a full disk, and the job goes on until the next save reports it); ``WHERE`` is ``init``
 (before the process group), ``backward`` (inside the backward pass of step ``S``), ``save``
@@ -26,6 +29,10 @@ interpreter exits). Before failing, the rank writes the time (``time.time()``) t
 (rank 0 flips a byte inside a tensor of its shard, or cuts the shard's last 8 bytes), and
 ``--verify-latest`` resumes from ``latest(root, verify=True)``, the newest intact one, and
 saves with ``overwrite=True`` (the resumed run saves the damaged one's step again).
+
+Every step ends with ``fzero.preempted()``: when it answers ``True`` the job saves
+``OUT/ckpt/step_N`` at once (waiting ``--slow-preempt-save`` seconds first: a save that
+outlasts the grace period) and exits 0.
 
 ``--tree-differs`` gives rank 1 one more parameter, ``--stage-differs`` rank 1 another ZeRO
 stage, ``--path-differs`` rank 1 another checkpoint path: inputs the job must refuse.
@@ -47,7 +54,15 @@ def _parse_fault(text: str | None) -> dict | None:
     kind, *fields = text.split(":")
     spec = dict(f.split("=", 1) for f in fields)
     return {"kind": kind, "rank": int(spec.get("rank", 1)), "at": spec.get("at", "backward"),
-            "step": int(spec.get("step", 0)), "attempt": int(spec.get("attempt", 0))}
+            "step": int(spec.get("step", 0)), "attempt": int(spec.get("attempt", 0)), "to": spec.get("to", "self"),
+            "again": spec.get("again") == "1"}
+
+
+def _launcher_pid() -> int:
+    """``fzero launch``'s process: the parent of torchrun, this rank's parent."""
+    with open(f"/proc/{os.getppid()}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
 
 
 def main(argv=None) -> None:
@@ -62,6 +77,7 @@ def main(argv=None) -> None:
     p.add_argument("--path-differs", action="store_true")
     p.add_argument("--damage", choices=("flip", "truncate"), default=None)
     p.add_argument("--verify-latest", action="store_true")
+    p.add_argument("--slow-preempt-save", type=float, default=0.0, metavar="S")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -83,6 +99,8 @@ def main(argv=None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault["kind"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault["kind"] == "term":
+            os.kill(os.getpid() if fault["to"] == "self" else _launcher_pid(), signal.SIGTERM)
         else:
             os._exit(3)
 
@@ -144,19 +162,49 @@ def main(argv=None) -> None:
         if losses is not None:
             losses.write(json.dumps({"attempt": attempt, "step": i, "loss": float(metrics["loss"]).hex()}) + "\n")
             losses.flush()
+        saved = None
         if int(state.step) % args.every == 0:
             if fault and fault["kind"] == "full" and i + 1 == fault["step"]:
                 fail()
             # Resumed past a damaged checkpoint, the run saves that step again: replace it.
-            fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True,
-                                  overwrite=args.verify_latest)
+            saved = fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True,
+                                          overwrite=args.verify_latest)
             if fault and fault["kind"] != "full" and fault["at"] == "save" and i + 1 == fault["step"]:
                 fail()  # the save's thread is writing or agreeing with the other ranks now
+        if fzero.preempted():
+            time.sleep(args.slow_preempt_save)
+            if fault and fault["kind"] == "term" and fault["again"]:
+                _signal_again_while_writing(fault, time.time())
+            # This step's checkpoint, unless the schedule just started it (then it is waited for).
+            path = saved.wait() if saved is not None else fzero.checkpoint.save(
+                os.path.join(root, f"step_{int(state.step):04d}"), state, overwrite=args.verify_latest).path
+            print(f"fault_job: rank {rank}: preempted, saved {os.path.basename(path)} (attempt {attempt})",
+                  file=sys.stderr, flush=True)
+            sys.exit(0)
     if fault and fault["at"] == "exit":
         import atexit
 
         atexit.register(fail)
     print(f"fault_job: rank {rank}: done (attempt {attempt})", file=sys.stderr, flush=True)
+
+
+def _signal_again_while_writing(fault: dict, first: float) -> None:
+    """Send the second SIGTERM from inside the checkpoint's write of this rank's file: after
+    the write, more than ``REPEAT_S`` after the first signal; then wait there for it to act."""
+    from fzero.checkpoint import _format
+    from fzero.distributed.preemption import REPEAT_S
+
+    write_file = _format.write_file
+
+    def writing(*a, **k):
+        out = write_file(*a, **k)
+        time.sleep(max(first + REPEAT_S + 0.5 - time.time(), 0.0))
+        print(f"fault_job: second SIGTERM to {fault['to']} while saving", file=sys.stderr, flush=True)
+        os.kill(os.getpid() if fault["to"] == "self" else _launcher_pid(), signal.SIGTERM)
+        time.sleep(30)  # the signal ends this process before the save goes on
+        return out
+
+    _format.write_file = writing
 
 
 def _damage(path: str, how: str) -> None:
