@@ -20,6 +20,7 @@ from fzero.transforms.pipeline import pipeline
 from fzero.transforms.shard_state import shard_state
 from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, RowwiseParallel,
                                              VocabShardedLogits, plans as tp_plans, tensor_parallel)
+from fzero.transforms.ulysses import ulysses
 
 # The plans live in the tensor_parallel package; their public path stays
 # fzero.transforms.tp_plans, importable as a module too (as os.path is).
@@ -29,5 +30,5 @@ sys.modules[f"{__name__}.tp_plans"] = tp_plans
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
            "emit_metric", "installed", "psum", "running",
            "accumulate", "check_finite", "clip", "NonFiniteGradientError", "mixed_precision", "offload_optimizer",
-           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
+           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ulysses", "ColwiseParallel", "DivideAttributes", "RowwiseParallel",
            "VocabShardedLogits", "BatchMismatchError", "tp_plans"]
