@@ -105,6 +105,60 @@ def _check(kind, opt, got_losses, got_params):
         torch.testing.assert_close(got_params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def _error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _gpt2_step(mesh, batch, step_fn=train_step, **config):
+    cfg = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg, **config})))
+    step = fzero.compile(step_fn, mesh)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    step(state, batch)
+
+
+def _masked_step(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn(p, batch["x"], attention_mask=batch["mask"]).logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _errors():
+    """Each refusal under sp=2, raised alike on every rank before any rank waits in a collective."""
+    mesh = fzero.Mesh(dp=1, sp=2)
+    b = _batches()[0]
+    padded = {**b, "mask": torch.ones(ROWS, SEQ, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0)}
+    return {
+        "sequence": _error(lambda: _gpt2_step(mesh, {"x": b["x"][:, :15], "y": b["y"][:, :15]})),
+        "heads": _error(lambda: _gpt2_step(mesh, b, n_embd=24, n_head=3)),
+        "mask": _error(lambda: _gpt2_step(mesh, padded, step_fn=_masked_step)),
+        "dropout": _error(lambda: _gpt2_step(mesh, b, resid_pdrop=0.1)),
+        "no attention": _error(lambda: _plain_step(mesh)),
+    }
+
+
+def _plain_step(mesh):
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(torch.nn.Linear(4, 1))
+    step = fzero.compile(ft.mse_step, mesh)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    step(state, {"x": torch.randn(2, 8, 4), "y": torch.randn(2, 8, 1)})
+
+
+def _sp_beside_tp():
+    mesh = fzero.Mesh(dp=1, sp=2, tp=2)
+    return _error(lambda: fzero.compile(train_step, mesh, tp={"transformer.h.*.mlp.c_fc": fzero.ColwiseParallel()}))
+
+
 def _loaded_on_one_rank(kind, opt, path):
     """The checkpoint loaded by a plain process (no mesh axes, no process group)."""
     apply, params = fzero.functionalize(_model(kind))
@@ -117,6 +171,13 @@ def _loaded_on_one_rank(kind, opt, path):
 def test_gpt2_and_llama_under_sp2_give_the_one_process_losses_and_parameters(ranks, tmp_path):
     cases = [("gpt2", "sgd", 1, 2, 0, str(tmp_path / "gpt2")), ("llama", "adamw", 1, 2, 1, str(tmp_path / "llama"))]
     results = ranks(2).run(_cases, cases)
+    for errors in ranks(2).run(_errors):
+        assert "sequence length 15 (dim 1 of ['x']) does not divide into sp=2" in errors["sequence"], errors
+        assert "heads must divide by sp=2" in errors["heads"] and "config.n_head=3" in errors["heads"], errors
+        assert "GPT2LMHeadModel.forward was given an attention_mask of shape (4, 8) under sequence parallelism " \
+               "(sp=2)" in errors["mask"], errors
+        assert "dropout of p=0.1 under Ulysses sequence parallelism (sp=2)" in errors["dropout"], errors
+        assert "ran no F.scaled_dot_product_attention under sp=2" in errors["no attention"], errors
     for (kind, opt, *_, path), *per_rank in zip(cases, *results):
         for losses, params, _ in per_rank:
             _check(kind, opt, losses, params)
@@ -131,6 +192,8 @@ def test_gpt2_and_llama_under_sp2_give_the_one_process_losses_and_parameters(ran
 def test_gpt2_and_llama_under_sp2_by_dp2_zero2_give_the_one_process_losses_and_parameters(ranks):
     cases = [("gpt2", "adamw", 2, 2, 2), ("llama", "sgd", 2, 2, 2)]
     results = ranks(4).run(_cases, cases)
+    for message in ranks(4).run(_sp_beside_tp):
+        assert "has an sp axis of 2 (Ulysses sequence parallelism), which does not run with tp=" in message, message
     for (kind, opt, *_), *per_rank in zip(cases, *results):
         for losses, params, _ in per_rank:
             _check(kind, opt, losses, params)

@@ -91,7 +91,7 @@ def ulysses(step: Callable, mesh: Mesh | None = None) -> Step:
         module = getattr(state.apply_fn, "module", None)
         attention.calls = 0
         with running(sequence_shard=DataShard(index, sp)), attention.installed(), \
-                _global_positions(module, index * (length // sp)):
+                _model_inputs(module, index * (length // sp), sp):
             out = inner(state, part)
         if attention.calls == 0:
             raise ValueError(f"{WHERE}: the step ran no F.scaled_dot_product_attention under sp={sp}: each rank "
@@ -117,20 +117,33 @@ def _check_heads(module: torch.nn.Module, sp: int) -> None:
 
 
 @contextlib.contextmanager
-def _global_positions(module, start: int) -> Iterator[None]:
+def _model_inputs(module, start: int, sp: int) -> Iterator[None]:
     """While the step runs, ``module.forward`` is given ``position_ids`` of this rank's slice
     in the whole sequence when its caller passes none (a model computes ``arange(seq)`` of
-    the length it is handed otherwise, which is this rank's slice, not its place)."""
+    the length it is handed otherwise, which is this rank's slice, not its place), and
+    refuses an ``attention_mask``: cut by sequence, a padding mask would make only the ranks
+    whose slice holds padding build a mask, and the ranks would leave the step's
+    all-to-alls out of step."""
     forward = getattr(module, "forward", None) if isinstance(module, torch.nn.Module) else None
-    if forward is None or "position_ids" not in inspect.signature(forward).parameters:
+    if forward is None:
         yield
         return
     signature = inspect.signature(forward)
+    positions = "position_ids" in signature.parameters
+    if not positions and "attention_mask" not in signature.parameters:
+        yield
+        return
 
     @functools.wraps(forward)
     def with_positions(*args, **kwargs):
         bound = signature.bind_partial(*args, **kwargs)
-        if bound.arguments.get("position_ids") is None:
+        mask = bound.arguments.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            raise ValueError(f"{WHERE}: {type(module).__name__}.forward was given an attention_mask of shape "
+                             f"{tuple(mask.shape)} under sequence parallelism (sp={sp}): a mask cut by sequence "
+                             "does not say what the whole sequence's attention masks. Train on unpadded (packed or "
+                             "equal-length) sequences with a causal model and no attention_mask")
+        if positions and bound.arguments.get("position_ids") is None:
             x = next((bound.arguments[k] for k in ("input_ids", "inputs_embeds")
                       if isinstance(bound.arguments.get(k), torch.Tensor)), None)
             if x is None:
