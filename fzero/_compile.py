@@ -190,7 +190,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...; with
         ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind, and
         ``comm_bytes_by_axis``: the same bytes by the mesh axis they crossed (``pp``, ``dp``,
-        ``tp``; ``other`` for a group that is none of them); and
+        ``sp``, ``tp``; ``dp_sp`` with both ``dp`` and ``sp``; ``other`` for a group that is
+        none of them); and
         with ``offload_optimizer="cpu"`` or ``offload_param="cpu"`` too, ``offload_bytes``: its
         bytes copied device→host and host→device).
 

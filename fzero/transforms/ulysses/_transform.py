@@ -20,8 +20,9 @@ from fzero.transforms.ulysses._attention import WHERE, UlyssesAttention
 
 __all__ = ["ulysses"]
 
-# Where a Hugging Face-style config says how many heads attention has.
-_HEAD_FIELDS = ("num_attention_heads", "n_head", "num_key_value_heads")
+# Where a Hugging Face-style config says how many heads attention has (GPT-2's n_head is an
+# alias of num_attention_heads there).
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 
 
 def ulysses(step: Callable, mesh: Mesh | None = None) -> Step:
