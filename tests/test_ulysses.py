@@ -164,7 +164,29 @@ def _errors():
         "mask": _error(lambda: _gpt2_step(mesh, padded, step_fn=_masked_step)),
         "dropout": _error(lambda: _gpt2_step(mesh, b, resid_pdrop=0.1)),
         "no attention": _error(lambda: _plain_step(mesh)),
+        "heads at the call": _error(lambda: _three_heads_step(mesh)),
     }
+
+
+class _ThreeHeads(torch.nn.Module):
+    """Attention of three heads through F.scaled_dot_product_attention, with no config to say so."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(6, 18), torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 3, 2).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 6))
+
+
+def _three_heads_step(mesh):
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(_ThreeHeads())
+    step = fzero.compile(ft.mse_step, mesh)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1)))
+    step(state, {"x": torch.randn(2, 8, 6), "y": torch.randn(2, 8, 1)})
 
 
 def _plain_step(mesh):
@@ -202,6 +224,8 @@ def test_gpt2_and_llama_under_sp2_give_the_one_process_losses_and_parameters(ran
                "(sp=2)" in errors["mask"], errors
         assert "dropout of p=0.1 under Ulysses sequence parallelism (sp=2)" in errors["dropout"], errors
         assert "ran no F.scaled_dot_product_attention under sp=2" in errors["no attention"], errors
+        assert "heads must divide by sp=2" in errors["heads at the call"] \
+               and "query: 3 heads, key: 3 heads, value: 3 heads" in errors["heads at the call"], errors
     for (kind, opt, *_, path), *per_rank in zip(cases, *results):
         for losses, params, _ in per_rank:
             _check(kind, opt, losses, params)
