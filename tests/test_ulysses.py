@@ -153,6 +153,19 @@ def _masked_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
+def _labels_step(state, batch):
+    loss, grads = fzero.value_and_grad(lambda p: state.apply_fn(p, batch["x"], labels=batch["x"]).loss)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _shift_labels_step(state, batch):
+    def loss_fn(p):
+        return state.apply_fn(p, batch["x"], labels=batch["x"], shift_labels=batch["y"]).loss
+
+    loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
 def _errors():
     """Each refusal under sp=2, raised alike on every rank before any rank waits in a collective."""
     mesh = fzero.Mesh(dp=1, sp=2)
@@ -164,6 +177,8 @@ def _errors():
         "mask": _error(lambda: _gpt2_step(mesh, padded, step_fn=_masked_step)),
         "dropout": _error(lambda: _gpt2_step(mesh, b, resid_pdrop=0.1)),
         "no attention": _error(lambda: _plain_step(mesh)),
+        "labels": _error(lambda: _gpt2_step(mesh, b, step_fn=_labels_step)),
+        "shift_labels": _error(lambda: _gpt2_step(mesh, b, step_fn=_shift_labels_step)),
         "heads at the call": _error(lambda: _three_heads_step(mesh)),
     }
 
@@ -224,6 +239,8 @@ def test_gpt2_and_llama_under_sp2_give_the_one_process_losses_and_parameters(ran
                "(sp=2)" in errors["mask"], errors
         assert "dropout of p=0.1 under Ulysses sequence parallelism (sp=2)" in errors["dropout"], errors
         assert "ran no F.scaled_dot_product_attention under sp=2" in errors["no attention"], errors
+        assert "GPT2LMHeadModel.forward was given labels= under sequence parallelism (sp=2)" in errors["labels"]
+        assert errors["shift_labels"] == "no error", errors  # labels shifted before the cut are taken
         assert "heads must divide by sp=2" in errors["heads at the call"] \
                and "query: 3 heads, key: 3 heads, value: 3 heads" in errors["heads at the call"], errors
     for (kind, opt, *_, path), *per_rank in zip(cases, *results):

@@ -72,5 +72,7 @@ def split_sequence(batch: Any, parts: int, index: int, *, where: str) -> tuple[A
         raise ValueError(f"{where}: the batch's sequence length {n} (dim 1 of {name}) does not divide into "
                          f"sp={parts} slices; pad or cut sequences to a multiple of {parts}")
     per = n // parts
-    out = [x.narrow(1, index * per, per) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x for x in leaves]
+    # Contiguous, as a batch the loader made would be (a model may .view() it).
+    out = [x.narrow(1, index * per, per).contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+           for x in leaves]
     return tree.unflatten(spec, out), n

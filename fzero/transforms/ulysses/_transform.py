@@ -122,16 +122,17 @@ def _model_inputs(module, start: int, sp: int) -> Iterator[None]:
     """While the step runs, ``module.forward`` is given ``position_ids`` of this rank's slice
     in the whole sequence when its caller passes none (a model computes ``arange(seq)`` of
     the length it is handed otherwise, which is this rank's slice, not its place), and
-    refuses an ``attention_mask``: cut by sequence, a padding mask would make only the ranks
+    refuses an ``attention_mask`` (cut by sequence, a padding mask would make only the ranks
     whose slice holds padding build a mask, and the ranks would leave the step's
-    all-to-alls out of step."""
+    all-to-alls out of step) and ``labels`` without ``shift_labels`` (shifted inside the
+    model, each slice would lose its last pair)."""
     forward = getattr(module, "forward", None) if isinstance(module, torch.nn.Module) else None
     if forward is None:
         yield
         return
     signature = inspect.signature(forward)
     positions = "position_ids" in signature.parameters
-    if not positions and "attention_mask" not in signature.parameters:
+    if not positions and not {"attention_mask", "labels"} & set(signature.parameters):
         yield
         return
 
@@ -144,6 +145,13 @@ def _model_inputs(module, start: int, sp: int) -> Iterator[None]:
                              f"{tuple(mask.shape)} under sequence parallelism (sp={sp}): a mask cut by sequence "
                              "does not say what the whole sequence's attention masks. Train on unpadded (packed or "
                              "equal-length) sequences with a causal model and no attention_mask")
+        labels = bound.arguments.get("labels")
+        if isinstance(labels, torch.Tensor) and not isinstance(kwargs.get("shift_labels"), torch.Tensor):
+            raise ValueError(f"{WHERE}: {type(module).__name__}.forward was given labels= under sequence "
+                             f"parallelism (sp={sp}): a model that shifts its labels inside pairs each slice's "
+                             "last token with nothing, not with the next slice's first. Shift the labels before "
+                             "the batch is cut and pass them as shift_labels= (Hugging Face's loss takes them "
+                             "as they are), or compute the loss from the logits")
         if positions and bound.arguments.get("position_ids") is None:
             x = next((bound.arguments[k] for k in ("input_ids", "inputs_embeds")
                       if isinstance(bound.arguments.get(k), torch.Tensor)), None)
