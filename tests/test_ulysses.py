@@ -260,5 +260,9 @@ def test_gpt2_and_llama_under_sp2_by_dp2_zero2_give_the_one_process_losses_and_p
     for message in ranks(4).run(_sp_beside_tp):
         assert "has an sp axis of 2 (Ulysses sequence parallelism), which does not run with tp=" in message, message
     for (kind, opt, *_), *per_rank in zip(cases, *results):
-        for losses, params, _ in per_rank:
+        for losses, params, traffic in per_rank:
             _check(kind, opt, losses, params)
+            # Ulysses' all-to-alls cross sp; ZeRO's traffic crosses dp x sp; nothing else is sent
+            for sent, by_axis in traffic:
+                assert by_axis["sp"] == sent["all_to_all"] > 0 and by_axis["dp_sp"] > 0, by_axis
+                assert by_axis["other"] == by_axis["dp"] == 0 and sum(by_axis.values()) == sent["total"], by_axis
