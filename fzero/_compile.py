@@ -25,7 +25,7 @@ from fzero.config import AutoFill, Config
 from fzero.config._options import keys_of
 from fzero.core import Step, as_step, collecting_metrics, running
 from fzero.distributed import comm
-from fzero.distributed.mesh import AXES, Mesh
+from fzero.distributed.mesh import AXES, DATA_AXES, Mesh
 from fzero.options import CompileOptions, field_name
 from fzero.train_state import TrainState, missing_optimizer
 from fzero.transforms.accumulate import accumulate
@@ -35,6 +35,7 @@ from fzero.transforms.mixed_precision import mixed_precision, torch_autocast
 from fzero.transforms.offload import offload_optimizer
 from fzero.transforms.shard_state import release_parameters, shard_state
 from fzero.transforms.tensor_parallel import tensor_parallel
+from fzero.transforms.ulysses import ulysses
 
 __all__ = ["compile", "ORDER", "Plan", "Layer"]
 
@@ -93,7 +94,10 @@ ORDER: tuple[Layer, ...] = (
     Layer("check_finite", lambda p: p.nonfinite is not None, lambda s, p: check_finite(s, p.nonfinite),
           "outside mixed precision (it sees the unscaled gradients' verdict first) and inside ZeRO (its flags "
           "are summed over the ranks, so every rank decides alike)"),
-    Layer("shard_state", lambda p: p.opts.zero > 0 or p.mesh.size("dp") > 1,
+    Layer("ulysses", lambda p: p.mesh.size("sp") > 1, lambda s, p: ulysses(s, p.mesh),
+          "inside ZeRO, whose group spans dp x sp (the loss and gradients are averaged over both); outside "
+          "accumulate: the sequence is cut once, then the rows into micro-batches"),
+    Layer("shard_state", lambda p: p.opts.zero > 0 or p.mesh.size(DATA_AXES) > 1,
           lambda s, p: shard_state(s, p.mesh, p.opts.zero, bucket_bytes=p.bucket_bytes, reduce_in=p.opts.reduce_in,
                                    buffer_sync=p.opts.buffer_sync, overlap_comm=p.opts.overlap_comm,
                                    offload_param=p.opts.offload_param, pin_memory=p.opts.pin_memory),
@@ -187,7 +191,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         Its ``metrics`` are the user's plus those fzero emits (``grad_norm``, ...; with
         ``comm_bytes=True``, ``comm_bytes``: this rank's bytes sent in the step, by kind, and
         ``comm_bytes_by_axis``: the same bytes by the mesh axis they crossed (``pp``, ``dp``,
-        ``tp``; ``other`` for a group that is none of them); and
+        ``sp``, ``tp``; ``dp_sp`` with both ``dp`` and ``sp``; ``other`` for a group that is
+        none of them); and
         with ``offload_optimizer="cpu"`` or ``offload_param="cpu"`` too, ``offload_bytes``: its
         bytes copied device→host and host→device).
 
@@ -221,6 +226,9 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     if mesh.size("pp") > 1 and opts.pipeline is None:
         raise ValueError(f"fzero.compile: {mesh} has a pp axis of {mesh.size('pp')}: pass pipeline=fzero.pipeline("
                          "stages, loss_fn, mesh, ...) and compute the step's loss and gradients with it")
+    if mesh.size("sp") > 1 and (opts.tp is not None or opts.pipeline is not None):
+        raise ValueError(f"fzero.compile: {mesh} has an sp axis of {mesh.size('sp')} (Ulysses sequence parallelism), "
+                         f"which does not run with {'tp=' if opts.tp is not None else 'pipeline='}: use one of them")
     if mesh.size("tp") > 1 and opts.tp is None:
         raise ValueError(f"fzero.compile: {mesh} has a tp axis of {mesh.size('tp')}: pass tp={{...}}, a plan "
                          "of module-name globs to fzero.ColwiseParallel() / fzero.RowwiseParallel()")
@@ -311,7 +319,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if before is not None:
             spent = comm.traffic - before
             metrics["comm_bytes"] = spent.comm_bytes()
-            metrics["comm_bytes_by_axis"] = spent.sent_by_axis({axis: mesh.ranks(axis) for axis in AXES})
+            metrics["comm_bytes_by_axis"] = spent.sent_by_axis(_axes_of(mesh))
             if opts.offload_optimizer != "none" or opts.offload_param != "none":
                 metrics["offload_bytes"] = spent.copy_bytes()
         if monitoring is not None:
@@ -338,6 +346,15 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     step.config = cfg
     step.monitors = monitoring.monitors if monitoring is not None else ()
     return step
+
+
+def _axes_of(mesh: Mesh) -> dict[str, tuple[int, ...]]:
+    """The groups ``comm_bytes_by_axis`` files traffic under: each axis, and under sequence
+    parallelism with data parallelism beside it ``"dp_sp"``, ZeRO's group over both."""
+    axes = {axis: mesh.ranks(axis) for axis in AXES}
+    if mesh.size("dp") > 1 and mesh.size("sp") > 1:
+        axes["dp_sp"] = mesh.ranks(DATA_AXES)
+    return axes
 
 
 def _check_kept_dtypes(opts: CompileOptions) -> None:
@@ -431,6 +448,10 @@ def _options(config: Any, keywords: dict[str, Any], mesh: Mesh, auto: Any = None
         if cfg.pipeline_stages and cfg.pipeline_stages != mesh.size("pp"):
             raise ValueError(f"fzero.compile: the config's pipeline.stages={cfg.pipeline_stages} but {mesh} has "
                              f"pp={mesh.size('pp')}: make the mesh's pp axis that size")
+        if cfg.sequence_parallel_size != mesh.size("sp"):
+            raise ValueError(f"fzero.compile: the config's sequence_parallel_size={cfg.sequence_parallel_size} but "
+                             f"{mesh} has sp={mesh.size('sp')}: make the mesh's sp axis that size "
+                             f"(fzero.Mesh(sp={cfg.sequence_parallel_size}))")
         if cfg.autotp_size > 1 and cfg.autotp_size != mesh.size("tp"):
             raise ValueError(f"fzero.compile: the config's tensor_parallel.autotp_size={cfg.autotp_size} but "
                              f"{mesh} has tp={mesh.size('tp')}: make the mesh's tp axis that size")

@@ -335,6 +335,10 @@ class StepContext:
             implementation reads it first and leaves the state as it was; so a discarded
             update writes nothing of its input, and the host waits for the verdict once,
             after the update is on its way.
+        sequence_shard: which slice of every sequence this rank holds under Ulysses sequence
+            parallelism (the ``sp`` axis, ``fzero.transforms.ulysses``): ``index`` of ``count``
+            equal slices of the batch's sequence dim. Dropout keys read it (a mask drawn on a
+            slice of the sequence is refused: docs/parallelism.md).
         jit: how the model's forward runs: ``None`` eagerly, or a :class:`fzero._jit.Jit`
             (``fzero.compile(jit=)``), whose compiled forward of each module
             :class:`fzero.functional.Apply` calls instead of the module.
@@ -354,6 +358,7 @@ class StepContext:
     offload_optimizer: bool = False
     offload_params: bool = False
     skip_flag: Any = None
+    sequence_shard: DataShard = DataShard(0, 1)
     jit: Any = None  # a fzero._jit.Jit; core stands under it and does not import it
 
 

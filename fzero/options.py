@@ -299,8 +299,9 @@ class CompileOptions:
     an all-reduce of ``S`` bytes over ``N`` ranks sends ``2 S (N - 1) / N``), counted from
     the step's first collective to its last, every micro-batch of an update included.
     Beside it, ``metrics["comm_bytes_by_axis"]``: the same bytes by the mesh axis they
-    crossed (``"pp"``, ``"dp"``, ``"tp"``, each present, and ``"other"`` for a group that is
-    none of them), so tensor parallelism's all-reduces read apart from ZeRO's gradient and
+    crossed (``"pp"``, ``"dp"``, ``"sp"``, ``"tp"``, each present; ``"dp_sp"``, ZeRO's group,
+    on a mesh with both ``dp`` and ``sp`` above 1; and ``"other"`` for a group that is none of
+    them), so tensor parallelism's all-reduces read apart from ZeRO's gradient and
     parameter traffic. Counting only reads sizes, so the step computes the same; off,
     ``metrics`` has neither key. DeepSpeed's config spells it
     ``"comms_logger": {"enabled": true}``."""

@@ -294,6 +294,13 @@ class Randomness:
         tag = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
         known = self.calls.get(tag)
         if known is None:  # a first run (a recomputation finds its tag)
+            sequence = context().sequence_shard
+            if sequence.count > 1:
+                raise ValueError(
+                    f"fzero: a dropout of p={p} under Ulysses sequence parallelism (sp={sequence.count}): this "
+                    "rank holds a slice of each sequence, and fzero's masks are keyed by position in the whole "
+                    "tensor, which a slice of the sequence does not carry; its mask would not be the one the "
+                    "whole model draws. Train with dropout 0 under sp (docs/parallelism.md)")
             where = slice_of(x)
             if where is None and _COMPILED_REGION.get() and tracking_slices():
                 raise ValueError(

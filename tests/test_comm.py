@@ -39,7 +39,8 @@ N = 2  # ranks
 MODEL = (4, 5, 2, 3)  # d_in, width, depth, d_out: odd sizes, so padding shows
 BUCKETS = {"one": 2**20, "each": 1}  # bucket_bytes: one group for every loose parameter, or one group each
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")
-WHATS = ("gradients", "parameters", "loss", "psum", "metadata", "buffers", "activations", "activation_gradients")
+WHATS = ("gradients", "parameters", "loss", "psum", "metadata", "buffers", "activations", "activation_gradients",
+         "attention")
 
 
 Blocks = ft.Blocks
@@ -372,3 +373,53 @@ def test_sequence_parallel_sends_tensor_parallels_bytes_as_all_gathers_and_reduc
         assert sp["all_gather"] == check + layers * 4 * half + regather + ends
         norms, biases = (2 * layers + 1) * 2 * d * 4, 2 * layers * d * 4
         assert sp["all_reduce"] == flag + norms + biases, sp
+
+
+# --------------------------------------------------------------------------- Ulysses sequence parallelism
+
+
+class _SelfAttention(nn.Module):
+    """A causal self-attention block through ``F.scaled_dot_product_attention``, written here
+    (not fzero's, not a library's), whose q, k, v and output are ``(batch, heads, seq, dim)``."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _ulysses_traffic(rows, seq, d, heads, layers, steps=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SelfAttention(d, heads) for _ in range(layers)], nn.Linear(d, 1))
+    apply, p = fzero.functionalize(model)
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, sp=2), comm_bytes=True)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=p, tx=optim.sgd(0.1)))
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        before = comm.traffic.copy()
+        batch = {"x": torch.randn(rows, seq, d, generator=g), "y": torch.randn(rows, seq, 1, generator=g)}
+        state, m = step(state, batch)
+        out.append((_by_what(comm.traffic - before), m["comm_bytes"], m["comm_bytes_by_axis"]))
+    return out
+
+
+@multirank
+def test_ulysses_sends_eight_all_to_alls_of_a_layers_activations_per_step(ranks):
+    """Per attention layer and step, each of q, k, v and the output is exchanged once forward
+    and its gradient once backward: 8 all-to-alls, each of this rank's (rows, heads, seq/sp,
+    dim) block, ``rows·seq/sp·d·4`` bytes, of which ``(sp-1)/sp`` leave the rank. Over a
+    dp=1 mesh ZeRO's group is the sp group, so everything crosses sp."""
+    sp, rows, seq, d, heads, layers = 2, 2, 8, 8, 4, 2
+    block = rows * (seq // sp) * d * 4
+    expected = layers * 8 * Fraction(block * (sp - 1), sp)
+    for r, steps in enumerate(ranks(sp).run(_ulysses_traffic, rows, seq, d, heads, layers)):
+        for i, (by_what, metric, by_axis) in enumerate(steps):
+            assert by_what[("all_to_all", "attention")] == expected, (r, i, by_what)
+            assert metric["all_to_all"] == expected, (r, i, metric)
+            assert by_axis["sp"] == metric["total"] and by_axis["other"] == 0, (r, i, by_axis)

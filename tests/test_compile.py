@@ -93,7 +93,7 @@ def test_comm_bytes_is_opt_in_and_adds_its_metrics_without_changing_the_step():
     assert sorted(runs[False][1]) == ["grad_norm", "loss", "skipped"]
     assert sorted(runs[True][1]) == ["comm_bytes", "comm_bytes_by_axis", "grad_norm", "loss", "skipped"]
     assert runs[True][1]["comm_bytes"]["total"] == 0
-    assert runs[True][1]["comm_bytes_by_axis"] == {"pp": 0, "dp": 0, "tp": 0, "other": 0}
+    assert runs[True][1]["comm_bytes_by_axis"] == {"pp": 0, "dp": 0, "sp": 0, "tp": 0, "other": 0}
     ft.assert_trees_close(runs[True][0].params, runs[False][0].params, tol="exact", what="params")
     with pytest.raises(ValueError, match=r"comm_bytes='yes' must be True or False"):
         fzero.compile(ft.mse_step, comm_bytes="yes")
@@ -332,5 +332,7 @@ def test_compile_wraps_the_transforms_in_the_tables_order():
     while s.inner is not None:
         names.append(s.__name__.split("(")[0])
         s = s.inner
-    # torch_autocast excludes precision="bf16" (fp32 weights under autocast): not in this chain.
-    assert names[::-1] == [layer.name for layer in ORDER if layer.name not in ("tensor_parallel", "pipeline", "torch_autocast")]
+    # torch_autocast excludes precision="bf16" (fp32 weights under autocast): not in this chain;
+    # ulysses needs an sp axis, tensor_parallel and pipeline theirs.
+    assert names[::-1] == [layer.name for layer in ORDER
+                           if layer.name not in ("tensor_parallel", "pipeline", "torch_autocast", "ulysses")]

@@ -784,6 +784,17 @@ def test_autotp_size_asks_compile_for_the_automatic_plan():
         fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(tensor_parallel={"autotp_size": 2}))
 
 
+def test_sequence_parallel_size_is_read_and_checked_against_the_mesh_sp_axis():
+    assert load(base(sequence_parallel_size=2)).sequence_parallel_size == 2
+    assert load(base()).sequence_parallel_size == 1
+    with pytest.raises(ValueError, match=r"sequence_parallel_size.*at least 1|sequence_parallel_size.*>= 1"):
+        load(base(sequence_parallel_size=0))
+    # the mesh of this process has no sp axis: compile names both sizes
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 but Mesh\(pp=1, dp=1, tp=1.*has sp=1"):
+        fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(sequence_parallel_size=2))
+    fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config=base(sequence_parallel_size=1))
+
+
 def test_the_pipeline_section_is_read_and_checked_against_the_mesh():
     with pytest.warns(UserWarning, match="pipeline.partition"):
         cfg = Config.load(base(pipeline={"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 1}))

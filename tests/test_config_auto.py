@@ -217,7 +217,7 @@ def test_every_problem_of_a_file_is_in_one_error(tmp_path):
            "zero_optimization": {"stage": 2, "zero_quantized_gradients": True,
                                  "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 5}},
            "fp16": {"enabled": True, "loss_scale_windw": 100},
-           "amp": {"enabled": True, "opt_level": "O1"}, "sequence_parallel_size": 2, "gradient_clipping": "x"}
+           "amp": {"enabled": True, "opt_level": "O1"}, "sequence_parallel_size": 0, "gradient_clipping": "x"}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(bad))
     with pytest.raises(ConfigError) as e:

@@ -11,7 +11,7 @@ def test_world_of_one_when_not_launched(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     mesh = fzero.Mesh(dp=-1)
     assert (mesh.world_size, mesh.rank) == (1, 0)
-    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1}
+    assert mesh.shape == {"pp": 1, "dp": 1, "sp": 1, "tp": 1}
     assert mesh.device_mesh is None and mesh.group("dp") is None
     assert "dp=1" in repr(mesh)
 
@@ -19,10 +19,11 @@ def test_world_of_one_when_not_launched(monkeypatch):
 @pytest.mark.parametrize(
     "sizes, world, expected",
     [
-        ({"pp": 1, "dp": -1, "tp": 1}, 4, {"pp": 1, "dp": 4, "tp": 1}),
-        ({"pp": 2, "dp": -1, "tp": 1}, 4, {"pp": 2, "dp": 2, "tp": 1}),
-        ({"pp": 3, "dp": 1, "tp": -1}, 6, {"pp": 3, "dp": 1, "tp": 2}),
-        ({"pp": 2, "dp": 2, "tp": 1}, 4, {"pp": 2, "dp": 2, "tp": 1}),
+        ({"pp": 1, "dp": -1, "tp": 1}, 4, {"pp": 1, "dp": 4, "sp": 1, "tp": 1}),
+        ({"pp": 2, "dp": -1, "tp": 1}, 4, {"pp": 2, "dp": 2, "sp": 1, "tp": 1}),
+        ({"pp": 3, "dp": 1, "tp": -1}, 6, {"pp": 3, "dp": 1, "sp": 1, "tp": 2}),
+        ({"pp": 2, "dp": 2, "tp": 1}, 4, {"pp": 2, "dp": 2, "sp": 1, "tp": 1}),
+        ({"pp": 1, "dp": -1, "sp": 2, "tp": 1}, 4, {"pp": 1, "dp": 2, "sp": 2, "tp": 1}),
     ],
 )
 def test_resolve(sizes, world, expected):
@@ -36,6 +37,7 @@ def test_resolve(sizes, world, expected):
         ({"pp": 3, "dp": -1, "tp": 1}, 4, "4 is not divisible by 3"),
         ({"pp": -1, "dp": -1, "tp": 1}, 4, "only one axis may be -1"),
         ({"pp": 0, "dp": 1, "tp": 1}, 1, "pp=0 must be a positive int or -1"),
+        ({"pp": 1, "dp": 1, "sp": 3, "tp": 1}, 4, "pp=1, dp=1, sp=3, tp=1 multiply to 3, but the world has 4 ranks"),
     ],
 )
 def test_resolve_errors(sizes, world, message):

@@ -484,7 +484,7 @@ def test_compile_builds_the_tp_step_from_a_plan(ranks):
     msg, sent = ranks(2).run(_compiled_equals_plain, 0)[0]
     assert "has a tp axis of 2: pass tp={...}" in msg
     rows, d, depth = 4, 8, 2
-    assert sent == [{"pp": 0, "dp": 0, "tp": depth * 2 * rows * d * 4 + 4 * 8 + 4, "other": 0}] * 3
+    assert sent == [{"pp": 0, "dp": 0, "sp": 0, "tp": depth * 2 * rows * d * 4 + 4 * 8 + 4, "other": 0}] * 3
 
 
 def _llama(tie: bool = False):

@@ -143,6 +143,11 @@ class Config:
     splits the common Linear layouts over the mesh's ``tp`` axis, which must have this size
     (``compile(tp="auto")``, :func:`fzero.transforms.tensor_parallel.auto_plan`)."""
 
+    sequence_parallel_size: int = 1
+    """``sequence_parallel_size``: DeepSpeed-Ulysses' degree. The mesh's ``sp`` axis
+    (``fzero.Mesh(sp=)``) must have this size; data parallelism is the rest of the world
+    over it, as in DeepSpeed (``train_batch_size`` counts the ``dp`` ranks only)."""
+
     comms_logger: bool | None = None
     """``comms_logger.enabled``: each step's ``metrics["comm_bytes"]`` says the bytes this
     rank sent, by collective kind (``fzero.compile(comm_bytes=)``); ``None`` when the config

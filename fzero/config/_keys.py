@@ -244,8 +244,9 @@ _TOP: dict[str, _Rule] = {
     "graph_harvesting": _noop(_PERF),
     "compile": _USE,  # compile(jit=)
     "fzero": _USE,  # fzero's own options, not DeepSpeed's (_FZERO)
-    "seq_parallel_communication_data_type": _noop("fzero has no sequence parallelism", _never),
-    "sequence_parallel_size": _reject("sequence parallelism (DeepSpeed-Ulysses)", lambda v: v not in (1, None)),
+    "seq_parallel_communication_data_type": _noop("Ulysses' all-to-alls move the activations in their own dtype",
+                                                  _never),
+    "sequence_parallel_size": _USE,  # DeepSpeed-Ulysses: checked against the mesh's sp axis
     "gradient_allreduce_op": _reject("only 'mean' (DeepSpeed's default) is supported",
                                      lambda v: str(v).lower() != "mean"),
     "managed_gradient_accumulation": _reject("fzero always applies one update per step call",

@@ -331,6 +331,11 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
         kw["gradient_clipping"] = build("gradient_clipping",
                                         lambda: _num("gradient_clipping", top["gradient_clipping"], minimum=0.0))
         _used(notes, "", {"gradient_clipping": top["gradient_clipping"]})
+    if top.get("sequence_parallel_size") is not None:
+        kw["sequence_parallel_size"] = build("sequence_parallel_size", lambda: _int(
+            "sequence_parallel_size", top["sequence_parallel_size"], minimum=1))
+        _used(notes, "", {"sequence_parallel_size": top["sequence_parallel_size"]},
+              {"sequence_parallel_size": "checked against the mesh's sp axis"})
     pipe = top.get("pipeline")
     if pipe is not None:
         section = build("pipeline", lambda: _fields("pipeline.", _section("pipeline", pipe), _PIPELINE, notes))

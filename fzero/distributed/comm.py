@@ -127,7 +127,8 @@ class Traffic:
     ``"loss"``, ``"psum"``, ``"metadata"`` (batch sizes, shapes), ``"buffers"``,
     ``"gather"`` (:func:`fzero.gather`), ``"user"`` (a reduction over a partitioned
     tensor), ``"tp"``, ``"activations"``, ``"activation_gradients"``,
-    ``"tied_gradients"`` (pipelines), ``"compressed"`` (the 1-bit optimizers' exchange of
+    ``"tied_gradients"`` (pipelines), ``"attention"`` (Ulysses' all-to-alls of attention's
+    q, k, v and output, and of their gradients), ``"compressed"`` (the 1-bit optimizers' exchange of
     packed signs and scales), ``"offload"`` (the ``d2h``/``h2d`` copies of
     :func:`copy_`) or ``"other"``.
 

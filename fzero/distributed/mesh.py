@@ -1,7 +1,7 @@
 """``Mesh``: named axes over the ranks torchrun started.
 
-Naming rule (torchtitan's): an *axis* is a mesh axis (``dp``, ``tp``, ``pp``); a *dim* is a
-tensor dimension.
+Naming rule (torchtitan's): an *axis* is a mesh axis (``dp``, ``sp``, ``tp``, ``pp``); a *dim*
+is a tensor dimension.
 """
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ from fzero.distributed import checkin, device_check
 __all__ = ["Mesh", "AXES"]
 
 # Outermost first: pipeline stages are furthest apart, tensor parallel ranks closest
-# (they exchange the most), as torchtitan orders its mesh.
-AXES = ("pp", "dp", "tp")
-Axis = Literal["pp", "dp", "tp"]
+# (they exchange the most), as torchtitan orders its mesh. Ulysses' sequence-parallel ranks
+# sit between dp and tp: they exchange activations in every layer (all-to-alls), and they
+# are data-parallel peers for the gradients, so dp x sp is one contiguous block of ranks
+# (DeepSpeed's "sequence data parallel" group).
+AXES = ("pp", "dp", "sp", "tp")
+Axis = Literal["pp", "dp", "sp", "tp"]
+
+#: The axes whose ranks hold different data and so reduce gradients together (ZeRO's group).
+DATA_AXES = ("dp", "sp")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FZERO_TIMEOUT", "300"))
 # NCCL's own watchdog aborts a process whose collective is outstanding past the group's
@@ -34,6 +40,8 @@ NCCL_BACKSTOP_S = 30.0
 # DeviceMeshes by (device type, shape): building one creates process groups (a collective),
 # so meshes of one shape in one process share it.
 _DEVICE_MESHES: dict = {}
+# Groups of several adjacent axes by (DeviceMesh, axes): Mesh.group(("dp", "sp")).
+_FLAT_GROUPS: dict = {}
 
 
 def _launched() -> bool:
@@ -53,8 +61,14 @@ class Mesh:
     only, so every tensor fzero hands to the mesh's groups is made there, and
     ``step.init`` puts the state there (:meth:`place`); see docs/design.md, "Devices".
 
+    Axes accept a tuple of axes too (``mesh.size(("dp", "sp"))``, ``mesh.group(...)``,
+    ``mesh.ranks(...)``, ``mesh.coord(...)``): the block of ranks spanned by them, as one
+    axis of their product's size (ZeRO reduces over :data:`DATA_AXES`).
+
     Args:
-        dp, tp, pp: axis sizes; one of them may be ``-1``, "the rest of the world".
+        dp, sp, tp, pp: axis sizes; one of them may be ``-1``, "the rest of the world".
+            ``sp`` is DeepSpeed-Ulysses sequence parallelism (docs/parallelism.md): each
+            ``sp`` rank holds a slice of every sequence.
         backend: force ``"gloo"`` or ``"nccl"``.
         timeout_s: collective timeout; a collective that does not return in time raises
             instead of hanging (default ``$FZERO_TIMEOUT`` or 300 s). On a device, where
@@ -71,7 +85,7 @@ class Mesh:
         (1, 0)
     """
 
-    def __init__(self, *, dp: int = -1, tp: int = 1, pp: int = 1, backend: str | None = None,
+    def __init__(self, *, dp: int = -1, sp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None,
                  timeout_s: float | None = None):
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         if dist.is_available() and dist.is_initialized():
@@ -88,7 +102,7 @@ class Mesh:
         self.world_size, self.rank = world, rank
         if world > 1:
             checkin.start()  # so that a rank that does not arrive at a collective is named
-        self.shape = self._resolve({"pp": pp, "dp": dp, "tp": tp}, world)
+        self.shape = self._resolve({"pp": pp, "dp": dp, "sp": sp, "tp": tp}, world)
         self._device_mesh = None
         # Coordinates of this rank, row-major over AXES.
         coords, r = {}, rank
@@ -126,7 +140,7 @@ class Mesh:
             total *= n
         if total != world:
             raise ValueError(f"fzero.Mesh: {_fmt(sizes)} multiply to {total}, but the world has {world} ranks")
-        return {a: sizes[a] for a in AXES}
+        return {a: sizes.get(a, 1) for a in AXES}
 
     def place(self, state):
         """``state`` with its tensors on :attr:`device`, as ``step.init`` needs them.
@@ -168,9 +182,26 @@ class Mesh:
                     for k, v in state.items()}
         return tree.map(shaped, state)
 
-    def size(self, axis: Axis) -> int:
-        """Number of ranks along ``axis``."""
-        return self.shape[axis]
+    def size(self, axis: Axis | tuple[Axis, ...]) -> int:
+        """Number of ranks along ``axis`` (along all of them, for a tuple)."""
+        n = 1
+        for a in _axes(axis):
+            n *= self.shape[a]
+        return n
+
+    def coord(self, axis: Axis | tuple[Axis, ...]) -> int:
+        """This rank's index along ``axis``; for a tuple, in the block the axes span, row-major
+        (its index in :meth:`ranks` of the tuple).
+
+        Example:
+            >>> import fzero
+            >>> fzero.Mesh(dp=-1).coord(("dp", "sp"))
+            0
+        """
+        index = 0
+        for a in _axes(axis):
+            index = index * self.shape[a] + self.coords[a]
+        return index
 
     @property
     def device_mesh(self):
@@ -186,8 +217,9 @@ class Mesh:
             self._device_mesh = _DEVICE_MESHES[key]
         return self._device_mesh
 
-    def ranks(self, axis: Axis) -> tuple[int, ...]:
-        """The global ranks of this rank's group along ``axis``, in the axis' order.
+    def ranks(self, axis: Axis | tuple[Axis, ...]) -> tuple[int, ...]:
+        """The global ranks of this rank's group along ``axis``, in the axis' order (for a
+        tuple, the block the axes span, row-major).
 
         Example:
             >>> import fzero
@@ -199,17 +231,37 @@ class Mesh:
         for a in reversed(AXES):  # row-major over AXES, as the coordinates are
             strides[a] = stride
             stride *= self.shape[a]
-        base = self.rank - self.coords[axis] * strides[axis]
-        return tuple(base + i * strides[axis] for i in range(self.shape[axis]))
+        out = [self.rank]
+        for a in _axes(axis):
+            base = [r - self.coords[a] * strides[a] for r in out]
+            out = [b + i * strides[a] for b in base for i in range(self.shape[a])]
+        return tuple(out) if len(_axes(axis)) == 1 else tuple(sorted(out))
 
-    def group(self, axis: Axis):
-        """The process group of this rank's ``axis`` (``None`` when that axis has one rank)."""
-        if self.shape[axis] == 1:
+    def group(self, axis: Axis | tuple[Axis, ...]):
+        """The process group of this rank's ``axis`` (``None`` when that axis has one rank).
+
+        For a tuple of adjacent axes, the group of the block they span; where only one of
+        them has more than one rank it is that axis' own group (so ``("dp", "sp")`` without
+        sequence parallelism is the ``dp`` group, and its traffic is filed under ``dp``)."""
+        axes = [a for a in _axes(axis) if self.shape[a] > 1]
+        if not axes:
             return None
-        return self.device_mesh.get_group(axis)
+        if len(axes) == 1:
+            return self.device_mesh.get_group(axes[0])
+        names = tuple(_axes(axis))
+        order = [AXES.index(a) for a in names]
+        if order != list(range(order[0], order[0] + len(order))):
+            raise ValueError(f"fzero.Mesh.group: the axes {names} are not adjacent in {AXES}")
+        key = (id(self.device_mesh), names)
+        if key not in _FLAT_GROUPS:
+            # DeviceMesh's flattening of adjacent dims: one group per block, made by every rank
+            # (once per DeviceMesh, as the DeviceMesh is once per shape).
+            _FLAT_GROUPS[key] = self.device_mesh[names]._flatten("_".join(names)).get_group()
+        return _FLAT_GROUPS[key]
 
     def __repr__(self) -> str:
-        return f"Mesh({_fmt(self.shape)}, rank={self.rank}/{self.world_size}, device={self.device})"
+        shown = {a: n for a, n in self.shape.items() if a != "sp" or n > 1}
+        return f"Mesh({_fmt(shown)}, rank={self.rank}/{self.world_size}, device={self.device})"
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
@@ -252,5 +304,15 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
 
 
+def _axes(axis) -> tuple[str, ...]:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or not axes:
+        raise ValueError(f"fzero.Mesh: unknown axis {', '.join(map(repr, unknown)) or '()'}; the axes are {AXES}")
+    return axes
+
+
 def _fmt(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{a}={n}" for a, n in sizes.items())
+    # sp, the newest axis, is shown where it is not 1 (a mesh without sequence parallelism
+    # reads as it always has).
+    return ", ".join(f"{a}={n}" for a, n in sizes.items() if a != "sp" or n != 1)

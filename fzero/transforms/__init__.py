@@ -21,6 +21,7 @@ from fzero.transforms.shard_state import shard_state
 from fzero.transforms.tensor_parallel import (BatchMismatchError, ColwiseParallel, DivideAttributes, PrepareModuleInput,
                                              RowwiseParallel, SequenceParallel,
                                              VocabShardedLogits, plans as tp_plans, tensor_parallel)
+from fzero.transforms.ulysses import ulysses
 
 # The plans live in the tensor_parallel package; their public path stays
 # fzero.transforms.tp_plans, importable as a module too (as os.path is).
@@ -30,5 +31,6 @@ sys.modules[f"{__name__}.tp_plans"] = tp_plans
 __all__ = ["Handler", "LeafSums", "MicroBatch", "NotApplied", "Step", "StepContext", "as_step", "bind", "context",
            "emit_metric", "installed", "psum", "running",
            "accumulate", "check_finite", "clip", "NonFiniteGradientError", "mixed_precision", "offload_optimizer",
-           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ColwiseParallel", "DivideAttributes",
-           "PrepareModuleInput", "RowwiseParallel", "SequenceParallel", "VocabShardedLogits", "BatchMismatchError", "tp_plans"]
+           "pipeline", "shard_state", "tensor_parallel", "torch_autocast", "ulysses", "ColwiseParallel",
+           "DivideAttributes", "PrepareModuleInput", "RowwiseParallel", "SequenceParallel", "VocabShardedLogits",
+           "BatchMismatchError", "tp_plans"]

@@ -1,4 +1,5 @@
-"""``shard_state``: ZeRO stages 0-3 over the mesh's ``dp`` axis.
+"""``shard_state``: ZeRO stages 0-3 over the mesh's ``dp`` axis (``dp`` x ``sp`` under
+Ulysses sequence parallelism).
 
 What each stage keeps on a rank between steps (Ψ parameters, N ranks, fp32 Adam):
 
@@ -39,7 +40,7 @@ from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
 from fzero.distributed import comm
 from fzero.distributed.compressed import ErrorFeedback, compressed_mean
-from fzero.distributed.mesh import Mesh
+from fzero.distributed.mesh import DATA_AXES, Mesh
 from fzero.optim import _known, exchange_of
 from fzero.transforms._checks import check_option, default_bucket_bytes
 from fzero.transforms._arguments import Arguments
@@ -80,9 +81,12 @@ class _ShardHandler(Handler):
         self.frozen: frozenset[str] = frozenset()
         self.reduce_in = reduce_in
         self.prefetch = prefetch
-        self.world = mesh.size("dp")
-        self.rank = mesh.coords["dp"]
-        self.group = mesh.group("dp")
+        # ZeRO's group: the ranks holding different data, dp x sp (DeepSpeed's "sequence data
+        # parallel" group: sequence-parallel peers hold different tokens of the same rows, so
+        # their gradients are summed too, and the optimizer state is partitioned over both).
+        self.world = mesh.size(DATA_AXES)
+        self.rank = mesh.coord(DATA_AXES)
+        self.group = mesh.group(DATA_AXES)
         self.timeout_s = mesh.timeout_s if timeout_s is None else timeout_s
         self.layout: Layout | None = None
         self.bucket: int | None = None  # the bucket in bytes the layout was cut with (set at init)
@@ -479,7 +483,9 @@ def shard_state(
         exchange = exchange_of(state.tx, state.opt_state)
         handler.local = exchange is not None and exchange.local_gradients
         outer = context().data_shard  # a data-parallel axis inside another splits each of its shards again
-        shard = DataShard(outer.index * handler.world + handler.rank, outer.count * handler.world)
+        # Rows differ along dp only (sequence-parallel peers hold the same rows).
+        dp, j = mesh.size("dp"), mesh.coords["dp"]
+        shard = DataShard(outer.index * dp + j, outer.count * dp)
         with installed(handler), running(data_shard=shard, **({"offload_params": True} if handler.offload_param else {})):
             out = inner(state, batch)
         if isinstance(out, tuple) and len(out) == 2:
