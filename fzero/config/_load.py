@@ -64,6 +64,12 @@ def _parse_json(text: str, source: str) -> Mapping[str, Any]:
     return data
 
 
+def _given_or(value: Any, default: Any) -> Any:
+    """``value`` as written, or ``default`` when it is JSON null (not ``value or default``:
+    a ``0``, ``""`` or ``[]`` written where a section belongs is an error, not the default)."""
+    return default if value is None else value
+
+
 def _fields(prefix: str, d: Mapping[str, Any], rules: Mapping[str, _Rule], notes: _Notes) -> dict:
     """The ``use`` keys of a section, after classifying all of its keys."""
     return _classify(prefix, d, rules, notes)
@@ -262,7 +268,7 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             notes.problem("optimizer.type", ValueError(f"{WHERE}: optimizer.type is required (one of "
                                                        f"{', '.join(_CANONICAL.values())})"))
         elif sec is not None:
-            params = build("optimizer.params", lambda: _section("optimizer.params", sec.get("params") or {}))
+            params = build("optimizer.params", lambda: _section("optimizer.params", _given_or(sec.get("params"), {})))
             before = len(notes.problems)
             kind = str(sec["type"]).lower()
             if params is not None and kind in _OPTIMIZERS:
@@ -278,7 +284,7 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             notes.problem("scheduler.type", ValueError(
                 f"{WHERE}: scheduler.type is required (one of {', '.join(_SCHEDULERS)})"))
         elif sec is not None:
-            params = build("scheduler.params", lambda: _section("scheduler.params", sec.get("params") or {}))
+            params = build("scheduler.params", lambda: _section("scheduler.params", _given_or(sec.get("params"), {})))
             if params is not None:
                 kw["scheduler"] = build("scheduler", lambda: SchedulerConfig(type=sec["type"], params=params))
                 _used(notes, "scheduler.params.", params, dict.fromkeys(params, f"the {sec['type']} schedule"))
