@@ -87,7 +87,8 @@ def _linear():
 
 def _rank_cases():
     """Each rank's outcome of a few bad batches, in one launch: the same bad batch on both
-    ranks, a NaN on rank 1 only, a key rank 0 has not, and different row counts."""
+    ranks, a NaN on rank 1 only, a key rank 0 has not, and different row counts. An error
+    must end the step on both ranks alike (never one rank raising while the other waits)."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
@@ -123,9 +124,12 @@ def test_bad_batches_on_two_ranks_end_alike_on_both(ranks):
     for zero in (0, 2):
         a, b = r0["rows not divisible by accumulate", zero], r1["rows not divisible by accumulate", zero]
         assert a[0] == b[0] == "named" and "divide" in a[2], (a, b)
+        a, b = r0["3 rows on rank 1, 4 on rank 0", zero], r1["3 rows on rank 1, 4 on rank 0", zero]
+        assert a[0] == b[0] == "named" and "rank 0: 4, rank 1: 3" in a[2], (a, b)
+        assert "batch['x'], shape (4, 4)" in a[2] and "batch['x'], shape (3, 4)" in b[2], (a, b)  # the leaf named
         a, b = r0["NaN on rank 1", zero], r1["NaN on rank 1", zero]
         assert a[:3] == b[:3] == ("ran", 0, True), (a[:3], b[:3])  # skipped on both: the state unchanged
-        for name in ("an extra key on rank 1", "3 rows on rank 1, 4 on rank 0"):
+        for name in ("an extra key on rank 1",):
             a, b = r0[name, zero], r1[name, zero]
             assert a[0] in ("ran", "named") and a[0] == b[0], (name, zero, a[:3], b[:3])
             if a[0] == "ran":  # the replicas agree after the step

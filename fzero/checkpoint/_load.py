@@ -466,7 +466,7 @@ def _load_local(path, prepared, world, verify, restore_rng, in_place, callback):
             tensors = _rng_tensors(reader, entry)
             try:
                 _rng.restore(tensors, entry)
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # states the generators refuse (a bad length)
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a state its generator refuses
                 raise CorruptCheckpointError(f"{WHERE}: the RNG state of rank {world.rank} in {path} cannot be "
                                              f"restored: {e}", os.path.join(path, _format.MANIFEST)) from e
     finally:
