@@ -58,6 +58,16 @@ KEY_DOMAINS: dict[str, Any] = {
     "zero_optimization.offload_param.device": ("enum", ("none", "cpu", "nvme")),
     "torch_autocast.dtype": ("enum", ("bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half")),
     "optimizer.params.betas": "pair",
+    # Keys with no effect in fzero still take only their DeepSpeed type.
+    **dict.fromkeys(("steps_per_print", "flops_profiler.profile_step", "pipeline.activation_checkpoint_interval",
+                     "zero_optimization.offload_optimizer.buffer_count"), "int"),
+    **dict.fromkeys(("zero_optimization.sub_group_size", "zero_optimization.stage3_prefetch_bucket_size",
+                     "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.allgather_bucket_size",
+                     "gradient_predivide_factor", "zero_optimization.stage3_max_live_parameters"), "number"),
+    **dict.fromkeys(("zero_optimization.contiguous_gradients", "zero_optimization.round_robin_gradients",
+                     "prescale_gradients", "sparse_gradients", "bf16.immediate_grad_update", "fp16.auto_cast",
+                     "zero_optimization.stage3_gather_16bit_weights_on_model_save", "comms_logger.verbose",
+                     "compile.deepcompile", "pipeline.pipe_partitioned"), "bool"),
     **dict.fromkeys(("compile.backend", "tensorboard.output_path", "tensorboard.job_name", "csv_monitor.output_path",
                      "csv_monitor.job_name", "wandb.project", "wandb.group", "wandb.team"), "str"),
     **dict.fromkeys(("fp16", "bf16", "optimizer", "scheduler", "optimizer.params", "scheduler.params",
@@ -68,6 +78,8 @@ KEY_DOMAINS: dict[str, Any] = {
 
 # Values no key of a domain takes (DeepSpeed's Hugging Face placeholder "auto" is never drawn).
 _WRONG = {
+    "int": [1.5, "2", True, [], {}, math.nan, math.inf],
+    "number": ["1", True, [], {}, math.nan, math.inf],
     "int>=1": [0, -1, -2**63, 1.5, "2", True, False, [], {}, math.nan, math.inf],
     "int>=0": [-1, 0.5, "3", True, [], {}, math.nan, -math.inf],
     "num>=0": [-1, -1e-9, "0.1", True, [], {}, math.nan, math.inf, -math.inf],
