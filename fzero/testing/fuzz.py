@@ -514,7 +514,7 @@ _STEPS: dict = {}
 
 
 def _compiled(accumulate: int, precision: str) -> tuple[Any, Any]:
-    """One compiled step (SGD 0.1, one process) per (accumulate, precision), shared by the
+    """One compiled step (SGD 0.1, momentum 0.9, one process) per (accumulate, precision), shared by the
     cases: a batch tree that changes between calls is part of what is drawn."""
     import fzero
     from fzero import optim
@@ -523,18 +523,18 @@ def _compiled(accumulate: int, precision: str) -> tuple[Any, Any]:
     key = (accumulate, precision)
     if key not in _STEPS:
         apply, params = fzero.functionalize(_linear())
-        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, 0.9))
         step = fzero.compile(mse_step, accumulate=accumulate, precision=precision, donate=False)
         _STEPS[key] = (step, step.init(state))
     return _STEPS[key]
 
 
 def _torch_sgd_step(batch: dict) -> dict[str, torch.Tensor]:
-    """Plain PyTorch's SGD(0.1) step of ``mse_step`` on ``batch``: the new weights."""
+    """Plain PyTorch's SGD(0.1, momentum 0.9) step of ``mse_step`` on ``batch``: the new weights."""
     import torch.nn.functional as F
 
     module = _linear()
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     F.mse_loss(module(batch["x"]), batch["y"]).backward()
     opt.step()
     return {k: v.detach() for k, v in module.state_dict().items()}
@@ -562,6 +562,7 @@ def batch_case(case: dict, accumulate: int, precision: str) -> Outcome:
     step, state = _compiled(accumulate, precision)
     batch = case["batch"]
     before = {k: v.clone() for k, v in fzero.gather(state.params).items()}
+    momentum_before = [t.clone() for t in fzero.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kind, result = outcome(lambda: step(state, batch), named=(ValueError, TypeError, RuntimeError),
@@ -578,6 +579,9 @@ def batch_case(case: dict, accumulate: int, precision: str) -> Outcome:
     if not all(_finite(t) for t in leaves):
         assert all(torch.equal(after[k], before[k]) for k in before), f"{what}: a non-finite batch changed the params"
         assert int(new.step) == int(state.step), f"{what}: a non-finite batch's update was counted"
+        momentum = [t for t in fzero.tree.leaves(new.opt_state) if isinstance(t, torch.Tensor)]
+        same = len(momentum) == len(momentum_before) and all(map(torch.equal, momentum, momentum_before))
+        assert same, f"{what}: a non-finite batch moved the optimizer's momentum"
     elif precision == "fp32" and case["tree"] in ("dict", "extra", "nested"):
         assert_trees_close(after, _torch_sgd_step(batch), rtol=1e-5, atol=1e-6)
     return kind
