@@ -75,6 +75,8 @@ def _given(kx, ky, rows=3, tree="dict"):
 @example(_given("nan", "good"), 1, "fp32")
 @example(_given("good", "inf"), 2, "bf16")
 @example(_given("empty", "empty"), 1, "fp32")
+@example({**_given("good", "good"), "tree": "extra",  # a NaN in a leaf the step does not read: a correct step
+          "batch": {**_given("good", "good")["batch"], "z": fuzz.make_leaf("nan", 3, 3, 2)}}, 1, "bf16")
 @example(_given("good", "good", rows=3), 2, "fp32")
 def test_a_bad_batch_is_a_named_error_the_steps_own_error_or_a_correct_step(case, accumulate, precision):
     fuzz.batch_case(case, accumulate, precision)
@@ -170,6 +172,7 @@ _FOUND = [
     (("rng", 0, "numpy", "keys"), [1, 2], "load, restore_rng=True"),  # numpy's IndexError
     (("rng", 0, "numpy", "keys", 0), None, "load, restore_rng=True"),
     (("rng", 0, "numpy", "kind"), DELETE, "load, restore_rng=True"),
+    (("leaves", 4, "entries"), [0, 0], "export"),  # 'int' object is not subscriptable
     (("leaves", 4, "sharding"), True, "inspect"),  # inspect: 'bool' object is not subscriptable
     (("stages",), 3, "inspect"),  # 'int' object is not iterable
     (("fzero_version",), DELETE, "inspect"),  # KeyError

@@ -506,6 +506,11 @@ def _schema_problem(m: dict) -> str | None:
         if not isinstance(rec, dict) or not isinstance(rec.get("path"), str):
             return "a leaf has no path"
         where = rec["path"]
+        entries = rec.get("entries")
+        if entries is not None and not (isinstance(entries, list) and all(
+                isinstance(e, list) and len(e) == 2 and e[0] in ("attr", "key", "index")
+                and isinstance(e[1], (str, int)) and not isinstance(e[1], bool) for e in entries)):
+            return f"{where}: entries must be a list of [\"attr\" | \"key\" | \"index\", name]"
         kind = rec.get("kind")
         if kind == "value":
             type_name = rec.get("type")

@@ -575,7 +575,7 @@ def batch_case(case: dict, accumulate: int, precision: str) -> Outcome:
         return kind
     new, _ = result
     after = fzero.gather(new.params)
-    leaves = list(batch.values()) if isinstance(batch, dict) else []
+    leaves = [batch[k] for k in ("x", "y") if k in batch] if isinstance(batch, dict) else []  # what the step reads
     if not all(_finite(t) for t in leaves):
         assert all(torch.equal(after[k], before[k]) for k in before), f"{what}: a non-finite batch changed the params"
         assert int(new.step) == int(state.step), f"{what}: a non-finite batch's update was counted"
