@@ -1,4 +1,5 @@
-"""Hypothesis strategies for bad input, and :func:`outcome`, which sorts what a call did.
+"""Hypothesis strategies for bad input, the checks each drawn case is held to, and
+:func:`outcome`, which sorts what a call did.
 
 Three kinds of input a user hands fzero are drawn here: DeepSpeed configs (every key fzero
 knows, with values outside what the key takes, contradictions, unknown keys, sections of
@@ -9,6 +10,9 @@ pieces, offsets past the end, unknown dtypes, paths that leave the directory, hu
 
 What a key takes (:data:`KEY_DOMAINS`) is written here from DeepSpeed's documentation and
 docs/config.md, not read from fzero's own tables, so a value fzero wrongly accepts shows.
+Each ``*_case`` function runs one drawn case and returns how it ended (``"ran"``,
+``"named"``, ``"user"``), or fails an assertion saying what went wrong: ``tests/test_fuzz.py``
+calls them under ``@given``, ``benchmarks/fuzz.py`` counts them (docs/reliability.md).
 
 Example:
     >>> from hypothesis import find
@@ -29,10 +33,11 @@ from typing import Any, Literal, NamedTuple
 import torch
 from hypothesis import strategies as st
 
-__all__ = ["CONTRADICTIONS", "KEY_DOMAINS", "Outcome", "SavedCheckpoint", "apply_mutations", "bad_values",
-           "batch_case", "batches", "config_change_case", "config_mutations", "config_value_case",
-           "contradiction_case", "manifest_case", "manifest_mutations", "outcome", "save_checkpoint", "set_path",
-           "valid_config_case", "valid_configs"]
+__all__ = ["BASE_CONFIG", "CONTRADICTIONS", "KEY_DOMAINS", "LEAF_KINDS", "READS", "Outcome", "SavedCheckpoint",
+           "apply_mutations", "bad_values", "batch_case", "batches", "config_change_case", "config_mutations",
+           "config_value_case", "contradiction_case", "describe", "make_leaf", "manifest_case", "manifest_mutations",
+           "manifest_nodes", "mentions_any", "outcome", "save_checkpoint", "section_paths", "set_path",
+           "valid_config_case", "valid_configs", "write_manifest"]
 
 # What each key fzero reads takes, as DeepSpeed documents it (fzero's stricter reading of
 # booleans: JSON true/false only). None (JSON null) means "not written" and is not drawn.
