@@ -15,6 +15,7 @@ The bigger run, with counts of each outcome, is ``benchmarks/fuzz.py``.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -185,3 +186,17 @@ def test_each_manifest_edit_the_fuzz_found_is_named(saved, where, value, how):
     # inspect shows a descriptive field (step, stages, versions) as written, or "?"
     expect = "ran" if how == "inspect" and where[0] != "leaves" else "named"
     fuzz.manifest_case(saved, [change], how, expect=expect)
+
+
+def test_the_manifest_case_fails_on_a_read_outside_the_checkpoint(saved, monkeypatch):
+    """The audit hook is what holds the reads to the checkpoint's directory: a read of the
+    saved original beside it (where a `../` name would lead) fails the case."""
+    import os
+
+    def read_the_sibling(path, how):
+        with open(os.path.join(saved.path, "manifest.json"), "rb") as f:
+            return f.read()
+
+    monkeypatch.setattr(fuzz, "_read", read_the_sibling)
+    with pytest.raises(AssertionError, match="src/manifest.json"):
+        fuzz.manifest_case(saved, [], "load")

@@ -640,7 +640,7 @@ class _Watch:
             return
         if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, os.PathLike)):
             p = os.path.abspath(os.fsdecode(args[0]))
-            if not p.startswith(self.allowed):
+            if p not in self.allowed and not p.startswith(tuple(a for a in self.allowed if a.endswith(os.sep))):
                 self.seen.append((event, p))
         elif event in ("exec", "pickle.find_class", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn"):
             self.seen.append((event, str(args)[:80]))
@@ -667,6 +667,12 @@ def write_manifest(path: str, manifest: dict) -> None:
         json.dump(marker, f)
 
 
+def _export_file(path: str) -> str:
+    import os
+
+    return os.path.join(os.path.dirname(path), "export.safetensors")
+
+
 def _read(path: str, how: str) -> Any:
     import contextlib
     import io
@@ -684,7 +690,7 @@ def _read(path: str, how: str) -> Any:
     if how == "verify":
         return ckpt.verify(path)
     if how == "export":
-        return ckpt.export(path, os.path.join(os.path.dirname(path), "export.safetensors"))
+        return ckpt.export(path, _export_file(path))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = cli.main(["inspect", path])
     if rc != 0:
@@ -710,7 +716,11 @@ def manifest_case(saved: SavedCheckpoint, changes: list, how: str, *, expect: Ou
     if not _WATCH:
         _WATCH.append(_Watch())
     watch = _WATCH[0]
-    watch.allowed, watch.seen, watch.on = (saved.root, sys.prefix), [], True
+    # the checkpoint's own directory (not its sibling, the saved original), export's output
+    # file, and Python's own files (a module imported lazily on the way)
+    watch.allowed = (os.path.join(path, ""), path, _export_file(path), os.path.join(sys.prefix, ""),
+                     os.path.join(sys.base_prefix, ""))
+    watch.seen, watch.on = [], True
     try:
         kind, result = outcome(lambda: _read(path, how), named=(CheckpointError,), prefix="")
     finally:
