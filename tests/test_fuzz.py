@@ -197,6 +197,6 @@ def test_the_manifest_case_fails_on_a_read_outside_the_checkpoint(saved, monkeyp
         with open(os.path.join(saved.path, "manifest.json"), "rb") as f:
             return f.read()
 
-    monkeypatch.setattr(fuzz, "_read", read_the_sibling)
+    monkeypatch.setattr(fuzz._manifests, "_read", read_the_sibling)
     with pytest.raises(AssertionError, match="src/manifest.json"):
         fuzz.manifest_case(saved, [], "load")
