@@ -45,6 +45,8 @@ def families(saved: fuzz.SavedCheckpoint) -> dict:
         "config: 1-4 keys (known or not, any depth) set to any value": (
             st.tuples(fuzz.config_mutations(), st.sampled_from([1, 2, 3])).map(lambda a: (*a[0], a[1])),
             fuzz.config_change_case, 1.0),
+        "config: JSON text cut, with characters put in or taken out, a key twice, nested deep": (
+            fuzz.config_texts().map(lambda t: (t,)), fuzz.config_text_case, 0.25),
         "config: contradictions (batch triple, fp16+bf16, offload without its stage, ...)": (
             st.sampled_from(fuzz.CONTRADICTIONS).map(lambda c: (c[1], c[2])), fuzz.contradiction_case, 0.05),
         "config: valid, built and run one step (plain PyTorch's loss)": (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fzero
+import fzero.checkpoint as ckpt
 import fzero.testing as ft
 from fzero import optim
 from fzero.testing import fuzz
@@ -50,6 +52,13 @@ def test_a_value_a_key_does_not_take_is_refused_naming_the_key(case):
 @given(fuzz.config_mutations(), st.sampled_from([1, 2, 3]))
 def test_any_change_to_a_config_gives_a_config_or_an_error_naming_a_changed_key(case, world_size):
     fuzz.config_change_case(*case, world_size)
+
+
+@settings(SETTINGS, max_examples=30)
+@given(fuzz.config_texts())
+@example('{"train_micro_batch_size_per_gpu": 2, "fzero": ' + '{"a": ' * 200_000 + "1" + "}" * 200_001)  # RecursionError
+def test_a_damaged_json_config_gives_a_config_or_an_error_saying_where(text):
+    fuzz.config_text_case(text)
 
 
 @pytest.mark.parametrize("what, config, keys", fuzz.CONTRADICTIONS, ids=[c[0] for c in fuzz.CONTRADICTIONS])
@@ -186,6 +195,18 @@ def test_each_manifest_edit_the_fuzz_found_is_named(saved, where, value, how):
     # inspect shows a descriptive field (step, stages, versions) as written, or "?"
     expect = "ran" if how == "inspect" and where[0] != "leaves" else "named"
     fuzz.manifest_case(saved, [change], how, expect=expect)
+
+
+@pytest.mark.parametrize("damaged", ["manifest.json", "COMMITTED"])
+def test_a_manifest_or_marker_nested_too_deeply_to_parse_is_named(saved, tmp_path, damaged):
+    path = str(tmp_path / "deep")
+    shutil.copytree(saved.path, path)
+    with open(os.path.join(path, damaged), "w") as f:
+        f.write("[" * 200_000 + "]" * 200_000)  # json recurses once per level: a RecursionError, once
+    if damaged == "COMMITTED":  # a marker that does not parse: not a committed checkpoint
+        assert ckpt.latest(str(tmp_path)) is None
+    with pytest.raises(ckpt.CheckpointError, match=f"{damaged}.*not valid JSON"):
+        ckpt.load(path, like=fuzz.SAVED_STATE, verify=False)
 
 
 def test_the_manifest_case_fails_on_a_read_outside_the_checkpoint(saved, monkeypatch):

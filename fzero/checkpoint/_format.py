@@ -616,7 +616,7 @@ def _load_json(path: str, where: str) -> Any:
 def _parse_json(data: bytes, path: str, where: str) -> Any:
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
         raise CorruptCheckpointError(f"{where}: {path} is not valid JSON ({e}): the file is corrupted", path) from None
 
 
@@ -625,6 +625,6 @@ def read_marker(path: str) -> dict | None:
     try:
         with open(os.path.join(path, MARKER), "rb") as f:
             marker = json.loads(f.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return marker if isinstance(marker, dict) else None

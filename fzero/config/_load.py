@@ -58,6 +58,8 @@ def _parse_json(text: str, source: str) -> Mapping[str, Any]:
         raise ValueError(f"{WHERE}.load: {source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
     except ValueError as e:  # a duplicate key, which DeepSpeed refuses too
         raise ValueError(f"{WHERE}.load: {source}: {e}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise ValueError(f"{WHERE}.load: {source}: invalid JSON: nested too deeply to parse") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{WHERE}.load: {source}: the config must be a JSON object, got "
                          f"{type(data).__name__}")

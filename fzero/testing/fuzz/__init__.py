@@ -26,14 +26,15 @@ manifests), ``_outcome`` (how a case ended).
 
 from fzero.testing.fuzz._batches import LEAF_KINDS, batch_case, batches, linear, make_leaf
 from fzero.testing.fuzz._configs import (BAD_BASE, BASE_CONFIG, CONFIG_ERRORS, CONTRADICTIONS, KEY_DOMAINS, bad_values,
-                                         config_change_case, config_mutations, config_value_case, contradiction_case,
-                                         set_path, valid_config_case, valid_configs)
+                                         config_change_case, config_mutations, config_text_case, config_texts,
+                                         config_value_case, contradiction_case, set_path, valid_config_case,
+                                         valid_configs)
 from fzero.testing.fuzz._manifests import (READS, SAVED_STATE, SavedCheckpoint, apply_mutations, manifest_case,
                                            manifest_mutations, manifest_nodes, save_checkpoint, write_manifest)
 from fzero.testing.fuzz._outcome import Outcome, describe, mentions_any, outcome, section_paths
 
 __all__ = ["BAD_BASE", "BASE_CONFIG", "CONFIG_ERRORS", "CONTRADICTIONS", "KEY_DOMAINS", "LEAF_KINDS", "READS",
            "SAVED_STATE", "Outcome", "SavedCheckpoint", "apply_mutations", "bad_values", "batch_case", "batches",
-           "config_change_case", "config_mutations", "config_value_case", "contradiction_case", "describe", "linear",
-           "make_leaf", "manifest_case", "manifest_mutations", "manifest_nodes", "mentions_any", "outcome",
+           "config_change_case", "config_mutations", "config_text_case", "config_texts", "config_value_case",
+           "contradiction_case", "describe", "linear", "make_leaf", "manifest_case", "manifest_mutations", "manifest_nodes", "mentions_any", "outcome",
            "save_checkpoint", "section_paths", "set_path", "valid_config_case", "valid_configs", "write_manifest"]

@@ -153,6 +153,29 @@ def config_mutations(draw, *, max_changes: int = 4) -> tuple[dict, list[tuple[st
     return d, changes
 
 
+@st.composite
+def config_texts(draw) -> str:
+    """A config's JSON text (a valid config's, :func:`valid_configs`) cut short, with
+    characters put in or taken out, a key written twice, or nested thousands deep."""
+    import json
+
+    text = json.dumps(draw(valid_configs()))
+    how = draw(st.sampled_from(["cut", "insert", "delete", "duplicate", "nest", "nan"]))
+    at = draw(st.integers(1, len(text) - 1))
+    if how == "cut":
+        return text[:at]
+    if how == "insert":
+        return text[:at] + draw(st.sampled_from(["{", "}", "[", "]", ",", ":", '"', "\\", "\x00", "NaN", "1e999"])) + text[at:]
+    if how == "delete":
+        return text[:at] + text[at + 1:]
+    if how == "duplicate":
+        return text[:-1] + ', "gradient_clipping": 1.0, "gradient_clipping": 0.5}'
+    if how == "nest":
+        depth = draw(st.sampled_from([100, 10_000, 200_000]))
+        return text[:-1] + ', "fzero": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
+    return text[:-1] + ', "gradient_clipping": NaN}'
+
+
 # Configs that contradict themselves, each with the keys its error must name.
 CONTRADICTIONS: list[tuple[str, dict, tuple[str, ...]]] = [
     ("train_batch_size is not micro x accumulation x world",
@@ -268,6 +291,14 @@ def config_change_case(d: dict, changes: list[tuple[str, Any]], world_size: int)
     if kind == "named":
         named = section_paths(changes) + ["train_batch_size", "train_micro_batch_size_per_gpu", "optimizer"]
         assert mentions_any(str(result), named), f"{changes}: the error names none of them: {result}"
+    return kind
+
+
+def config_text_case(text: str) -> Outcome:
+    """A config's JSON text, however damaged, gives a config or a ``ValueError``/``TypeError``
+    that says where (``fzero.Config``, the line and column, the key)."""
+    kind, result = outcome(lambda: _load_config(text), named=CONFIG_ERRORS, prefix="fzero.Config")
+    assert kind in ("ran", "named"), f"{text[:80]!r}...: {describe(result)}"
     return kind
 
 
