@@ -36,5 +36,6 @@ from fzero.testing.fuzz._outcome import Outcome, describe, mentions_any, outcome
 __all__ = ["BAD_BASE", "BASE_CONFIG", "CONFIG_ERRORS", "CONTRADICTIONS", "KEY_DOMAINS", "LEAF_KINDS", "READS",
            "SAVED_STATE", "Outcome", "SavedCheckpoint", "apply_mutations", "bad_values", "batch_case", "batches",
            "config_change_case", "config_mutations", "config_text_case", "config_texts", "config_value_case",
-           "contradiction_case", "describe", "linear", "make_leaf", "manifest_case", "manifest_mutations", "manifest_nodes", "mentions_any", "outcome",
-           "save_checkpoint", "section_paths", "set_path", "valid_config_case", "valid_configs", "write_manifest"]
+           "contradiction_case", "describe", "linear", "make_leaf", "manifest_case", "manifest_mutations",
+           "manifest_nodes", "mentions_any", "outcome", "save_checkpoint", "section_paths", "set_path",
+           "valid_config_case", "valid_configs", "write_manifest"]

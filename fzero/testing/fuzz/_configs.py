@@ -165,7 +165,8 @@ def config_texts(draw) -> str:
     if how == "cut":
         return text[:at]
     if how == "insert":
-        return text[:at] + draw(st.sampled_from(["{", "}", "[", "]", ",", ":", '"', "\\", "\x00", "NaN", "1e999"])) + text[at:]
+        bad = draw(st.sampled_from(["{", "}", "[", "]", ",", ":", '"', "\\", "\x00", "NaN", "1e999"]))
+        return text[:at] + bad + text[at:]
     if how == "delete":
         return text[:at] + text[at + 1:]
     if how == "duplicate":
