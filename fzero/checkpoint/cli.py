@@ -128,7 +128,7 @@ def _inspect(path: str, *, as_json: bool) -> int:
         real = _leaves.whole_shape(r)
         shape = "(" + ", ".join(map(str, real)) + ("," if len(real) == 1 else "") + ")"
         sh = r.get("sharding")
-        where = (f"replicated, in {', '.join(sorted({p['file'] for p in r['pieces']})) or 'no file'}" if sh is None else
+        where = (f"replicated, in {r['pieces'][0]['file'] if r['pieces'] else 'no file'}" if sh is None else
                  f"{len(r['pieces'])} piece{'s' if len(r['pieces']) != 1 else ''} over {sh['world']} ranks")
         if r.get("tp"):  # shape is the whole tensor's; each tp slice replicated or in ZeRO pieces
             split = f"dim {r['tp']['dim']} split over tp={r['tp']['size']}"
