@@ -236,12 +236,12 @@ _TOP: dict[str, _Rule] = {
     # Read by `fzero autotune` (fzero.autotune.AutotuningConfig); the step reads only the
     # trial a tuner's trial config asks of it (Config.trial).
     "autotuning": _USE,
-    "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
+    "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never, "int"),
     # DeepSpeed refuses a client optimizer under ZeRO without it. fzero's ZeRO runs any client
     # `tx=` exactly (each rank's pieces, cross-leaf reductions through psum), so there is no
     # gate to open: read and type-checked (Config.zero_allow_untested_optimizer), never needed.
     "zero_allow_untested_optimizer": _USE,
-    "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),
+    "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never, "bool"),
     "allgather_size": _noop("the all-gather bucket of the legacy `\"zero_optimization\": true`; "
                             + _PERF, _differs(5e8), "number"),
     "fp32_allreduce": _noop("fzero always reduces fp32 gradients", _never, "bool"),
@@ -355,11 +355,11 @@ _ZERO: dict[str, _Rule] = {
     "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_bytes` bytes, "
                                    "set by reduce_bucket_size", _differs(5e8), "number"),
     "compute_grad_norm": _zero_perf(True),
-    "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never),
-    "elastic_checkpoint": _noop("fzero.checkpoint always loads onto any world size", _never),
+    "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never, "bool"),
+    "elastic_checkpoint": _noop("fzero.checkpoint always loads onto any world size", _never, "bool"),
     "sub_group_size": _zero_perf(1e9),
     "ignore_unused_parameters": _noop("fzero's gradients are a full pytree; unused parameters "
-                                      "get zero gradients", _never),
+                                      "get zero gradients", _never, "bool"),
     "legacy_stage1": _zero_perf(False),
     "round_robin_gradients": _zero_perf(False),
     "parameter_alignment": _zero_perf(False),
@@ -370,7 +370,7 @@ _ZERO: dict[str, _Rule] = {
     "enable_sanity_checks": _zero_perf(False),
     "save_muon_momentum_buffer_in_memory": _zero_perf(False),
     "leaf_module": _zero_perf({}),
-    "cpu_offload_use_pin_memory": _noop(_PERF, _never),
+    "cpu_offload_use_pin_memory": _noop(_PERF, _never, "bool"),
     "offload_optimizer": _USE,  # its own keys: _OFFLOAD_OPTIMIZER
     "offload_param": _USE,  # its own keys: _OFFLOAD_PARAM
     "cpu_offload": _reject("DeepSpeed's older spelling: write offload_optimizer: {\"device\": \"cpu\"}", _truthy),
