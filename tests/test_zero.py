@@ -467,9 +467,10 @@ def _uneven_then_even(stage, how):
 @pytest.mark.parametrize("how", sorted(UNEVEN_STEPS))
 @pytest.mark.parametrize("stage", [0, 3])
 def test_uneven_batches_are_refused_before_the_update_without_a_collective_of_their_own(ranks, stage, how):
-    for msg, metadata in ranks(2).run(_uneven_then_even, stage, how):
+    for r, (msg, metadata) in enumerate(ranks(2).run(_uneven_then_even, stage, how)):
         assert msg == ("fzero.shard_state: local batches must have the same leading size on every rank, "
-                       "got rank 0: 4, rank 1: 6"), msg
+                       f"got rank 0: 4, rank 1: 6 (the size of batch['x'], shape ({4 + 2 * r}, 3) on this rank, "
+                       "the batch's first tensor with a dimension)"), msg
         # The sizes travel with the loss's all-reduce; argnums' own check all-gathers two fp64
         # checksums of the argument.
         assert metadata == (0 if how != "argnums" else 2 * 8), (how, metadata)

@@ -23,6 +23,7 @@ read into buffers with ``os.preadv``. There is no pickle, and no ``torch.load``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -480,14 +481,22 @@ def _schema_problem(m: dict) -> str | None:
     for name, f in files.items():
         if not _FILE_NAME.fullmatch(name):
             return f"file name {name!r} is not rankNNNNN.safetensors"
-        if not (isinstance(f, dict) and all(_is_int(f.get(k)) for k in ("bytes", "head_bytes", "head_crc32"))):
-            return f"files[{name!r}] lacks bytes, head_bytes or head_crc32"
+        if not (isinstance(f, dict) and all(_is_int(f.get(k)) for k in ("bytes", "head_bytes", "head_crc32", "rank"))
+                and isinstance(f.get("crc32"), str)):
+            return f"files[{name!r}] lacks bytes, head_bytes, head_crc32, rank or crc32"
+        if f["head_bytes"] > f["bytes"]:
+            return f"files[{name!r}] has a header of {f['head_bytes']} bytes in a file of {f['bytes']}"
 
     def piece_problem(p: Any, where: str) -> str | None:
-        if not isinstance(p, dict) or p.get("file") not in files:
+        if not isinstance(p, dict) or not isinstance(p.get("file"), str) or p["file"] not in files:
             return f"{where}: a piece names no listed file"
         if not all(_is_int(p.get(k)) for k in ("offset", "nbytes")) or not isinstance(p.get("crc32"), list):
             return f"{where}: a piece lacks offset, nbytes or crc32"
+        if not all(_is_int(c) for c in p["crc32"]):
+            return f"{where}: a piece's crc32 must be a list of ints"
+        if p["offset"] + p["nbytes"] > files[p["file"]]["bytes"]:
+            return (f"{where}: a piece's bytes [{p['offset']}, {p['offset'] + p['nbytes']}) lie past the end of "
+                    f"{p['file']} ({files[p['file']]['bytes']} bytes)")
         return None
 
     leaves = m.get("leaves")
@@ -497,11 +506,20 @@ def _schema_problem(m: dict) -> str | None:
         if not isinstance(rec, dict) or not isinstance(rec.get("path"), str):
             return "a leaf has no path"
         where = rec["path"]
-        if rec.get("kind") == "value":
-            if not isinstance(rec.get("value"), _VALUE_TYPES.get(rec.get("type"), ())):
+        entries = rec.get("entries")
+        if entries is not None and not (isinstance(entries, list) and all(
+                isinstance(e, list) and len(e) == 2 and e[0] in ("attr", "key", "index")
+                and isinstance(e[1], (str, int)) and not isinstance(e[1], bool) for e in entries)):
+            return f"{where}: entries must be a list of [\"attr\" | \"key\" | \"index\", name]"
+        kind = rec.get("kind")
+        if kind == "value":
+            type_name = rec.get("type")
+            if not (isinstance(type_name, str) and isinstance(rec.get("value"), _VALUE_TYPES.get(type_name, ()))):
                 return f"{where}: bad value"
-        elif rec.get("kind") == "tensor":
-            if rec.get("dtype") not in DTYPE_OF:
+            if type_name == "float" and isinstance(rec["value"], str) and not _is_float_text(rec["value"]):
+                return f"{where}: float value {rec['value']!r} is not a number"
+        elif kind == "tensor":
+            if not isinstance(rec.get("dtype"), str) or rec["dtype"] not in DTYPE_OF:
                 return f"{where}: unknown dtype {rec.get('dtype')!r}"
             shape = rec.get("shape")
             if not (isinstance(shape, list) and all(_is_int(d) for d in shape)):
@@ -509,16 +527,31 @@ def _schema_problem(m: dict) -> str | None:
             pieces = rec.get("pieces")
             if not isinstance(pieces, list):
                 return f"{where}: no pieces"
+            sharding = rec.get("sharding")
+            if sharding is not None and not (isinstance(sharding, dict)
+                                             and all(_is_int(sharding.get(k)) for k in ("offset", "chunk"))
+                                             and _is_int(sharding.get("world"), 1)):
+                return f"{where}: bad sharding {sharding!r}"
             tp = rec.get("tp")
             if tp is not None and not (isinstance(tp, dict) and _is_int(tp.get("dim")) and _is_int(tp.get("size"), 1)
-                                       and tp["dim"] < len(shape) and shape[tp["dim"]] % tp["size"] == 0):
+                                       and tp["dim"] < len(shape) and shape[tp["dim"]] % tp["size"] == 0
+                                       and _fused_ok(tp.get("fused"), shape)):
                 return f"{where}: bad tp split {tp!r} of shape {shape}"
+            numel, item, held = math.prod(shape), DTYPE_OF[rec["dtype"]].itemsize, 0
             for p in pieces:
                 if not (_is_int(p.get("start")) and _is_int(p.get("stop")) if isinstance(p, dict) else False):
                     return f"{where}: a piece lacks start or stop"
+                if not p["start"] <= p["stop"] <= numel:
+                    return f"{where}: a piece holds elements [{p['start']}, {p['stop']}) of a leaf of {numel}"
                 bad = piece_problem(p, where)
                 if bad:
                     return bad
+                if p["nbytes"] != (p["stop"] - p["start"]) * item:
+                    return (f"{where}: a piece of {p['stop'] - p['start']} {rec['dtype']} elements says it has "
+                            f"{p['nbytes']} bytes")
+                held += p["stop"] - p["start"]
+            if held < numel:  # every element is in some piece: a shape the files cannot hold is refused here
+                return f"{where}: its pieces hold {held} of the {numel} elements of shape {shape}"
         else:
             return f"{where}: unknown kind {rec.get('kind')!r}"
     rng = m.get("rng")
@@ -527,10 +560,47 @@ def _schema_problem(m: dict) -> str | None:
     for e in rng:
         if not (isinstance(e, dict) and _is_int(e.get("rank")) and isinstance(e.get("tensors", {}), dict)):
             return "bad rng entry"
+        bad = _rng_problem(e)
+        if bad:
+            return f"rng of rank {e['rank']}: {bad}"
         for name, p in e.get("tensors", {}).items():
             bad = piece_problem(p, f"rng {name}")
             if bad:
                 return bad
+    return None
+
+
+def _is_float_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _fused_ok(fused: Any, shape: list) -> bool:
+    """A tp record's ``fused`` view: none, or ``[d, p]`` with axes ``d`` and ``d + 1`` in ``shape``."""
+    return not fused or (isinstance(fused, list) and len(fused) == 2 and all(_is_int(x) for x in fused)
+                         and fused[0] + 1 < len(shape))
+
+
+def _rng_problem(e: dict) -> str | None:
+    """What is wrong with a saved rank's Python and numpy generator states (as
+    :mod:`fzero.checkpoint._rng` writes them), or ``None``."""
+    py = e.get("python")
+    if py is not None:
+        if not (isinstance(py, dict) and _is_int(py.get("version")) and isinstance(py.get("state"), list)
+                and all(_is_int(x) for x in py["state"])
+                and "gauss_next" in py and (py["gauss_next"] is None or isinstance(py["gauss_next"], (int, float)))):
+            return "python state must be {version: int, state: [ints], gauss_next: number or null}"
+    npy = e.get("numpy")
+    if npy is not None:
+        if not (isinstance(npy, dict) and isinstance(npy.get("kind"), str) and isinstance(npy.get("keys"), list)
+                and all(_is_int(k) and k < 2**32 for k in npy["keys"])
+                and all(_is_int(npy.get(k)) for k in ("pos", "has_gauss"))
+                and isinstance(npy.get("cached_gaussian"), (int, float))
+                and not isinstance(npy.get("cached_gaussian"), bool)):
+            return "numpy state must be {kind: str, keys: [uint32], pos: int, has_gauss: int, cached_gaussian: number}"
     return None
 
 
@@ -546,7 +616,7 @@ def _load_json(path: str, where: str) -> Any:
 def _parse_json(data: bytes, path: str, where: str) -> Any:
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deeply
         raise CorruptCheckpointError(f"{where}: {path} is not valid JSON ({e}): the file is corrupted", path) from None
 
 
@@ -555,6 +625,6 @@ def read_marker(path: str) -> dict | None:
     try:
         with open(os.path.join(path, MARKER), "rb") as f:
             marker = json.loads(f.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return marker if isinstance(marker, dict) else None

@@ -318,6 +318,7 @@ def _load_leaf(reader: _Reader, rec: dict, x: Any, sl: _leaves.TPSlice | None, i
 def _rng_tensors(reader: _Reader, entry: dict) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in entry.get("tensors", {}).items():
+        reader.files.fd(p["file"])  # the file's size checked before its piece's bytes are allocated
         t = torch.empty(p["nbytes"], dtype=torch.uint8)
         reader.read(p, 0, p["nbytes"], _tensor_bytes(t), f"RNG state {name} of rank {entry['rank']}", count=False)
         reader.flush()
@@ -458,8 +459,16 @@ def _load_local(path, prepared, world, verify, restore_rng, in_place, callback):
                     if entry is not None and not (restore_rng and entry["rank"] == world.rank):
                         _rng_tensors(reader, entry)
         if restore_rng:
-            entry = rng_by_rank[world.rank]
-            _rng.restore(_rng_tensors(reader, entry), entry)
+            entry = rng_by_rank.get(world.rank)
+            if entry is None:
+                raise CorruptCheckpointError(f"{WHERE}: {os.path.join(path, _format.MANIFEST)} has no RNG state of "
+                                             f"rank {world.rank}", os.path.join(path, _format.MANIFEST))
+            tensors = _rng_tensors(reader, entry)
+            try:
+                _rng.restore(tensors, entry)
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a state its generator refuses
+                raise CorruptCheckpointError(f"{WHERE}: the RNG state of rank {world.rank} in {path} cannot be "
+                                             f"restored: {e}", os.path.join(path, _format.MANIFEST)) from e
     finally:
         files.close()
     meter.finish()

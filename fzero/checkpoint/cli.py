@@ -78,7 +78,9 @@ def _size(n: int) -> str:
 
 
 def _stages(stages) -> str:
-    return "ZeRO stage " + " or ".join(str(s) for s in stages) if stages else "ZeRO stage ?"
+    if not isinstance(stages, list) or not stages:
+        return "ZeRO stage ?"
+    return "ZeRO stage " + " or ".join(str(s) for s in stages)
 
 
 def _inspect(path: str, *, as_json: bool) -> int:
@@ -95,32 +97,38 @@ def _inspect(path: str, *, as_json: bool) -> int:
     tensors = [r for r in man["leaves"] if r["kind"] == "tensor"]
     numel = sum(_numel(r["shape"]) for r in tensors)
     print(f"checkpoint {os.path.abspath(path)} (committed)")
-    tp = f" | tp {man['tp']}" if man.get("tp", 1) > 1 else ""
-    print(f"  step {man['step']} | saved by {man['world_size']} rank{'s' if man['world_size'] != 1 else ''} | "
-          f"{_stages(man['stages'])}{tp} | fzero {man['fzero_version']} | torch {man['torch_version']} | "
-          f"{man['created']}")
+    # The manifest's descriptive fields are shown as written (or "?"): reading does not need them.
+    info = {k: man.get(k, "?") for k in ("step", "tp", "stages", "fzero_version", "torch_version", "created")}
+    tp = f" | tp {info['tp']}" if info["tp"] not in (1, "?") else ""
+    print(f"  step {info['step']} | saved by {man['world_size']} rank{'s' if man['world_size'] != 1 else ''} | "
+          f"{_stages(info['stages'])}{tp} | fzero {info['fzero_version']} | torch {info['torch_version']} | "
+          f"{info['created']}")
     print(f"  files: {len(man['files'])}, {_size(total)}")
     for name, f in sorted(man["files"].items()):
         print(f"    {name}  {_size(f['bytes'])}  crc32-of-blocks {f['crc32']}")
     parts = man.get("parts") or []
+    if not (isinstance(parts, list) and all(isinstance(p, dict) and isinstance(p.get("ranks"), list) and p["ranks"]
+                                            and all(type(q) is int for q in p["ranks"])
+                                            for p in parts)):
+        parts = []  # not what a save writes: not shown
     if len(parts) > 1:  # ranks that held different trees: the stages of a pipeline
         print(f"  parts: {len(parts)} (ranks holding different leaves, e.g. pipeline stages)")
         for i, part in enumerate(parts):
             print(f"    part {i}: rank{'s' if len(part['ranks']) != 1 else ''} {_ranks(part['ranks'])}, "
-                  f"{part['leaves']} leaves")
+                  f"{part.get('leaves', '?')} leaves")
     print(f"  leaves: {len(man['leaves'])} ({len(tensors)} tensors, {numel:,} elements)")
     width = max((len(r["path"]) for r in man["leaves"]), default=0)
     for r in man["leaves"]:
         held = ""
-        if len(parts) > 1 and r.get("parts"):
+        if len(parts) > 1 and isinstance(r.get("parts"), list) and r["parts"]:
             held = f"  [part{'s' if len(r['parts']) != 1 else ''} {', '.join(map(str, r['parts']))}]"
         if r["kind"] == "value":
             print(f"    {r['path']:<{width}}  {r['type']:<9} {r['value']!r}{held}")
             continue
         real = _leaves.whole_shape(r)
         shape = "(" + ", ".join(map(str, real)) + ("," if len(real) == 1 else "") + ")"
-        sh = r["sharding"]
-        where = (f"replicated, in {r['pieces'][0]['file']}" if sh is None else
+        sh = r.get("sharding")
+        where = (f"replicated, in {r['pieces'][0]['file'] if r['pieces'] else 'no file'}" if sh is None else
                  f"{len(r['pieces'])} piece{'s' if len(r['pieces']) != 1 else ''} over {sh['world']} ranks")
         if r.get("tp"):  # shape is the whole tensor's; each tp slice replicated or in ZeRO pieces
             split = f"dim {r['tp']['dim']} split over tp={r['tp']['size']}"

@@ -10,6 +10,8 @@ The tables were read from DeepSpeed 0.19.8 (``runtime/config.py``, ``runtime/zer
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -66,13 +68,26 @@ class _Rule(NamedTuple):
     kind: Literal["use", "noop", "reject", "invalid"]
     why: str = ""
     active: Callable[[Any], bool] = _always
+    takes: Literal["bool", "int", "number", "str", "list", "object"] | None = None
+    """What a ``noop`` key's value must be, as DeepSpeed's config model types it (JSON null
+    is "not written"): a key with no effect in fzero still refuses a value of the wrong type."""
 
 
 _USE = _Rule("use")
 
+_TAKES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and math.isfinite(v) and float(v).is_integer()),
+    "number": ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list": ("a list", lambda v: isinstance(v, list)),
+    "object": ("a JSON object", lambda v: isinstance(v, Mapping)),
+}
 
-def _noop(why: str, active: Callable[[Any], bool] = _truthy) -> _Rule:
-    return _Rule("noop", why, active)
+
+def _noop(why: str, active: Callable[[Any], bool] = _truthy, takes: str | None = None) -> _Rule:
+    return _Rule("noop", why, active, takes)  # type: ignore[arg-type]
 
 
 def _reject(why: str, active: Callable[[Any], bool] = _always) -> _Rule:
@@ -163,6 +178,9 @@ def _classify(prefix: str, given: Mapping[str, Any], rules: Mapping[str, _Rule],
         elif rule.kind == "reject" and rule.active(value):
             notes.problem(path, NotImplementedError(
                 f"{WHERE}: {path}={_short(value)}: a DeepSpeed option fzero does not implement: {rule.why}"))
+        elif rule.kind == "noop" and rule.takes is not None and value is not None and not _TAKES[rule.takes][1](value):
+            notes.problem(path, TypeError(f"{WHERE}: {path} must be {_TAKES[rule.takes][0]}, got {_short(value)} "
+                                          f"({type(value).__name__})"))
         elif rule.kind == "noop":
             if rule.active(value):
                 notes.ignored.append(f"{path} ({rule.why})")
@@ -202,10 +220,10 @@ _TOP: dict[str, _Rule] = {
     "gradient_clipping": _USE,
     "communication_data_type": _USE,
     "steps_per_print": _noop("fzero prints nothing; log the metrics each step returns",
-                             lambda v: v is not None),
+                             lambda v: v is not None, "int"),
     "wall_clock_breakdown": _USE,  # compile(timers=)
     "memory_breakdown": _USE,  # compile(memory=)
-    "dump_state": _noop("fzero does not print its state"),
+    "dump_state": _noop("fzero does not print its state", takes="bool"),
     "log_level": _noop("DeepSpeed's logger level", _never),
     "disable_python_gc": _noop(_PERF),
     "tensorboard": _USE,  # _MONITORS: fzero.monitor's writers
@@ -218,21 +236,21 @@ _TOP: dict[str, _Rule] = {
     # Read by `fzero autotune` (fzero.autotune.AutotuningConfig); the step reads only the
     # trial a tuner's trial config asks of it (Config.trial).
     "autotuning": _USE,
-    "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never),
+    "vocabulary_size": _noop("DeepSpeed only checks it for tensor-core alignment", _never, "int"),
     # DeepSpeed refuses a client optimizer under ZeRO without it. fzero's ZeRO runs any client
     # `tx=` exactly (each rank's pieces, cross-leaf reductions through psum), so there is no
     # gate to open: read and type-checked (Config.zero_allow_untested_optimizer), never needed.
     "zero_allow_untested_optimizer": _USE,
-    "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never),
+    "zero_force_ds_cpu_optimizer": _noop("applies to offload, which fzero does not do", _never, "bool"),
     "allgather_size": _noop("the all-gather bucket of the legacy `\"zero_optimization\": true`; "
-                            + _PERF, _differs(5e8)),
-    "fp32_allreduce": _noop("fzero always reduces fp32 gradients", _never),
+                            + _PERF, _differs(5e8), "number"),
+    "fp32_allreduce": _noop("fzero always reduces fp32 gradients", _never, "bool"),
     "prescale_gradients": _noop("dividing by the world size before or after the all-reduce "
-                                "gives the same mean up to rounding"),
+                                "gives the same mean up to rounding", takes="bool"),
     "gradient_predivide_factor": _noop("splitting the division by the world size around the "
-                                       "all-reduce gives the same mean up to rounding", _differs(1.0)),
-    "disable_allgather": _noop(_PERF),
-    "sparse_gradients": _noop("fzero's gradients are dense; the result is the same"),
+                                       "all-reduce gives the same mean up to rounding", _differs(1.0), "number"),
+    "disable_allgather": _noop(_PERF, takes="bool"),
+    "sparse_gradients": _noop("fzero's gradients are dense; the result is the same", takes="bool"),
     "dataloader_drop_last": _USE,
     "checkpoint": _noop("fzero.checkpoint always verifies checksums and loads onto any world size",
                         _present),
@@ -241,7 +259,7 @@ _TOP: dict[str, _Rule] = {
                                       "itself; use fzero.remat", lambda v: isinstance(v, Mapping)
                                       and any(x is True for x in v.values())),
     "aio": _noop("asynchronous I/O for NVMe offload, which fzero does not do", _never),
-    "graph_harvesting": _noop(_PERF),
+    "graph_harvesting": _noop(_PERF, takes="bool"),
     "compile": _USE,  # compile(jit=)
     "fzero": _USE,  # fzero's own options, not DeepSpeed's (_FZERO)
     "seq_parallel_communication_data_type": _noop("Ulysses' all-to-alls move the activations in their own dtype",
@@ -283,14 +301,14 @@ _FP16: dict[str, _Rule] = {
     "consecutive_hysteresis": _USE,
     "min_loss_scale": _USE,
     "auto_cast": _noop("fzero computes under torch.autocast, which casts each op's inputs; "
-                       "the batch itself is not cast"),
+                       "the batch itself is not cast", takes="bool"),
     "fp16_master_weights_and_grads": _reject("fzero keeps fp32 master weights and gradients",
                                              _truthy),
 }
 
 _BF16: dict[str, _Rule] = {
     "enabled": _USE,
-    "immediate_grad_update": _noop(_PERF, _never),
+    "immediate_grad_update": _noop(_PERF, _never, "bool"),
     "check_grad_overflow": _USE,
     "bf16_master_weights_and_grads": _USE,  # compile(master_weights="bf16")
     "bf16_optimizer_states": _USE,  # compile(optimizer_states="bf16")
@@ -301,12 +319,12 @@ _BF16: dict[str, _Rule] = {
 _OFFLOAD_OPTIMIZER: dict[str, _Rule] = {
     "device": _USE,
     "pin_memory": _USE,
-    "nvme_path": _noop("NVMe offload only", _never),
-    "buffer_count": _noop("NVMe offload only", _never),
-    "pipeline_read": _noop("NVMe offload only", _never),
-    "pipeline_write": _noop("NVMe offload only", _never),
-    "pipeline": _noop("NVMe offload only", _never),
-    "fast_init": _noop(_PERF, _never),
+    "nvme_path": _noop("NVMe offload only", _never, "str"),
+    "buffer_count": _noop("NVMe offload only", _never, "int"),
+    "pipeline_read": _noop("NVMe offload only", _never, "bool"),
+    "pipeline_write": _noop("NVMe offload only", _never, "bool"),
+    "pipeline": _noop("NVMe offload only", _never, "bool"),
+    "fast_init": _noop(_PERF, _never, "bool"),
     "ratio": _reject("partial optimizer offload (a ratio below 1)", lambda v: v != 1 and v is not None),
 }
 
@@ -315,15 +333,16 @@ _OFFLOAD_OPTIMIZER: dict[str, _Rule] = {
 _OFFLOAD_PARAM: dict[str, _Rule] = {
     "device": _USE,
     "pin_memory": _USE,
-    "nvme_path": _noop("NVMe offload only", _never),
-    "buffer_count": _noop("NVMe offload only", _never),
-    "buffer_size": _noop("NVMe offload only", _never),
-    "max_in_cpu": _noop("NVMe offload only", _never),
+    "nvme_path": _noop("NVMe offload only", _never, "str"),
+    "buffer_count": _noop("NVMe offload only", _never, "int"),
+    "buffer_size": _noop("NVMe offload only", _never, "number"),
+    "max_in_cpu": _noop("NVMe offload only", _never, "number"),
 }
 
 
 def _zero_perf(default: Any) -> _Rule:
-    return _noop(_PERF, _differs(default))
+    takes = "bool" if isinstance(default, bool) else "object" if isinstance(default, Mapping) else "number"
+    return _noop(_PERF, _differs(default), takes)
 
 
 _ZERO: dict[str, _Rule] = {
@@ -335,13 +354,13 @@ _ZERO: dict[str, _Rule] = {
     "use_multi_rank_bucket_allreduce": _zero_perf(True),
     "allgather_partitions": _zero_perf(True),
     "allgather_bucket_size": _noop("fzero gathers parameters in buckets of `bucket_bytes` bytes, "
-                                   "set by reduce_bucket_size", _differs(5e8)),
+                                   "set by reduce_bucket_size", _differs(5e8), "number"),
     "compute_grad_norm": _zero_perf(True),
-    "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never),
-    "elastic_checkpoint": _noop("fzero.checkpoint always loads onto any world size", _never),
+    "load_from_fp32_weights": _noop("fzero.checkpoint always stores fp32 master weights", _never, "bool"),
+    "elastic_checkpoint": _noop("fzero.checkpoint always loads onto any world size", _never, "bool"),
     "sub_group_size": _zero_perf(1e9),
     "ignore_unused_parameters": _noop("fzero's gradients are a full pytree; unused parameters "
-                                      "get zero gradients", _never),
+                                      "get zero gradients", _never, "bool"),
     "legacy_stage1": _zero_perf(False),
     "round_robin_gradients": _zero_perf(False),
     "parameter_alignment": _zero_perf(False),
@@ -352,7 +371,7 @@ _ZERO: dict[str, _Rule] = {
     "enable_sanity_checks": _zero_perf(False),
     "save_muon_momentum_buffer_in_memory": _zero_perf(False),
     "leaf_module": _zero_perf({}),
-    "cpu_offload_use_pin_memory": _noop(_PERF, _never),
+    "cpu_offload_use_pin_memory": _noop(_PERF, _never, "bool"),
     "offload_optimizer": _USE,  # its own keys: _OFFLOAD_OPTIMIZER
     "offload_param": _USE,  # its own keys: _OFFLOAD_PARAM
     "cpu_offload": _reject("DeepSpeed's older spelling: write offload_optimizer: {\"device\": \"cpu\"}", _truthy),
@@ -377,7 +396,7 @@ for _name, _default in [("prefetch_bucket_size", 5e7), ("param_persistence_thres
     _ZERO[_name] = _ZERO["stage3_" + _name] = _zero_perf(_default)
 for _name in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
               "stage3_gather_fp16_weights_on_model_save"):
-    _ZERO[_name] = _noop("configures DeepSpeed's save_16bit_model; use fzero.checkpoint.export")
+    _ZERO[_name] = _noop("configures DeepSpeed's save_16bit_model; use fzero.checkpoint.export", takes="bool")
 
 _MAX_GRAD_NORM = _Rule("invalid", "max_grad_norm is not an optimizer parameter (DeepSpeed refuses "
                        "it too); use the top-level \"gradient_clipping\"")
@@ -491,10 +510,10 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 # by collective kind. The rest choose what DeepSpeed prints and times, which fzero does not.
 _COMMS_LOGGER: dict[str, _Rule] = {
     "enabled": _USE,
-    "verbose": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]"),
-    "prof_all": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs(True)),
-    "prof_ops": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs([])),
-    "debug": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]"),
+    "verbose": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]", takes="bool"),
+    "prof_all": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs(True), "bool"),
+    "prof_ops": _noop("fzero counts every collective; read metrics[\"comm_bytes\"]", _differs([]), "list"),
+    "debug": _noop("fzero prints no collective; read metrics[\"comm_bytes\"]", takes="bool"),
 }
 
 
@@ -510,7 +529,7 @@ _COMPILE: dict[str, _Rule] = {
     "backend": _USE,
     "kwargs": _USE,
     "deepcompile": _noop("DeepSpeed's own graph passes over ZeRO; fzero compiles the forward and keeps ZeRO eager",
-                         _truthy),
+                         _truthy, "bool"),
 }
 
 
@@ -528,11 +547,11 @@ _TORCH_AUTOCAST: dict[str, _Rule] = {
 # checked against it, the rest tune how DeepSpeed cuts and moves, not what is computed.
 _PIPELINE: dict[str, _Rule] = {
     "stages": _USE,
-    "partition": _noop("fzero's stages are the ones fzero.pipeline(...) was given", _differs("best")),
-    "seed_layers": _noop("the layers are built by your code, seeded as you seed it"),
-    "activation_checkpoint_interval": _noop("use fzero.remat inside the stage functions", _differs(0)),
-    "pipe_partitioned": _noop(_PERF, _differs(True)),
-    "grad_partitioned": _noop(_PERF, _differs(True)),
+    "partition": _noop("fzero's stages are the ones fzero.pipeline(...) was given", _differs("best"), "str"),
+    "seed_layers": _noop("the layers are built by your code, seeded as you seed it", takes="bool"),
+    "activation_checkpoint_interval": _noop("use fzero.remat inside the stage functions", _differs(0), "int"),
+    "pipe_partitioned": _noop(_PERF, _differs(True), "bool"),
+    "grad_partitioned": _noop(_PERF, _differs(True), "bool"),
 }
 
 
@@ -549,11 +568,12 @@ _MONITORS: dict[str, dict[str, _Rule]] = {
 # choose when and how DeepSpeed prints its per-module profile, which fzero does not print.
 _FLOPS_PROFILER: dict[str, _Rule] = {
     "enabled": _USE,
-    "recompute_fwd_factor": _noop("fzero counts the FLOPs a remat recomputes as they run", _differs(0.0)),
+    "recompute_fwd_factor": _noop("fzero counts the FLOPs a remat recomputes as they run", _differs(0.0),
+                                  "number"),
     "profile_step": _noop("fzero counts every distinct batch shape's first step; read metrics[\"flops\"]",
-                          _differs(1)),
-    "module_depth": _noop("fzero prints no per-module profile", _differs(-1)),
-    "top_modules": _noop("fzero prints no per-module profile", _differs(1)),
-    "detailed": _noop("fzero prints no per-module profile", _differs(True)),
-    "output_file": _noop("fzero prints no profile; log metrics[\"flops\"]", lambda v: v is not None),
+                          _differs(1), "int"),
+    "module_depth": _noop("fzero prints no per-module profile", _differs(-1), "int"),
+    "top_modules": _noop("fzero prints no per-module profile", _differs(1), "int"),
+    "detailed": _noop("fzero prints no per-module profile", _differs(True), "bool"),
+    "output_file": _noop("fzero prints no profile; log metrics[\"flops\"]", lambda v: v is not None, "str"),
 }

@@ -58,10 +58,18 @@ def _parse_json(text: str, source: str) -> Mapping[str, Any]:
         raise ValueError(f"{WHERE}.load: {source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
     except ValueError as e:  # a duplicate key, which DeepSpeed refuses too
         raise ValueError(f"{WHERE}.load: {source}: {e}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise ValueError(f"{WHERE}.load: {source}: invalid JSON: nested too deeply to parse") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{WHERE}.load: {source}: the config must be a JSON object, got "
                          f"{type(data).__name__}")
     return data
+
+
+def _given_or(value: Any, default: Any) -> Any:
+    """``value`` as written, or ``default`` when it is JSON null (not ``value or default``:
+    a ``0``, ``""`` or ``[]`` written where a section belongs is an error, not the default)."""
+    return default if value is None else value
 
 
 def _fields(prefix: str, d: Mapping[str, Any], rules: Mapping[str, _Rule], notes: _Notes) -> dict:
@@ -262,7 +270,7 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             notes.problem("optimizer.type", ValueError(f"{WHERE}: optimizer.type is required (one of "
                                                        f"{', '.join(_CANONICAL.values())})"))
         elif sec is not None:
-            params = build("optimizer.params", lambda: _section("optimizer.params", sec.get("params") or {}))
+            params = build("optimizer.params", lambda: _section("optimizer.params", _given_or(sec.get("params"), {})))
             before = len(notes.problems)
             kind = str(sec["type"]).lower()
             if params is not None and kind in _OPTIMIZERS:
@@ -278,7 +286,7 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             notes.problem("scheduler.type", ValueError(
                 f"{WHERE}: scheduler.type is required (one of {', '.join(_SCHEDULERS)})"))
         elif sec is not None:
-            params = build("scheduler.params", lambda: _section("scheduler.params", sec.get("params") or {}))
+            params = build("scheduler.params", lambda: _section("scheduler.params", _given_or(sec.get("params"), {})))
             if params is not None:
                 kw["scheduler"] = build("scheduler", lambda: SchedulerConfig(type=sec["type"], params=params))
                 _used(notes, "scheduler.params.", params, dict.fromkeys(params, f"the {sec['type']} schedule"))
@@ -443,23 +451,25 @@ def _autocast(section: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """DeepSpeed's ``torch_autocast`` section as ``compile(torch_autocast=,
     lower_precision_safe_modules=)`` takes it: ``None`` when not enabled, else ``{"dtype":
     "bf16", "lower_precision_safe_modules": (names,) or None}``."""
-    if not _bool("torch_autocast.enabled", section.get("enabled", False)):
-        return None
+    # Every value is checked, enabled or not, as DeepSpeed's pydantic model checks them.
+    enabled = _bool("torch_autocast.enabled", section.get("enabled", False))
     given = section.get("dtype", "bfloat16")  # DeepSpeed passes None to torch.autocast: bf16 on the CPU
-    dtype = _AUTOCAST_DTYPES.get(str(given).lower()) if given is not None else "bf16"
+    dtype = _AUTOCAST_DTYPES.get(given.lower()) if isinstance(given, str) else "bf16" if given is None else None
     if dtype is None:
         raise ValueError(f"{WHERE}: torch_autocast.dtype must be one of {', '.join(map(repr, _AUTOCAST_DTYPES))}, "
                          f"got {given!r}")
+    modules = section.get("lower_precision_safe_modules")
+    if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+        raise ValueError(f"{WHERE}: torch_autocast.lower_precision_safe_modules must be a list of class paths "
+                         f"such as \"torch.nn.Linear\", got {modules!r}")
+    if not enabled:
+        return None
     if dtype == "fp16":
         raise NotImplementedError(f"{WHERE}: torch_autocast.dtype={given!r}: fp16 autocast (DeepSpeed adds a "
                                   "GradScaler) is not supported; use \"bfloat16\", or the \"fp16\" section")
-    modules = section.get("lower_precision_safe_modules")
     if modules is not None:
         from fzero.transforms.mixed_precision._autocast import safe_module_classes
 
-        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-            raise ValueError(f"{WHERE}: torch_autocast.lower_precision_safe_modules must be a list of class paths "
-                             f"such as \"torch.nn.Linear\", got {modules!r}")
         safe_module_classes(modules, f"{WHERE}: torch_autocast")
         modules = tuple(modules)
     return {"dtype": dtype, "lower_precision_safe_modules": modules}
@@ -469,13 +479,16 @@ def _jit(section: Mapping[str, Any]) -> Any:
     """DeepSpeed's ``compile`` section as ``compile(jit=)`` takes it: ``False`` when not
     enabled, ``True`` for torch's default backend, the backend's name, or with ``kwargs``
     a dict of torch.compile's keywords."""
-    if not _bool("compile.enabled", section.get("enabled", False)):
-        return False
-    backend, kwargs = section.get("backend"), section.get("kwargs") or {}
+    enabled = _bool("compile.enabled", section.get("enabled", False))
+    backend, kwargs = section.get("backend"), section.get("kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    # Checked enabled or not, as DeepSpeed's pydantic model checks them.
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"{WHERE}: compile.backend must be a string, got {backend!r}")
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"{WHERE}: compile.kwargs must be a dict of torch.compile's keywords, got {kwargs!r}")
+    if not enabled:
+        return False
     if not kwargs:
         return True if backend is None else backend
     return {**({"backend": backend} if backend is not None else {}), **kwargs}

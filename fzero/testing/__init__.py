@@ -25,7 +25,10 @@ The modules:
   ``torch_rank_grads`` (plain PyTorch's per-rank gradients of a global batch), ``local_batch``, ``Blocks`` (an MLP with ZeRO-3 units);
 - :mod:`fzero.testing.handlers`: ``RecordPsum``, ``AddOtherShard``, ``halves`` (a two-shard
   ``psum`` in one process);
-- :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once).
+- :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once);
+- :mod:`fzero.testing.fuzz`: strategies for bad input (DeepSpeed configs, batches,
+  checkpoint manifests) and the checks each drawn case is held to (``tests/test_fuzz.py``,
+  ``benchmarks/fuzz.py``).
 
 The harness that runs fzero's own tests on real gloo ranks is test support and stays with
 the tests (``tests/harness/``), not in the installed package.

@@ -31,7 +31,7 @@ its neighbours in this package (see its ``__init__``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -96,6 +96,7 @@ class _ShardHandler(Handler):
         self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
         self.rows = -1  # the leading size of this step's local batch (-1: no batched tensor)
+        self.rows_leaf: Any = None  # which leaf it is, for the error when ranks' sizes differ
         # An optimizer that exchanges across dp itself (the 1-bit family): whether this update
         # hands it local gradients, and its error feedback by caller (per rank, working memory:
         # like DeepSpeed, which resets it on a checkpoint load, it is not part of the state).
@@ -320,7 +321,8 @@ class _ShardHandler(Handler):
         sizes = comm.all_gather_ints("all_gather(batch sizes)", [self.rows], self.group, timeout_s=self.timeout_s,
                                      where=WHERE, device=self.mesh.device)[:, 0]
         per_rank = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(sizes))
-        raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank}")
+        raise ValueError(f"{WHERE}: local batches must have the same leading size on every rank, got {per_rank} "
+                         f"(the size of {self.rows_leaf}, the batch's first tensor with a dimension)")
 
     def held_back(self) -> dict:
         """Placeholders for the gradients a micro-batch adds into the held sums, in the
@@ -385,6 +387,23 @@ def release_parameters(module: torch.nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------- the transform
+
+
+class _LeadingLeaf:
+    """The batch leaf :func:`fzero.tree.leading_size` reads, rendered (key path and this
+    rank's shape) only when an error names it."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def __str__(self) -> str:
+        paths, leaves, _ = tree.flatten_with_path(self.batch)
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                return f"batch{tree.keystr(path)}, shape {tuple(leaf.shape)} on this rank"
+        return "no batch leaf"
 
 
 def shard_state(
@@ -479,6 +498,7 @@ def shard_state(
             raise RuntimeError(f"{WHERE}: call step.init(state) once before the first step")
         rows = tree.leading_size(batch)
         handler.rows = -1 if rows is None else rows  # checked across ranks with the loss: see _mean_value
+        handler.rows_leaf = _LeadingLeaf(batch)  # named only if the sizes differ
         rng.fold_in(handler.rank)  # ranks with different rows draw different numbers (fzero/rng.py)
         exchange = exchange_of(state.tx, state.opt_state)
         handler.local = exchange is not None and exchange.local_gradients
@@ -486,8 +506,12 @@ def shard_state(
         # Rows differ along dp only (sequence-parallel peers hold the same rows).
         dp, j = mesh.size("dp"), mesh.coords["dp"]
         shard = DataShard(outer.index * dp + j, outer.count * dp)
-        with installed(handler), running(data_shard=shard, **({"offload_params": True} if handler.offload_param else {})):
-            out = inner(state, batch)
+        try:
+            with installed(handler), running(data_shard=shard,
+                                             **({"offload_params": True} if handler.offload_param else {})):
+                out = inner(state, batch)
+        finally:
+            handler.rows_leaf = None  # the batch is not kept past its step
         if isinstance(out, tuple) and len(out) == 2:
             sync_buffers(getattr(out[0], "buffers", None), mode=buffer_sync, group=handler.group,
                          world=handler.world, timeout_s=handler.timeout_s)
