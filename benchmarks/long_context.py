@@ -5,7 +5,7 @@ where this fzero has it.
 
 The model: ``examples/gpt.py``'s GPT (``--n-layer`` blocks, width ``--n-embd``, ``--n-head``
 heads, byte vocabulary, dropout ``--dropout`` on the embeddings, attention and both residual
-branches), fp32, AdamW (``_common``'s), the same global batch of ``--batch-size`` sequences
+branches: 0 by default, as Ulysses refuses dropout under ``sp``), fp32, AdamW (``_common``'s), the same global batch of ``--batch-size`` sequences
 for every contestant, at each ``--seqs`` length:
 
 * ``dp``      -- ``fzero.compile(step, Mesh(dp=2))``: each rank holds the whole model and half the
@@ -193,7 +193,8 @@ def parse(argv=None):
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout rate (Ulysses refuses dropout under sp, so its row needs 0, the default)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per contestant and length")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
