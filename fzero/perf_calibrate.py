@@ -1,10 +1,11 @@
 """``fzero estimate --calibrate PATH``: measure this machine's :class:`fzero.perf_model.Machine`.
 
-What it times, each a median of a few repeats, one torch thread per rank (as fzero's ranks
+What it times, each a median of a few repeats (the compute rates of samples of back-to-back calls), one torch thread per rank (as fzero's ranks
 on a CPU host run, one core each):
 
 * **matmul FLOP/s** by precision: ``a @ b`` at (1024 × 256) @ (256 × 1024) in fp32 and
-  (256 × 256) @ (256 × 256) in bf16 / fp16 (slow on a CPU without 16-bit arithmetic).
+  (256 × 256) @ (256 × 256) in bf16 / fp16 (slow on a CPU without 16-bit arithmetic), run
+  back to back as a step's matmuls run (a single call timed alone reads 30-50% slower here).
 * **elementwise bandwidth**: GELU forward and backward, LayerNorm forward and an add on
   (4096 × 512) fp32 tensors, bytes counted as inputs + outputs of each op (the count
   :data:`fzero.perf_model.ELEMENTWISE` uses).
@@ -50,13 +51,29 @@ def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
     return statistics.median(ts)
 
 
+def _sustained_seconds(fn, *, sample_s: float = 0.05, samples: int = 7) -> float:
+    """Seconds one call of ``fn`` takes when it runs back to back: each sample repeats it for
+    at least ``sample_s`` (a step's matmuls run back to back, not one at a time between
+    timer reads), the median of ``samples`` samples."""
+    for _ in range(2):
+        fn()
+    per_call = []
+    for _ in range(samples):
+        n, t = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t) < sample_s or n == 0:
+            fn()
+            n += 1
+        per_call.append(elapsed / n)
+    return statistics.median(per_call)
+
+
 def _matmul_flops() -> dict:
     out = {}
     for prec, dtype, (m, k, n) in (("fp32", torch.float32, (1024, 256, 1024)),
                                    ("bf16", torch.bfloat16, (256, 256, 256)),
                                    ("fp16", torch.float16, (256, 256, 256))):
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        out[prec] = 2 * m * k * n / _median_time(lambda: a @ b, reps=5)
+        out[prec] = 2 * m * k * n / _sustained_seconds(lambda: a @ b)
     return out
 
 
@@ -71,7 +88,7 @@ def _elementwise_bandwidth() -> float:
         (lambda: torch.nn.functional.layer_norm(x, (512,), w, b), 2 * nbytes),
         (lambda: x + g, 3 * nbytes),
     ]
-    return sum(n for _, n in ops) / sum(_median_time(f, reps=5) for f, _ in ops)
+    return sum(n for _, n in ops) / sum(_sustained_seconds(f) for f, _ in ops)
 
 
 def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7) -> float:
@@ -217,7 +234,7 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         big_elems = 2 * 2**20
         t_big = _fzero_step_seconds(2, big_elems, steps=5)
         a, b = torch.randn(256, 256), torch.randn(256, 256)
-        flops_alone = 2 * 256 ** 3 / _median_time(lambda: a @ b, reps=21)
+        flops_alone = 2 * 256 ** 3 / _sustained_seconds(lambda: a @ b)  # as the 2 ranks' loop runs them
         coll = _collectives(2)
     finally:
         torch.set_num_threads(threads)
