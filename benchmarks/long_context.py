@@ -34,7 +34,9 @@ Measured per rank, the larger of the two ranks printed:
   under tensor parallelism, ``sbh(34 + 5as/h)/t`` with sequence parallelism).
 * **step** -- median seconds of ``--steps`` steps after ``--warmup``, each started after a
   barrier, the slower rank's.
-* **tp bytes** -- what fzero's step sent over the ``tp`` axis (``metrics["comm_bytes_by_axis"]``).
+* **tp/sp bytes** -- what fzero's step sent over the ``tp`` and ``sp`` axes
+  (``metrics["comm_bytes_by_axis"]``): tensor parallelism's activations; Ulysses' all-to-alls
+  and, since ZeRO's group is ``dp × sp`` and dp is 1 here, the gradients' all-reduce too.
 
 Run (the script re-executes itself under torchrun with 2 processes)::
 
@@ -133,7 +135,7 @@ def build_fzero(base: GPT, mesh_kwargs: dict, **options):
         r = mesh.coords["dp"]
         local = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
         holder["state"], metrics = step(holder["state"], local)
-        probe.update(saved=box["saved"], tp_bytes=float(metrics["comm_bytes_by_axis"].get("tp", 0)))
+        probe.update(saved=box["saved"], tp_bytes=float(sum(metrics["comm_bytes_by_axis"].get(a, 0) for a in ("tp", "sp"))))
         return metrics["loss"]
 
     return run
@@ -267,7 +269,7 @@ def report(result: dict) -> None:
           f"{a['dropout']}; global batch {a['batch_size']} sequences; 2 ranks; {result['cpu']}; "
           f"load {result['loadavg']}")
     print(f"{'seq':>6} | {'contestant':<9} | {'activations / rank (MiB)':>24} | {'x tp+sp':>7} | {'step (s)':>8} | "
-          f"{'tp bytes / rank':>15}")
+          f"{'tp/sp bytes / rank':>18}")
     print("-" * 88)
     sp = {r["seq"]: r.get("saved_bytes") for r in result["rows"] if r["contestant"] == "tp+sp"}
     for r in result["rows"]:
@@ -277,7 +279,7 @@ def report(result: dict) -> None:
         ratio = f"{r['saved_bytes'] / sp[r['seq']]:.2f}" if sp.get(r["seq"]) else "-"
         tp_bytes = "-" if r["tp_bytes"] is None else f"{r['tp_bytes']:.0f}"
         print(f"{r['seq']:>6} | {r['contestant']:<9} | {r['saved_bytes'] / MIB:>24.2f} | {ratio:>7} | "
-              f"{r['step_s']:>8.3f} | {tp_bytes:>15}")
+              f"{r['step_s']:>8.3f} | {tp_bytes:>18}")
 
 
 def main(argv=None) -> None:
