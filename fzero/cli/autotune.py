@@ -147,6 +147,7 @@ class Runner:
     base: dict
     tuning: AutotuningConfig
     timeout: float | None = None
+    pp: int = 1
 
     def _section(self, mode: str, metrics: Path) -> dict:
         """The ``autotuning`` section of a trial's config: DeepSpeed's keys that ask the step
@@ -198,8 +199,16 @@ class Runner:
         raise TrialFailed(f"exit code {rc}: {_why(log)}")
 
     def trial(self, c: Candidate) -> dict:
-        """Profile one candidate; its measurement (``throughput``, ``latency``, ...)."""
-        return self._launch(c.name, apply(self.base, c), "profile")
+        """Profile one candidate; its measurement (``throughput``, ``latency``, ...). A
+        candidate whose config does not load fails here, without a launch; the loader's
+        error is its ``stderr.log``, as a launched trial's would be."""
+        config = apply(self.base, c)
+        if (why := _load_error(config, self.nproc // (c.tp * self.pp))) is not None:
+            exp = Path(self.tuning.exps_dir) / c.name
+            exp.mkdir(parents=True, exist_ok=True)
+            (exp / "stderr.log").write_text(why + "\n")
+            raise TrialFailed(why)
+        return self._launch(c.name, config, "profile")
 
     def num_params(self, c: Candidate) -> int:
         """Ψ, measured by a run that ends at ``step.init``."""
@@ -218,16 +227,22 @@ def _load_base(path: str | None) -> tuple[dict, str | None]:
     return dict(d), path
 
 
-def _loads(base: dict, c: Candidate, nproc: int, pp: int) -> bool:
+def _load_error(config: dict, world_size: int) -> str | None:
+    """Why ``config`` does not load at ``world_size`` data-parallel ranks (the loader's
+    message), or None."""
     from fzero.config import Config
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            Config.load(apply(base, c), world_size=nproc // (c.tp * pp))
-    except (ValueError, TypeError, NotImplementedError):
-        return False
-    return True
+            Config.load(config, world_size=world_size)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _loads(base: dict, c: Candidate, nproc: int, pp: int) -> bool:
+    return _load_error(apply(base, c), nproc // (c.tp * pp)) is None
 
 
 def _is_set(v) -> bool:
@@ -294,7 +309,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not Path(args.script).is_file():
         parser.error(f"script {args.script!r} does not exist (looked in {os.getcwd()})")
 
-    runner = Runner(args.script, script_args, nproc, base, tuning, timeout=args.trial_timeout)
+    runner = Runner(args.script, script_args, nproc, base, tuning, timeout=args.trial_timeout, pp=pp)
     budget = None if args.memory is None else int(args.memory * 2**30)
     if budget is None:
         try:
