@@ -59,9 +59,10 @@ def _masks(update: int, batch):
     return _step_randomness(types.SimpleNamespace(seed=torch.tensor(0), step=update), batch)
 
 
-def _torch_trained(batches):
-    """Plain PyTorch: the module, backward and torch.optim.AdamW on the whole batch."""
-    model = _gpt()
+def _torch_trained(batches, make=None):
+    """Plain PyTorch: the module (``make()``, default the example GPT), backward and
+    torch.optim.AdamW on the whole batch."""
+    model = (make or _gpt)()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for i, b in enumerate(batches):
@@ -271,16 +272,7 @@ def _vocab_split_sp_equals_torch():
     batches = _batches(3)
     for b in batches:
         b["ids"], b["y"] = b["ids"] % 32, b["y"] % 32
-    ref = _vocab_lm()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    ref_losses = []
-    for i, b in enumerate(batches):
-        opt.zero_grad()
-        with _masks(i, b):
-            loss = _loss(ref(b["ids"]), b["y"])
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.detach())
+    ref_losses, ref_named = _torch_trained(batches, _vocab_lm)
     model = _vocab_lm()
     plan = {"emb": fzero.RowwiseParallel(), "lns.*": fzero.SequenceParallel(), "fcs.*": fzero.ColwiseParallel(),
             "projs.*": fzero.RowwiseParallel(), "ln_f": fzero.SequenceParallel(),
@@ -291,8 +283,8 @@ def _vocab_split_sp_equals_torch():
     for b in batches:
         state, m = step(state, b)
         losses.append(m["loss"])
-    ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
-    ref_params = {k: v.detach() for k, v in ref.named_parameters()}
+    ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
+    ref_params = {k: v.detach() for k, v in ref_named.items()}
     ft.assert_trees_close(fzero.gather(state.params), ref_params, tol="fp32", what="parameters")
     return tuple(state.params["emb.weight"].shape)
 
