@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from fzero.cli._nodes import DEFAULT_MULTINODE_PORT, LaunchError, Node, free_port
+from fzero.cli._nodes import default_nproc as _default_nproc
+
 __all__ = ["DEFAULT_MAX_RESTARTS", "ElasticPlan", "JOIN_VAR", "RDZV_CONF", "elastic_torchrun_command", "exit_code",
            "parse_nnodes", "plan", "requested", "run"]
 
@@ -101,9 +104,9 @@ def elastic_torchrun_command(script: str, script_args=(), *, nproc: int, min_nod
 
 @dataclasses.dataclass
 class ElasticPlan:
-    """What an elastic ``fzero launch`` starts here: agents (``launch.Node``), and the store."""
+    """What an elastic ``fzero launch`` starts here: agents (``_nodes.Node``), and the store."""
 
-    nodes: list  # of fzero.cli.launch.Node
+    nodes: list  # of fzero.cli._nodes.Node
     min_nodes: int
     max_nodes: int
     master_addr: str
@@ -128,7 +131,6 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> ElasticPlan:
     Raises:
         LaunchError: contradicting options, each named.
     """
-    from fzero.cli.launch import DEFAULT_MULTINODE_PORT, LaunchError, Node, _default_nproc, _free_port
 
     problems = []
     if args.hostfile or args.ssh:
@@ -167,7 +169,7 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> ElasticPlan:
             raise LaunchError("; ".join(problems))
         addr, count = args.master_addr, 1
         host_store = _matches_this_machine(addr)
-    port = args.master_port or (_free_port() if args.nproc_min is not None else DEFAULT_MULTINODE_PORT)
+    port = args.master_port or (free_port() if args.nproc_min is not None else DEFAULT_MULTINODE_PORT)
     run_id = f"fzero-{port}"
     local = "127.0.0.1" if addr in ("127.0.0.1", "localhost") else None
     argv = elastic_torchrun_command(args.script, args.script_args, nproc=per_node, min_nodes=min_nodes,
@@ -190,7 +192,6 @@ def _devices(count: int) -> list[dict[str, str]]:
     # GPU, the i-th visible one. (A node added later picks its GPU by CUDA_VISIBLE_DEVICES.)
     import torch
 
-    from fzero.cli.launch import LaunchError
 
     if not torch.cuda.is_available():
         return [{} for _ in range(count)]

@@ -21,13 +21,15 @@ import dataclasses
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from fzero.cli import _elastic, _signals
+from fzero.cli._nodes import DEFAULT_MULTINODE_PORT, LaunchError, Node
+from fzero.cli._nodes import default_nproc as _default_nproc
+from fzero.cli._nodes import free_port as _free_port
 from fzero.cli.hostfile import HostfileError, read_hostfile, select_slots
 
 __all__ = [
@@ -44,15 +46,10 @@ __all__ = [
 ]
 
 ENV_FILE_NAME = ".fzero_env"
-DEFAULT_MULTINODE_PORT = 29500  # torchrun's own default; a free local port means nothing remotely
 # Local variables a remote rank needs as much as a local one (DeepSpeed forwards similar ones).
 FORWARDED_PREFIXES = ("NCCL_", "FZERO_")
 FORWARDED_NAMES = ("PYTHONPATH",)
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class LaunchError(ValueError):
-    """Bad ``fzero launch`` input; reported as ``fzero launch: error: ...``, exit code 2."""
 
 
 # --------------------------------------------------------------------------- env file
@@ -139,23 +136,6 @@ def torchrun_command(script: str, script_args=(), *, nproc: int, nnodes: int = 1
     ]
 
 
-@dataclasses.dataclass
-class Node:
-    """One torchrun agent: where it runs, the variables it adds, its argv."""
-
-    host: str | None  # None: this machine
-    node_rank: int
-    nproc: int
-    env: dict[str, str]  # added to the environment (env file, CUDA_VISIBLE_DEVICES)
-    argv: list[str]
-
-    def shell(self, *, cwd: str | None = None) -> str:
-        """This node's command as one shell line: ``[cd CWD &&] [env K=V ...] python -m ...``."""
-        env = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
-        line = shlex.join(env + self.argv)
-        return f"cd {shlex.quote(cwd)} && {line}" if cwd else line
-
-
 def remote_command(node: Node, *, cwd: str, forward: dict[str, str] | None = None) -> str:
     """The shell command ssh runs on ``node.host``: cd to ``cwd``, export the variables, exec torchrun."""
     env = {**(forward or {}), **node.env}
@@ -173,18 +153,6 @@ def _visible(slots: list[int]) -> dict[str, str]:
     if slots == list(range(len(slots))):
         return {}
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _default_nproc() -> int:
-    import torch
-
-    return torch.cuda.device_count() or 1
 
 
 @dataclasses.dataclass
