@@ -59,6 +59,15 @@ def _masks(update: int, batch):
     return _step_randomness(types.SimpleNamespace(seed=torch.tensor(0), step=update), batch)
 
 
+def _train(step, state, batches):
+    """``step`` over ``batches``: the last state and every step's loss."""
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    return state, losses
+
+
 def _torch_trained(batches, make=None):
     """Plain PyTorch: the module (``make()``, default the example GPT), backward and
     torch.optim.AdamW on the whole batch."""
@@ -88,10 +97,7 @@ def _sp_equals_torch_and_checkpoints():
     step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp=tp_plans.gpt(model, sequence_parallel=True),
                          sequence_parallel=True)
     state = step.init(_state(model))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
+    state, losses = _train(step, state, batches)
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
     _check_params(fzero.gather(state.params), ref_params)
 
@@ -100,10 +106,7 @@ def _sp_equals_torch_and_checkpoints():
     acc = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp=tp_plans.gpt(model, sequence_parallel=True),
                         sequence_parallel=True, accumulate=2, zero=1)
     acc_state = acc.init(_state(model))
-    acc_losses = []
-    for b in batches:
-        acc_state, m = acc(acc_state, b)
-        acc_losses.append(m["loss"])
+    acc_state, acc_losses = _train(acc, acc_state, batches)
     ft.assert_trees_close(torch.stack(acc_losses), ref_losses, tol="fp32", what="losses (accumulate=2)")
     _check_params(fzero.gather(acc_state.params), ref_params)
     # the module is its own again outside the step: no forward of the plan's left on it
@@ -170,10 +173,7 @@ def _gpt2_sp_equals_torch():
     step = fzero.compile(step_fn, fzero.Mesh(dp=1, tp=2), tp=tp_plans.gpt2(model, sequence_parallel=True),
                          sequence_parallel=True)
     state = step.init(state)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
+    state, losses = _train(step, state, batches)
     ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), tol="fp32", what="losses")
     _check_params(fzero.gather(state.params), dict(ref.named_parameters()), d=16)
     return "ok"
@@ -279,10 +279,7 @@ def _vocab_split_sp_equals_torch():
             "head": fzero.ColwiseParallel(output="vocab")}
     step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=2), tp=plan, sequence_parallel=True)
     state = step.init(_state(model))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
+    state, losses = _train(step, state, batches)
     ft.assert_trees_close(torch.stack(losses), ref_losses, tol="fp32", what="losses")
     ref_params = {k: v.detach() for k, v in ref_named.items()}
     ft.assert_trees_close(fzero.gather(state.params), ref_params, tol="fp32", what="parameters")
