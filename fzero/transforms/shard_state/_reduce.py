@@ -171,9 +171,6 @@ class ReduceSink:
         self.order = layout.reduce_order
         self.next = 0  # position in ``order`` of the next group to launch
         self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
-        # Stage 1 keeps the whole gradient (its memory is 4Ψ + 4Ψ + 8Ψ/N anyway), so every
-        # group's reduce-scatter may be in flight at once, as stage 0's all-reduces are.
-        self.max_in_flight = len(layout.groups) if stage == 1 else MAX_IN_FLIGHT
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
         # One group at stages 0-1 (a model smaller than the bucket): nothing can overlap its one
         # collective, so backward runs without a hook per parameter and the gradients come in
@@ -183,7 +180,7 @@ class ReduceSink:
     def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed reduce buffer for ``group``, from the pool (reusing
         resident memory instead of faulting in fresh pages every step)."""
-        while len(self.sending) >= self.max_in_flight:  # see MAX_IN_FLIGHT (stages 2-3)
+        while len(self.sending) >= MAX_IN_FLIGHT:  # see MAX_IN_FLIGHT (stages 1-3)
             self._complete(next(iter(self.sending)))
         return self.pool.take(group.padded, dtype, group.device)
 
@@ -264,7 +261,7 @@ class ReduceSink:
             self.sending[gi] = buf
             # Bound what is in flight: beyond MAX_IN_FLIGHT buckets, wait for the oldest, so
             # a rank holds its gradient partition plus a few buckets, never the full gradient.
-            while len(self.sending) > self.max_in_flight:
+            while len(self.sending) > MAX_IN_FLIGHT:
                 self._complete(next(iter(self.sending)))
 
     def _complete(self, gi: int) -> None:
