@@ -99,6 +99,7 @@ RING = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "reduce": lambda n: (n - 1) / n,
+    "send": lambda n: 1,
 }
 # The c10d ops (the process group's, as DDP's reducer, FSDP2 and torch.distributed issue them)
 # and the functional ones (DTensor's), by kind, with the argument that holds the payload.
@@ -117,9 +118,13 @@ C10D_OPS = {
     "alltoall_": ("all_to_all", "input_tensors"), "alltoall_base_": ("all_to_all", "input"),
     "all_to_all_single": ("all_to_all", "input"),
     "broadcast_": ("broadcast", "tensors"), "broadcast": ("broadcast", "input"), "reduce_": ("reduce", "tensors"),
+    # Point-to-point: what a send hands over is what it sends (fzero's exchanges of a gloo pair).
+    "send": ("send", "tensors"),
 }
-# Ops that carry no payload of the step: waits, autograd wrappers, and barriers (a sync).
-NOT_SENT = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_", "check_for_nan"}
+# Ops that carry no payload of the step: waits, autograd wrappers, barriers (a sync), and
+# receives (the peer's send counted it).
+NOT_SENT = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_", "check_for_nan",
+            "recv_", "recv_any_source_"}
 
 
 class CountCollectives(TorchDispatchMode):

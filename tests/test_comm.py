@@ -16,6 +16,7 @@ group of its own and the other parameters are bucketed as above. ``Ψp`` below i
 the padded group sizes, in elements.
 """
 
+import datetime
 from fractions import Fraction
 
 import pytest
@@ -423,3 +424,85 @@ def test_ulysses_sends_eight_all_to_alls_of_a_layers_activations_per_step(ranks)
             assert by_what[("all_to_all", "attention")] == expected, (r, i, by_what)
             assert metric["all_to_all"] == expected, (r, i, metric)
             assert by_axis["sp"] == metric["total"] and by_axis["other"] == 0, (r, i, by_axis)
+
+
+# --------------------------------------------------------------------------- a gloo pair's exchanges
+
+
+def _pair_against_gloo():
+    """Each helper on a pair (one exchange of point-to-point messages) against gloo's own
+    collective (``dist.*`` called directly) on the same inputs: bit-equal results, the same
+    on both ranks for a reduction, and ``traffic`` counting the collective's kind. Several
+    exchanges in flight at once are waited on out of order."""
+    from fzero.distributed import _pair
+
+    r = dist.get_rank()
+    assert _pair.peer(None, torch.zeros(1)) == 1 - r
+    g = torch.Generator().manual_seed(10 + r)  # every rank's inputs differ
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for n in (1, 7, 4096):
+            x = (torch.randn(2 * n, generator=g) * 100).to(dtype)
+            got, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            comm.reduce_scatter_flat(got, x.clone())
+            dist.reduce_scatter_tensor(ref, x.clone())
+            assert torch.equal(got, ref), (dtype, n, "reduce_scatter")
+            half = x[:n].clone()
+            got2, ref2 = torch.empty(2 * n, dtype=dtype), torch.empty(2 * n, dtype=dtype)
+            comm.all_gather_flat(got2, half)
+            dist.all_gather_into_tensor(ref2, half)
+            assert torch.equal(got2, ref2), (dtype, n, "all_gather")
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+                a, b = x.clone(), x.clone()
+                comm.all_reduce(a, op=op)
+                dist.all_reduce(b, op=op)
+                assert torch.equal(a, b), (dtype, n, op)
+                out.append(a)
+    # In place: this rank's half of the output is the all-gather's input.
+    buf = torch.arange(8.0) + 100 * r
+    comm.all_gather_flat(buf, buf[4 * r: 4 * r + 4])
+    assert torch.equal(buf, torch.cat([torch.arange(4.0), torch.arange(4.0, 8.0) + 100])), buf
+    # Three in flight, waited on last first.
+    xs = [torch.full((2 * k + 2,), float(r + k)) for k in range(3)]
+    outs = [torch.empty(k + 1) for k in range(3)]
+    works = [comm.reduce_scatter_flat(o, x, async_op=True) for o, x in zip(outs, xs)]
+    assert all(isinstance(w, _pair.PairWork) for w in works)
+    for w in reversed(works):
+        w.wait(datetime.timedelta(seconds=30))
+    assert [o.tolist() for o in outs] == [[2.0 * k + 1] * (k + 1) for k in range(3)], outs
+    # Counted as the collective's kind: a reduce-scatter of 8 floats sends half of them.
+    before = comm.traffic.copy()
+    comm.reduce_scatter_flat(torch.empty(4), torch.ones(8), what="gradients")
+    assert (comm.traffic - before).sent("reduce_scatter") == 16
+    return out
+
+
+@multirank
+def test_a_gloo_pairs_exchanges_equal_gloos_collectives_bit_for_bit(ranks):
+    a, b = ranks(2).run(_pair_against_gloo)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _pair_timeout():
+    """Rank 1 sends nothing: rank 0's exchange times out as its collective, by name."""
+    if dist.get_rank() == 1:
+        return "absent"
+    t = torch.ones(4)
+    try:
+        comm.run("all_reduce(the test's value)", lambda: comm.all_reduce(t, async_op=True, what="loss"),
+                 timeout_s=2, where="test")
+    except comm.CollectiveError as e:
+        return str(e)
+    return "completed"
+
+
+@multirank
+def test_a_pair_exchange_that_never_completes_times_out_by_name(ranks):
+    pool = ranks(2)
+    try:
+        said, absent = pool.run(_pair_timeout)
+    finally:
+        pool.restart()  # rank 0's send is still pending: as after any timed-out collective, the group is spent
+    assert absent == "absent"
+    assert said.startswith("test: collective all_reduce(the test's value) did not complete on rank 0 within 2 s"), said

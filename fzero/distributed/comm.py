@@ -30,7 +30,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import checkin, device_check, watchdog
+from fzero.distributed import _pair, checkin, device_check, watchdog
 from fzero.distributed._errors import CollectiveError
 
 __all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce",
@@ -325,6 +325,10 @@ def all_reduce(tensor: torch.Tensor, *, group=None, async_op: bool = False, what
     counted in :data:`traffic` (payload: ``tensor``'s bytes)."""
     traffic.add("all_reduce", what, tensor, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(tensor, what)
+    if (other := _pair.peer(group, tensor)) is not None:
+        work = _pair.all_reduce(tensor, other, group=group, op=op)
+        if work is not None:
+            return _done(work, async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -341,6 +345,10 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, *, group=None, as
     """Every rank's ``input`` concatenated into ``output`` (counted: ``input``'s bytes)."""
     traffic.add("all_gather", what, input, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(input, what)
+    if (other := _pair.peer(group, input)) is not None:
+        work = _pair.all_gather(output, input, other, group=group)
+        if work is not None:
+            return _done(work, async_op)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
@@ -367,7 +375,20 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, *, group=None
     """This rank's slice of the sum of every rank's ``input`` (counted: ``input``'s bytes)."""
     traffic.add("reduce_scatter", what, input, world=dist.get_world_size(group), ranks=group_ranks(group))
     _launching(input, what)
+    if (other := _pair.peer(group, input)) is not None:
+        work = _pair.reduce_scatter(output, input, other, group=group)
+        if work is not None:
+            return _done(work, async_op)
     return _reduce_scatter_flat(output, input, group=group, async_op=async_op)
+
+
+def _done(work, async_op: bool):
+    """An exchange of a gloo pair (:mod:`fzero.distributed._pair`) returned as a collective
+    is: its work when asynchronous, else completed."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _rank() -> int:
