@@ -129,6 +129,8 @@ def _free_port() -> int:
 def _collective_rank(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
+    from fzero.distributed import comm
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -139,20 +141,19 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
 
         t_barrier = _median_time(dist.barrier, reps=11)
         half_small, half_big = torch.zeros(512), torch.zeros(2**20)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
         def launch(kind: str, x: torch.Tensor, half: torch.Tensor):
             if kind == "all_reduce":
-                return dist.all_reduce(x, async_op=True)
+                return comm.all_reduce(x, async_op=True)
             if kind == "reduce_scatter":
-                return reduce_scatter(half, x, async_op=True)
-            return all_gather(x, half, async_op=True)
+                return comm.reduce_scatter_flat(half, x, async_op=True)
+            return comm.all_gather_flat(x, half, async_op=True)
 
-        # Each kind as fzero pays it: its buckets are issued asynchronously, back to back, and
-        # waited for later, so 16 small ones in flight at once (latency), and one of 8 MiB
-        # (bandwidth). Gloo's algorithms are not all rings: its reduce-scatter costs what its
-        # all-reduce does, which the ring's formula would halve.
+        # Each kind as fzero pays it, through fzero's own helpers (a pair of gloo ranks
+        # exchanges: fzero/distributed/_pair.py): its buckets are issued asynchronously, back
+        # to back, and waited for later, so 16 small ones in flight at once (latency), and one
+        # of 8 MiB (bandwidth). Gloo's algorithms are not all rings: its reduce-scatter costs
+        # what its all-reduce does, which the ring's formula would halve.
         out = {}
         for kind in ("all_reduce", "reduce_scatter", "all_gather"):
             def in_flight(kind=kind):
@@ -168,7 +169,7 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         def serial():
             dist.barrier()
             for _ in range(16):
-                dist.all_reduce(small)
+                comm.all_reduce(small)
 
         out["all_reduce_4KiB_serial_s"] = (_median_time(serial, reps=7) - t_barrier) / 16
         t_big = out["all_reduce_8MiB_s"]
