@@ -1,9 +1,9 @@
 """The collectives of a gloo group of two ranks, as one exchange of point-to-point messages.
 
-Why: gloo's own reduce-scatter is slower than its all-reduce of the same tensor (on this
-project's 2-core machines, measured: 6.9 ms against 4.1 ms for 3.5 MB, where one exchange of
-the two halves takes 3.0 ms), and its all-gather and small all-reduces pay a round of its
-algorithm's bookkeeping a pair does not need. Between two ranks each of these collectives is
+Why: gloo's own reduce-scatter is slower than its all-reduce of the same tensor, and its
+all-gather and small all-reduces pay bookkeeping a pair does not need
+(``benchmarks/collectives.py``, docs/performance.md: on this project's 2-core machines gloo's
+reduce-scatter of 3.5 MB took 6.4 ms, its all-reduce 4.7 ms, the exchange 3.2 ms). Between two ranks each of these collectives is
 one exchange: every rank sends the other what the other lacks and receives what it lacks,
 both directions at once, then (a reduction) adds what it received to what it kept.
 
@@ -43,9 +43,9 @@ __all__ = ["ALL_REDUCE_MAX_BYTES", "ENV", "PairWork", "all_gather", "all_reduce"
 ENV = "FZERO_GLOO_PAIR"
 #: An all-reduce of at most this many bytes is one exchange; a larger one is gloo's ring.
 #: The exchange receives into a scratch tensor as large as the one reduced, so it is kept to
-#: the step's small sums (losses, norms, flags), where it gains most (measured on 2 ranks
-#: here: 0.31 ms against 0.56 ms at 16 B, 0.46 against 0.56 at 4 KiB, 0.55 against 0.68 at
-#: 256 KiB, and 5.6 ms against gloo's 4.1 at 3.5 MB); gradient buckets stay gloo's.
+#: the step's small sums (losses, norms, flags), where it gains (``benchmarks/collectives.py``:
+#: 0.77-0.81 of gloo's time at 16 B and 4 KiB); gradient buckets stay gloo's, whose pipelined
+#: ring is no slower there and needs no scratch.
 ALL_REDUCE_MAX_BYTES = 16 * 1024
 # Tags of the exchanges' messages: a range of their own, above any a caller of ``isend`` picks.
 _TAG_BASE = 1 << 24
