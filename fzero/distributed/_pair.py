@@ -38,6 +38,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fzero.distributed._errors import CollectiveError
+
 __all__ = ["ALL_REDUCE_MAX_BYTES", "ENV", "PairWork", "all_gather", "all_reduce", "peer", "reduce_scatter"]
 
 ENV = "FZERO_GLOO_PAIR"
@@ -117,7 +119,9 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, other: int, group, finish,
     try:
         works.append(dist.isend(send, dst=other, group=group, tag=tag))
         works.append(dist.irecv(recv, src=other, group=group, tag=tag))
-    except RuntimeError as e:  # fails on wait, as a collective that could not complete does
+    except CollectiveError:  # the device check's: raised where the collective starts
+        raise
+    except RuntimeError as e:  # a peer gone: fails on wait, as a collective that could not complete does
         return PairWork(works, None, error=e)
     return PairWork(works, finish, (send, recv) + tuple(keep))
 
