@@ -11,6 +11,7 @@ one per ``value_and_grad``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,16 +71,19 @@ class BufferPool:
         self.in_use_bytes = 0
         self.peak_bytes = 0
 
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(self, n: int, dtype: torch.dtype, device: torch.device, *, zero: bool = True) -> torch.Tensor:
+        """A buffer of ``n`` elements: zeroed, or with ``zero=False`` holding whatever it held
+        (for a caller that writes every element)."""
         if self.lent:
             self._reclaim()
         fits = [i for i, t in enumerate(self.free) if t.numel() >= n and t.dtype == dtype and t.device == device]
         if fits:
             t = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
             view = t[:n]
-            view.zero_()
+            if zero:
+                view.zero_()
         else:
-            view = torch.zeros(n, dtype=dtype, device=device)
+            view = torch.zeros(n, dtype=dtype, device=device) if zero else torch.empty(n, dtype=dtype, device=device)
         self.in_use_bytes += n * view.element_size()
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
         return view
@@ -177,12 +181,28 @@ class ReduceSink:
         # at once (on_grads: one multi-tensor copy), as a C++ reducer would take them.
         self.after_backward = (len(layout.groups) == 1 and stage <= 1 and on_complete is None)
 
-    def _buffer(self, group, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed reduce buffer for ``group``, from the pool (reusing
-        resident memory instead of faulting in fresh pages every step)."""
+    def _buffer(self, group, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
+        """A reduce buffer for ``group``, from the pool (reusing resident memory instead of
+        faulting in fresh pages every step). Not zeroed: the gradients are copied over it, its
+        padding is zeroed here, and the slots of parameters no gradient reached are zeroed
+        before it is reduced or held (:meth:`_zero_missing`) -- one pass over the whole buffer
+        less per step."""
         while len(self.sending) >= MAX_IN_FLIGHT:  # see MAX_IN_FLIGHT (stages 1-3)
             self._complete(next(iter(self.sending)))
-        return self.pool.take(group.padded, dtype, group.device)
+        buf = self.pool.take(group.padded, dtype, group.device, zero=zero)
+        if not zero:
+            buf[group.numel:].zero_()
+        return buf
+
+    def _zero_missing(self, gi: int, buf: torch.Tensor) -> None:
+        """Zero the slots of group ``gi``'s fresh buffer that no gradient was copied into (a
+        buffer carried from an earlier micro-batch keeps its sums there)."""
+        if gi in self.carried or not self.missing[gi]:
+            return
+        group = self.layout.groups[gi]
+        for pos in self.missing[gi]:
+            o = group.offsets[pos]
+            buf[o: o + math.prod(group.shapes[pos])].zero_()
 
     def _slot(self, i: int, g: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """``(group, the view of its reduce buffer that leaf i's gradient goes to)``, the
@@ -241,7 +261,9 @@ class ReduceSink:
         group = self.layout.groups[gi]
         buf = self.buffers.pop(gi, None)
         if buf is None:  # no parameter of this group reached the loss
-            buf = self._buffer(group, reduce_dtype(group.dtype, self.reduce_in))
+            buf = self._buffer(group, reduce_dtype(group.dtype, self.reduce_in), zero=True)
+        else:
+            self._zero_missing(gi, buf)
         if self.world == 1:
             self.results[gi] = buf if self.stage == 0 else buf[: group.chunk].clone()
             if self.stage >= 1:
@@ -272,6 +294,8 @@ class ReduceSink:
         """The gradient leaves in flatten order (``None`` for frozen ones): this rank's share
         of the reduced gradients, or the placeholders ``hold`` when the sink only held."""
         if self.hold is not None:
+            for gi, buf in self.buffers.items():  # held for the next micro-batch to add into
+                self._zero_missing(gi, buf)
             grads = self.hold
         else:
             self._launch_ready(force=True)
