@@ -4,31 +4,44 @@ Write one pure single-device ``train_step(state, batch)``; fzero's transforms re
 into a partitioned, communicating, mixed-precision step. See README.md and docs/.
 """
 
-from fzero import tree
-from fzero._params import Params
-from fzero import checkpoint, data, optim
-from fzero._compile import compile
-from fzero.config import Config
-from fzero.options import CompileOptions
-from fzero.distributed import Mesh, gather
-from fzero.distributed.preemption import preempted
-from fzero.functional import functionalize, grad, load_into, remat, value_and_grad
-from fzero.means import global_mean
-from fzero import rng
-from fzero.train_state import TrainState
-from fzero.replicas import ReplicaDivergenceError
-# Step -> step transforms: each takes a train step and returns one with the same signature
-# (compile applies them in one fixed order, fzero/_compile.py's ORDER).
-from fzero.transforms import (Step, accumulate, check_finite, clip, mixed_precision, offload_optimizer, shard_state,
-                              tensor_parallel, torch_autocast)
-# Not a step transform: fzero.pipeline(stages, loss_fn, mesh) makes a gradient function, a
-# pipelined value_and_grad the train step calls (loss, grads = pipe(params, x, y)); its
-# .transform(step) is the step transform, which compile(pipeline=pipe) applies.
-from fzero.transforms import pipeline
-# What the transforms take and raise: tensor_parallel's plan styles, check_finite's error.
-from fzero.transforms import (ColwiseParallel, DivideAttributes, NonFiniteGradientError, PrepareModuleInput,
-                              RowwiseParallel, SequenceParallel)
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
 from fzero._version import __version__
+
+# Every public name is imported when it is first read (PEP 562, as SPEC 1, lazy loading in
+# scientific Python, has it): ``import fzero`` imports nothing else, so the console command
+# (``fzero launch``), which reads none of them, starts without importing torch -- 3 to 4 s a
+# process on the project's 2-core machines, paid before torchrun starts. ``_PUBLIC`` says
+# where each name lives; any submodule read as an attribute (``fzero.distributed``,
+# ``fzero.testing``, which needs hypothesis, a test dependency) is imported then.
+_PUBLIC = {
+    "tree": ("fzero.tree", None), "checkpoint": ("fzero.checkpoint", None), "data": ("fzero.data", None),
+    "optim": ("fzero.optim", None), "rng": ("fzero.rng", None),
+    "Params": ("fzero._params", "Params"),
+    "compile": ("fzero._compile", "compile"),
+    "Config": ("fzero.config", "Config"),
+    "CompileOptions": ("fzero.options", "CompileOptions"),
+    "Mesh": ("fzero.distributed", "Mesh"), "gather": ("fzero.distributed", "gather"),
+    "preempted": ("fzero.distributed.preemption", "preempted"),
+    **{n: ("fzero.functional", n) for n in ("functionalize", "grad", "load_into", "remat", "value_and_grad")},
+    "global_mean": ("fzero.means", "global_mean"),
+    "TrainState": ("fzero.train_state", "TrainState"),
+    "ReplicaDivergenceError": ("fzero.replicas", "ReplicaDivergenceError"),
+    # Step -> step transforms: each takes a train step and returns one with the same signature
+    # (compile applies them in one fixed order, fzero/_compile.py's ORDER).
+    **{n: ("fzero.transforms", n) for n in ("Step", "accumulate", "check_finite", "clip", "mixed_precision",
+                                            "offload_optimizer", "shard_state", "tensor_parallel", "torch_autocast")},
+    # Not a step transform: fzero.pipeline(stages, loss_fn, mesh) makes a gradient function, a
+    # pipelined value_and_grad the train step calls (loss, grads = pipe(params, x, y)); its
+    # .transform(step) is the step transform, which compile(pipeline=pipe) applies.
+    "pipeline": ("fzero.transforms", "pipeline"),
+    # What the transforms take and raise: tensor_parallel's plan styles, check_finite's error.
+    **{n: ("fzero.transforms", n) for n in ("ColwiseParallel", "DivideAttributes", "NonFiniteGradientError",
+                                            "PrepareModuleInput", "RowwiseParallel", "SequenceParallel")},
+}
 
 __all__ = [
     "ColwiseParallel",
@@ -69,19 +82,21 @@ __all__ = [
     "value_and_grad",
 ]
 
-# Subpackages reachable as attributes but imported on first use only, as SPEC 1 (lazy
-# loading, scientific Python) has it: fzero.testing needs hypothesis, a test dependency,
-# and stands above the whole package (it imports fzero), so nothing here imports it.
-_LAZY_SUBMODULES = frozenset({"testing"})
 
 
 def __getattr__(name: str):
-    if name in _LAZY_SUBMODULES:
-        import importlib
-
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'fzero' has no attribute {name!r}")
+    if name in _PUBLIC:
+        module, attr = _PUBLIC[name]
+        value = importlib.import_module(module)
+        if attr is not None:
+            value = getattr(value, attr)
+    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'fzero' has no attribute {name!r}")
+    globals()[name] = value  # once: later reads are plain attribute lookups
+    return value
 
 
 def __dir__():
-    return sorted([*globals(), *_LAZY_SUBMODULES])
+    return sorted({*globals(), *_PUBLIC})

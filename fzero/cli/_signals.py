@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from fzero.distributed.preemption import REPEAT_S
+from fzero._signals import REPEAT_S
 
 __all__ = ["DEFAULT_GRACE_S", "POLL_S", "supervise"]
 

@@ -12,11 +12,15 @@ Subcommands::
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from fzero.cli import autotune, config_check, estimate, launch
-
 __all__ = ["build_parser", "main"]
+
+# The subcommands' modules, imported when their parser is built: ``fzero launch`` builds only
+# its own, so the launcher never imports torch (``fzero/__init__.py`` is lazy).
+SUBCOMMANDS = {"launch": "fzero.cli.launch", "estimate": "fzero.cli.estimate", "autotune": "fzero.cli.autotune",
+               "config": "fzero.cli.config_check"}
 
 
 def _checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -25,15 +29,20 @@ def _checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return run(args, parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of ``command``'s alone (``main`` asks for the one
+    named first on the command line, so that running it imports only its module)."""
     parser = argparse.ArgumentParser(
         prog="fzero",
         description="fzero: JAX-style functional training on torch.func.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (launch, estimate, autotune, config_check):
-        p = module.add_parser(sub)
-        p.set_defaults(_parser=p)  # so errors are reported under "fzero SUBCOMMAND"
+    for name, module in SUBCOMMANDS.items():
+        if command in (None, name):
+            p = importlib.import_module(module).add_parser(sub)
+            p.set_defaults(_parser=p)  # so errors are reported under "fzero SUBCOMMAND"
+    if command not in (None, "checkpoint"):
+        return parser
     from fzero.checkpoint.cli import add_arguments
 
     ck = sub.add_parser("checkpoint", help="inspect, verify or export a saved checkpoint",
@@ -49,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Usage errors exit with code 2 and a message ``fzero SUBCOMMAND: error: ...``.
     """
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    first = argv[0] if argv else None
+    parser = build_parser(first if first in SUBCOMMANDS or first == "checkpoint" else None)
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

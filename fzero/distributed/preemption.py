@@ -38,13 +38,12 @@ import time
 import torch.distributed as dist
 
 from fzero.distributed import checkin, comm, device_check
+from fzero._signals import REPEAT_S
 from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
 __all__ = ["REPEAT_S", "preempted", "uninstall"]
 
 WHERE = "fzero.preempted"
-#: Signals this close to the first (seconds) are the same request, not a second one.
-REPEAT_S = 1.0
 
 _STATE: dict = {"installed": False, "previous": None, "first": None, "agreed": None, "group": None, "default": None}
 _LOCK = threading.Lock()
