@@ -149,21 +149,26 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
                 return comm.reduce_scatter_flat(half, x, async_op=True)
             return comm.all_gather_flat(x, half, async_op=True)
 
-        # Each kind as fzero pays it, through fzero's own helpers (a pair of gloo ranks
-        # exchanges: fzero/distributed/_pair.py): its buckets are issued asynchronously, back
-        # to back, and waited for later, so 16 small ones in flight at once (latency), and one
-        # of 8 MiB (bandwidth). Gloo's algorithms are not all rings: its reduce-scatter costs
-        # what its all-reduce does, which the ring's formula would halve.
+        # Each kind as fzero pays it, through fzero's own helpers: its buckets are issued
+        # asynchronously, back to back, and waited for later, so 16 small ones in flight at
+        # once (latency), and one of 8 MiB (bandwidth). Gloo's algorithms are not all rings:
+        # its reduce-scatter costs what its all-reduce does, which the ring's formula would
+        # halve. A pair of ranks exchanges instead (fzero/distributed/_pair.py), measured apart.
         out = {}
-        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
-            def in_flight(kind=kind):
-                dist.barrier()
-                for w in [launch(kind, small, half_small) for _ in range(16)]:
-                    w.wait()
+        # Both ways a group pays them: gloo's own collectives (groups of more than two ranks)
+        # and a pair's exchanges (fzero's on two ranks), keys prefixed "pair_".
+        for prefix, pair in (("", "0"), ("pair_", "1")):
+            os.environ["FZERO_GLOO_PAIR"] = pair
+            for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+                def in_flight(kind=kind):
+                    dist.barrier()
+                    for w in [launch(kind, small, half_small) for _ in range(16)]:
+                        w.wait()
 
-            out[f"{kind}_4KiB_s"] = (_median_time(in_flight, reps=7) - t_barrier) / 16
-            out[f"{kind}_8MiB_s"] = _median_time(lambda kind=kind: (dist.barrier(), launch(kind, big, half_big).wait()),
-                                                 reps=7) - t_barrier
+                out[f"{prefix}{kind}_4KiB_s"] = (_median_time(in_flight, reps=7) - t_barrier) / 16
+                out[f"{prefix}{kind}_8MiB_s"] = _median_time(
+                    lambda kind=kind: (dist.barrier(), launch(kind, big, half_big).wait()), reps=7) - t_barrier
+        os.environ.pop("FZERO_GLOO_PAIR")
 
         # Tensor parallelism's all-reduces: one at a time, each waited for before the next.
         def serial():
@@ -248,11 +253,12 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     free = free_cores(coll, flops_alone, cores)
     slowed = min(1.0, free / 2)  # bandwidths measured on 2 ranks sharing the free cores: scaled back
-    kinds = {}
-    for kind, n in steps.items():
-        lat = max(coll[f"{kind}_4KiB_s"] / n, 1e-7)
-        bw = sent.get(kind, 0.5) * 8 * 2**20 / max(coll[f"{kind}_8MiB_s"] - n * lat, 1e-9)
-        kinds[kind] = {"bandwidth": bw / slowed, "latency": lat}
+    kinds, pair_kinds = {}, {}
+    for prefix, into in (("", kinds), ("pair_", pair_kinds)):
+        for kind, n in steps.items():
+            lat = max(coll[f"{prefix}{kind}_4KiB_s"] / n, 1e-7)
+            bw = sent.get(kind, 0.5) * 8 * 2**20 / max(coll[f"{prefix}{kind}_8MiB_s"] - n * lat, 1e-9)
+            into[kind] = {"bandwidth": bw / slowed, "latency": lat}
     latency, bandwidth = kinds["all_reduce"]["latency"], kinds["all_reduce"]["bandwidth"]
     serial_latency = max(coll["all_reduce_4KiB_serial_s"] / 2, 1e-7)
     t_mm, t_ar, t_both = coll["matmul_loop_s"], coll["all_reduce_8MiB_s"], coll["all_reduce_behind_matmul_s"]
@@ -268,7 +274,8 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
         ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
-        collective_overhead=0.0, host_async=False, collectives=kinds, serial_latency=serial_latency)
+        collective_overhead=0.0, host_async=False, collectives=kinds, pair_collectives=pair_kinds,
+        serial_latency=serial_latency)
     save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
                  fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone, **coll)
     return machine

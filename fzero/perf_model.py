@@ -133,6 +133,10 @@ class Machine:
     rank, steps of the ring). A backend whose algorithm is not the ring's (gloo's
     reduce-scatter costs what its all-reduce does) is described by these; a kind not here
     uses the ``intra``/``inter`` link. Empty on the datasheet presets: NCCL's rings."""
+    pair_collectives: dict = field(default_factory=dict)
+    """As ``collectives``, for a group of two ranks where fzero's collectives are exchanges of
+    point-to-point messages rather than the backend's (a gloo pair:
+    ``fzero/distributed/_pair.py``). A kind not here uses ``collectives``."""
     serial_latency: float = 0.0
     """Seconds per ring step of a collective issued alone and waited for at once (tensor
     parallelism's all-reduces on the critical path), when it is more than the in-flight
@@ -329,9 +333,11 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     compute = (flops / m.matmul_flops[lay.precision] + elem_bytes / m.elementwise_bandwidth) / share
     bubble = compute * (pp - 1) / k
 
-    def link(span: int, kind: str | None = None, serial: bool = False) -> Link:
+    def link(span: int, kind: str | None = None, serial: bool = False, group: int = 0) -> Link:
         base = m.intra if span <= m.ranks_per_node else m.inter
-        if kind in m.collectives:
+        if group == 2 and kind in m.pair_collectives:
+            base = Link(**m.pair_collectives[kind])
+        elif kind in m.collectives:
             base = Link(**m.collectives[kind])
         latency = max(base.latency, m.serial_latency) if serial else base.latency
         return Link(bandwidth=base.bandwidth * share, latency=latency)
@@ -341,7 +347,7 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     secs = {"backward": 0.0, "forward": 0.0, "after": 0.0}
     last = {"backward": 0.0, "forward": 0.0}
     for kind, payload, when in colls:
-        t = ring_seconds(kind, payload, dp, link(dp * tp, kind))
+        t = ring_seconds(kind, payload, dp, link(dp * tp, kind, group=dp))
         secs[when] += t
         last[when] = t  # the last reduce, the first gather: never behind compute
     dp_comm = sum(secs.values())
@@ -358,7 +364,7 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     act = micro_tokens * w.hidden * PRECISIONS[lay.precision]
     blocks = w.layers / pp
     n_tp = int(4 * blocks * k) if tp > 1 else 0
-    tp_comm = n_tp * ring_seconds("all_reduce", act, tp, link(tp, "all_reduce", serial=True))
+    tp_comm = n_tp * ring_seconds("all_reduce", act, tp, link(tp, "all_reduce", serial=True, group=tp))
     # pipeline: a micro-batch's activations forward and its gradient back, per slot of the schedule
     n_pp = 2 * (k + pp - 1) if pp > 1 else 0
     pp_comm = n_pp * ring_seconds("send", act, 2, link(tp * dp * pp))
@@ -433,12 +439,13 @@ def load_machine(path: str) -> Machine:
         machine = Machine(**{k: Link(**v) if k in ("intra", "inter") else v for k, v in data.items() if k in names})
     except TypeError as e:
         raise ValueError(f"load_machine: {path}: {e}") from None
-    bad = sorted(k for k, v in machine.collectives.items()
-                 if k not in ("all_reduce", "reduce_scatter", "all_gather") or not isinstance(v, dict)
-                 or set(v) != {"bandwidth", "latency"})
-    if bad:
-        raise ValueError(f"load_machine: {path}: collectives: {', '.join(bad)}: each must be one of all_reduce, "
-                         f"reduce_scatter, all_gather with exactly bandwidth and latency")
+    for field_name in ("collectives", "pair_collectives"):
+        bad = sorted(k for k, v in getattr(machine, field_name).items()
+                     if k not in ("all_reduce", "reduce_scatter", "all_gather") or not isinstance(v, dict)
+                     or set(v) != {"bandwidth", "latency"})
+        if bad:
+            raise ValueError(f"load_machine: {path}: {field_name}: {', '.join(bad)}: each must be one of "
+                             f"all_reduce, reduce_scatter, all_gather with exactly bandwidth and latency")
     return machine
 
 

@@ -131,6 +131,22 @@ def test_measured_collective_costs_replace_the_rings_by_kind():
         step_time(_workload(layers=2), tp, ROUND, global_batch=8).comm + 8 * 2 * 1e-3)
 
 
+def test_a_group_of_two_takes_the_pairs_costs_and_a_larger_group_the_collectives():
+    # fzero's collectives on a gloo pair are exchanges (fzero/distributed/_pair.py), measured
+    # apart: a reduce-scatter at 2 GB/s over two ranks, where gloo's own takes 0.5 GB/s.
+    w = _workload()
+    m = dataclasses.replace(ROUND, collectives={"reduce_scatter": {"bandwidth": 0.5e9, "latency": 0.0}},
+                            pair_collectives={"reduce_scatter": {"bandwidth": 2e9, "latency": 0.0}})
+    ring = dataclasses.replace(ROUND, collectives={"reduce_scatter": {"bandwidth": 1e9, "latency": 0.0}})
+    two, four = Layout(world_size=2, stage=2, bucket_bytes=32000), Layout(world_size=4, stage=2, bucket_bytes=32000)
+    # 2 ranks: the 16,000 B the reduce-scatter sends take 8 µs at the pair's 2 GB/s, not 16 at 1 GB/s
+    assert step_time(w, two, m, global_batch=8).comm - step_time(w, two, ring, global_batch=8).comm == \
+        pytest.approx(16000 / 2e9 - 16000 / 1e9)
+    # 4 ranks: gloo's 0.5 GB/s for the 24,000 B it sends
+    assert step_time(w, four, m, global_batch=8).comm - step_time(w, four, ring, global_batch=8).comm == \
+        pytest.approx(24000 / 0.5e9 - 24000 / 1e9)
+
+
 def test_layout_errors_name_the_argument():
     with pytest.raises(ValueError, match="stage"):
         Layout(world_size=2, stage=4)
@@ -156,6 +172,10 @@ def test_machine_round_trips_through_json(tmp_path):
     data["collectives"] = {"all_gather": {"bandwidth": 2e9}, "broadcast": {"bandwidth": 1.0, "latency": 0.0}}
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="collectives: all_gather, broadcast"):
+        load_machine(str(path))
+    data["collectives"], data["pair_collectives"] = {}, {"all_to_all": {"bandwidth": 1.0, "latency": 0.0}}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="pair_collectives: all_to_all"):
         load_machine(str(path))
 
 
