@@ -15,7 +15,8 @@
   ``k`` micro-batches; each collective costs ``sent / bandwidth + steps × latency``, ``steps``
   = ``N - 1`` for a reduce-scatter or all-gather, ``2(N - 1)`` for an all-reduce; a machine
   may carry measured bandwidth and latency per kind instead (``Machine.collectives``: gloo's
-  reduce-scatter is not a ring) and a latency for collectives issued one at a time
+  reduce-scatter is not a ring; ``Machine.pair_collectives`` for a group of two ranks, where
+  fzero exchanges point-to-point on gloo) and a latency for collectives issued one at a time
   (``Machine.serial_latency``, tensor parallelism's). Tensor
   parallelism all-reduces the activations 4 times per block per micro-batch, forward and
   backward (Megatron, Shoeybi et al. 2019, sec. 3), on the critical path; a pipeline sends a
