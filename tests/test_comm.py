@@ -506,3 +506,25 @@ def test_a_pair_exchange_that_never_completes_times_out_by_name(ranks):
         pool.restart()  # rank 0's send is still pending: as after any timed-out collective, the group is spent
     assert absent == "absent"
     assert said.startswith("test: collective all_reduce(the test's value) did not complete on rank 0 within 2 s"), said
+
+
+def _lonely_group():
+    """Only rank 0 makes the group: it gives up after the timeout, naming the group."""
+    if dist.get_rank() == 1:
+        return "absent"
+    try:
+        comm.new_gloo_group("the test's group (on rank 0 only)", timeout_s=1, where="test")
+    except comm.CollectiveError as e:
+        return str(e)
+    return "made"
+
+
+@multirank
+def test_a_gloo_group_a_rank_never_joins_is_named_after_the_timeout(ranks):
+    pool = ranks(2)
+    try:
+        said, absent = pool.run(_lonely_group)
+    finally:
+        pool.restart()  # rank 0's half-made group: the pool's world is spent
+    assert absent == "absent"
+    assert said.startswith("test: creating the test's group (on rank 0 only) did not complete on rank 0 within 1 s ("), said

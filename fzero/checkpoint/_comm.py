@@ -12,7 +12,6 @@ Messages are JSON bytes in uint8 tensors: no pickle (``broadcast_object_list`` p
 
 from __future__ import annotations
 
-import datetime
 import json
 import threading
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero.distributed import checkin, comm, device_check
+from fzero.distributed import comm, device_check
 from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
 __all__ = ["World", "world"]
@@ -93,14 +92,8 @@ def world(where: str, timeout_s: float | None = None, *, path: str | None = None
         if group is None:
             # Every rank reaches its first save/load at the same point of the program, so
             # every rank creates this group in the same order relative to other groups.
-            try:
-                group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
-            except Exception as e:  # noqa: BLE001  (DistStoreError: a rank did not come)
-                why = checkin.absent("new_group") or "a rank may have died or taken another path"
-                raise comm.CollectiveError(
-                    f"{where}: creating the checkpoint's process group (dist.new_group, on every rank's first "
-                    f"save or load) did not complete on rank {dist.get_rank()} within {max(timeout, 1.0):g} s "
-                    f"({why}): {e}") from e
+            group = comm.new_gloo_group("the checkpoint's process group (dist.new_group, on every rank's first "
+                                        "save or load)", timeout_s=timeout, where=where)
             _GROUPS[:] = [(d, g) for d, g in _GROUPS if dist.is_initialized()] + [(default, group)]
     out = World(dist.get_world_size(), dist.get_rank(), group, timeout, where)
     if path is not None:

@@ -36,7 +36,7 @@ from fzero.distributed._errors import CollectiveError
 __all__ = ["COPY_KINDS", "KINDS", "CollectiveError", "Pending", "Traffic", "all_gather_flat", "all_reduce",
            "all_to_all_flat", "broadcast",
            "group_ranks",
-           "copy_", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
+           "copy_", "new_gloo_group", "reduce_scatter_flat", "run", "sent_bytes", "start", "traffic"]
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on
 # the GPU machines) has only the old ones. Same arguments either way.
@@ -483,6 +483,25 @@ def start(name: str, fn: Callable[[], object], done: Callable[[], object] | None
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(f"{where}: collective {name} failed to start on rank {_rank()}: {e}") from e
     return Pending(name, work, done, where, device=_LAUNCH.device, what=_LAUNCH.what, launched=launched)
+
+
+def new_gloo_group(what: str, *, timeout_s: float, where: str):
+    """A gloo group of every rank of the default group (``dist.new_group``), for host data
+    beside the mesh's groups: the checkpoint's messages, the preemption flag. Every rank must
+    call it at the same point of its program. ``what`` says which group and when it is made,
+    for the error.
+
+    Raises:
+        CollectiveError: a rank did not come within ``timeout_s`` (at least 1 s), named from
+            the check-ins where they say.
+    """
+    timeout = max(timeout_s, 1.0)
+    try:
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001  (DistStoreError: a rank did not come)
+        why = checkin.absent("new_group") or "a rank may have died or taken another path"
+        raise CollectiveError(f"{where}: creating {what} did not complete on rank {_rank()} within {timeout:g} s "
+                              f"({why}): {e}") from e
 
 
 def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: float, where: str = "fzero",

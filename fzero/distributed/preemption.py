@@ -28,7 +28,6 @@ signals every process of the job reaches a rank both directly and through ``fzer
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import sys
@@ -37,7 +36,7 @@ import time
 
 import torch.distributed as dist
 
-from fzero.distributed import checkin, comm, device_check
+from fzero.distributed import comm, device_check
 from fzero._signals import REPEAT_S
 from fzero.distributed.mesh import DEFAULT_TIMEOUT_S
 
@@ -91,13 +90,8 @@ def _group(timeout_s: float):
         if _STATE["default"] is not default:
             # Every rank makes its first call at the same point of its loop, so every rank
             # creates this group in the same order relative to other groups.
-            try:
-                group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
-            except Exception as e:  # noqa: BLE001  (DistStoreError: a rank did not come)
-                why = checkin.absent("new_group") or "a rank may have died or taken another path"
-                raise comm.CollectiveError(
-                    f"{WHERE}: creating its process group (dist.new_group, on every rank's first call) did not "
-                    f"complete on rank {dist.get_rank()} within {max(timeout_s, 1.0):g} s ({why}): {e}") from e
+            group = comm.new_gloo_group("its process group (dist.new_group, on every rank's first call)",
+                                        timeout_s=timeout_s, where=WHERE)
             _STATE["default"], _STATE["group"] = default, group
         return _STATE["group"]
 
