@@ -497,14 +497,21 @@ def _pair_timeout():
     return "completed"
 
 
-@multirank
-def test_a_pair_exchange_that_never_completes_times_out_by_name(ranks):
+def _rank_0_alone(ranks, fn) -> str:
+    """What ``fn`` said on rank 0 while rank 1 stayed out; the pool is restarted after (what
+    rank 0 started, a send or a group, is left half done: the world is spent)."""
     pool = ranks(2)
     try:
-        said, absent = pool.run(_pair_timeout)
+        said, absent = pool.run(fn)
     finally:
-        pool.restart()  # rank 0's send is still pending: as after any timed-out collective, the group is spent
+        pool.restart()
     assert absent == "absent"
+    return said
+
+
+@multirank
+def test_a_pair_exchange_that_never_completes_times_out_by_name(ranks):
+    said = _rank_0_alone(ranks, _pair_timeout)
     assert said.startswith("test: collective all_reduce(the test's value) did not complete on rank 0 within 2 s"), said
 
 
@@ -521,10 +528,5 @@ def _lonely_group():
 
 @multirank
 def test_a_gloo_group_a_rank_never_joins_is_named_after_the_timeout(ranks):
-    pool = ranks(2)
-    try:
-        said, absent = pool.run(_lonely_group)
-    finally:
-        pool.restart()  # rank 0's half-made group: the pool's world is spent
-    assert absent == "absent"
+    said = _rank_0_alone(ranks, _lonely_group)
     assert said.startswith("test: creating the test's group (on rank 0 only) did not complete on rank 0 within 1 s ("), said
