@@ -157,6 +157,7 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         out = {}
         # Both ways a group pays them: gloo's own collectives (groups of more than two ranks)
         # and a pair's exchanges (fzero's on two ranks), keys prefixed "pair_".
+        before = os.environ.get("FZERO_GLOO_PAIR")
         for prefix, pair in (("", "0"), ("pair_", "1")):
             os.environ["FZERO_GLOO_PAIR"] = pair
             for kind in ("all_reduce", "reduce_scatter", "all_gather"):
@@ -168,7 +169,10 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
                 out[f"{prefix}{kind}_4KiB_s"] = (_median_time(in_flight, reps=7) - t_barrier) / 16
                 out[f"{prefix}{kind}_8MiB_s"] = _median_time(
                     lambda kind=kind: (dist.barrier(), launch(kind, big, half_big).wait()), reps=7) - t_barrier
-        os.environ.pop("FZERO_GLOO_PAIR")
+        if before is None:
+            os.environ.pop("FZERO_GLOO_PAIR")
+        else:  # the process's own setting again, for the serial all-reduces below
+            os.environ["FZERO_GLOO_PAIR"] = before
 
         # Tensor parallelism's all-reduces: one at a time, each waited for before the next.
         def serial():
