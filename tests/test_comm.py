@@ -437,7 +437,7 @@ def _pair_against_gloo():
     from fzero.distributed import _pair
 
     r = dist.get_rank()
-    assert _pair.peer(None, torch.zeros(1)) == 1 - r
+    assert _pair.peer(None, torch.zeros(1)) == _pair.Peer(rank=1 - r, me=r)
     g = torch.Generator().manual_seed(10 + r)  # every rank's inputs differ
     out = []
     for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):

@@ -3,8 +3,8 @@
 Why: gloo's own reduce-scatter is slower than its all-reduce of the same tensor, and its
 all-gather and small all-reduces pay bookkeeping a pair does not need
 (``benchmarks/collectives.py``, docs/performance.md: on this project's 2-core machines gloo's
-reduce-scatter of 3.5 MB took 6.4 ms, its all-reduce 4.7 ms, the exchange 3.2 ms). Between two ranks each of these collectives is
-one exchange: every rank sends the other what the other lacks and receives what it lacks,
+reduce-scatter of 3.5 MB took 6.4 ms, its all-reduce 4.7 ms, the exchange 3.2 ms). Between
+two ranks each of these collectives is one exchange: every rank sends the other what the other lacks and receives what it lacks,
 both directions at once, then (a reduction) adds what it received to what it kept.
 
 * reduce-scatter of ``x`` (``2n`` elements): send the peer's half, receive the peer's
@@ -34,13 +34,14 @@ import datetime
 import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from fzero.distributed._errors import CollectiveError
 
-__all__ = ["ALL_REDUCE_MAX_BYTES", "ENV", "PairWork", "all_gather", "all_reduce", "peer", "reduce_scatter"]
+__all__ = ["ALL_REDUCE_MAX_BYTES", "ENV", "PairWork", "Peer", "all_gather", "all_reduce", "peer", "reduce_scatter"]
 
 ENV = "FZERO_GLOO_PAIR"
 #: An all-reduce of at most this many bytes is one exchange; a larger one is gloo's ring.
@@ -54,28 +55,41 @@ _TAG_BASE = 1 << 24
 _TAG_SPAN = 1 << 20
 _OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 
-_peers: dict[object, int | None] = {}  # group -> the other rank's global rank, or None
+class Peer(NamedTuple):
+    """The other rank of a pair: its global rank, and this rank's place in the group (0 or 1),
+    which is the half of a flat buffer this rank owns."""
+
+    rank: int
+    me: int
+
+
+_peers: dict[object, Peer | None] = {}  # group -> the other rank, or None: not a gloo pair
 _tags: dict[object, int] = {}  # group -> exchanges started on it
 
 
-def peer(group, tensor: torch.Tensor) -> int | None:
-    """The other rank's global rank when a collective of ``tensor`` over ``group`` (``None``:
-    the default group) is an exchange: a gloo group of two, a CPU tensor, and not turned off by
+def _key(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def peer(group, tensor: torch.Tensor) -> Peer | None:
+    """The other rank when a collective of ``tensor`` over ``group`` (``None``: the default
+    group) is an exchange: a gloo group of two, a CPU tensor, and not turned off by
     :data:`ENV`; else ``None``."""
     if tensor.device.type != "cpu" or os.environ.get(ENV, "1") == "0":
         return None
-    key = group if group is not None else dist.group.WORLD
+    key = _key(group)
     if key not in _peers:
-        other = None
+        found = None
         if dist.get_world_size(key) == 2 and dist.get_backend(key) == "gloo":
             ranks = dist.get_process_group_ranks(key)
-            other = ranks[1 - ranks.index(dist.get_rank())]
-        _peers[key] = other
+            me = ranks.index(dist.get_rank())
+            found = Peer(ranks[1 - me], me)
+        _peers[key] = found
     return _peers[key]
 
 
 def _tag(group) -> int:
-    key = group if group is not None else dist.group.WORLD
+    key = _key(group)
     n = _tags.get(key, 0)
     _tags[key] = n + 1
     return _TAG_BASE + n % _TAG_SPAN
@@ -113,12 +127,12 @@ class PairWork:
         return True
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, other: int, group, finish, keep=()) -> PairWork:
+def _exchange(send: torch.Tensor, recv: torch.Tensor, other: Peer, group, finish, keep=()) -> PairWork:
     tag = _tag(group)
     works = []
     try:
-        works.append(dist.isend(send, dst=other, group=group, tag=tag))
-        works.append(dist.irecv(recv, src=other, group=group, tag=tag))
+        works.append(dist.isend(send, dst=other.rank, group=group, tag=tag))
+        works.append(dist.irecv(recv, src=other.rank, group=group, tag=tag))
     except CollectiveError:  # the device check's: raised where the collective starts
         raise
     except RuntimeError as e:  # a peer gone: fails on wait, as a collective that could not complete does
@@ -133,28 +147,27 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return sa < sb + b.numel() * b.element_size() and sb < sa + a.numel() * a.element_size()
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, other: int, *, group):  # noqa: A002
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, other: Peer, *, group):  # noqa: A002
     """Start the exchange that leaves this rank's half of the sum of both ranks' ``input`` in
     ``output``; ``None`` when the tensors do not suit one (the caller uses gloo's collective)."""
     n = output.numel()
     if (input.numel() != 2 * n or not input.is_contiguous() or not output.is_contiguous()
             or input.dtype != output.dtype or _overlaps(output, input)):
         return None
-    me = 1 - dist.get_group_rank(group if group is not None else dist.group.WORLD, other)
     halves = input.view(2, n)
-    mine = halves[me]
-    return _exchange(halves[1 - me], output, other, group, lambda: output.add_(mine.view(output.shape)),
+    mine = halves[other.me]
+    return _exchange(halves[1 - other.me], output, other, group, lambda: output.add_(mine.view(output.shape)),
                      keep=(input,))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, other: int, *, group):  # noqa: A002
+def all_gather(output: torch.Tensor, input: torch.Tensor, other: Peer, *, group):  # noqa: A002
     """Both ranks' ``input``, in group-rank order, into ``output``; ``None`` when the tensors do
     not suit an exchange."""
     n = input.numel()
     if (output.numel() != 2 * n or not input.is_contiguous() or not output.is_contiguous()
             or input.dtype != output.dtype):
         return None
-    me = 1 - dist.get_group_rank(group if group is not None else dist.group.WORLD, other)
+    me = other.me
     halves = output.view(2, n)
     if _overlaps(halves[1 - me], input):
         return None
@@ -163,7 +176,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, other: int, *, group):
     return _exchange(input, halves[1 - me], other, group, None)
 
 
-def all_reduce(tensor: torch.Tensor, other: int, *, group, op):
+def all_reduce(tensor: torch.Tensor, other: Peer, *, group, op):
     """Both ranks' ``tensor`` combined by ``op`` (sum, max or min) in place; ``None`` when it is
     too large to gain from an exchange, not contiguous, or another reduction."""
     if (not any(op == o for o in _OPS) or not tensor.is_contiguous()
