@@ -43,44 +43,7 @@ _PUBLIC = {
                                             "PrepareModuleInput", "RowwiseParallel", "SequenceParallel")},
 }
 
-__all__ = [
-    "ColwiseParallel",
-    "CompileOptions",
-    "Config",
-    "DivideAttributes",
-    "Mesh",
-    "NonFiniteGradientError",
-    "ReplicaDivergenceError",
-    "Params",
-    "PrepareModuleInput",
-    "SequenceParallel",
-    "Step",
-    "TrainState",
-    "accumulate",
-    "check_finite",
-    "checkpoint",
-    "clip",
-    "compile",
-    "data",
-    "functionalize",
-    "gather",
-    "global_mean",
-    "grad",
-    "load_into",
-    "mixed_precision",
-    "offload_optimizer",
-    "optim",
-    "pipeline",
-    "preempted",
-    "RowwiseParallel",
-    "remat",
-    "rng",
-    "shard_state",
-    "tensor_parallel",
-    "torch_autocast",
-    "tree",
-    "value_and_grad",
-]
+__all__ = sorted(_PUBLIC, key=str.lower)  # one list: every public name is one _PUBLIC holds
 
 
 
