@@ -503,7 +503,9 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     gradient is then dropped, so only what the sink keeps stays resident (a sink whose
     ``after_backward`` is true, with nothing to overlap, takes them all once backward is
     done: ``grad_sink.on_grads(indices, grads)``); ``grad_sink.finish()`` returns the
-    gradient leaves. ``loss_scale`` (the factor a
+    gradient leaves. A sink with an ``on_value`` attribute (not ``None``) is handed the
+    value (the loss, still attached) before backward starts, so that a reduction of it can
+    run while backward does. ``loss_scale`` (the factor a
     handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
     runs.
     """
@@ -539,6 +541,9 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
 
 
 def _backward_into(sink, value, inputs, wrt):
+    on_value = getattr(sink, "on_value", None)
+    if on_value is not None:  # the value is known before backward: a reduction of it can start now
+        on_value(value)
     if getattr(sink, "after_backward", False):  # the sink takes every gradient at once
         grads = [None] * len(wrt)
         if value.requires_grad and wrt:

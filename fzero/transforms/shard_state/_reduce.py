@@ -150,6 +150,8 @@ class ReduceSink:
         summed: the result is a sum over micro-batches (kept in fp32 at least).
         on_complete: called with a group's index once every gradient of it has arrived
             (ZeRO-3 frees the unit then).
+        on_value: called with the loss before backward starts (the loss's mean over the
+            ranks is launched then, to overlap backward).
         overlap: launch each group's collective as soon as it is complete, while backward
             goes on; ``False`` launches them all once backward is done (DeepSpeed's
             ``overlap_comm: false``: the same sums, later, with every bucket held at once).
@@ -158,7 +160,8 @@ class ReduceSink:
     def __init__(self, layout: Layout, leaf_names: list[str], *, group, world: int, stage: int,
                  reduce_in: torch.dtype | None, pool: BufferPool, timeout_s: float,
                  held: dict[int, torch.Tensor] | None = None, hold: dict[str, Any] | None = None,
-                 summed: bool = False, on_complete: Callable[[int], None] | None = None, overlap: bool = True):
+                 summed: bool = False, on_complete: Callable[[int], None] | None = None, overlap: bool = True,
+                 on_value: Callable[[torch.Tensor], None] | None = None):
         self.layout, self.group, self.world, self.stage = layout, group, world, stage
         self.overlap = overlap  # launch each group as it completes (else all at finish)
         self.reduce_in, self.pool, self.timeout_s = reduce_in, pool, timeout_s
@@ -169,7 +172,7 @@ class ReduceSink:
         self.carried = set(self.buffers)  # groups whose buffer holds earlier micro-batches' sum
         self.hold = hold
         self.summed = summed  # the result is a sum over micro-batches
-        self.on_complete = on_complete
+        self.on_complete, self.on_value = on_complete, on_value
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
         self.order = layout.reduce_order

@@ -95,6 +95,7 @@ class _ShardHandler(Handler):
         self.units: Units | None = None  # stage 3
         self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
+        self.loss_sums = None  # (loss, sums, pending): the all-reduce _mean_value waits for
         self.rows = -1  # the leading size of this step's local batch (-1: no batched tensor)
         self.rows_leaf: Any = None  # which leaf it is, for the error when ranks' sizes differ
         # An optimizer that exchanges across dp itself (the 1-bit family): whether this update
@@ -287,10 +288,26 @@ class _ShardHandler(Handler):
     def _sink(self, params, **options) -> ReduceSink:
         leaf_names = [path[0].entry for path in tree.paths(params)]
         # Local gradients: the sink of a world of one, which reduces nothing.
+        self.loss_sums = None
         return ReduceSink(self.layout, leaf_names, group=self.group, world=1 if self.local else self.world,
                           stage=self.stage,
                           reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s,
-                          overlap=self.overlap_comm, **options)
+                          overlap=self.overlap_comm, on_value=self._start_loss_sums if self.world > 1 else None,
+                          **options)
+
+    def _start_loss_sums(self, loss: torch.Tensor) -> None:
+        """Launch :meth:`_mean_value`'s all-reduce as soon as the loss is known, before
+        backward, so that it runs while backward does instead of after it."""
+        sums = self._loss_sums(loss)
+        self.loss_sums = (loss, sums, comm.start(
+            "all_reduce(loss and batch sizes)",
+            lambda: comm.all_reduce(sums, group=self.group, async_op=True, what="loss"), where=WHERE))
+
+    def _loss_sums(self, loss: torch.Tensor) -> torch.Tensor:
+        n, f64 = self.rows, torch.float64
+        # Made from the loss (a fill, not a copy from the host: no synchronisation on a GPU).
+        return torch.stack([loss.detach().reshape(()).to(f64), loss.new_full((), n, dtype=f64),
+                            loss.new_full((), n * n, dtype=f64)])
 
     def _mean_value(self, out, has_aux):
         """The loss averaged over ranks, and the check that every rank's local batch has the
@@ -298,19 +315,27 @@ class _ShardHandler(Handler):
         ``n``, ``n²`` of this rank's batch size. The sizes are all equal exactly when
         ``N·Σn² = (Σn)²`` (Cauchy-Schwarz); only then is an all-gather needed, to name them.
         Sums in fp64 (exact for the counts, and no bf16/fp16 rounding of the loss across
-        ranks). The counts are read on the host (the step's one synchronisation, as the
-        all-gather of sizes before it was), so the error is raised before ``apply_gradients``
-        can run, on every rank alike."""
+        ranks). The all-reduce was launched before backward (:meth:`_start_loss_sums`) when
+        the value backward started from is the one returned here (a transform inside this
+        one that rescales the value returns another: it is summed now). The counts are read
+        on the host (the step's one synchronisation, as the all-gather of sizes before it
+        was), so the error is raised before ``apply_gradients`` can run, on every rank
+        alike."""
         (value, grads) = out
         loss = value[0] if has_aux else value
         if self.world > 1:
-            n, f64 = self.rows, torch.float64
-            # Made from the loss (a fill, not a copy from the host: no synchronisation on a GPU).
-            sums = torch.stack([loss.detach().reshape(()).to(f64), loss.new_full((), n, dtype=f64),
-                                loss.new_full((), n * n, dtype=f64)])
-            comm.run("all_reduce(loss and batch sizes)",
-                     lambda: comm.all_reduce(sums, group=self.group, async_op=True, what="loss"),
-                     timeout_s=self.timeout_s, where=WHERE)
+            started, self.loss_sums = self.loss_sums, None
+            sums = None
+            if started is not None:
+                begun, sums, pending = started
+                pending.wait(self.timeout_s)
+                if not _same_values(begun, loss):  # every rank takes the same branch: same code path
+                    sums = None
+            if sums is None:
+                sums = self._loss_sums(loss)
+                comm.run("all_reduce(loss and batch sizes)",
+                         lambda: comm.all_reduce(sums, group=self.group, async_op=True, what="loss"),
+                         timeout_s=self.timeout_s, where=WHERE)
             total, squares = (int(x) for x in sums[1:].tolist())
             if self.world * squares != total * total:
                 self._batch_sizes_differ()
@@ -364,6 +389,13 @@ class _ShardHandler(Handler):
                                  timeout_s=self.timeout_s, into=train if context().donate else None)
         return new.replace(params=with_values(new.params, full))
 
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a`` (or ``a`` detached, reshaped): the same elements of the same storage."""
+    return (a.dtype == b.dtype and a.numel() == b.numel() == 1 and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset())
 
 
 def release_parameters(module: torch.nn.Module) -> None:
