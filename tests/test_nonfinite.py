@@ -385,3 +385,26 @@ def _flags_case(device):
 
 def test_the_nonfinite_check_is_isfinite_per_leaf():
     _flags_case("cpu")
+
+
+def test_the_count_checks_views_of_one_buffer_in_one_pass_and_nothing_between_them():
+    """Gradients as views of one flat buffer (stage 0's reduced groups) are checked as runs
+    of back-to-back leaves: every element of every leaf, and none of what lies between or
+    after them (padding), whatever the views' layouts."""
+    from fzero.transforms.finite import _spans, count_nonfinite
+
+    flat = torch.zeros(40)
+    leaves = [flat[0:6].view(2, 3), flat[6:10], flat[12:20].view(4, 2).t(), flat[20:24], flat[24:30], torch.zeros(3)]
+    spans = _spans(leaves)
+    assert [(x.storage_offset(), x.numel()) for x in spans] == [(0, 10), (12, 8), (20, 10), (0, 3)]
+    assert count_nonfinite(leaves, None).item() == 0
+    for gap in (10, 11, 30, 39):  # between the leaves, and the padding after them
+        flat.zero_()
+        flat[gap] = float("nan")
+        assert count_nonfinite(leaves, None).item() == 0, gap
+    for inside in (0, 5, 9, 12, 19, 20, 29):
+        flat.zero_()
+        flat[inside] = float("inf")
+        assert count_nonfinite(leaves, None).item() == 1, inside
+    leaves[-1][1] = float("nan")
+    assert count_nonfinite(leaves, None).item() == 2

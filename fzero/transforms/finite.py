@@ -90,16 +90,47 @@ def _bad_by_minmax(leaves: list) -> torch.Tensor:
 
 
 def count_nonfinite(leaves: list, state) -> torch.Tensor:
-    """How many of ``leaves`` hold an inf or NaN, as a 0-dim fp32 tensor on their device.
+    """More than 0 exactly when some of ``leaves`` holds an inf or NaN: a 0-dim fp32 tensor
+    on their device, counting the non-finite leaves, where leaves that lie back to back in
+    one storage (the views of a reduced flat buffer) count as one (:func:`_spans`).
 
     It is an *any*, so it goes to ``psum`` as a bare tensor: a leaf held whole by every tp
     rank is counted tp times, and the count is still > 0 exactly when some gradient is not
     finite (no LeafSums, no per-leaf vector).
     """
     total = torch.zeros((), dtype=torch.float32, device=_device_of(leaves, state))
-    for idx in _groups(leaves):  # in no particular order: no index to copy to the device
-        total = total + _bad([leaves[i] for i in idx], total.device).sum()
+    spans = _spans(leaves)
+    for idx in _groups(spans):  # in no particular order: no index to copy to the device
+        total = total + _bad([spans[i] for i in idx], total.device).sum()
     return total
+
+
+def _spans(leaves: list) -> list:
+    """``leaves`` with each run of contiguous leaves that lie back to back in one storage
+    (the gradients as views of a reduced flat buffer) replaced by one tensor over the run:
+    the same elements, one min-max pass instead of one per leaf. Leaves in any other layout
+    stay as they are."""
+    out, run, end = [], [], None
+    for x in leaves:
+        at = (x.untyped_storage().data_ptr(), x.dtype, x.device)
+        if run and x.is_contiguous() and (at, x.storage_offset()) == end:
+            run.append(x)
+        else:
+            out.append(_joined(run))
+            run = [x] if x.is_contiguous() else []
+            if not run:
+                out.append(x)
+        end = (at, x.storage_offset() + x.numel()) if run else None
+    out.append(_joined(run))
+    return [x for x in out if x is not None]
+
+
+def _joined(run: list):
+    if len(run) <= 1:
+        return run[0] if run else None
+    first = run[0]
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (sum(x.numel() for x in run),), (1,))
 
 
 class _FiniteHandler(Handler):
