@@ -69,15 +69,17 @@ def test_compiled_step_reports_grad_norm_on_both_paths():
         assert "grad_norm" in m
 
 
-def test_fused_path_is_taken_and_auto_skips_cpu():
+def test_fused_path_is_taken_and_auto_on_the_cpu_only_for_adam():
     tx = optim.adamw(1e-3)
     params = {"w": torch.ones(4)}
     grads = {"w": torch.ones(4)}
     state = tx.init(params)
     with optim.use_fused("on"), fzero_kernels.force_backend("reference"):
         assert fused_update(tx, grads, state, params) is not None
-    with optim.use_fused("auto"):
-        assert fused_update(tx, grads, state, params) is None  # CPU tensors: the chain runs
+    with optim.use_fused("auto"):  # CPU tensors: torch's own fused kernel for Adam(W), the chain for the rest
+        assert fused_update(tx, grads, state, params) is not None
+        lion = optim.lion(1e-3)
+        assert fused_update(lion, grads, lion.init(params), params) is None
     with optim.use_fused("on"):  # a chain that is not an alias (after a clip) runs unfused
         tx = optim.chain(optim.scale(2.0), optim.sgd(0.1))
         assert fused_update(tx, grads, tx.init(params), params) is None

@@ -91,6 +91,87 @@ def test_fused_step_equals_unfused_step(kind, stage, precision):
         _assert_same(fused, plain, kind, what)
 
 
+def _torch_fused_calls(monkeypatch):
+    """Count the calls of torch's fused CPU Adam/AdamW kernels, by name."""
+    calls = {"_fused_adamw_": 0, "_fused_adam_": 0}
+    for name in calls:
+        real = getattr(torch, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(torch, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_auto_on_the_cpu_runs_torchs_fused_kernel_and_equals_the_chain(monkeypatch, kind, stage, precision):
+    """``"auto"`` on the CPU: Adam and AdamW run torch's own fused CPU kernel (one pass, the
+    kernel of ``torch.optim.AdamW(fused=True)``), one call per step (per decay flag), no
+    fzero_kernels launch; with clipping, a loss scale and a skipped non-finite update, the
+    state and metrics are the chain's within fp32 rounding."""
+    calls = _torch_fused_calls(monkeypatch)
+    name = "_fused_adamw_" if kind == "adamw" else "_fused_adam_"
+    for clip in (False, True):
+        kw = dict(stage=stage, precision=precision, clip=clip, nan_at=1)
+        what = f"{kind} stage {stage} {precision} clip={clip}"
+        before = calls[name]
+        auto = _train(kind, mode="auto", **kw)
+        assert calls[name] - before == 3 and sum(auto[2]) == 0, (what, calls, auto[2])
+        assert [bool(m["skipped"]) for m in auto[1]] == [False, True, False], what
+        _assert_same(auto, _train(kind, mode="off", **kw), kind, what)
+
+
+def test_auto_on_the_cpu_is_torch_optim_adamw_fused_bit_for_bit():
+    """An independent reference: at stage 0 in one process each parameter is its own tensor,
+    as torch.optim's are, and the update is ``torch.optim.AdamW(fused=True)``'s, bit for bit
+    (the same kernel on the same tensors); the foreach AdamW within fp32 rounding."""
+    tx = optim.adamw(1e-2, b1=0.8, b2=0.95, weight_decay=0.1)
+    apply, params = fzero.functionalize(CASE.make())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=tx)
+    step = fzero.compile(ft.mse_step, zero=0)
+    refs = {}
+    for how in ("fused", "foreach"):
+        refs[how] = CASE.make()
+        refs[how + "_opt"] = torch.optim.AdamW(refs[how].parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1,
+                                               **{how: True})
+    state = step.init(state)
+    for i in range(4):
+        b = CASE.batch(4, i)
+        state, _ = step(state, b)
+        for how in ("fused", "foreach"):
+            refs[how + "_opt"].zero_grad()
+            F.mse_loss(refs[how](b["x"]), b["y"]).backward()
+            refs[how + "_opt"].step()
+    got = fzero.gather(state.params)
+    for k, v in refs["fused"].named_parameters():
+        assert torch.equal(got[k], v.detach()), k
+    ft.assert_trees_close(got, {k: v.detach() for k, v in refs["foreach"].named_parameters()}, what="foreach")
+
+
+def test_torchs_fused_kernel_writes_nothing_it_is_not_given():
+    """Torch's kernel writes its unscaling back into the gradients it reads: the path hands
+    it new tensors when it scales or clips, so a caller's gradients (and, not donated, its
+    parameters and moments) are as they were."""
+    from fzero.optim.fused import fused_update
+
+    tx = optim.chain(optim.clip_by_global_norm(0.01), optim.adamw(1e-2, weight_decay=0.1))
+    params = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    state = tx.init(params)
+    state = tx.update(grads, state, params)[1]  # moments not zero
+    kept = [x.clone() for x in fzero.tree.leaves((params, grads, state))]
+    new_p, new_s = fused_update(tx, grads, state, params, grad_scale=torch.tensor(4.0))
+    assert all(torch.equal(a, b) for a, b in zip(kept, fzero.tree.leaves((params, grads, state))))
+    with optim.use_fused("on"), fzero_kernels.force_backend("reference"):  # the kernels' arithmetic
+        want_p, want_s = fused_update(tx, grads, state, params, grad_scale=torch.tensor(4.0))
+    ft.assert_trees_close((new_p, new_s), (want_p, want_s))
+    assert not torch.equal(new_p["a"], params["a"])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -33,11 +33,14 @@ def test_is_a_pytree_with_static_fields():
 def test_apply_gradients_is_the_optimizer_update():
     state = make_state()
     g = tree.map(torch.randn_like, state.params)
-    new = state.apply_gradients(g)
+    with optim.use_fused("off"):  # the chain itself, bit for bit
+        new = state.apply_gradients(g)
     updates, opt = state.tx.update(g, state.opt_state, state.params)
     ft.assert_trees_close(new.params, optim.apply_updates(state.params, updates), rtol=0, atol=0)
     ft.assert_trees_close(new.opt_state, opt, rtol=0, atol=0)
     assert int(new.step) == 1 and int(state.step) == 0  # pure: the old state is unchanged
+    fused = state.apply_gradients(g)  # Adam on the CPU: torch's fused kernel, within rounding
+    ft.assert_trees_close((fused.params, fused.opt_state), (new.params, new.opt_state))
 
 
 def test_apply_gradients_structure_error_names_paths():

@@ -173,9 +173,9 @@ def _runs(operands: list[list[torch.Tensor]], keys: list[Any]) -> list[list[int]
 def _span(ts: list[torch.Tensor]) -> torch.Tensor:
     """The 1-D view of the storage ``ts`` (back to back, see :func:`_runs`) cover; a
     row-major copy when a single leaf is not contiguous."""
-    if len(ts) == 1 and not ts[0].is_contiguous():
-        return ts[0].detach().clone(memory_format=torch.contiguous_format).view(-1)
     t = ts[0].detach()
+    if len(ts) == 1:
+        return t.view(-1) if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format).view(-1)
     return t.as_strided((sum(x.numel() for x in ts),), (1,), t.storage_offset())
 
 
@@ -210,13 +210,15 @@ def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay:
 def _write_back(leaves: list[torch.Tensor], flat: torch.Tensor, run: _Run, donate: bool) -> None:
     """The run's new leaves into ``leaves`` (in place): views of ``flat``, or, for a donated
     non-contiguous leaf, the leaf itself with the row-major result copied into it."""
+    if donate:  # the spans are views of the leaves: written in place, but for a strided leaf
+        if len(run.leaves) == 1:
+            old = leaves[run.leaves[0]]
+            if flat.data_ptr() != old.data_ptr():  # updated on a row-major copy
+                old.copy_(flat.view(old.shape))
+        return
     off = 0
     for i, n in zip(run.leaves, run.sizes):
-        old, new = leaves[i], flat[off:off + n]
-        if not donate:
-            leaves[i] = new.view(old.shape)
-        elif new.data_ptr() != old.data_ptr():  # a strided leaf, updated on a row-major copy
-            old.copy_(new.view(old.shape))
+        leaves[i] = flat[off:off + n].view(leaves[i].shape)
         off += n
 
 
@@ -263,6 +265,43 @@ def _adam_groups(spec: FusedSpec, runs: list[_Run], *, lr: float, step: int, cli
               found_inf=found_inf, **clip)
 
 
+def _torch_adam(spec: FusedSpec, runs: list[_Run], *, lr: float, step: int, clip: dict, found_inf,
+                grad_scale) -> None:
+    """Adam/AdamW over the runs by torch's fused CPU kernel (``torch._fused_adamw_``), one call
+    per decay flag: one pass over each run instead of the chain's ten. The gradients it reads
+    are the kernels' (:func:`_torch_grads`); ``found_inf`` skips the update, as the kernels do."""
+    found = None if found_inf is None else (found_inf.reshape(()) > 0).to(torch.float32)
+    grads, bad = _torch_grads([r.grad for r in runs], grad_scale, clip)
+    if bad is not None:  # a non-finite sum of squares: the kernels skip the update
+        found = bad if found is None else torch.maximum(found, bad)
+    fn = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
+    steps = [torch.tensor(float(step))] * len(runs)  # read, never written, by the kernel
+    for decay in (True, False):
+        idx = [i for i, r in enumerate(runs) if r.decay == decay]
+        if idx:
+            fn([runs[i].param for i in idx], [grads[i] for i in idx], [runs[i].states[0] for i in idx],
+               [runs[i].states[1] for i in idx], [], steps[:len(idx)], lr=lr, beta1=spec.b1, beta2=spec.b2,
+               weight_decay=spec.weight_decay if decay else 0.0, eps=spec.eps, amsgrad=False, maximize=False,
+               grad_scale=None, found_inf=found)
+
+
+def _torch_grads(grads: list[torch.Tensor], grad_scale, clip: dict) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The fp32 gradients the update reads, as the kernels form them: divided by
+    ``grad_scale``, times the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` -- new
+    tensors then (torch's kernel would write its own unscaling back into the gradients it is
+    given); and 1.0 where the clip's sum of squares is not finite (else ``None``)."""
+    scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
+    if not scaled and not clip:
+        return [g if g.dtype == torch.float32 else g.to(torch.float32) for g in grads], None
+    out = [torch.div(g.to(torch.float32), grad_scale) for g in grads]
+    if not clip:
+        return out, None
+    sumsq = clip["grad_sumsq"]
+    coef = torch.clamp(clip["max_norm"] / (sumsq.sqrt().to(torch.float32) + 1e-6), max=1.0)
+    torch._foreach_mul_(out, coef)
+    return out, torch.logical_not(torch.isfinite(sumsq)).to(torch.float32)
+
+
 def _lamb(spec: FusedSpec, runs: list[_Run], params: Any, n_leaves: int, device, *, lr: float, step: int,
           clip: dict, found_inf, grad_scale) -> None:
     """LAMB: per run the per-tensor sums of squares (launch 1), one ``psum`` of them all
@@ -302,12 +341,20 @@ def fuses(tx: GradientTransformation, params: Any) -> bool:
         ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
     mode = _mode()
-    if mode == "off" or fused_spec_of(tx) is None:
+    spec = fused_spec_of(tx)
+    if mode == "off" or spec is None:
         return False
     p_leaves = tree.leaves(params)
     if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
         return False
-    return mode == "on" or _compiled(p_leaves[0])
+    return mode == "on" or _compiled(p_leaves[0]) or _torch_cpu(spec, p_leaves[0])
+
+
+def _torch_cpu(spec: FusedSpec, p: torch.Tensor) -> bool:
+    """Whether ``"auto"`` runs ``spec`` on ``p`` with torch's own fused CPU kernel (the one
+    ``torch.optim.AdamW(fused=True)`` runs): Adam and AdamW without ``eps_root``, on the CPU."""
+    return (p.device.type == "cpu" and spec.kind in ("adam", "adamw") and not spec.eps_root
+            and hasattr(torch, "_fused_adamw_"))
 
 
 def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any, *, donate: bool = False,
@@ -368,7 +415,9 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
         runs = _prepare(_runs([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay, donate)
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
-        if spec.kind == "lamb":
+        if _mode() == "auto" and _torch_cpu(spec, p_leaves[0]):
+            _torch_adam(spec, runs, **kw)
+        elif spec.kind == "lamb":
             _lamb(spec, runs, params, len(p_leaves), device, **kw)
         elif spec.kind in ("adam", "adamw") and len(runs) > 1:
             _adam_groups(spec, runs, **kw)
