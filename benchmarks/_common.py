@@ -70,8 +70,11 @@ def run_under_torchrun(script: str, argv) -> None:
 # --------------------------------------------------------------------------- the contestants
 
 
-def make_torch_optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=True)
+def make_torch_optimizer(params, fused: bool = False):
+    """torch.optim.AdamW with the benchmarks' hyperparameters: the multi-tensor (foreach)
+    implementation, torch's default, or with ``fused`` its one-pass fused kernel."""
+    how = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **how)
 
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ Every contestant trains a copy of one seeded initialisation on the same batches,
 clipping):
 
 * ``ddp``    -- ``DistributedDataParallel(gradient_as_bucket_view=True)`` + ``torch.optim.AdamW(foreach=True)``
+* ``ddp-fused`` -- the same DDP + ``torch.optim.AdamW(fused=True)``: torch's one-pass fused
+  kernel, the one ``fzero.optim.adamw`` runs on the CPU (its ratio separates that kernel's
+  share of fzero's speed from the rest)
 * ``fsdp2``  -- ``fully_shard`` on each block, then on the root + ``torch.optim.AdamW(foreach=True)``
 * ``zero0``..``zero3`` -- the pure ``train_step`` under ``fzero.compile(train_step, mesh, zero=s)``
   with ``fzero.optim.adamw``
@@ -127,14 +130,14 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 SCRIPT = "benchmarks/zero.py"
 DEEPSPEED = tuple(f"deepspeed{s}" for s in _deepspeed.STAGES)
-CONTESTANTS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3") + DEEPSPEED
+CONTESTANTS = ("ddp", "ddp-fused", "fsdp2", "zero0", "zero1", "zero2", "zero3") + DEEPSPEED
 # With --jit: fzero's contestants again under compile(jit=), each beside its eager one.
 JIT = ("ddp-jit", "fsdp2-jit") + tuple(f"zero{s}-jit" for s in range(4))
 LABELS = {**{f"zero{s}-jit": f"fzero stage {s}, jit" for s in range(4)}, "ddp-jit": "DDP + torch.compile",
-          "fsdp2-jit": "FSDP2 + torch.compile", "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
+          "fsdp2-jit": "FSDP2 + torch.compile", "ddp": "DDP", "ddp-fused": "DDP, fused AdamW", "fsdp2": "FSDP2 (fully_shard per block)", **{f"zero{s}": f"fzero stage {s}" for s in range(4)},
           **{f"deepspeed{s}": f"DeepSpeed stage {s}" for s in range(4)}}
 # The ZeRO stage whose formulas a contestant is held to: DDP's is 0, FSDP2's 3.
-STAGE = {**{f"zero{s}-jit": s for s in range(4)}, "ddp-jit": 0, "fsdp2-jit": 3, "ddp": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
+STAGE = {**{f"zero{s}-jit": s for s in range(4)}, "ddp-jit": 0, "fsdp2-jit": 3, "ddp": 0, "ddp-fused": 0, "fsdp2": 3, **{f"zero{s}": s for s in range(4)}, **{f"deepspeed{s}": s for s in range(4)}}
 # Bytes per parameter after backward, fp32 Adam, N ranks (ZeRO paper, fig. 1), by ZeRO stage
 # (DDP's is stage 0's, FSDP2's stage 3's).
 FORMULA = {0: lambda n: 16.0, 1: lambda n: 8 + 8 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
@@ -198,12 +201,12 @@ def jit_keywords(args) -> dict:
     return {} if args.jit in (None, True) else {"backend": args.jit}
 
 
-def build_ddp(jit=False):
+def build_ddp(jit=False, fused=False):
     def build(base, args, mesh):
         model = copy.deepcopy(base)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
         forward = torch.compile(ddp, **jit_keywords(args)) if jit else ddp
-        return torch_step(model, forward, make_torch_optimizer(model.parameters()))
+        return torch_step(model, forward, make_torch_optimizer(model.parameters(), fused=fused))
 
     return build
 
@@ -235,7 +238,7 @@ def build_fzero(stage, jit=False):
     return build
 
 
-BUILDERS = {"ddp": build_ddp(), "fsdp2": build_fsdp2(), "ddp-jit": build_ddp(jit=True),
+BUILDERS = {"ddp": build_ddp(), "ddp-fused": build_ddp(fused=True), "fsdp2": build_fsdp2(), "ddp-jit": build_ddp(jit=True),
             "fsdp2-jit": build_fsdp2(jit=True), **{f"zero{s}": build_fzero(s) for s in range(4)},
             **{f"zero{s}-jit": build_fzero(s, jit=True) for s in range(4)},
             **{f"deepspeed{s}": _deepspeed.build(s) for s in _deepspeed.STAGES}}
@@ -405,6 +408,7 @@ def run(args, argv) -> dict | None:
         largest = {k: max(p[n][k] for p in all_probes) for k in all_probes[0][n] if k not in ("sent_as", "c10d_kinds")}
         # Paired: this contestant's time over DDP's in the same round, median over rounds.
         paired = [a / b for a, b in zip(t, slowest["ddp"])] if "ddp" in slowest and t else []
+        paired_fused = [a / b for a, b in zip(t, slowest["ddp-fused"])] if "ddp-fused" in slowest and t else []
         formula = FORMULA[stage](world) * psi
         sent_formula = SENT[stage] * psi * (world - 1) / world * 4
         # fzero's step reads its own count from comm.traffic; every step has the c10d count.
@@ -414,6 +418,7 @@ def run(args, argv) -> dict | None:
         res[n] = {
             **time_stats(t),
             "x_ddp_paired": statistics.median(paired) if paired else None,
+            "x_ddp_fused_paired": statistics.median(paired_fused) if paired_fused else None,
             "state_bytes": largest["bytes"],
             "formula_bytes": formula,
             "x_formula": largest["bytes"] / formula,
@@ -525,6 +530,10 @@ def report(result: dict, rss: dict) -> None:
               f"{worst:.1e}")
         print("×DDP paired (median over rounds of the contestant's step time / DDP's in the same round): "
               + ", ".join(f"{n} {r['x_ddp_paired']:.3f}" for n, r in ran.items() if r["x_ddp_paired"] is not None))
+    if any(r.get("x_ddp_fused_paired") is not None for r in ran.values()):
+        print("×DDP-fused paired (the same, against DDP with torch.optim.AdamW(fused=True)): "
+              + ", ".join(f"{n} {r['x_ddp_fused_paired']:.3f}" for n, r in ran.items()
+                          if r.get("x_ddp_fused_paired") is not None))
     print(f"bytes sent, ZeRO formula in fp32: 2Ψ(N-1)/N × 4 B = {2 * psi * (world - 1) / world * 4 / MIB:.2f} MiB "
           f"(stages 0-2), 3Ψ(N-1)/N × 4 B = {3 * psi * (world - 1) / world * 4 / MIB:.2f} MiB (stage 3, FSDP2); "
           "DDP, FSDP2 and DeepSpeed: what the ring algorithm sends for the c10d ops of one step")
