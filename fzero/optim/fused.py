@@ -425,6 +425,12 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             for run in runs:
                 _launch(spec, run, **kw)
         new_p, new_s = list(p_leaves), [list(s) for s in s_leaves]
+        if not donate:  # an empty leaf (a piece another rank owns) is in no run: a fresh one, not a
+            # view that would keep the old state's storage alive
+            for leaves in (new_p, *new_s):
+                for i, t in enumerate(leaves):
+                    if not t.numel():
+                        leaves[i] = torch.empty_like(t)
         for run in runs:
             _write_back(new_p, run.param, run, donate)
             for leaves, flat in zip(new_s, run.states):
