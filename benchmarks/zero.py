@@ -553,8 +553,9 @@ def report(result: dict, rss: dict) -> None:
                   + (f" ({'=' if round(r['sent_bytes']) == round(r['c10d_sent_bytes']) else '≠'} "
                      f"comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
-            print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit once per step, not twice: "
-                  "it sends less than 3Ψ(N-1)/N")
+            print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit, and the units within "
+                  "max_reuse_distance (the bucket's worth by default), once per step, not twice: it sends less "
+                  "than 3Ψ(N-1)/N")
     ds = result["deepspeed"]
     if not ds["available"]:
         print(f"DeepSpeed: skipped, import deepspeed failed in this interpreter ({ds['why']})")

@@ -100,7 +100,8 @@ ORDER: tuple[Layer, ...] = (
     Layer("shard_state", lambda p: p.opts.zero > 0 or p.mesh.size(DATA_AXES) > 1,
           lambda s, p: shard_state(s, p.mesh, p.opts.zero, bucket_bytes=p.bucket_bytes, reduce_in=p.opts.reduce_in,
                                    buffer_sync=p.opts.buffer_sync, overlap_comm=p.opts.overlap_comm,
-                                   offload_param=p.opts.offload_param, pin_memory=p.opts.pin_memory),
+                                   offload_param=p.opts.offload_param, pin_memory=p.opts.pin_memory,
+                                   max_reuse_distance=p.opts.max_reuse_distance),
           "ranks exchange gradients and parameters of what the inner steps built"),
     Layer("offload_optimizer", lambda p: p.opts.offload_optimizer != "none",
           lambda s, p: offload_optimizer(s, pin_memory=p.opts.pin_memory, make_masters=p.opts.precision == "fp32"),
@@ -176,7 +177,7 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             fp16 scaler's settings, ``check_grad_overflow``, ``reduce_in``, ``bucket_bytes``,
             ``overlap_comm``, ``nonfinite`` (an update with an inf/NaN gradient: skipped by
             default), ``buffer_sync``, ``donate``, ``jit``, ``comm_bytes``, ``offload_optimizer``,
-            ``offload_param``, ``pin_memory``, ``tp``, ``pipeline``, ``trial``,
+            ``offload_param``, ``pin_memory``, ``max_reuse_distance``, ``tp``, ``pipeline``, ``trial``,
             ``check_replicas`` (every N updates, compare what should be identical across
             the ranks; :class:`fzero.ReplicaDivergenceError` names what differs), and the
             measuring ones. ``stage=`` and ``dtype=`` (the transforms' names) are still taken

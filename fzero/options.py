@@ -126,7 +126,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     **{name: CHECKS[name] for name in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                                        "consecutive_hysteresis", "min_loss_scale", "check_grad_overflow",
                                        "reduce_in", "bucket_bytes", "overlap_comm", "buffer_sync", "offload_param",
-                                       "pin_memory")},
+                                       "pin_memory", "max_reuse_distance")},
     "nonfinite": optional(choice("skip", "raise", "apply")),
     "torch_autocast": optional(choice("bf16")),  # torch_autocast(dtype=)
     "lower_precision_safe_modules": optional(_class_paths),  # torch_autocast(lower_precision_safe_modules=)
@@ -257,6 +257,15 @@ class CompileOptions:
     ``step.init`` from the model, 1/32 of the trainable parameters' bytes and at most
     ``DEFAULT_BUCKET_BYTES`` (25 MiB), at least 64 KiB, so the reduce buffers stay a small part of ZeRO's
     memory (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
+
+    max_reuse_distance: int | float | None = None
+    """ZeRO-3: a unit (a block) stays gathered from its forward to its backward, instead of
+    being freed and gathered again, when the elements gathered from its gather until its
+    backward (itself and the units after it) are at most this many -- DeepSpeed's
+    ``zero_optimization.stage3_max_reuse_distance``; the last blocks of forward, whose
+    backward comes first. ``0`` frees every unit after its forward (FSDP2's
+    ``reshard_after_forward=True``). ``None``: the bucket's worth of elements
+    (:func:`fzero.shard_state`'s ``max_reuse_distance``)."""
 
     overlap_comm: bool = True
     """Reduce each gradient bucket while backward goes on; ``False`` reduces them all after

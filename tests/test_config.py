@@ -952,3 +952,20 @@ def test_zero_allow_untested_optimizer_is_read_and_a_client_tx_needs_no_permissi
         state, m = step(state, {"x": torch.ones(4, 3), "y": torch.zeros(4, 2)})
         losses.append(float(m["loss"]))
     assert losses[0] == losses[1]
+
+
+def test_stage3_max_reuse_distance_decides_compiles_max_reuse_distance_under_either_name():
+    """DeepSpeed's stage3_max_reuse_distance (or max_reuse_distance) is compile's
+    max_reuse_distance, as written; not written, fzero's default stays; the two names at
+    once must agree; a negative one is refused, naming the key."""
+    zero = {"train_micro_batch_size_per_gpu": 1}
+    for written, want in (({"stage3_max_reuse_distance": 1e9}, 1e9), ({"max_reuse_distance": 0}, 0.0),
+                          ({"stage3_max_reuse_distance": 7, "max_reuse_distance": 7}, 7.0)):
+        cfg = load({**zero, "zero_optimization": {"stage": 3, **written}}, world_size=1)
+        assert cfg.decided_options()["max_reuse_distance"] == want and cfg.compile_options().max_reuse_distance == want
+    assert "max_reuse_distance" not in load({**zero, "zero_optimization": {"stage": 3}}, world_size=1).decided_options()
+    with pytest.raises(ValueError, match=r"stage3_max_reuse_distance=5 and max_reuse_distance=6 are one setting"):
+        load({**zero, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 5, "max_reuse_distance": 6}},
+             world_size=1)
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage3_max_reuse_distance must be a finite number >= 0"):
+        load({**zero, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -5}}, world_size=1)

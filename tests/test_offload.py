@@ -216,12 +216,15 @@ def _held(numel, world, rank):
     return max(0, min(numel, (rank + 1) * chunk) - rank * chunk)
 
 
-def _expected_copies(world, rank, precision, offload_optimizer):
+def _expected_copies(world, rank, precision, offload_optimizer, max_reuse_distance=None):
     """Bytes copied each way in one update: each gather copies the rank's slice of its group
-    to the device (each unit twice a micro-batch: for its forward and again for its
-    backward; the loose group once), and the update's new pieces go where the pieces live."""
+    to the device (each unit once a micro-batch, for its forward, where it stays gathered
+    until its backward -- this model is within the default ``max_reuse_distance``, a bucket's
+    worth -- and with ``max_reuse_distance=0`` again for its backward; the loose group
+    once), and the update's new pieces go where the pieces live."""
     item = 4 if precision == "fp32" else 2
-    gathers = MICRO * (2 * 2 * _chunk(UNIT, world) + _chunk(LOOSE, world)) * item
+    per_unit = 2 if max_reuse_distance == 0 else 1
+    gathers = MICRO * (per_unit * 2 * _chunk(UNIT, world) + _chunk(LOOSE, world)) * item
     held = 2 * _held(UNIT, world, rank) + _held(LOOSE, world, rank)
     if offload_optimizer == "cpu":  # the gradient pieces to the host; the update writes the pieces there
         return {"d2h": 4 * held, "h2d": gathers}
@@ -230,10 +233,10 @@ def _expected_copies(world, rank, precision, offload_optimizer):
     return {"d2h": item * held, "h2d": gathers}  # the masters' new low-precision pieces to the host
 
 
-def _run_blocks(offload_param, offload_optimizer, precision, donate, world, rank, steps=3):
+def _run_blocks(offload_param, offload_optimizer, precision, donate, world, rank, steps=3, max_reuse_distance=None):
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), zero=3, precision=precision, accumulate=MICRO, clip_norm=1.0,
                          offload_param=offload_param, offload_optimizer=offload_optimizer, comm_bytes=True,
-                         donate=donate)
+                         donate=donate, max_reuse_distance=max_reuse_distance)
     state, spent, gathered = step.init(_blocks_state()), [], []
     for b in _batches(world, steps=steps):
         before = comm.traffic.copy()
@@ -243,7 +246,7 @@ def _run_blocks(offload_param, offload_optimizer, precision, donate, world, rank
     return step, state, spent, gathered
 
 
-def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True):
+def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True, max_reuse_distance=None):
     """On each rank, under device_check.pretend() (host tensors told from device tensors as on
     a GPU: a collective handed a host tensor raises): the offloaded run's parameters and
     optimizer state equal stage 3's without offload bit for bit; the pieces are host tensors
@@ -253,8 +256,10 @@ def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True):
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     with device_check.pretend():
-        _, ref, _, _ = _run_blocks("none", offload_optimizer, precision, donate, world, rank)
-        _, state, spent, gathered = _run_blocks("cpu", offload_optimizer, precision, donate, world, rank)
+        _, ref, _, _ = _run_blocks("none", offload_optimizer, precision, donate, world, rank,
+                                   max_reuse_distance=max_reuse_distance)
+        _, state, spent, gathered = _run_blocks("cpu", offload_optimizer, precision, donate, world, rank,
+                                                max_reuse_distance=max_reuse_distance)
         for what, a, b in (("parameters", state.params, ref.params), ("optimizer state", state.opt_state,
                                                                        ref.opt_state),
                            ("masters", state.master, ref.master)):
@@ -270,7 +275,7 @@ def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True):
             # moments (and bf16's masters) unless offload_optimizer moved them, never the pieces.
             assert kept and all(device_check.is_host(x) == (offload_optimizer == "cpu") for x in kept), rank
         assert not _storages(state.params) & _storages(state.opt_state, state.master)
-    expected = _expected_copies(world, rank, precision, offload_optimizer)
+    expected = _expected_copies(world, rank, precision, offload_optimizer, max_reuse_distance)
     assert spent == [expected] * len(spent), (rank, spent, expected)
     if world > 1:  # every byte a gather copied to the device went into an all-gather of parameters
         gather_h2d = expected["h2d"] - (4 * (2 * _held(UNIT, world, rank) + _held(LOOSE, world, rank))
@@ -281,8 +286,9 @@ def _param_offload_equals_stage_3(precision, offload_optimizer, donate=True):
 
 @pytest.mark.parametrize("offload_optimizer", ["none", "cpu"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_parameter_offload_on_one_process_equals_stage_3_bit_for_bit(precision, offload_optimizer):
-    assert _param_offload_equals_stage_3(precision, offload_optimizer)
+@pytest.mark.parametrize("max_reuse_distance", [None, 0])
+def test_parameter_offload_on_one_process_equals_stage_3_bit_for_bit(precision, offload_optimizer, max_reuse_distance):
+    assert _param_offload_equals_stage_3(precision, offload_optimizer, max_reuse_distance=max_reuse_distance)
 
 
 def test_parameter_offload_without_donation_computes_the_same_bits():
@@ -316,10 +322,12 @@ def test_a_deepspeed_offload_param_section_decides_compile_offload_param():
     both = Config.load(_zero(stage=3, offload_optimizer={"device": "cpu"},
                              offload_param={"device": "cpu", "pin_memory": True}), world_size=1)
     assert both.compile_options().pin_memory and both.compile_options().offload_optimizer == "cpu"
-    # the compiled step from it offloads the parameters
-    step = fzero.compile(ft.mse_step, config=_zero(stage=3, offload_param={"device": "cpu"}))
+    # the compiled step from it offloads the parameters, and frees each unit after its
+    # forward as stage3_max_reuse_distance 0 says
+    step = fzero.compile(ft.mse_step, config=_zero(stage=3, offload_param={"device": "cpu"},
+                                                   stage3_max_reuse_distance=0))
     state = step.init(_blocks_state())
-    assert step.options.offload_param == "cpu"
+    assert step.options.offload_param == "cpu" and step.options.max_reuse_distance == 0
     before = comm.traffic.copy()
     state, _ = step(state, {"x": torch.ones(2, 4), "y": torch.zeros(2, 3)})
     # one micro-batch in bf16 on one process: each unit gathered twice, the loose group once;

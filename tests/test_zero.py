@@ -345,7 +345,7 @@ def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
     ft.assert_trees_close(torch.stack(losses), torch.stack(ref_losses), what=f"losses on rank {r}")
     ft.assert_trees_close(fzero.gather(state.params), ref.params, what=f"params on rank {r}")
     layout = step.handler.layout
-    return {"launched": launched, "gathered": gathered, "units": [gi for _, gi in units.modules],
+    return {"launched": launched, "gathered": gathered, "units": [gi for _, gi in units.modules], "keep": units.keep,
             "names": [g.names for g in layout.groups], "peak": step.handler.peak_reduce_bytes,
             "unit_bytes": max(layout.groups[gi].padded * 4 for gi in units.unit_groups),
             "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
@@ -361,13 +361,48 @@ def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bu
         assert names[launched[-1]][-1] == "wte.weight", res
         if bucket_bytes == 64:  # every loose parameter a group of its own: the final norm's come first
             assert names[launched[0]] == ["ln_f.bias"], res
-        # Forward gathers the units in forward order, backward in reverse.
+        # Forward gathers the units in forward order, backward in reverse; a unit within the
+        # default max_reuse_distance (the bucket's worth of elements: every unit of this model
+        # within 1 MiB, none within 64 bytes) stays gathered from its forward to its backward.
+        assert res["keep"] == (set(units) if bucket_bytes > 64 else set()), res
         assert [gi for gi, when in res["gathered"] if when == "forward"] == units, res
-        assert [gi for gi, when in res["gathered"] if when == "backward"] == units[::-1], res
+        assert [gi for gi, when in res["gathered"] if when == "backward"] == \
+            [gi for gi in units[::-1] if gi not in res["keep"]], res
         # The unit being filled and the one sent before it; a loose group whose first gradient
         # comes before its turn (one holding the final norm and the embeddings) stays too.
         limit = 2 * res["unit_bytes"] + (res["loose_bytes"] if bucket_bytes > 64 else 0)
         assert 0 < res["peak"] <= limit, (res["peak"], limit, res)
+
+
+def test_max_reuse_distance_keeps_the_last_units_within_it_and_the_step_is_the_same():
+    """One process, stage 3, TinyGPT's four blocks: the units kept gathered from forward to
+    backward are the last ones whose reuse distance (their own elements and the later units')
+    is within ``max_reuse_distance``; 0 keeps none; the keyword is checked; and whatever is
+    kept, the trajectory is the plain step's."""
+    def run(distance):
+        torch.manual_seed(3)
+        apply, params = fzero.functionalize(TinyGPT())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+        step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=64, max_reuse_distance=distance)
+        state = step.init(state)
+        g = torch.Generator().manual_seed(4)
+        losses = []
+        for _ in range(2):
+            state, m = step(state, {"idx": torch.randint(0, 16, (2, 8), generator=g),
+                                    "y": torch.randint(0, 16, (2, 8), generator=g)})
+            losses.append(m["loss"])
+        units = step.handler.units
+        return [gi for _, gi in units.modules], [units.groups[gi].padded for _, gi in units.modules], units.keep, \
+            torch.stack(losses), fzero.gather(state.params)
+
+    order, sizes, keep, losses, params = run(0)
+    assert len(order) == 4 and keep == frozenset()
+    for distance, last in ((sizes[-1] - 1, 0), (sizes[-1], 1), (sizes[-1] + sizes[-2], 2), (sum(sizes), 4)):
+        _, _, kept, got_losses, got_params = run(distance)
+        assert kept == set(order[len(order) - last:]), (distance, kept)
+        ft.assert_trees_close((got_losses, got_params), (losses, params), what=f"max_reuse_distance={distance}")
+    with pytest.raises(ValueError, match=r"max_reuse_distance=-1 must be a number >= 0 or None"):
+        fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, max_reuse_distance=-1)
 
 
 # --------------------------------------------------------------------------- errors

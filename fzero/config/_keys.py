@@ -390,10 +390,10 @@ _ZERO: dict[str, _Rule] = {
 # Stage-3 knobs, under both their field names and their "stage3_" aliases.
 for _name, _default in [("prefetch_bucket_size", 5e7), ("param_persistence_threshold", 1e5),
                         ("model_persistence_threshold", 2**63 - 1), ("max_live_parameters", 1e9),
-                        ("max_reuse_distance", 1e9),
                         ("module_granularity_threshold", 0), ("use_all_reduce_for_fetch_params", False),
                         ("allgather_sequential", False)]:
     _ZERO[_name] = _ZERO["stage3_" + _name] = _zero_perf(_default)
+_ZERO["max_reuse_distance"] = _ZERO["stage3_max_reuse_distance"] = _USE  # compile(max_reuse_distance=)
 for _name in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
               "stage3_gather_fp16_weights_on_model_save"):
     _ZERO[_name] = _noop("configures DeepSpeed's save_16bit_model; use fzero.checkpoint.export", takes="bool")

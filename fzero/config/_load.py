@@ -315,6 +315,13 @@ def _build(cls: type, d: Mapping[str, Any], world_size: int, source: str | None,
             offload = fields.pop("offload_optimizer", None)
             param = fields.pop("offload_param", None)
             _used(notes, "zero_optimization.", fields)
+            if "stage3_max_reuse_distance" in fields:  # DeepSpeed's two names of one knob
+                other = fields.pop("stage3_max_reuse_distance")
+                if fields.get("max_reuse_distance", other) != other:
+                    notes.problem("zero_optimization.stage3_max_reuse_distance", ValueError(
+                        f"{WHERE}: zero_optimization.stage3_max_reuse_distance={other!r} and max_reuse_distance="
+                        f"{fields['max_reuse_distance']!r} are one setting: write one"))
+                fields["max_reuse_distance"] = other
             if offload is not None:  # DeepSpeed's default is None: no offload
                 p = "zero_optimization.offload_optimizer"
                 offload = build(p, lambda: _fields(p + ".", _section(p, offload), _OFFLOAD_OPTIMIZER, notes))

@@ -460,6 +460,12 @@ class ZeroConfig:
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; ``None`` when not written (fzero overlaps)."""
 
+    max_reuse_distance: float | None = None
+    """``stage3_max_reuse_distance`` (or ``max_reuse_distance``): ZeRO-3 units whose reuse
+    distance, in elements, is at most this stay gathered from forward to backward
+    (``fzero.compile(max_reuse_distance=)``); ``None`` when not written (fzero's default, the
+    bucket's worth, rather than DeepSpeed's 1e9)."""
+
     offload_optimizer: Literal["none", "cpu"] | None = None
     """``offload_optimizer.device``: ``"cpu"`` keeps the masters and optimizer state on the
     host (``fzero.compile(offload_optimizer="cpu")``, stages 1-3); ``None`` when the config
@@ -484,6 +490,9 @@ class ZeroConfig:
                                _int(p + "reduce_bucket_size", self.reduce_bucket_size, minimum=1))
         if self.overlap_comm is not None:
             _bool(p + "overlap_comm", self.overlap_comm)
+        if self.max_reuse_distance is not None:
+            object.__setattr__(self, "max_reuse_distance",
+                               _num(p + "stage3_max_reuse_distance", self.max_reuse_distance, minimum=0.0))
         if self.offload_optimizer is not None:
             key = p + "offload_optimizer.device"
             device = offload_device(key, self.offload_optimizer)

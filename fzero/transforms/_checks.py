@@ -66,6 +66,11 @@ def positive_number(v) -> str | None:
     return None if ok else "must be a positive number"
 
 
+def nonneg_number(v) -> str | None:
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and v >= 0
+    return None if ok else "must be a number >= 0"
+
+
 def optional(check: Check) -> Check:
     def optional(v):
         why = None if v is None else check(v)
@@ -97,6 +102,7 @@ CHECKS: dict[str, Check] = {
     "buffer_sync": choice("broadcast", "mean", "local"),
     "offload_param": choice("none", "cpu"),
     "pin_memory": boolean,  # and offload_optimizer's
+    "max_reuse_distance": optional(nonneg_number),  # None: the bucket's worth of elements
     # mixed_precision (its dtype is checked there: "bf16" or "fp16")
     "loss_scale": _loss_scale,
     "initial_scale_power": _int,

@@ -69,9 +69,25 @@ class Group:
         infos = [self.info(i, group) for i in range(len(self.names))]
         return [Shard(local[self._in_owned(info)], info) for info in infos]
 
+    def owned_buffer(self, pieces: Mapping[str, Shard]) -> torch.Tensor | None:
+        """The one buffer this rank's ``pieces`` view, when they lie in it as its owned slice
+        is laid out (as :meth:`Layout.shard_params` lays them out, and an update in place
+        keeps them; its padding is zero there), else ``None``."""
+        local = [pieces[n].local for n in self.names]
+        base = local[0]._base
+        if base is None or base._base is not None or base.dim() != 1 or base.numel() != self.chunk \
+                or base.dtype != self.dtype:
+            return None
+        for i, t in enumerate(local):
+            if t.numel() and (t._base is not base  # an empty piece (owned by another rank) lies nowhere
+                              or t.storage_offset() - base.storage_offset() != self._in_owned(self.info(i)).start):
+                return None
+        return base
+
     def pack_own(self, pieces: Mapping[str, Shard]) -> torch.Tensor:
-        """This rank's owned slice, packed from its pieces by name (padding zero): what the
-        rank sends to an all-gather of the group. A new tensor, not a view of ``pieces``.
+        """This rank's owned slice (padding zero): what the rank sends to an all-gather of the
+        group. The buffer the pieces view when they are laid out so (:meth:`owned_buffer`: no
+        copy), else a new tensor packed from the pieces by name.
 
         Example (rank 1 of 2 owns elements 3-5 of the group ``b, a``: ``a[1:]`` and padding):
             >>> params = {"a": torch.arange(3.), "b": torch.arange(3., 5.)}
@@ -79,6 +95,9 @@ class Group:
             >>> layout.groups[0].pack_own(layout.shard_params(params)).tolist()
             [1.0, 2.0, 0.0]
         """
+        base = self.owned_buffer(pieces)
+        if base is not None and base.device == self.device:
+            return base
         own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
         for i, name in enumerate(self.names):
             own[self._in_owned(self.info(i))] = pieces[name].local.reshape(-1)

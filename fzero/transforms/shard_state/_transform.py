@@ -72,8 +72,9 @@ class _ShardHandler(Handler):
     def __init__(self, mesh: Mesh, stage: int, bucket_bytes, units, timeout_s: float | None,
                  reduce_in: torch.dtype | None = None, prefetch: bool = True,
                  buffer_sync: str = "broadcast", overlap_comm: bool = True, offload_param: bool = False,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, max_reuse_distance: int | None = None):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
+        self.max_reuse_distance = max_reuse_distance  # stage 3 (None: the bucket's worth, at init)
         # Stage 3's parameter offload: this rank's pieces live on the host between uses.
         self.offload_param, self.pin = offload_param, pin_memory and torch.cuda.is_available()
         self.overlap_comm = overlap_comm
@@ -172,14 +173,33 @@ class _ShardHandler(Handler):
             return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), master=master)
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
-        self.units = Units(self.layout, [(m, self.layout.where[names[0]][0]) for m, names in found],
-                           group=self.group, world=self.world, timeout_s=self.timeout_s, prefetch=self.prefetch,
-                           host=self.offload_param, pin_memory=self.pin)
+        modules = [(m, self.layout.where[names[0]][0]) for m, names in found]
+        self.units = Units(self.layout, modules, group=self.group, world=self.world, timeout_s=self.timeout_s,
+                           prefetch=self.prefetch, host=self.offload_param, pin_memory=self.pin,
+                           keep=self._kept([gi for _, gi in modules]))
         target = master or with_values(trainable_view(params), shards)
         opt_state = state.tx.init(target)  # on the device, beside the pieces it was built over
         if self.offload_param:
             shards = self._on_host(shards)
         return state.replace(params=with_values(params, shards), opt_state=opt_state, master=master)
+
+    def _kept(self, order: list[int]) -> set[int]:
+        """Stage 3: the units (group indices, ``order`` their forward order) that stay gathered
+        from their forward to their backward instead of being freed and gathered again: each
+        unit whose *reuse distance* -- the elements gathered from its own gather until its
+        backward needs it again, itself and the units after it (each gathered once) -- is at
+        most ``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``; default the
+        bucket's worth of elements). The last units of forward, whose backward comes first."""
+        budget = self.max_reuse_distance
+        if budget is None:
+            budget = self.bucket // max(1, self.layout.groups[order[0]].dtype.itemsize) if order else 0
+        kept, distance = set(), 0
+        for gi in reversed(order):
+            distance += self.layout.groups[gi].padded
+            if distance > budget:
+                break
+            kept.add(gi)
+        return kept
 
     def _bucket(self, train: dict[str, torch.Tensor]) -> int:
         """The bucket in bytes: the one given (a config's ``"auto"`` one is asked now), else
@@ -452,6 +472,7 @@ def shard_state(
     overlap_comm: bool = True,
     offload_param: Literal["none", "cpu"] = "none",
     pin_memory: bool = False,
+    max_reuse_distance: int | None = None,
 ) -> Step:
     """Data parallelism with ZeRO partitioning over the mesh's ``dp`` axis.
 
@@ -496,6 +517,13 @@ def shard_state(
             ``fzero.distributed.comm.traffic``.
         pin_memory: with ``offload_param``: page-lock the host pieces (faster, asynchronous
             copies to a GPU; ignored without CUDA).
+        max_reuse_distance: stage 3: a unit stays gathered from its forward to its backward,
+            instead of being freed and gathered again, when the elements gathered from its
+            gather until its backward (itself and the units after it) are at most this many
+            (DeepSpeed's ``stage3_max_reuse_distance``): the last units of forward, whose
+            backward comes first. ``0`` frees every unit after its forward (FSDP2's
+            ``reshard_after_forward=True``). Default: the bucket's worth of elements, so the
+            parameters kept so are at most what the reduce buffers already hold.
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
@@ -507,6 +535,7 @@ def shard_state(
     """
     for name, value in [("stage", stage), ("buffer_sync", buffer_sync), ("overlap_comm", overlap_comm),
                         ("offload_param", offload_param), ("pin_memory", pin_memory),
+                        ("max_reuse_distance", max_reuse_distance),
                         *([] if callable(bucket_bytes) else [("bucket_bytes", bucket_bytes)])]:
         check_option(WHERE, name, value)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -520,7 +549,7 @@ def shard_state(
     mesh = mesh if mesh is not None else Mesh(dp=-1)
     inner = as_step(step)
     handler = _ShardHandler(mesh, stage, bucket_bytes, units, timeout_s, reduce_in, prefetch, buffer_sync,
-                            overlap_comm, offload_param == "cpu", pin_memory)
+                            overlap_comm, offload_param == "cpu", pin_memory, max_reuse_distance)
 
     def after(state):  # partitions what every transform inside has built (masters included)
         return handler.init(mesh.place(state))

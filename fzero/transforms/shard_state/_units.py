@@ -49,6 +49,9 @@ class Units:
             them to the device first.
         pin_memory: with ``host``, pack pieces that are not laid out as one slice into
             page-locked buffers (copied without holding the host; ignored without CUDA).
+        keep: the units (group indices) that stay gathered from their forward until their
+            gradients are complete, instead of being freed after forward and gathered again
+            in backward (``shard_state``'s ``max_reuse_distance``).
 
     Attributes:
         peak_gathered_bytes: the most parameter bytes gathered at once (all-gathers in
@@ -69,7 +72,8 @@ class Units:
     """
 
     def __init__(self, layout: Layout, modules: list[tuple[torch.nn.Module, int]], *, group, world: int,
-                 timeout_s: float, prefetch: bool = True, host: bool = False, pin_memory: bool = False):
+                 timeout_s: float, prefetch: bool = True, host: bool = False, pin_memory: bool = False,
+                 keep: set[int] | frozenset[int] = frozenset()):
         self.groups: list[Group] = layout.groups
         self.host, self.pin = host, pin_memory and torch.cuda.is_available()
         self.ready: dict[int, tuple[torch.cuda.Event, torch.device]] = {}  # side-stream work's end, by group
@@ -78,6 +82,7 @@ class Units:
         self.group, self.world, self.timeout_s, self.prefetching = group, world, timeout_s, prefetch
         self.full = [_empty_full(g) for g in self.groups]  # storage of size 0 while not gathered
         self.unit_groups = {gi for _, gi in modules}
+        self.keep = frozenset(keep)  # units not freed after their forward: their backward needs them soon
         # Prefetch (``prefetch=True``): once a unit is gathered, the all-gather of the next
         # unit in the direction of travel (forward order in forward, reverse in backward)
         # starts asynchronously, so it overlaps this unit's compute. Every rank runs the
@@ -171,7 +176,7 @@ class Units:
         # A forward run again inside backward (remat, torch.utils.checkpoint) is saving
         # the unit's parameters for the backward about to run: the unit stays gathered
         # until its gradients are complete (post_backward frees it then).
-        if torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() == -1 and gi not in self.keep:
             self.free(gi)
 
     def pre_backward(self, gi: int) -> None:
@@ -258,16 +263,12 @@ def _own_on_host(g: Group, pieces: dict[str, Shard], pin: bool) -> torch.Tensor:
     view when they are laid out so (as ``shard_state`` lays them out at ``init`` and an update
     in place keeps them), else a new one packed from them (padding zero, page-locked when
     ``pin``), as :meth:`Group.pack_own` packs on the device."""
-    local = [pieces[n].local for n in g.names]
-    base = local[0]._base
-    if base is not None and base._base is None and base.dim() == 1 and base.numel() == g.chunk \
-            and base.dtype == g.dtype and all(
-                t._base is base and t.storage_offset() - base.storage_offset() == g._in_owned(g.info(i)).start
-                for i, t in enumerate(local)):
+    base = g.owned_buffer(pieces)
+    if base is not None:
         return base
     own = torch.zeros(g.chunk, dtype=g.dtype, device="cpu", pin_memory=pin)
-    for i, t in enumerate(local):
-        own[g._in_owned(g.info(i))] = t.reshape(-1)
+    for i, name in enumerate(g.names):
+        own[g._in_owned(g.info(i))] = pieces[name].local.reshape(-1)
     return own
 
 
