@@ -111,7 +111,7 @@ def _psi(stage: int, bucket: str) -> tuple[int, int]:
 
 
 def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int = 4, bucket: str = "one",
-              overflow_check: bool = True) -> dict:
+              overflow_check: bool = True, kept: bool | None = None) -> dict:
     """Bytes one rank sends in one update of ``k`` micro-batches, by (kind, what).
 
     Gradients and parameters (``f = (N-1)/N``, ``g``/``p`` the bytes per element of the
@@ -126,8 +126,11 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
       all-gather of the parameters once, ``Ψp p f``: the paper's ``2 Ψp f`` at ``k = 1``;
     * stage 3, every micro-batch: a unit is gathered before its forward and again when
       backward first needs it (a prefetch only starts that same gather earlier), and its
-      gradient reduce-scattered: ``3 Ψu f``; the parameters outside every unit are gathered
-      once for the whole micro-batch and reduce-scattered: ``2 Ψo f``.
+      gradient reduce-scattered: ``3 Ψu f`` -- unless it is within ``max_reuse_distance``
+      (default the bucket's worth of elements: every unit with the 1 MiB bucket, none with
+      the 1-byte one), when it stays gathered from its forward to its backward: ``2 Ψu f``;
+      the parameters outside every unit are gathered once for the whole micro-batch and
+      reduce-scattered: ``2 Ψo f``.
 
     And the small collectives of every step: the loss with the batch-size check, all-reduced
     every micro-batch (three fp64 scalars: the loss, ``n`` and ``n²``, ``2·24 f``); and at
@@ -146,7 +149,9 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
         out[("reduce_scatter", "gradients")] = k * psi * grad_bytes * f
     else:
         out[("reduce_scatter", "gradients")] = k * (units + other) * grad_bytes * f
-        out[("all_gather", "parameters")] = k * (2 * units + other) * param_bytes * f
+        kept = bucket == "one" if kept is None else kept
+        gathers = 1 if kept else 2  # kept from forward to backward, or gathered again
+        out[("all_gather", "parameters")] = k * (gathers * units + other) * param_bytes * f
     if stage in (1, 2):
         out[("all_gather", "parameters")] = psi * param_bytes * f
     if overflow_check and stage >= 1:
@@ -228,10 +233,11 @@ def test_bf16_gradient_bytes_follow_the_reduce_dtype(ranks, stage, reduce_in, gr
     _check(ranks(N).run(_zero_traffic, stage, "one", 1, "bf16", reduce_in), expected)
 
 
-def _stage3_traffic(prefetch, steps=2):
+def _stage3_traffic(prefetch, max_reuse_distance=None, steps=2):
     n, r = dist.get_world_size(), dist.get_rank()
     apply, p = fzero.functionalize(_make_model())
-    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 3, bucket_bytes=BUCKETS["one"], prefetch=prefetch)
+    step = fzero.shard_state(ft.mse_step, fzero.Mesh(dp=-1), 3, bucket_bytes=BUCKETS["one"], prefetch=prefetch,
+                             max_reuse_distance=max_reuse_distance)
     state = step.init(fzero.TrainState.create(apply_fn=apply, params=p, tx=optim.adamw(1e-2)))
     out = []
     for b in _batches(steps, 2 * n):
@@ -243,10 +249,13 @@ def _stage3_traffic(prefetch, steps=2):
 
 @multirank
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_a_prefetched_unit_is_gathered_once_for_its_use(ranks, prefetch):
-    """Prefetching starts the next unit's gather early; it is not a second gather."""
-    for r, steps in enumerate(ranks(N).run(_stage3_traffic, prefetch)):
-        assert steps == [_expected(3, overflow_check=False)] * 2, (r, steps)  # shard_state alone: no flag
+@pytest.mark.parametrize("max_reuse_distance", [None, 0])
+def test_a_prefetched_unit_is_gathered_once_for_its_use(ranks, prefetch, max_reuse_distance):
+    """Prefetching starts the next unit's gather early; it is not a second gather (in forward,
+    and in backward where the units are freed after their forward: max_reuse_distance=0)."""
+    for r, steps in enumerate(ranks(N).run(_stage3_traffic, prefetch, max_reuse_distance)):
+        want = _expected(3, overflow_check=False, kept=max_reuse_distance is None)  # shard_state alone: no flag
+        assert steps == [want] * 2, (r, steps)
 
 
 # --------------------------------------------------------------------------- pipeline
