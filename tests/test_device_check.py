@@ -270,8 +270,8 @@ def _two_steps(step, mesh):
     (".cpu() of a device tensor", "all_reduce(x.cpu())"),
     ("ints made on the host", "all_gather(batch sizes)"),
     ("a host psum under ZeRO", "all_reduce(psum)"),
-    # the first collective of a one-group model's step: its gradients' (taken after backward)
-    ("a state step.init does not place", "reduce_scatter(gradient group 0, 140 elements)"),
+    # the first collective of a step: the loss's mean over the ranks, launched before backward
+    ("a state step.init does not place", "all_reduce(loss and batch sizes)"),
     ("a host send", "send of an activation"),
 ])
 def test_a_host_tensor_handed_to_a_collective_is_named(ranks, case, collective):
