@@ -179,10 +179,12 @@ class ReduceSink:
         self.next = 0  # position in ``order`` of the next group to launch
         self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
-        # One group at stages 0-1 (a model smaller than the bucket): nothing can overlap its one
+        # One group at stages 0-2 (a model smaller than the bucket): nothing can overlap its one
         # collective, so backward runs without a hook per parameter and the gradients come in
-        # at once (on_grads: one multi-tensor copy), as a C++ reducer would take them.
-        self.after_backward = (len(layout.groups) == 1 and stage <= 1 and on_complete is None)
+        # at once (on_grads: one multi-tensor copy), as a C++ reducer would take them. (Its
+        # buffer holds the whole gradient anyway; autograd's gradients beside it are freed
+        # as soon as they are copied.)
+        self.after_backward = (len(layout.groups) == 1 and stage <= 2 and on_complete is None)
 
     def _buffer(self, group, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
         """A reduce buffer for ``group``, from the pool (reusing resident memory instead of
