@@ -13,8 +13,11 @@ on a CPU host run, one core each):
   tiny leaves (2 and 64 of them: the per-step and per-leaf overheads) and one of 2 leaves of
   2M elements (what the step takes beyond the small one is the optimizer's pass:
   :data:`fzero.perf_model.OPTIMIZER_BYTES` per parameter; the gradient's own passes ride in it).
-* **free cores**: a 256³ matmul alone, and on 2 ranks at once; the cores the ranks get is
-  2 × (at once / alone): 2 on a quiet 2-core host, less when other jobs share it.
+* **free cores**: a forward and backward of two MLP blocks (a step's mix of matmuls,
+  GELU and LayerNorm) on one rank alone, and on 2 ranks at once; the cores the ranks get is
+  2 × (alone / at once): 2 on a quiet 2-core host whose cores share nothing, less when other
+  jobs share it or the ranks contend for memory. (A 256³ matmul, which stays in cache, is
+  measured the same way and kept in the JSON.)
 * **collectives** between 2 local gloo ranks, each kind (all-reduce, reduce-scatter,
   all-gather) alone: 16 of 4 KiB in flight at once, as fzero issues its buckets (latency per
   ring step), and one of 8 MiB (bandwidth, in the ring's bytes sent); 16 all-reduces of 4 KiB
@@ -120,6 +123,22 @@ def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7) -> float:
     return _median_time(one, reps=steps)
 
 
+def _block_pass():
+    """A forward and backward of two MLP blocks (LayerNorm, 256 → 1024 → 256 with GELU) on
+    1024 rows: the mix a transformer step runs, as one function of no arguments."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024),
+                                                       torch.nn.GELU(), torch.nn.Linear(1024, 256))
+                                   for _ in range(2)])
+    x = torch.randn(1024, 256)
+
+    def run():
+        blocks(x).square().mean().backward()
+        blocks.zero_grad(set_to_none=True)
+
+    return run
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -201,9 +220,15 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         # Both ranks at once: what a rank's compute gets while the other computes too.
         flops_together = 2 * 256 ** 3 * loops / t_mm
         t_both = _median_time(both, reps=5) - t_barrier
+        # A training step's own mix (matmuls, GELU, LayerNorm, their backward), on rank 0
+        # alone and on both ranks at once: the cores a step gets, memory traffic included.
+        block = _block_pass()
+        alone = _median_time(lambda: (dist.barrier(), block() if rank == 0 else None), reps=5) - t_barrier
+        together = _median_time(lambda: (dist.barrier(), block()), reps=5) - t_barrier
         if rank == 0:
             queue.put(dict(barrier_s=t_barrier, **out, matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
-                           matmul_flops_2_ranks_at_once=flops_together))
+                           matmul_flops_2_ranks_at_once=flops_together, block_pass_alone_s=alone,
+                           block_pass_2_ranks_at_once_s=together))
     finally:
         dist.destroy_process_group()
 
@@ -226,10 +251,17 @@ def _collectives(world: int = 2) -> dict:
 
 
 def free_cores(coll: dict, flops_alone: float, cores: int) -> float:
-    """The cores our ranks get, other jobs running: 2 ranks computing at once, each at a share
-    of one alone; a quiet 2-core host gives 2, a loaded one less. The model's rates scale by
-    ``min(1, this / ranks)``."""
-    return min(float(cores), max(0.25, 2 * coll["matmul_flops_2_ranks_at_once"] / flops_alone))
+    """The cores our ranks get: 2 ranks running a step's mix of work at once (a forward and
+    backward of MLP blocks), each at a share of one alone -- a quiet 2-core host whose cores
+    share nothing gives 2, a loaded one, or one whose two ranks contend for memory bandwidth
+    or a core's siblings, less. (A small matmul at once, which stays in cache, read 1.97 here
+    where real steps got about 1.25.) Without that measurement, the matmuls'. The model's
+    rates scale by ``min(1, this / ranks)``."""
+    if coll.get("block_pass_2_ranks_at_once_s"):
+        share = coll["block_pass_alone_s"] / coll["block_pass_2_ranks_at_once_s"]
+    else:
+        share = coll["matmul_flops_2_ranks_at_once"] / flops_alone
+    return min(float(cores), max(0.25, 2 * share))
 
 
 def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
