@@ -3,7 +3,8 @@
 The programs do the same math on the same batches from the same initial weights: AdamW
 (decoupled weight decay 0.1 on the Linear weight matrices only, warmup-cosine learning rate),
 gradients clipped to global norm 1.0. The plain one is the loop everyone writes -- the module,
-``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``; the fzero ones
+``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)`` (torch's default), and
+again with ``fused=True`` (torch's one-pass kernel, which fzero's AdamW runs on the CPU); the fzero ones
 are the pure ``train_step`` of ``examples/train_gpt.py``, clipped by
 ``fzero.compile(..., clip_norm=1.0)``, once with ``donate=False`` (a new state each step) and
 once with the default ``donate=True`` (the update written into the state it was given).
@@ -55,12 +56,12 @@ def lr_at(count: int) -> float:
     return END_LR + (LR - END_LR) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def make_plain(model: torch.nn.Module):
+def make_plain(model: torch.nn.Module, fused: bool = False):
     decay = [p for n, p in model.named_parameters() if not n.endswith(NO_DECAY)]
     no_decay = [p for n, p in model.named_parameters() if n.endswith(NO_DECAY)]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr_at(0), betas=BETAS, eps=EPS, foreach=True,
+        lr=lr_at(0), betas=BETAS, eps=EPS, **({"fused": True} if fused else {"foreach": True}),
     )
 
     def step(count: int, batch: dict) -> float:
@@ -128,10 +129,10 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     # Copies of one initialisation: functionalize shares storage with its module, so each
     # program must own separate tensors. deepcopy keeps the tied head tied.
-    programs = {"plain": make_plain(copy.deepcopy(model)), "fzero": make_fzero(copy.deepcopy(model), donate=False),
-                "donated": make_fzero(model, donate=True)}
-    labels = {"plain": "plain PyTorch (AdamW foreach)", "fzero": "fzero.compile(donate=False)",
-              "donated": "fzero.compile (donate=True, the default)"}
+    programs = {"plain": make_plain(copy.deepcopy(model)), "plain-fused": make_plain(copy.deepcopy(model), fused=True),
+                "fzero": make_fzero(copy.deepcopy(model), donate=False), "donated": make_fzero(model, donate=True)}
+    labels = {"plain": "plain PyTorch (AdamW foreach)", "plain-fused": "plain PyTorch (AdamW fused)",
+              "fzero": "fzero.compile(donate=False)", "donated": "fzero.compile (donate=True, the default)"}
     load_before = os.getloadavg()[0]
 
     g = torch.Generator().manual_seed(0)
