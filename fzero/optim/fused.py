@@ -293,12 +293,15 @@ def _torch_grads(grads: list[torch.Tensor], grad_scale, clip: dict) -> tuple[lis
     scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
     if not scaled and not clip:
         return [g if g.dtype == torch.float32 else g.to(torch.float32) for g in grads], None
-    out = [torch.div(g.to(torch.float32), grad_scale) for g in grads]
     if not clip:
-        return out, None
+        return [torch.div(g.to(torch.float32), grad_scale) for g in grads], None
     sumsq = clip["grad_sumsq"]
     coef = torch.clamp(clip["max_norm"] / (sumsq.sqrt().to(torch.float32) + 1e-6), max=1.0)
-    torch._foreach_mul_(out, coef)
+    if scaled:
+        out = [torch.div(g.to(torch.float32), grad_scale) for g in grads]
+        torch._foreach_mul_(out, coef)
+    else:  # one pass: the same bits as dividing by 1 first
+        out = torch._foreach_mul([g if g.dtype == torch.float32 else g.to(torch.float32) for g in grads], coef)
     return out, torch.logical_not(torch.isfinite(sumsq)).to(torch.float32)
 
 
