@@ -276,7 +276,9 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
     ``when`` being ``"backward"`` (hidden behind backward up to the overlap), ``"forward"``
     (stage 3's prefetched gathers) or ``"after"`` (exposed). The payloads are the table of
     docs/zero.md "Communication per step"; a group is one bucket (``bucket_bytes``) or, at
-    stage 3, one block.
+    stage 3, one block, gathered for its forward and again for its backward unless it is
+    among the last blocks within the default ``max_reuse_distance`` (the bucket's worth of
+    elements), which stay gathered in between.
 
     Example (ZeRO-2, Ψ' = 1000 fp32 parameters in one bucket, 1 micro-batch: the gradient
     reduce-scattered, 4000 B, and the parameters all-gathered, this rank's 1000/N each):
@@ -299,9 +301,11 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         units = max(1, workload.layers // layout.pp)
         psi_u = -(-workload.unit_params // (layout.tp * layout.pp))
         psi_o = psi - psi_u
+        per_unit = psi_u / units
+        kept = units if not per_unit else min(units, int((bucket // p) // per_unit))  # see shard_state's _kept
         for _ in range(k):
             out += [("all_gather", p * psi_o / n, "after")] if psi_o else []
-            out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units)
+            out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units - kept)
             out += [("reduce_scatter", g * psi_u / units, "backward")] * units
             out += [("reduce_scatter", g * psi_o, "backward")] if psi_o else []
         return out
