@@ -378,25 +378,33 @@ def test_max_reuse_distance_keeps_the_last_units_within_it_and_the_step_is_the_s
     """One process, stage 3, TinyGPT's four blocks: the units kept gathered from forward to
     backward are the last ones whose reuse distance (their own elements and the later units')
     is within ``max_reuse_distance``; 0 keeps none; the keyword is checked; and whatever is
-    kept, the trajectory is the plain step's."""
+    kept, the trajectory is the plain step's (the pure step, no ZeRO)."""
+    g = torch.Generator().manual_seed(4)
+    batches = [{"idx": torch.randint(0, 16, (2, 8), generator=g), "y": torch.randint(0, 16, (2, 8), generator=g)}
+               for _ in range(2)]
+
     def run(distance):
         torch.manual_seed(3)
         apply, params = fzero.functionalize(TinyGPT())
         state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
-        step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=64, max_reuse_distance=distance)
-        state = step.init(state)
-        g = torch.Generator().manual_seed(4)
+        step = _lm_step if distance is None else fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=64,
+                                                                   max_reuse_distance=distance)
+        if distance is not None:
+            state = step.init(state)
         losses = []
-        for _ in range(2):
-            state, m = step(state, {"idx": torch.randint(0, 16, (2, 8), generator=g),
-                                    "y": torch.randint(0, 16, (2, 8), generator=g)})
+        for b in batches:
+            state, m = step(state, b)
             losses.append(m["loss"])
+        if distance is None:
+            return torch.stack(losses), fzero.tree.map(lambda x: x.detach(), dict(state.params))
         units = step.handler.units
         return [gi for _, gi in units.modules], [units.groups[gi].padded for _, gi in units.modules], units.keep, \
             torch.stack(losses), fzero.gather(state.params)
 
-    order, sizes, keep, losses, params = run(0)
+    losses, params = run(None)
+    order, sizes, keep, got_losses, got_params = run(0)
     assert len(order) == 4 and keep == frozenset()
+    ft.assert_trees_close((got_losses, got_params), (losses, params), what="max_reuse_distance=0")
     for distance, last in ((sizes[-1] - 1, 0), (sizes[-1], 1), (sizes[-1] + sizes[-2], 2), (sum(sizes), 4)):
         _, _, kept, got_losses, got_params = run(distance)
         assert kept == set(order[len(order) - last:]), (distance, kept)
