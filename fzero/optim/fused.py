@@ -55,7 +55,7 @@ from fzero.optim._known import FusedSpec, fused_spec_of
 from fzero.optim.base import GradientTransformation
 from fzero.optim.transform import ScaleByAdamState, ScaleByLionState, ScaleByScheduleState, TraceState, _resolve_mask
 
-__all__ = ["fused_update", "use_fused"]
+__all__ = ["back_to_back", "fused_update", "span", "use_fused"]
 
 Mode = Literal["auto", "on", "off"]
 _forced: list[Mode] = []
@@ -152,7 +152,7 @@ def _follows(t: torch.Tensor, prev: torch.Tensor) -> bool:
             and t.storage_offset() == prev.storage_offset() + prev.numel())
 
 
-def _runs(operands: list[list[torch.Tensor]], keys: list[Any]) -> list[list[int]]:
+def back_to_back(operands: list[list[torch.Tensor]], keys: list[Any]) -> list[list[int]]:
     """Leaf indices cut into runs: consecutive in memory for every operand (each operand's
     tensors back to back in one storage) and of one ``keys`` value (the decay flag). Empty
     leaves are left out (nothing to update); a non-contiguous leaf is a run of its own."""
@@ -170,8 +170,8 @@ def _runs(operands: list[list[torch.Tensor]], keys: list[Any]) -> list[list[int]
     return runs
 
 
-def _span(ts: list[torch.Tensor]) -> torch.Tensor:
-    """The 1-D view of the storage ``ts`` (back to back, see :func:`_runs`) cover; a
+def span(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-D view of the storage ``ts`` (back to back, see :func:`back_to_back`) cover; a
     row-major copy when a single leaf is not contiguous."""
     t = ts[0].detach()
     if len(ts) == 1:
@@ -197,12 +197,12 @@ def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay:
     memory (the kernel writes the new state where it is); otherwise one copy per span."""
     out = []
     for idx in runs:
-        param = _span([p[i] for i in idx])
-        st = [_span([s[i] for i in idx]) for s in states]
+        param = span([p[i] for i in idx])
+        st = [span([s[i] for i in idx]) for s in states]
         if not donate:
             param = param.clone() if param.data_ptr() == p[idx[0]].data_ptr() else param
             st = [x.clone() if x.data_ptr() == s[idx[0]].data_ptr() else x for x, s in zip(st, states)]
-        grad = _span([g[i] for i in idx]) if len(idx) > 1 else g[idx[0]].detach().reshape(-1).contiguous()
+        grad = span([g[i] for i in idx]) if len(idx) > 1 else g[idx[0]].detach().reshape(-1).contiguous()
         out.append(_Run(idx, [p[i].numel() for i in idx], param, grad, st, decay[idx[0]]))
     return out
 
@@ -416,7 +416,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             sq = psum(LeafSums.of([grads], _leaf_norms(g_leaves, device).square(), total=True))
             emit_metric("grad_norm", sq.sqrt())
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
-        runs = _prepare(_runs([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay, donate)
+        runs = _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay, donate)
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
         if _mode() == "auto" and _torch_cpu(spec, p_leaves[0]):
             _torch_adam(spec, runs, **kw)

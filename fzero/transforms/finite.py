@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
+from fzero.optim.fused import back_to_back, span
 from fzero.transforms.shard_state import is_shard
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum)
 from fzero.transforms._deferred import is_deferred
@@ -107,30 +108,11 @@ def count_nonfinite(leaves: list, state) -> torch.Tensor:
 
 def _spans(leaves: list) -> list:
     """``leaves`` with each run of contiguous leaves that lie back to back in one storage
-    (the gradients as views of a reduced flat buffer) replaced by one tensor over the run:
-    the same elements, one min-max pass instead of one per leaf. Leaves in any other layout
-    stay as they are."""
-    out, run, end = [], [], None
-    for x in leaves:
-        at = (x.untyped_storage().data_ptr(), x.dtype, x.device)
-        if run and x.is_contiguous() and (at, x.storage_offset()) == end:
-            run.append(x)
-        else:
-            out.append(_joined(run))
-            run = [x] if x.is_contiguous() else []
-            if not run:
-                out.append(x)
-        end = (at, x.storage_offset() + x.numel()) if run else None
-    out.append(_joined(run))
-    return [x for x in out if x is not None]
-
-
-def _joined(run: list):
-    if len(run) <= 1:
-        return run[0] if run else None
-    first = run[0]
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                   (sum(x.numel() for x in run),), (1,))
+    (the gradients as views of a reduced flat buffer: :func:`fzero.optim.fused.back_to_back`,
+    the fused update's runs) replaced by one tensor over the run: the same elements, one
+    min-max pass instead of one per leaf. Any other leaf stays as it is; empty ones go."""
+    runs = back_to_back([leaves], [None] * len(leaves))
+    return [leaves[idx[0]] if len(idx) == 1 else span([leaves[i] for i in idx]) for idx in runs]
 
 
 class _FiniteHandler(Handler):
