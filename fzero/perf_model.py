@@ -292,7 +292,7 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         return []
     psi = -(-workload.params // (layout.tp * layout.pp))
     p, g = PRECISIONS[layout.precision], 4
-    from fzero.transforms._checks import default_bucket_bytes
+    from fzero.transforms._checks import default_bucket_bytes, units_within_reuse
 
     bucket = layout.bucket_bytes or default_bucket_bytes(p * psi)
     buckets = max(1, -(-p * psi // bucket))
@@ -301,8 +301,7 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         units = max(1, workload.layers // layout.pp)
         psi_u = -(-workload.unit_params // (layout.tp * layout.pp))
         psi_o = psi - psi_u
-        per_unit = psi_u / units
-        kept = units if not per_unit else min(units, int((bucket // p) // per_unit))  # see shard_state's _kept
+        kept = units_within_reuse([psi_u / units] * units, bucket // p)  # shard_state's rule, at its default
         for _ in range(k):
             out += [("all_gather", p * psi_o / n, "after")] if psi_o else []
             out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units - kept)

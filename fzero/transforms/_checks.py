@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "MIN_BUCKET_BYTES", "check_option",
-           "default_bucket_bytes"]
+           "default_bucket_bytes", "units_within_reuse"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (25 MB buckets): the default's cap
 # The default bucket is at most this fraction of the trainable parameters' bytes. ZeRO-2/3 hold
@@ -43,6 +43,26 @@ def default_bucket_bytes(model_bytes: int) -> int:
     """
     share = min(DEFAULT_BUCKET_BYTES, -(-int(model_bytes) // BUCKETS_PER_MODEL))
     return max(1, min(int(model_bytes), max(MIN_BUCKET_BYTES, share)))
+
+def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:
+    """How many of ZeRO-3's units, ``sizes`` their elements in forward order, stay gathered
+    from their forward to their backward: the last ones whose *reuse distance* -- the
+    elements gathered from a unit's gather until its backward needs it, itself and the units
+    after it (each gathered once) -- is at most ``max_reuse_distance``. ``shard_state``
+    keeps these; ``fzero.perf_model`` counts their traffic so.
+
+    Example:
+        >>> units_within_reuse([10, 10, 10], 25), units_within_reuse([10, 10, 10], 9)
+        (2, 0)
+    """
+    kept, distance = 0, 0.0
+    for n in reversed(sizes):
+        distance += n
+        if distance > max_reuse_distance:
+            break
+        kept += 1
+    return kept
+
 
 Check = Callable[[Any], "str | None"]  # None when the value is valid, else why not ("must be ...")
 

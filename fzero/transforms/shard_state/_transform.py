@@ -42,7 +42,7 @@ from fzero.distributed import comm
 from fzero.distributed.compressed import ErrorFeedback, compressed_mean
 from fzero.distributed.mesh import DATA_AXES, Mesh
 from fzero.optim import _known, exchange_of
-from fzero.transforms._checks import check_option, default_bucket_bytes
+from fzero.transforms._checks import check_option, default_bucket_bytes, units_within_reuse
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
@@ -193,13 +193,8 @@ class _ShardHandler(Handler):
         budget = self.max_reuse_distance
         if budget is None:
             budget = self.bucket // max(1, self.layout.groups[order[0]].dtype.itemsize) if order else 0
-        kept, distance = set(), 0
-        for gi in reversed(order):
-            distance += self.layout.groups[gi].padded
-            if distance > budget:
-                break
-            kept.add(gi)
-        return kept
+        n = units_within_reuse([self.layout.groups[gi].padded for gi in order], budget)
+        return set(order[len(order) - n:])
 
     def _bucket(self, train: dict[str, torch.Tensor]) -> int:
         """The bucket in bytes: the one given (a config's ``"auto"`` one is asked now), else
