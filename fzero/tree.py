@@ -143,10 +143,31 @@ def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     return optree.tree_structure(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
+# A spec's paths, by spec: a step asks for the paths of the same structures every time (the
+# parameters' names for a norm's LeafSums, a mask's leaves), and building them is the Python
+# of one accessor object per leaf. A spec equal to another (same node types, keys and node
+# data) has the same paths; a spec that cannot be hashed (unhashable node data) is not kept.
+_PATHS: dict[Any, tuple[Path, ...]] = {}
+_PATHS_KEPT = 512
+
+
+def _spec_paths(spec) -> tuple[Path, ...]:
+    try:
+        hit = _PATHS.get(spec)
+    except TypeError:  # unhashable node data
+        return tuple(tuple(a) for a in spec.accessors())
+    if hit is None:
+        hit = tuple(tuple(a) for a in spec.accessors())
+        if len(_PATHS) >= _PATHS_KEPT:
+            _PATHS.clear()
+        _PATHS[spec] = hit
+    return hit
+
+
 def flatten_with_path(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     """``(paths, leaves, spec)``; each path is a tuple of optree path entries."""
-    accessors, lv, spec = optree.tree_flatten_with_accessor(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
-    return [tuple(a) for a in accessors], lv, spec
+    lv, spec = optree.tree_flatten(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
+    return list(_spec_paths(spec)), lv, spec
 
 
 def paths(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[Path]:

@@ -157,16 +157,21 @@ def back_to_back(operands: list[list[torch.Tensor]], keys: list[Any]) -> list[li
     tensors back to back in one storage) and of one ``keys`` value (the decay flag). Empty
     leaves are left out (nothing to update); a non-contiguous leaf is a run of its own."""
     first = operands[0]
-    live = [i for i, p in enumerate(first) if p.numel()]
-    live.sort(key=lambda i: (first[i].untyped_storage().data_ptr(), first[i].storage_offset()))
+    # (storage, offset, index) of the first operand's live leaves, in memory order: a leaf
+    # that does not start where the previous one ends there opens a run without a look at
+    # the other operands (at stage 0, where each parameter is its own tensor, every leaf).
+    at = sorted((t.untyped_storage().data_ptr(), t.storage_offset(), i) for i, t in enumerate(first) if t.numel())
     runs: list[list[int]] = []
-    for i in live:
-        if runs:
+    end = None  # (storage, offset) where the last run's first-operand leaf ends
+    for ptr, off, i in at:
+        if end == (ptr, off):
             j = runs[-1][-1]
             if keys[i] == keys[j] and all(op[j].is_contiguous() and _follows(op[i], op[j]) for op in operands):
                 runs[-1].append(i)
+                end = (ptr, off + first[i].numel())
                 continue
         runs.append([i])
+        end = (ptr, off + first[i].numel())
     return runs
 
 
@@ -191,30 +196,52 @@ class _Run:
     decay: bool
 
 
+def _flat1(t: torch.Tensor, flat: bool) -> torch.Tensor:
+    """One leaf as a run's operand: itself (``flat``: its 1-D view) when dense, else a
+    row-major copy."""
+    if not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(-1) if flat else t
+
+
 def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay: list[bool],
-             donate: bool) -> list[_Run]:
-    """The flat spans of each run. Donated, the parameter and state spans are the state's own
-    memory (the kernel writes the new state where it is); otherwise one copy per span."""
+             donate: bool, flat: bool = True) -> list[_Run]:
+    """The operands of each run. Donated, the parameter and state operands are the state's
+    own memory (the kernel writes the new state where it is); otherwise one copy each.
+    ``flat``: 1-D spans, as the Triton kernels take them; otherwise a run of one leaf keeps
+    the leaf's shape (torch's kernels take any dense shape), which saves its views."""
     out = []
     for idx in runs:
+        if len(idx) == 1:  # the usual case at stage 0: no span to form
+            i = idx[0]
+            param, grad = _flat1(p[i].detach(), flat), _flat1(g[i].detach(), flat)
+            st = [_flat1(s[i], flat) for s in states]
+            if not donate:
+                param = param.clone() if param.data_ptr() == p[i].data_ptr() else param
+                st = [x.clone() if x.data_ptr() == s[i].data_ptr() else x for x, s in zip(st, states)]
+            out.append(_Run(idx, [p[i].numel()], param, grad, st, decay[i]))
+            continue
         param = span([p[i] for i in idx])
         st = [span([s[i] for i in idx]) for s in states]
         if not donate:
             param = param.clone() if param.data_ptr() == p[idx[0]].data_ptr() else param
             st = [x.clone() if x.data_ptr() == s[idx[0]].data_ptr() else x for x, s in zip(st, states)]
-        grad = span([g[i] for i in idx]) if len(idx) > 1 else g[idx[0]].detach().reshape(-1).contiguous()
-        out.append(_Run(idx, [p[i].numel() for i in idx], param, grad, st, decay[idx[0]]))
+        out.append(_Run(idx, [p[i].numel() for i in idx], param, span([g[i] for i in idx]), st, decay[idx[0]]))
     return out
 
 
 def _write_back(leaves: list[torch.Tensor], flat: torch.Tensor, run: _Run, donate: bool) -> None:
     """The run's new leaves into ``leaves`` (in place): views of ``flat``, or, for a donated
     non-contiguous leaf, the leaf itself with the row-major result copied into it."""
-    if donate:  # the spans are views of the leaves: written in place, but for a strided leaf
-        if len(run.leaves) == 1:
-            old = leaves[run.leaves[0]]
-            if flat.data_ptr() != old.data_ptr():  # updated on a row-major copy
-                old.copy_(flat.view(old.shape))
+    if len(run.leaves) == 1:
+        i = run.leaves[0]
+        old = leaves[i]
+        if not donate:
+            leaves[i] = flat.view(old.shape)
+        elif flat.data_ptr() != old.data_ptr():  # donated, updated on a row-major copy
+            old.copy_(flat.view(old.shape))
+        return
+    if donate:  # the spans are views of the leaves: written in place
         return
     off = 0
     for i, n in zip(run.leaves, run.sizes):
@@ -416,9 +443,11 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             sq = psum(LeafSums.of([grads], _leaf_norms(g_leaves, device).square(), total=True))
             emit_metric("grad_norm", sq.sqrt())
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
-        runs = _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay, donate)
+        on_torch = _mode() == "auto" and _torch_cpu(spec, p_leaves[0])
+        runs = _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay,
+                        donate, flat=not on_torch)
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
-        if _mode() == "auto" and _torch_cpu(spec, p_leaves[0]):
+        if on_torch:
             _torch_adam(spec, runs, **kw)
         elif spec.kind == "lamb":
             _lamb(spec, runs, params, len(p_leaves), device, **kw)
