@@ -214,7 +214,7 @@ def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay:
     for idx in runs:
         if len(idx) == 1:  # the usual case at stage 0: no span to form
             i = idx[0]
-            param, grad = _flat1(p[i].detach(), flat), _flat1(g[i].detach(), flat)
+            param, grad = _flat1(p[i], flat), _flat1(g[i], flat)  # under no_grad: no detach
             st = [_flat1(s[i], flat) for s in states]
             if not donate:
                 param = param.clone() if param.data_ptr() == p[i].data_ptr() else param
