@@ -598,8 +598,12 @@ def trainable_grads(params: Any, grads: Any, where: str) -> Any:
     if isinstance(params, Params) and isinstance(grads, dict) \
             and params.keys() - params.frozen <= grads.keys() <= params.keys():
         grads = like_params(params, {k: None if k in params.frozen else grads[k] for k in params})
-    tree.assert_same_structure(trainable(params), grads, what=where, names=("state.params", "grads"))
-    pairs = list(zip(tree.leaves(grads), tree.leaves(trainable(params))))
+    mine = trainable(params)
+    g_leaves, g_spec = tree.flatten(grads)
+    p_leaves, p_spec = tree.flatten(mine)
+    if g_spec != p_spec:  # one flatten of each on every step; the paths only when they differ
+        tree.assert_same_structure(mine, grads, what=where, names=("state.params", "grads"))
+    pairs = list(zip(g_leaves, p_leaves))
     if any(type(g) is torch.Tensor and type(p) is torch.Tensor and g.shape != p.shape for g, p in pairs):
         # Named only when wrong: the paths are not worked out on every step.
         wrong = [f"grads{tree.keystr(k)} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}"
