@@ -545,10 +545,26 @@ def _backward_into(sink, value, inputs, wrt):
     if on_value is not None:  # the value is known before backward: a reduction of it can start now
         on_value(value)
     if getattr(sink, "after_backward", False):  # the sink takes every gradient at once
-        grads = [None] * len(wrt)
-        if value.requires_grad and wrt:
-            grads = torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True)
-        sink.on_grads(wrt, grads)
+        if not (value.requires_grad and wrt):
+            sink.on_grads(wrt, [None] * len(wrt))
+            return sink.finish()
+        leaves = [inputs[i] for i in wrt]
+        grad_buffers = getattr(sink, "grad_buffers", None)
+        if grad_buffers is None:
+            sink.on_grads(wrt, torch.autograd.grad(value, leaves, allow_unused=True))
+            return sink.finish()
+        # Backward accumulates each gradient into the sink's buffer, as the leaf's .grad:
+        # no hook per leaf, no gradient held twice.
+        views = grad_buffers(wrt, leaves)
+        for leaf, view in zip(leaves, views):
+            leaf.grad = view
+        try:
+            torch.autograd.backward(value, inputs=leaves)
+            grads = [leaf.grad for leaf in leaves]
+        finally:
+            for leaf in leaves:
+                leaf.grad = None
+        sink.on_accumulated(wrt, grads, views)
         return sink.finish()
     handles = []
     for i in wrt:

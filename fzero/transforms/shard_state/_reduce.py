@@ -239,6 +239,43 @@ class ReduceSink:
         if self.hold is None and self.overlap:
             self._launch_ready()
 
+    def grad_buffers(self, indices: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """``after_backward``: for each of ``leaves`` (leaf ``indices[k]``), the view of its
+        group's reduce buffer for backward to accumulate its gradient into as its ``.grad``
+        (zeroed, or an earlier micro-batch's sum), so that autograd's gradients are never
+        held beside the buffers (DDP's ``gradient_as_bucket_view``); ``None`` where a leaf
+        is an argument beside the parameters or the buffer's dtype is not the leaf's (a
+        reduction in another precision): that gradient comes in as autograd's own.
+        :meth:`on_accumulated` takes them after backward."""
+        views: list[torch.Tensor | None] = []
+        for i, leaf in zip(indices, leaves):
+            where = self.leaf_groups[i]
+            if where is None or reduce_dtype(leaf.dtype, self.reduce_in) != leaf.dtype:
+                views.append(None)
+                continue
+            gi, pos = where
+            group = self.layout.groups[gi]
+            buf = self.buffers.get(gi)
+            if buf is None:
+                buf = self.buffers[gi] = self._buffer(group, leaf.dtype, zero=True)
+            o = group.offsets[pos]
+            self.missing[gi].discard(pos)  # its slot holds a value now: zero, or the sum so far
+            views.append(buf[o: o + leaf.numel()].view(leaf.shape))
+        return views
+
+    def on_accumulated(self, indices: list[int], grads, views: list[torch.Tensor | None]) -> None:
+        """After a backward that accumulated into :meth:`grad_buffers`' views: ``grads`` are
+        the leaves' ``.grad``. A gradient autograd did not accumulate in place (it replaced
+        the view) is added into it; those without a view come in as :meth:`on_grads`'."""
+        rest, rest_grads = [], []
+        for i, g, view in zip(indices, grads, views):
+            if view is None:
+                rest.append(i)
+                rest_grads.append(g)
+            elif g is not None and g is not view:
+                view.add_(g.reshape(view.shape))
+        self.on_grads(rest, rest_grads)
+
     def on_grads(self, indices: list[int], grads) -> None:
         """Every gradient of backward at once (``after_backward``): ``grads[k]`` is leaf
         ``indices[k]``'s (``None`` where the loss did not reach it)."""
