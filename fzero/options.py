@@ -256,7 +256,7 @@ class CompileOptions:
     """Bytes of gradients reduced together (one bucket, one collective). ``None``: chosen at
     ``step.init`` from the model, 1/32 of the trainable parameters' bytes and at most
     ``DEFAULT_BUCKET_BYTES`` (25 MiB), at least 64 KiB, so the reduce buffers stay a small part of ZeRO's
-    memory (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
+    memory; at stage 0 25 MiB, as DDP's (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
 
     max_reuse_distance: int | float | None = None
     """ZeRO-3: a unit (a block) stays gathered from its forward to its backward, instead of

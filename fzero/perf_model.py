@@ -294,7 +294,7 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
     p, g = PRECISIONS[layout.precision], 4
     from fzero.transforms._checks import default_bucket_bytes, units_within_reuse
 
-    bucket = layout.bucket_bytes or default_bucket_bytes(p * psi)
+    bucket = layout.bucket_bytes or default_bucket_bytes(p * psi, st)
     buckets = max(1, -(-p * psi // bucket))
     out = []
     if st == 3:

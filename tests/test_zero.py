@@ -244,8 +244,11 @@ def _buckets(depth, config=None, **options):
 
 def test_the_default_bucket_follows_the_model_and_a_given_one_is_kept(ranks):
     """The default bucket is 1/32 of the trainable bytes (25 MiB at most, 64 KiB at least),
-    so it scales with the model; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4 bytes
-    each in fp32) are used as given."""
+    so it scales with the model; at stage 0, whose buffers hold the whole gradient anyway,
+    DDP's 25 MiB (here the whole model: one group); ``bucket_bytes=`` and DeepSpeed's
+    ``reduce_bucket_size`` (elements, 4 bytes each in fp32) are used as given."""
+    for stage0 in ranks(2).run(_buckets, 16, zero=0):
+        assert stage0[1] == stage0[0] < 25 * 2**20, stage0
     for small, large, given, from_config in zip(
             ranks(2).run(_buckets, 2, zero=2), ranks(2).run(_buckets, 16, zero=2),
             ranks(2).run(_buckets, 16, zero=2, bucket_bytes=25 * 2**20),

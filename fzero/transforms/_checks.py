@@ -29,20 +29,30 @@ BUCKETS_PER_MODEL = 32
 MIN_BUCKET_BYTES = 64 * 2**10
 
 
-def default_bucket_bytes(model_bytes: int) -> int:
+def default_bucket_bytes(model_bytes: int, stage: int | None = None) -> int:
     """The bucket ``shard_state`` uses when none is given: ``model_bytes`` (the trainable
     parameters' bytes) over :data:`BUCKETS_PER_MODEL`, rounded up, at most
     :data:`DEFAULT_BUCKET_BYTES` and at least :data:`MIN_BUCKET_BYTES` or the whole model,
     whichever is smaller. A parameter larger than the bucket is a bucket of its own.
+
+    At ``stage`` 0 it is DDP's: :data:`DEFAULT_BUCKET_BYTES`, or the whole model when
+    smaller. Stage 0 keeps a reduce buffer per group between steps whatever the bucket (its
+    gradients are views of them), so small buckets save nothing there and cost a collective
+    and a copy each per step.
 
     Example:
         >>> default_bucket_bytes(4 * 10**6), default_bucket_bytes(4 * 10**9) == DEFAULT_BUCKET_BYTES
         (125000, True)
         >>> default_bucket_bytes(10**6), default_bucket_bytes(1000)  # the floor; a model under it
         (65536, 1000)
+        >>> default_bucket_bytes(4 * 10**6, stage=0), default_bucket_bytes(4 * 10**9, stage=0) == DEFAULT_BUCKET_BYTES
+        (4000000, True)
     """
+    if stage == 0:
+        return max(1, min(int(model_bytes), DEFAULT_BUCKET_BYTES))
     share = min(DEFAULT_BUCKET_BYTES, -(-int(model_bytes) // BUCKETS_PER_MODEL))
     return max(1, min(int(model_bytes), max(MIN_BUCKET_BYTES, share)))
+
 
 def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:
     """How many of ZeRO-3's units, ``sizes`` their elements in forward order, stay gathered

@@ -199,11 +199,12 @@ class _ShardHandler(Handler):
     def _bucket(self, train: dict[str, torch.Tensor]) -> int:
         """The bucket in bytes: the one given (a config's ``"auto"`` one is asked now), else
         ``default_bucket_bytes`` of the trainable parameters' bytes, so the two reduce buffers
-        stages 2-3 hold stay a small fraction of the model (see ``_checks.BUCKETS_PER_MODEL``)."""
+        stages 1-3 hold stay a small fraction of the model (see ``_checks.BUCKETS_PER_MODEL``);
+        at stage 0, which keeps every group's buffer anyway, DDP's 25 MiB."""
         given = self.bucket_bytes() if callable(self.bucket_bytes) else self.bucket_bytes
         if given is not None:
             return given
-        return default_bucket_bytes(sum(p.numel() * p.element_size() for p in train.values()))
+        return default_bucket_bytes(sum(p.numel() * p.element_size() for p in train.values()), self.stage)
 
     def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
         """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
@@ -486,8 +487,10 @@ def shard_state(
             which the model's hidden size decides). ``None`` (the default, or what the
             function gives): 1/32 of the trainable parameters' bytes, at most 25 MiB, at least 64 KiB
             (:func:`fzero.transforms._checks.default_bucket_bytes`), so that the two reduce
-            buffers stages 2-3 hold beside the ZeRO formula's bytes stay a small part of
-            them; ``step.handler.bucket`` is the bucket ``init`` chose.
+            buffers stages 1-3 hold beside the ZeRO formula's bytes stay a small part of
+            them; at stage 0, whose buffers hold the whole gradient whatever the bucket,
+            DDP's 25 MiB (the whole model when smaller); ``step.handler.bucket`` is the
+            bucket ``init`` chose.
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
