@@ -64,7 +64,7 @@ def test_nproc_min_starts_one_agent_of_one_rank_per_node_on_an_elastic_rendezvou
     env = p.nodes[0].env
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # no store that dies with one agent
     assert env[_elastic.JOIN_VAR].split()[1:] == [
-        "-m", "fzero.cli.main", "launch", "--nnodes", "2:4", "--nproc", "1", "--master-addr", "127.0.0.1",
+        "-m", "fzero.cli", "launch", "--nnodes", "2:4", "--nproc", "1", "--master-addr", "127.0.0.1",
         "--master-port", "4321", "--max-restarts", "3", "t.py", "--lr", "1"]
 
 
@@ -126,7 +126,7 @@ def test_a_job_that_loses_two_of_four_nodes_and_gains_one_is_the_uninterrupted_r
            "PYTHONPATH": os.pathsep.join([str(Path(fzero.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     # ZeRO 3 on 4 ranks, 2 on 2, 3 on 3: each checkpoint is loaded onto another world size
     # and another stage.
-    done = run_command([sys.executable, "-m", "fzero.cli.main", "launch", "--nproc", "4", "--nproc-min", "2",
+    done = run_command([sys.executable, "-m", "fzero.cli", "launch", "--nproc", "4", "--nproc-min", "2",
                         elastic_job.__file__, str(tmp_path), "--zero", "4:3,2:2,3:3", "--steps", str(STEPS),
                         "--shrink-at", "2", "--grow-at", "5"], env=env, timeout_s=400)
     assert not done.timed_out, done.output[-6000:]

@@ -175,7 +175,7 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> ElasticPlan:
     argv = elastic_torchrun_command(args.script, args.script_args, nproc=per_node, min_nodes=min_nodes,
                                     max_nodes=max_nodes, endpoint=f"{addr}:{port}", run_id=run_id,
                                     max_restarts=restarts, is_host=False, local_addr=local)
-    join = [sys.executable, "-m", "fzero.cli.main", "launch", "--nnodes", f"{min_nodes}:{max_nodes}",
+    join = [sys.executable, "-m", "fzero.cli", "launch", "--nnodes", f"{min_nodes}:{max_nodes}",
             "--nproc", str(per_node), "--master-addr", addr, "--master-port", str(port),
             "--max-restarts", str(restarts), *(["--env-file", args.env_file] if args.env_file else []),
             args.script, *args.script_args]
