@@ -180,7 +180,7 @@ def span(ts: list[torch.Tensor]) -> torch.Tensor:
     row-major copy when a single leaf is not contiguous."""
     t = ts[0].detach()
     if len(ts) == 1:
-        return t.view(-1) if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format).view(-1)
+        return _flat1(t, True)
     return t.as_strided((sum(x.numel() for x in ts),), (1,), t.storage_offset())
 
 

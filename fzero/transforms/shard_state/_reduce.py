@@ -217,14 +217,20 @@ class ReduceSink:
         if self.leaf_groups[i] is None:
             self.local[self.leaf_names[i]] = g / self.world
             return None
+        return self._view(i, reduce_dtype(g.dtype, self.reduce_in))
+
+    def _view(self, i: int, dtype: torch.dtype, *, zero: bool = False) -> tuple[int, torch.Tensor]:
+        """``(group, leaf i's 1-D slot in the group's reduce buffer)``, the buffer (of
+        ``dtype``; ``zero``: zeroed whole) taken from the pool at the group's first leaf; the
+        leaf is no longer missing."""
         gi, pos = self.leaf_groups[i]
         group = self.layout.groups[gi]
         buf = self.buffers.get(gi)
         if buf is None:
-            buf = self.buffers[gi] = self._buffer(group, reduce_dtype(g.dtype, self.reduce_in))
+            buf = self.buffers[gi] = self._buffer(group, dtype, zero=zero)
         o = group.offsets[pos]
         self.missing[gi].discard(pos)
-        return gi, buf[o: o + g.numel()]
+        return gi, buf[o: o + math.prod(group.shapes[pos])]
 
     def on_grad(self, i: int, g: torch.Tensor) -> None:
         if (slot := self._slot(i, g)) is None:
@@ -249,18 +255,11 @@ class ReduceSink:
         :meth:`on_accumulated` takes them after backward."""
         views: list[torch.Tensor | None] = []
         for i, leaf in zip(indices, leaves):
-            where = self.leaf_groups[i]
-            if where is None or reduce_dtype(leaf.dtype, self.reduce_in) != leaf.dtype:
+            if self.leaf_groups[i] is None or reduce_dtype(leaf.dtype, self.reduce_in) != leaf.dtype:
                 views.append(None)
                 continue
-            gi, pos = where
-            group = self.layout.groups[gi]
-            buf = self.buffers.get(gi)
-            if buf is None:
-                buf = self.buffers[gi] = self._buffer(group, leaf.dtype, zero=True)
-            o = group.offsets[pos]
-            self.missing[gi].discard(pos)  # its slot holds a value now: zero, or the sum so far
-            views.append(buf[o: o + leaf.numel()].view(leaf.shape))
+            # its slot holds a value from now on: zero, or the sum so far
+            views.append(self._view(i, leaf.dtype, zero=True)[1].view(leaf.shape))
         return views
 
     def on_accumulated(self, indices: list[int], grads, views: list[torch.Tensor | None]) -> None:
