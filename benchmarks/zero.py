@@ -231,7 +231,8 @@ def build_fzero(stage, jit=False):
         def held(state, grads):  # the module too: every byte the process holds for the model
             return state.params, state.opt_state, grads, list(module.parameters()), list(module.buffers())
 
-        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=int(args.bucket_mb * MIB),
+        bucket = None if args.fzero_default_bucket else int(args.bucket_mb * MIB)
+        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=bucket,
                                 **({"jit": args.jit or True} if jit else {}))
         return lambda batch, probe: step(batch, probe)["loss"]  # already the mean over ranks
 
@@ -261,6 +262,8 @@ def parse(argv=None):
     add_gpt_options(p, n_layer=None, n_head=None, n_embd=None, vocab_size=None)
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradient bucket size of DDP, fzero and DeepSpeed (MiB)")
+    p.add_argument("--fzero-default-bucket", action="store_true",
+                   help="run fzero at its own default bucket (no bucket_bytes given), the others at --bucket-mb")
     p.add_argument("--only", default=None,
                    help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS)
                         + "; DeepSpeed's where it imports; with --jit, each one's compiled twin beside it)")
@@ -472,7 +475,7 @@ def isolated_rss(args, names) -> dict[str, float]:
                 "--preset", args.preset, "--threads", str(args.threads), "--batch-size", str(args.batch_size),
                 "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
                 "--n-embd", str(args.n_embd), "--vocab-size", str(args.vocab_size), "--bucket-mb", str(args.bucket_mb),
-                "--json", path, "--quiet"])
+                "--json", path, "--quiet", *(["--fzero-default-bucket"] if args.fzero_default_bucket else [])])
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"isolated RSS run of {n} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}", file=sys.stderr)

@@ -501,8 +501,9 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     while backward runs) receives each trainable leaf's gradient the moment it is complete
     -- ``grad_sink.on_grad(i, g)``, with ``i`` the leaf's index in flatten order -- and the
     gradient is then dropped, so only what the sink keeps stays resident (a sink whose
-    ``after_backward`` is true, with nothing to overlap, takes them all once backward is
-    done: ``grad_sink.on_grads(indices, grads)``); ``grad_sink.finish()`` returns the
+    ``takes_after_backward(leaves)`` is true, with nothing to overlap, takes them all once
+    backward is done: ``grad_sink.on_grads(indices, grads)``, or accumulated into its
+    ``grad_buffers``); ``grad_sink.finish()`` returns the
     gradient leaves. A sink with an ``on_value`` attribute (not ``None``) is handed the
     value (the loss, still attached) before backward starts, so that a reduction of it can
     run while backward does. ``loss_scale`` (the factor a
@@ -544,11 +545,12 @@ def _backward_into(sink, value, inputs, wrt):
     on_value = getattr(sink, "on_value", None)
     if on_value is not None:  # the value is known before backward: a reduction of it can start now
         on_value(value)
-    if getattr(sink, "after_backward", False):  # the sink takes every gradient at once
+    leaves = [inputs[i] for i in wrt]
+    at_once = getattr(sink, "takes_after_backward", None)
+    if at_once is not None and at_once(leaves):  # the sink takes every gradient at once
         if not (value.requires_grad and wrt):
             sink.on_grads(wrt, [None] * len(wrt))
             return sink.finish()
-        leaves = [inputs[i] for i in wrt]
         grad_buffers = getattr(sink, "grad_buffers", None)
         if grad_buffers is None:
             sink.on_grads(wrt, torch.autograd.grad(value, leaves, allow_unused=True))
@@ -576,7 +578,7 @@ def _backward_into(sink, value, inputs, wrt):
         handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
     try:
         if value.requires_grad and wrt:
-            torch.autograd.backward(value, inputs=[inputs[i] for i in wrt])
+            torch.autograd.backward(value, inputs=leaves)
     finally:
         for h in handles:
             h.remove()

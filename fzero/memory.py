@@ -335,14 +335,16 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       partition, alive beside it at the peak: what this counts. Without accumulation it
       reduces bucket by bucket as stage 2 does and holds stage 2's bytes, less than this.
     * Stages 2-3 copy each bucket into a reduce buffer (fp32 for bf16/fp16) and
-      reduce-scatter it; up to :data:`REDUCE_BUFFERS` are in use at once and kept between
-      steps, never more than the whole gradient (a group of another size, such as the
+      reduce-scatter it; up to :data:`REDUCE_BUFFERS` are in use at once, never more than
+      the whole gradient (between steps at most 1/16 of it is kept with the default
+      bucket: :func:`fzero.transforms._checks.kept_reduce_bytes`; a group of another size, such as the
       loose parameters beside stage 3's units, adds its own buffer). The reduced partition stays in fp32 until
       the last bucket is in (2 bytes per partitioned parameter more than the formula's).
     * Stage 3 holds the unit being computed and the one prefetched, gathered.
 
-    ``bucket_bytes`` ``None`` is ``shard_state``'s default: 1/32 of the parameters' bytes, at
-    most 25 MiB and at least 64 KiB (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
+    ``bucket_bytes`` ``None`` is ``shard_state``'s default: 25 MiB or the whole model when
+    smaller; at stage 3 1/32 of the parameters' bytes, at most 25 MiB and at least 64 KiB
+    (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
     than that is a bucket of its own, which this count, knowing no shapes, does not see.
     At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
     parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in
@@ -352,8 +354,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     Example:
         >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB (the cap)
         52428800
-        >>> reduce_buffer_bytes(10**6, world_size=1, stage=2)  # 2 buckets of 1/32 of the model
-        250000
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=2)  # one bucket: the whole model
+        4000000
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=3)  # 2 buckets of 1/32 of the model, 2 gathered
+        500000
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
     """
@@ -364,7 +368,7 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
     if bucket_bytes is None:
-        bucket_bytes = default_bucket_bytes(p * num_params)
+        bucket_bytes = default_bucket_bytes(p * num_params, stage)
     per_bucket = -(-bucket_bytes // p)
     total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
     if stage == 3:

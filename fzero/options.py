@@ -254,9 +254,10 @@ class CompileOptions:
 
     bucket_bytes: int | None = None
     """Bytes of gradients reduced together (one bucket, one collective). ``None``: chosen at
-    ``step.init`` from the model, 1/32 of the trainable parameters' bytes and at most
-    ``DEFAULT_BUCKET_BYTES`` (25 MiB), at least 64 KiB, so the reduce buffers stay a small part of ZeRO's
-    memory; at stage 0 25 MiB, as DDP's (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
+    ``step.init`` from the model: ``DEFAULT_BUCKET_BYTES`` (25 MiB, DDP's), the whole model
+    when smaller, with the reduce buffers kept between steps bounded to 1/16 of the
+    gradient; at stage 3 1/32 of the trainable parameters' bytes, at most 25 MiB, at least
+    64 KiB (:func:`fzero.shard_state`'s ``bucket_bytes``)."""
 
     max_reuse_distance: int | float | None = None
     """ZeRO-3: a unit (a block) stays gathered from its forward to its backward, instead of

@@ -182,8 +182,8 @@ class Workload:
 class Layout:
     """How the step runs: ``world_size`` ranks = pp × dp × tp, a ZeRO stage over dp, the
     micro-batches of an update (accumulation; a pipeline's micro-batches) and the compute
-    precision. ``bucket_bytes`` None is shard_state's default (1/32 of the parameters'
-    bytes, at most 25 MiB)."""
+    precision. ``bucket_bytes`` None is shard_state's default (25 MiB or the whole model;
+    at stage 3 1/32 of the parameters' bytes, at most 25 MiB)."""
 
     world_size: int
     stage: int

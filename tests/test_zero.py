@@ -213,23 +213,25 @@ def _default_bucket_memory(depth):
     after_step = _process_tensor_bytes() - before - ft.storage_bytes(batch)
     handler = _shard_handler(step)
     return {"psi": psi, "bucket": getattr(handler, "bucket", None), "after_backward": seen["after_backward"] - ft.storage_bytes(batch),
-            "after_step": after_step, "largest_group": max(g.padded * 4 for g in handler.layout.groups)}
+            "after_step": after_step, "kept": sum(t.numel() * t.element_size() for t in handler.pool.free),
+            "peak_reduce": handler.peak_reduce_bytes}
 
 
 def test_zero_2_at_its_default_bucket_holds_the_formula_within_ten_percent(ranks):
     """At compile's defaults, every tensor byte a rank's process holds for a 4.3 MB model
     (16 blocks of 256x256, Psi ~ 1.09M) is within 10% of the ZeRO paper's stage-2 figure:
-    4Psi + 12Psi/N right after backward, 4Psi + 8Psi/N between steps. A bucket as large as the
-    model (25 MiB, before) held the whole gradient in a reduce buffer beside them: 1.40x and
-    1.50x."""
+    4Psi + 12Psi/N right after backward, 4Psi + 8Psi/N between steps. The default bucket is
+    the whole model here (DDP's 25 MiB, capped), and its reduce buffer goes back to the
+    allocator once reduced: kept between steps, as before a byte budget bounded the pool, it
+    held the whole gradient beside them (1.40x and 1.50x)."""
     world = 2
     for res in ranks(world).run(_default_bucket_memory, 16):
         psi = res["psi"]
         with_grads, between = (4 + 12 / world) * psi, (4 + 8 / world) * psi
         assert abs(res["after_backward"] - with_grads) <= 0.10 * with_grads, (res, res["after_backward"] / with_grads)
         assert abs(res["after_step"] - between) <= 0.10 * between, (res, res["after_step"] / between)
-        # No reduce buffer larger than a small part of the model lives beside it.
-        assert res["largest_group"] <= 4 * psi / 8, res
+        # The bucket was the whole gradient while it was reduced; kept, at most 1/16 of it.
+        assert res["peak_reduce"] >= 4 * psi and res["kept"] <= 4 * psi / 16, res
 
 
 def _buckets(depth, config=None, **options):
@@ -239,18 +241,21 @@ def _buckets(depth, config=None, **options):
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config, **options)
     step.init(state)
-    return model_bytes, _shard_handler(step).bucket
+    handler = _shard_handler(step)
+    return model_bytes, handler.bucket, handler.pool.keep_bytes
 
 
 def test_the_default_bucket_follows_the_model_and_a_given_one_is_kept(ranks):
-    """The default bucket is 1/32 of the trainable bytes (25 MiB at most, 64 KiB at least),
-    so it scales with the model; at stage 0, whose buffers hold the whole gradient anyway,
-    DDP's 25 MiB (here the whole model: one group); ``bucket_bytes=`` and DeepSpeed's
-    ``reduce_bucket_size`` (elements, 4 bytes each in fp32) are used as given."""
-    for stage0 in ranks(2).run(_buckets, 16, zero=0):
+    """The default bucket at stages 0-2 is DDP's 25 MiB, the whole model when smaller (here
+    one group), with the reduce buffers kept between steps bounded to 1/16 of the model; at
+    stage 3 it is 1/32 of the trainable bytes (25 MiB at most, 64 KiB at least), so it scales
+    with the model; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4
+    bytes each in fp32) are used as given, their two buffers kept."""
+    for stage0, stage2 in zip(ranks(2).run(_buckets, 16, zero=0), ranks(2).run(_buckets, 16, zero=2)):
         assert stage0[1] == stage0[0] < 25 * 2**20, stage0
+        assert stage2[1] == stage2[0] and stage2[2] == 2 * -(-stage2[0] // 32), stage2
     for small, large, given, from_config in zip(
-            ranks(2).run(_buckets, 2, zero=2), ranks(2).run(_buckets, 16, zero=2),
+            ranks(2).run(_buckets, 2, zero=3), ranks(2).run(_buckets, 16, zero=3),
             ranks(2).run(_buckets, 16, zero=2, bucket_bytes=25 * 2**20),
             ranks(2).run(_buckets, 16, {"train_micro_batch_size_per_gpu": 2,
                                           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})):
@@ -258,6 +263,7 @@ def test_the_default_bucket_follows_the_model_and_a_given_one_is_kept(ranks):
         assert small[1] == 64 * 2**10 and small[0] // 32 < small[1], small
         assert large[1] == -(-large[0] // 32) > small[1], large  # the bucket grows with the model
         assert given[1] == 25 * 2**20 and from_config[1] == 4 * 5 * 10**8
+        assert given[2] is None and from_config[2] is None  # a given bucket's buffers are kept
 
 
 # --------------------------------------------------------------------------- reduce order (ZeRO-3)

@@ -113,7 +113,8 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         lines.append("  ".join(c.rjust(w) if i < len(r) - 1 else c for i, (c, w) in enumerate(zip(r, widths))))
     shown_bucket = bucket_bytes if bucket_bytes is not None else \
         default_bucket_bytes(PRECISIONS[precision] * local)
-    default_note = "" if bucket_bytes is not None else ", by default 1/32 of them (at most 25 MiB, at least 64 KiB)"
+    default_note = "" if bucket_bytes is not None else \
+        ", by default 25 MiB or the whole model; at stage 3 1/32 of it, at least 64 KiB"
     lines += [
         "",
         "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",
@@ -197,8 +198,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="instead of --optimizer: the optimizer's bytes of state per parameter, as "
                         "fzero.memory.optimizer_state_bytes(tx, params) / params measures it for any optimizer"),
     p.add_argument("--bucket-bytes", type=_positive_int, default=None, metavar="BYTES",
-                   help="shard_state's bucket_bytes (default shard_state's: 1/32 of the parameters' bytes, "
-                        "at most 25 MiB): sizes the reduce buffers of stages 2-3")
+                   help="shard_state's bucket_bytes (default shard_state's: 25 MiB or the whole model; "
+                        "at stage 3 1/32 of the parameters' bytes, at most 25 MiB): sizes the reduce buffers "
+                        "of stages 2-3")
     p.add_argument("--bytes", action="store_true", dest="raw_bytes", help="print exact bytes instead of GiB")
     t = p.add_argument_group("step time (--time): fzero.perf_model, a GPT of the given shape")
     t.add_argument("--time", action="store_true",

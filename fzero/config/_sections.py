@@ -454,8 +454,9 @@ class ZeroConfig:
     reduce_bucket_size: int | None = None
     """Gradient elements reduced per bucket, DeepSpeed's unit (fzero's ``bucket_bytes`` is in
     bytes: elements times 4, or 2 with a 16-bit ``communication_data_type``). ``None``, when
-    not written, keeps fzero's default bucket (1/32 of the model's trainable bytes, at most
-    25 MiB, at least 64 KiB) rather than DeepSpeed's 5e8 elements; a written value is used as it is."""
+    not written, keeps fzero's default bucket (25 MiB or the whole model when smaller; at
+    stage 3 1/32 of the model's trainable bytes, at most 25 MiB, at least 64 KiB) rather
+    than DeepSpeed's 5e8 elements; a written value is used as it is."""
 
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; ``None`` when not written (fzero overlaps)."""

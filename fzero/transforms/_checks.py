@@ -14,14 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "MIN_BUCKET_BYTES", "check_option",
-           "default_bucket_bytes", "units_within_reuse"]
+           "default_bucket_bytes", "kept_reduce_bytes", "units_within_reuse"]
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DeepSpeed's and DDP's order of magnitude (25 MB buckets): the default's cap
-# The default bucket is at most this fraction of the trainable parameters' bytes. ZeRO-2/3 hold
-# up to two reduce buffers (MAX_IN_FLIGHT in shard_state/_reduce.py) beside the formula's
-# bytes, so two buckets of 1/32 of the gradient add at most 1/16 of 4Ψ: 2.5% of ZeRO-2's
-# 10Ψ at N=2, under 6.25% of 4Ψ at any N. A fixed 25 MiB bucket is the whole gradient of
-# any model under 6.5M parameters (4Ψ more than the formula: 1.40x at N=2, measured).
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (DeepSpeed's buckets are larger still): the default
+# Stage 3's default bucket is at most this fraction of the trainable parameters' bytes: there
+# the bucket is also the reuse window, the units kept gathered from their forward to their
+# backward (``max_reuse_distance``), which a whole-model bucket would make every unit.
 BUCKETS_PER_MODEL = 32
 # ...but not below this: a bucket is also a flat group, the unit of one collective and one
 # launch of the fused optimizer, and a tiny model cut into 32 groups pays 32 of each per step
@@ -30,28 +28,47 @@ MIN_BUCKET_BYTES = 64 * 2**10
 
 
 def default_bucket_bytes(model_bytes: int, stage: int | None = None) -> int:
-    """The bucket ``shard_state`` uses when none is given: ``model_bytes`` (the trainable
-    parameters' bytes) over :data:`BUCKETS_PER_MODEL`, rounded up, at most
-    :data:`DEFAULT_BUCKET_BYTES` and at least :data:`MIN_BUCKET_BYTES` or the whole model,
-    whichever is smaller. A parameter larger than the bucket is a bucket of its own.
+    """The bucket ``shard_state`` uses when none is given, from ``model_bytes`` (the trainable
+    parameters' bytes). A parameter larger than the bucket is a bucket of its own.
 
-    At ``stage`` 0 it is DDP's: :data:`DEFAULT_BUCKET_BYTES`, or the whole model when
-    smaller. Stage 0 keeps a reduce buffer per group between steps whatever the bucket (its
-    gradients are views of them), so small buckets save nothing there and cost a collective
-    and a copy each per step.
+    At stages 0-2 (``stage`` ``None`` too) it is DDP's: :data:`DEFAULT_BUCKET_BYTES`, or the
+    whole model when smaller. Each bucket is a collective and a fused-optimizer launch per
+    step, whose latency a small model pays many times over when cut small (the 0.88M GPT of
+    ``benchmarks/zero.py --preset tiny`` at stage 2: 91 ms a step in 28 buckets, 50 ms in
+    one, on 2 gloo ranks). What a large bucket would cost in memory between steps, the
+    reduce buffers kept, :func:`kept_reduce_bytes` bounds instead.
+
+    At stage 3 it is 1/:data:`BUCKETS_PER_MODEL` of the model, rounded up, at most
+    :data:`DEFAULT_BUCKET_BYTES` and at least :data:`MIN_BUCKET_BYTES` or the whole model,
+    whichever is smaller.
 
     Example:
         >>> default_bucket_bytes(4 * 10**6), default_bucket_bytes(4 * 10**9) == DEFAULT_BUCKET_BYTES
-        (125000, True)
-        >>> default_bucket_bytes(10**6), default_bucket_bytes(1000)  # the floor; a model under it
-        (65536, 1000)
-        >>> default_bucket_bytes(4 * 10**6, stage=0), default_bucket_bytes(4 * 10**9, stage=0) == DEFAULT_BUCKET_BYTES
         (4000000, True)
+        >>> default_bucket_bytes(4 * 10**6, stage=3), default_bucket_bytes(4 * 10**9, stage=3) == DEFAULT_BUCKET_BYTES
+        (125000, True)
+        >>> default_bucket_bytes(10**6, stage=3), default_bucket_bytes(1000, stage=3)  # the floor; a model under it
+        (65536, 1000)
     """
-    if stage == 0:
+    if stage != 3:
         return max(1, min(int(model_bytes), DEFAULT_BUCKET_BYTES))
     share = min(DEFAULT_BUCKET_BYTES, -(-int(model_bytes) // BUCKETS_PER_MODEL))
     return max(1, min(int(model_bytes), max(MIN_BUCKET_BYTES, share)))
+
+
+def kept_reduce_bytes(model_bytes: int) -> int:
+    """The most bytes of free reduce buffers ``shard_state`` keeps between steps at stages 1-3
+    when it chose the bucket itself: 1/16 of ``model_bytes`` (two buffers of 1/32: 2.5% of
+    ZeRO-2's 4Ψ + 12Ψ/N at N = 2, under 6.25% of its 4Ψ at any N), or two default buckets,
+    whichever is smaller. A larger buffer goes back to the allocator when its reduce-scatter
+    completes; a given bucket's buffers are kept (two of them), as DeepSpeed keeps its
+    ``reduce_bucket_size`` buffers.
+
+    Example:
+        >>> kept_reduce_bytes(4 * 10**6), kept_reduce_bytes(4 * 10**9) == 2 * DEFAULT_BUCKET_BYTES
+        (250000, True)
+    """
+    return min(2 * DEFAULT_BUCKET_BYTES, 2 * -(-int(model_bytes) // BUCKETS_PER_MODEL))
 
 
 def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:

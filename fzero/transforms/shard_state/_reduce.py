@@ -53,6 +53,12 @@ class BufferPool:
     pool holds no more between steps than the step's peak: two buckets (one buffer each, never
     larger than its group). Stage 0 keeps one per group, as DDP keeps its buckets.
 
+    ``keep_bytes`` (``None``: no bound) bounds the bytes of the buffers kept free: a buffer
+    given back beyond it goes back to the allocator at once, largest first, where the rest
+    of the step and the next forward can use it. ``shard_state`` bounds it by a share of the
+    model when it chose the bucket itself (:func:`fzero.transforms._checks.kept_reduce_bytes`),
+    so a default bucket as large as the model costs no memory between steps.
+
     Attributes:
         in_use_bytes: bytes of the buffers taken and not given back yet.
         peak_bytes: the most ``in_use_bytes`` has been, over every step so far.
@@ -64,8 +70,8 @@ class BufferPool:
         (0, 24)
     """
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT):
-        self.limit = limit
+    def __init__(self, limit: int = MAX_IN_FLIGHT, keep_bytes: int | None = None):
+        self.limit, self.keep_bytes = limit, keep_bytes
         self.free: list[torch.Tensor] = []
         self.lent: list[torch.Tensor] = []  # buffers the step's gradients view (stage 0)
         self.in_use_bytes = 0
@@ -95,6 +101,9 @@ class BufferPool:
         self.free.append(base)
         if len(self.free) > self.limit:
             self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+        if self.keep_bytes is not None:
+            while self.free and sum(_nbytes(f) for f in self.free) > self.keep_bytes:
+                self.free.pop(max(range(len(self.free)), key=lambda i: _nbytes(self.free[i])))
 
     def lend(self, t: torch.Tensor) -> None:
         """Take back a buffer whose views went out as gradients (stage 0's reduced groups,
@@ -110,6 +119,10 @@ class BufferPool:
         self.lent = still
         while len(self.free) > self.limit:
             self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _storage_uses(t: torch.Tensor) -> int:
@@ -180,11 +193,8 @@ class ReduceSink:
         self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
         # One group at stages 0-2 (a model smaller than the bucket): nothing can overlap its one
-        # collective, so backward runs without a hook per parameter and the gradients come in
-        # at once (on_grads: one multi-tensor copy), as a C++ reducer would take them. (Its
-        # buffer holds the whole gradient anyway; autograd's gradients beside it are freed
-        # as soon as they are copied.)
-        self.after_backward = (len(layout.groups) == 1 and stage <= 2 and on_complete is None)
+        # collective, so backward runs without a hook per parameter (see takes_after_backward).
+        self.one_group = (len(layout.groups) == 1 and stage <= 2 and on_complete is None)
 
     def _buffer(self, group, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
         """A reduce buffer for ``group``, from the pool (reusing resident memory instead of
@@ -245,8 +255,17 @@ class ReduceSink:
         if self.hold is None and self.overlap:
             self._launch_ready()
 
+    def takes_after_backward(self, leaves: list[torch.Tensor]) -> bool:
+        """Whether this backward's gradients (of ``leaves``) come in at once, after it
+        (``fzero.core._backward_into``): one group at stages 0-2, whose one collective
+        nothing can overlap, and gradients of the buffer's dtype, which backward accumulates
+        in place (:meth:`grad_buffers`), as a C++ reducer would take them. Gradients reduced
+        in another dtype (bf16 summed in fp32) come in one by one instead, each freed once
+        copied, so that autograd's whole gradient is never held beside the buffer."""
+        return self.one_group and all(reduce_dtype(x.dtype, self.reduce_in) == x.dtype for x in leaves)
+
     def grad_buffers(self, indices: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """``after_backward``: for each of ``leaves`` (leaf ``indices[k]``), the view of its
+        """After :meth:`takes_after_backward`: for each of ``leaves`` (leaf ``indices[k]``), the view of its
         group's reduce buffer for backward to accumulate its gradient into as its ``.grad``
         (zeroed, or an earlier micro-batch's sum), so that autograd's gradients are never
         held beside the buffers (DDP's ``gradient_as_bucket_view``); ``None`` where a leaf
@@ -276,7 +295,7 @@ class ReduceSink:
         self.on_grads(rest, rest_grads)
 
     def on_grads(self, indices: list[int], grads) -> None:
-        """Every gradient of backward at once (``after_backward``): ``grads[k]`` is leaf
+        """Every gradient of backward at once (:meth:`takes_after_backward`): ``grads[k]`` is leaf
         ``indices[k]``'s (``None`` where the loss did not reach it)."""
         copy_dst, copy_src, add_dst, add_src = [], [], [], []
         for i, g in zip(indices, grads):

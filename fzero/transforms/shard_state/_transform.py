@@ -42,7 +42,7 @@ from fzero.distributed import comm
 from fzero.distributed.compressed import ErrorFeedback, compressed_mean
 from fzero.distributed.mesh import DATA_AXES, Mesh
 from fzero.optim import _known, exchange_of
-from fzero.transforms._checks import check_option, default_bucket_bytes, units_within_reuse
+from fzero.transforms._checks import check_option, default_bucket_bytes, kept_reduce_bytes, units_within_reuse
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
@@ -150,11 +150,13 @@ class _ShardHandler(Handler):
         found = []  # stage 3: (module, parameter names) of each unit
         if self.stage == 3 and isinstance(module, torch.nn.Module):
             found = find_units(module, train, self.units_spec)
-        self.bucket = self._bucket(train)
+        self.bucket, keep = self._bucket(train)
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket)
         if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
             self.pool = BufferPool(limit=len(self.layout.groups) + MAX_IN_FLIGHT)
+        else:
+            self.pool = BufferPool(keep_bytes=keep)
         if isinstance(module, torch.nn.Module):
             # The module is only code from here on: its parameters come from the state
             # (fzero.load_into writes trained weights back), so its own storage can go.
@@ -196,15 +198,19 @@ class _ShardHandler(Handler):
         n = units_within_reuse([self.layout.groups[gi].padded for gi in order], budget)
         return set(order[len(order) - n:])
 
-    def _bucket(self, train: dict[str, torch.Tensor]) -> int:
-        """The bucket in bytes: the one given (a config's ``"auto"`` one is asked now), else
-        ``default_bucket_bytes`` of the trainable parameters' bytes, so the two reduce buffers
-        stages 1-3 hold stay a small fraction of the model (see ``_checks.BUCKETS_PER_MODEL``);
-        at stage 0, which keeps every group's buffer anyway, DDP's 25 MiB."""
+    def _bucket(self, train: dict[str, torch.Tensor]) -> tuple[int, int | None]:
+        """The bucket in bytes, and the most bytes of free reduce buffers to keep between
+        steps (``None``: the two buffers of a given bucket). The one given (a config's
+        ``"auto"`` one is asked now); else ``default_bucket_bytes`` of the trainable
+        parameters' bytes (DDP's 25 MiB, the whole model when smaller; 1/32 of it at stage
+        3), with the kept buffers bounded to a share of the model
+        (``_checks.kept_reduce_bytes``), so a large default bucket costs speed nothing and
+        memory between steps little."""
         given = self.bucket_bytes() if callable(self.bucket_bytes) else self.bucket_bytes
         if given is not None:
-            return given
-        return default_bucket_bytes(sum(p.numel() * p.element_size() for p in train.values()), self.stage)
+            return given, None
+        model = sum(p.numel() * p.element_size() for p in train.values())
+        return default_bucket_bytes(model, self.stage), kept_reduce_bytes(model)
 
     def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
         """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
@@ -485,12 +491,14 @@ def shard_state(
         bucket_bytes: size of a gradient bucket (a group of parameters reduced together), or
             a function of no arguments giving it at ``init`` (a config's ``"auto"`` bucket,
             which the model's hidden size decides). ``None`` (the default, or what the
-            function gives): 1/32 of the trainable parameters' bytes, at most 25 MiB, at least 64 KiB
-            (:func:`fzero.transforms._checks.default_bucket_bytes`), so that the two reduce
-            buffers stages 1-3 hold beside the ZeRO formula's bytes stay a small part of
-            them; at stage 0, whose buffers hold the whole gradient whatever the bucket,
-            DDP's 25 MiB (the whole model when smaller); ``step.handler.bucket`` is the
-            bucket ``init`` chose.
+            function gives): DDP's 25 MiB, the whole model when smaller; at stage 3, where
+            the bucket is also the reuse window, 1/32 of the trainable parameters' bytes, at
+            most 25 MiB, at least 64 KiB
+            (:func:`fzero.transforms._checks.default_bucket_bytes`). With the default, the
+            reduce buffers kept between steps at stages 1-3 are at most 1/16 of the
+            gradient (:func:`fzero.transforms._checks.kept_reduce_bytes`; a larger one goes
+            back to the allocator once reduced); with a given bucket, two are kept.
+            ``step.handler.bucket`` is the bucket ``init`` chose.
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
         timeout_s: collective timeout (default: the mesh's).
