@@ -57,12 +57,12 @@ def default_bucket_bytes(model_bytes: int, stage: int | None = None) -> int:
 
 
 def kept_reduce_bytes(model_bytes: int) -> int:
-    """The most bytes of free reduce buffers ``shard_state`` keeps between steps at stages 1-3
+    """The most bytes of free reduce buffers ``shard_state`` keeps between steps at stages 1-2
     when it chose the bucket itself: 1/16 of ``model_bytes`` (two buffers of 1/32: 2.5% of
     ZeRO-2's 4Ψ + 12Ψ/N at N = 2, under 6.25% of its 4Ψ at any N), or two default buckets,
     whichever is smaller. A larger buffer goes back to the allocator when its reduce-scatter
     completes; a given bucket's buffers are kept (two of them), as DeepSpeed keeps its
-    ``reduce_bucket_size`` buffers.
+    ``reduce_bucket_size`` buffers, and so are stage 3's, whose buffers are its units'.
 
     Example:
         >>> kept_reduce_bytes(4 * 10**6), kept_reduce_bytes(4 * 10**9) == 2 * DEFAULT_BUCKET_BYTES

@@ -203,14 +203,15 @@ class _ShardHandler(Handler):
         steps (``None``: the two buffers of a given bucket). The one given (a config's
         ``"auto"`` one is asked now); else ``default_bucket_bytes`` of the trainable
         parameters' bytes (DDP's 25 MiB, the whole model when smaller; 1/32 of it at stage
-        3), with the kept buffers bounded to a share of the model
-        (``_checks.kept_reduce_bytes``), so a large default bucket costs speed nothing and
-        memory between steps little."""
+        3), with the kept buffers at stages 1-2 bounded to a share of the model
+        (``_checks.kept_reduce_bytes``), so a large default bucket costs memory between
+        steps little."""
         given = self.bucket_bytes() if callable(self.bucket_bytes) else self.bucket_bytes
         if given is not None:
             return given, None
         model = sum(p.numel() * p.element_size() for p in train.values())
-        return default_bucket_bytes(model, self.stage), kept_reduce_bytes(model)
+        # Stage 3's buffers are its units' (blocks), whatever the bucket: two are kept.
+        return default_bucket_bytes(model, self.stage), kept_reduce_bytes(model) if self.stage < 3 else None
 
     def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
         """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
@@ -495,7 +496,7 @@ def shard_state(
             the bucket is also the reuse window, 1/32 of the trainable parameters' bytes, at
             most 25 MiB, at least 64 KiB
             (:func:`fzero.transforms._checks.default_bucket_bytes`). With the default, the
-            reduce buffers kept between steps at stages 1-3 are at most 1/16 of the
+            reduce buffers kept between steps at stages 1-2 are at most 1/16 of the
             gradient (:func:`fzero.transforms._checks.kept_reduce_bytes`; a larger one goes
             back to the allocator once reduced); with a given bucket, two are kept.
             ``step.handler.bucket`` is the bucket ``init`` chose.
