@@ -370,11 +370,14 @@ def fuses(tx: GradientTransformation, params: Any) -> bool:
     Raises:
         ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``.
     """
-    mode = _mode()
-    spec = fused_spec_of(tx)
-    if mode == "off" or spec is None:
+    mode, spec = _mode(), fused_spec_of(tx)
+    return _fuses(mode, spec, tree.leaves(params)) if spec is not None else False
+
+
+def _fuses(mode: str, spec: FusedSpec, p_leaves: list) -> bool:
+    """:func:`fuses`, given the mode, the optimizer's spec and the parameters' leaves."""
+    if mode == "off":
         return False
-    p_leaves = tree.leaves(params)
     if not p_leaves or not all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in p_leaves):
         return False
     return mode == "on" or _compiled(p_leaves[0]) or _torch_cpu(spec, p_leaves[0])
@@ -409,10 +412,12 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
         ValueError: ``FZERO_FUSED`` is not ``auto``, ``on`` or ``off``; the kernels' own
             errors (``fzero_kernels.*``) for a hyperparameter they refuse.
     """
-    if not fuses(tx, params):
+    mode, spec = _mode(), fused_spec_of(tx)
+    if spec is None:
         return None
-    spec = fused_spec_of(tx)
     p_leaves, p_spec = tree.flatten(params)
+    if not _fuses(mode, spec, p_leaves):  # checked on the leaves flattened here: one walk of the tree
+        return None
     g_leaves = tree.leaves(grads)
     if len(g_leaves) != len(p_leaves) or not all(isinstance(g, torch.Tensor) and g.dtype in (
             torch.float32, torch.bfloat16, torch.float16) for g in g_leaves):
@@ -443,7 +448,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             sq = psum(LeafSums.of([grads], _leaf_norms(g_leaves, device).square(), total=True))
             emit_metric("grad_norm", sq.sqrt())
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
-        on_torch = _mode() == "auto" and _torch_cpu(spec, p_leaves[0])
+        on_torch = mode == "auto" and _torch_cpu(spec, p_leaves[0])
         runs = _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay,
                         donate, flat=not on_torch)
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
