@@ -68,6 +68,10 @@ class BufferPool:
         >>> a = pool.take(4, torch.float32, torch.device("cpu")); b = pool.take(2, torch.float32, torch.device("cpu"))
         >>> pool.give(a); pool.give(b); pool.in_use_bytes, pool.peak_bytes
         (0, 24)
+        >>> bounded = BufferPool(keep_bytes=16)  # a 32-byte buffer goes, the 16-byte one stays
+        >>> a = bounded.take(4, torch.float32, torch.device("cpu")); b = bounded.take(8, torch.float32, torch.device("cpu"))
+        >>> bounded.give(b); bounded.give(a); [t.numel() for t in bounded.free]
+        [4]
     """
 
     def __init__(self, limit: int = MAX_IN_FLIGHT, keep_bytes: int | None = None):
