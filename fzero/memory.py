@@ -88,10 +88,11 @@ OPTIMIZER_STATES = {
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes per element of master weights and optimizer state, by the dtype they are kept in.
 KEPT = {"fp32": 4, "bf16": 2}
-# Reduce buffers fzero's shard_state keeps at stages 2-3: MAX_IN_FLIGHT (2), the bucket being
-# filled and the one sent before it; a bucket's buffer is taken only once fewer reduce-scatters
-# are outstanding, and the pool allocates only when none of its buffers fits
-# (fzero/transforms/shard_state/_reduce.py).
+# Reduce buffers fzero's shard_state holds at once at stages 2-3: MAX_IN_FLIGHT (2), the bucket
+# being filled and the one sent before it; a bucket's buffer is taken only once fewer
+# reduce-scatters are outstanding, and the pool allocates only when none of its buffers fits
+# (fzero/transforms/shard_state/_reduce.py). Between steps the pool keeps them, or with the
+# default bucket at stages 1-2 at most 1/16 of the model's bytes of them (kept_reduce_bytes).
 REDUCE_BUFFERS = 2
 
 
