@@ -34,9 +34,10 @@ def default_bucket_bytes(model_bytes: int, stage: int | None = None) -> int:
     At stages 0-2 (``stage`` ``None`` too) it is DDP's: :data:`DEFAULT_BUCKET_BYTES`, or the
     whole model when smaller. Each bucket is a collective and a fused-optimizer launch per
     step, whose latency a small model pays many times over when cut small (the 0.88M GPT of
-    ``benchmarks/zero.py --preset tiny`` at stage 2: 91 ms a step in 28 buckets, 50 ms in
-    one, on 2 gloo ranks). What a large bucket would cost in memory between steps, the
-    reduce buffers kept, :func:`kept_reduce_bytes` bounds instead.
+    ``benchmarks/zero.py --preset tiny --fzero-default-bucket`` at stage 2, on 2 gloo
+    ranks: 2.11x DDP in 28 buckets of 1/32, 1.10-1.13x in one). What a large bucket would
+    cost in memory between steps, the reduce buffers kept, :func:`kept_reduce_bytes`
+    bounds instead.
 
     At stage 3 it is 1/:data:`BUCKETS_PER_MODEL` of the model, rounded up, at most
     :data:`DEFAULT_BUCKET_BYTES` and at least :data:`MIN_BUCKET_BYTES` or the whole model,
