@@ -273,12 +273,12 @@ class ReduceSink:
         group's reduce buffer for backward to accumulate its gradient into as its ``.grad``
         (zeroed, or an earlier micro-batch's sum), so that autograd's gradients are never
         held beside the buffers (DDP's ``gradient_as_bucket_view``); ``None`` where a leaf
-        is an argument beside the parameters or the buffer's dtype is not the leaf's (a
-        reduction in another precision): that gradient comes in as autograd's own.
+        is an argument beside the parameters: that gradient comes in as autograd's own.
+        (The buffer's dtype is the leaves', or :meth:`takes_after_backward` said no.)
         :meth:`on_accumulated` takes them after backward."""
         views: list[torch.Tensor | None] = []
         for i, leaf in zip(indices, leaves):
-            if self.leaf_groups[i] is None or reduce_dtype(leaf.dtype, self.reduce_in) != leaf.dtype:
+            if self.leaf_groups[i] is None:
                 views.append(None)
                 continue
             # its slot holds a value from now on: zero, or the sum so far
