@@ -541,6 +541,27 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     return value, tree.unflatten(spec, out_leaves)
 
 
+def keeping_function_modes(fn: Callable) -> Callable:
+    """``fn`` run, when the autograd engine calls it (a gradient hook, a saved-tensor hook),
+    under the torch-function modes that are active now: the engine drops them there, and a
+    mode that watches the tensors a step makes (``device_check.pretend``'s) would not see
+    the ones a hook makes. ``fn`` itself when none is active (the usual case)."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    if not modes:
+        return fn
+
+    @functools.wraps(fn)
+    def under_modes(*args, **kwargs):
+        if torch.overrides._get_current_function_mode_stack():  # called outside the engine
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            return fn(*args, **kwargs)
+
+    return under_modes
+
+
 def _backward_into(sink, value, inputs, wrt):
     on_value = getattr(sink, "on_value", None)
     if on_value is not None:  # the value is known before backward: a reduction of it can start now
@@ -569,11 +590,12 @@ def _backward_into(sink, value, inputs, wrt):
         sink.on_accumulated(wrt, grads, views)
         return sink.finish()
     handles = []
+    on_grad = keeping_function_modes(sink.on_grad)
     for i in wrt:
         def hook(leaf, i=i):
             g = leaf.grad
             leaf.grad = None  # the sink decides what stays resident
-            sink.on_grad(i, g)
+            on_grad(i, g)
 
         handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
     try:

@@ -242,6 +242,18 @@ def _handed(case):
             elif case == "a state step.init does not place":
                 mesh.place = lambda state: state  # the state stays where the module made it: the host
                 _two_steps(fzero.compile(ft.mse_step, mesh, zero=1), mesh)
+            elif case == "a host reduce buffer in a gradient hook":
+                # Buckets of 64 bytes: each group's reduce-scatter starts from a gradient hook,
+                # inside backward, where the autograd engine drops the step's torch-function
+                # modes (fzero.core.keeping_function_modes puts pretend's back).
+                from fzero.transforms.shard_state._reduce import BufferPool
+
+                take = BufferPool.take
+                BufferPool.take = lambda self, n, dtype, device, **kw: take(self, n, dtype, torch.device("cpu"), **kw)
+                try:
+                    _two_steps(fzero.compile(ft.mse_step, mesh, zero=2, bucket_bytes=64), mesh)
+                finally:
+                    BufferPool.take = take
             elif case == "a host send":
                 from fzero.distributed.p2p import Channel
 
@@ -273,6 +285,8 @@ def _two_steps(step, mesh):
     # the first collective of a step: the loss's mean over the ranks, launched before backward
     ("a state step.init does not place", "all_reduce(loss and batch sizes)"),
     ("a host send", "send of an activation"),
+    # the first group a gradient hook completes: the last layer's bias (3 elements, padded to 4)
+    ("a host reduce buffer in a gradient hook", "reduce_scatter(gradient group 0, 4 elements)"),
 ])
 def test_a_host_tensor_handed_to_a_collective_is_named(ranks, case, collective):
     for r, msg in enumerate(ranks(2).run(_handed, case)):

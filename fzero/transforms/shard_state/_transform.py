@@ -45,7 +45,8 @@ from fzero.optim import _known, exchange_of
 from fzero.transforms._checks import check_option, default_bucket_bytes, kept_reduce_bytes, units_within_reuse
 from fzero.transforms._arguments import Arguments
 from fzero import rng
-from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed, running)
+from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed,
+                        keeping_function_modes, running)
 from fzero.transforms.offload import host_copy, write_params
 from fzero.transforms._deferred import Deferred
 from fzero.transforms.shard_state._checks import check_same_model
@@ -284,8 +285,10 @@ class _ShardHandler(Handler):
 
                 # Saved views of a unit are gathered again in backward; under jit the hooks
                 # stay eager (graph breaks), as the units' forward hooks do.
-                pack, unpack = (units.pack, units.unpack) if context().jit is None else \
-                    (torch.compiler.disable(units.pack), torch.compiler.disable(units.unpack))
+                # The engine calls unpack (a gather) without the torch-function modes of the
+                # step (device_check.pretend's): keeping_function_modes restores them.
+                pack, unpack = (units.pack, keeping_function_modes(units.unpack)) if context().jit is None else \
+                    (torch.compiler.disable(units.pack), torch.compiler.disable(keeping_function_modes(units.unpack)))
 
                 def regathering(p, *a, **kw):
                     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
