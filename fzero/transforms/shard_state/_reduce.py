@@ -100,7 +100,7 @@ class BufferPool:
 
     def give(self, t: torch.Tensor) -> None:
         """Take back a buffer :meth:`take` gave (the same view)."""
-        self.in_use_bytes -= t.numel() * t.element_size()
+        self.in_use_bytes -= _nbytes(t)
         base = t._base if t._base is not None else t
         self.free.append(base)
         if len(self.free) > self.limit:
@@ -113,7 +113,7 @@ class BufferPool:
         """Take back a buffer whose views went out as gradients (stage 0's reduced groups,
         DDP's ``gradient_as_bucket_view``): it is reused only once nothing else holds a view
         of it, so a gradient a user kept past the step is never overwritten."""
-        self.in_use_bytes -= t.numel() * t.element_size()
+        self.in_use_bytes -= _nbytes(t)
         self.lent.append(t._base if t._base is not None else t)
 
     def _reclaim(self) -> None:
@@ -266,7 +266,7 @@ class ReduceSink:
         in place (:meth:`grad_buffers`), as a C++ reducer would take them. Gradients reduced
         in another dtype (bf16 summed in fp32) come in one by one instead, each freed once
         copied, so that autograd's whole gradient is never held beside the buffer."""
-        return self.one_group and all(reduce_dtype(x.dtype, self.reduce_in) == x.dtype for x in leaves)
+        return self.one_group and all(reduce_dtype(d, self.reduce_in) == d for d in {x.dtype for x in leaves})
 
     def grad_buffers(self, indices: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """After :meth:`takes_after_backward`: for each of ``leaves`` (leaf ``indices[k]``), the view of its

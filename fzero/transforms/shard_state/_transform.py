@@ -287,8 +287,9 @@ class _ShardHandler(Handler):
                 # stay eager (graph breaks), as the units' forward hooks do.
                 # The engine calls unpack (a gather) without the torch-function modes of the
                 # step (device_check.pretend's): keeping_function_modes restores them.
-                pack, unpack = (units.pack, keeping_function_modes(units.unpack)) if context().jit is None else \
-                    (torch.compiler.disable(units.pack), torch.compiler.disable(keeping_function_modes(units.unpack)))
+                unpack = keeping_function_modes(units.unpack)
+                pack, unpack = (units.pack, unpack) if context().jit is None else \
+                    (torch.compiler.disable(units.pack), torch.compiler.disable(unpack))
 
                 def regathering(p, *a, **kw):
                     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
