@@ -59,7 +59,9 @@ count beside ``comm.traffic``'s. ``×sent formula`` divides by the ZeRO paper's 
 et al. 2020, sec. 7), in fp32: 2Psi(N-1)/N x 4 B at stages 0-2 (one all-reduce of the
 gradients, or a reduce-scatter and an all-gather) and 3Psi(N-1)/N x 4 B at stage 3 and for
 FSDP2 (the parameters gathered in forward and again in backward). fzero gathers the
-parameters outside every ZeRO-3 unit once per step, so its stage 3 sends less than 3Psi.
+parameters outside every ZeRO-3 unit once per step, and the units within its reuse window
+(``max_reuse_distance``, by default 25 MiB of parameters: every block of the tiny preset,
+the last three of the default's six), so its stage 3 sends less than 3Psi: 2Psi when every unit is kept.
 
 Peak RSS: ``ru_maxrss`` is a lifetime maximum, so after the timed run each contestant is
 run again alone in a fresh pair of processes (``--only NAME``, a few steps) and its peak
@@ -557,8 +559,8 @@ def report(result: dict, rss: dict) -> None:
                      f"comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
             print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit, and the units within "
-                  "max_reuse_distance (the bucket's worth by default), once per step, not twice: it sends less "
-                  "than 3Ψ(N-1)/N")
+                  "max_reuse_distance (25 MiB of parameters by default), once per step, not twice: it sends less "
+                  "than 3Ψ(N-1)/N (2Ψ(N-1)/N when every unit is kept)")
     ds = result["deepspeed"]
     if not ds["available"]:
         print(f"DeepSpeed: skipped, import deepspeed failed in this interpreter ({ds['why']})")

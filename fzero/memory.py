@@ -341,7 +341,11 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       bucket: :func:`fzero.transforms._checks.kept_reduce_bytes`; a group of another size, such as the
       loose parameters beside stage 3's units, adds its own buffer). The reduced partition stays in fp32 until
       the last bucket is in (2 bytes per partitioned parameter more than the formula's).
-    * Stage 3 holds the unit being computed and the one prefetched, gathered.
+    * Stage 3 holds the unit being computed and the one prefetched, gathered. The last units
+      of forward within its reuse window (``max_reuse_distance``, default 25 MiB of
+      parameters, :func:`fzero.transforms._checks.default_reuse_distance`) stay gathered
+      from their forward until their own backward, alive with the activations as those are
+      and freed before this peak: like the activations, they are not counted here.
 
     ``bucket_bytes`` ``None`` is ``shard_state``'s default: 25 MiB or the whole model when
     smaller; at stage 3 1/32 of the parameters' bytes, at most 25 MiB and at least 64 KiB

@@ -265,7 +265,7 @@ class CompileOptions:
     backward (itself and the units after it) are at most this many -- DeepSpeed's
     ``zero_optimization.stage3_max_reuse_distance``; the last blocks of forward, whose
     backward comes first. ``0`` frees every unit after its forward (FSDP2's
-    ``reshard_after_forward=True``). ``None``: the bucket's worth of elements
+    ``reshard_after_forward=True``). ``None``: 25 MiB of parameters' worth of elements
     (:func:`fzero.shard_state`'s ``max_reuse_distance``)."""
 
     overlap_comm: bool = True

@@ -183,7 +183,8 @@ class Layout:
     """How the step runs: ``world_size`` ranks = pp × dp × tp, a ZeRO stage over dp, the
     micro-batches of an update (accumulation; a pipeline's micro-batches) and the compute
     precision. ``bucket_bytes`` None is shard_state's default (25 MiB or the whole model;
-    at stage 3 1/32 of the parameters' bytes, at most 25 MiB)."""
+    at stage 3 1/32 of the parameters' bytes, at most 25 MiB); ``max_reuse_distance`` None
+    is stage 3's default window (25 MiB of parameters), as ``fzero.compile`` takes it."""
 
     world_size: int
     stage: int
@@ -192,6 +193,7 @@ class Layout:
     micro_batches: int = 1
     precision: str = "fp32"
     bucket_bytes: int | None = None
+    max_reuse_distance: float | None = None
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -277,8 +279,8 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
     (stage 3's prefetched gathers) or ``"after"`` (exposed). The payloads are the table of
     docs/zero.md "Communication per step"; a group is one bucket (``bucket_bytes``) or, at
     stage 3, one block, gathered for its forward and again for its backward unless it is
-    among the last blocks within the default ``max_reuse_distance`` (the bucket's worth of
-    elements), which stay gathered in between.
+    among the last blocks within ``max_reuse_distance`` (default 25 MiB of parameters),
+    which stay gathered in between.
 
     Example (ZeRO-2, Ψ' = 1000 fp32 parameters in one bucket, 1 micro-batch: the gradient
     reduce-scattered, 4000 B, and the parameters all-gathered, this rank's 1000/N each):
@@ -292,7 +294,7 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         return []
     psi = -(-workload.params // (layout.tp * layout.pp))
     p, g = PRECISIONS[layout.precision], 4
-    from fzero.transforms._checks import default_bucket_bytes, units_within_reuse
+    from fzero.transforms._checks import default_bucket_bytes, default_reuse_distance, units_within_reuse
 
     bucket = layout.bucket_bytes or default_bucket_bytes(p * psi, st)
     buckets = max(1, -(-p * psi // bucket))
@@ -301,7 +303,8 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         units = max(1, workload.layers // layout.pp)
         psi_u = -(-workload.unit_params // (layout.tp * layout.pp))
         psi_o = psi - psi_u
-        kept = units_within_reuse([psi_u / units] * units, bucket // p)  # shard_state's rule, at its default
+        window = default_reuse_distance(p) if layout.max_reuse_distance is None else layout.max_reuse_distance
+        kept = units_within_reuse([psi_u / units] * units, window)  # shard_state's rule
         for _ in range(k):
             out += [("all_gather", p * psi_o / n, "after")] if psi_o else []
             out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units - kept)

@@ -127,8 +127,8 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
     * stage 3, every micro-batch: a unit is gathered before its forward and again when
       backward first needs it (a prefetch only starts that same gather earlier), and its
       gradient reduce-scattered: ``3 Ψu f`` -- unless it is within ``max_reuse_distance``
-      (default the bucket's worth of elements: every unit with the 1 MiB bucket, none with
-      the 1-byte one), when it stays gathered from its forward to its backward: ``2 Ψu f``;
+      (default 25 MiB of parameters: every unit of this model, whatever the bucket; ``0``:
+      none), when it stays gathered from its forward to its backward: ``2 Ψu f``;
       the parameters outside every unit are gathered once for the whole micro-batch and
       reduce-scattered: ``2 Ψo f``.
 
@@ -149,7 +149,7 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
         out[("reduce_scatter", "gradients")] = k * psi * grad_bytes * f
     else:
         out[("reduce_scatter", "gradients")] = k * (units + other) * grad_bytes * f
-        kept = bucket == "one" if kept is None else kept
+        kept = True if kept is None else kept  # the default window holds this whole model
         gathers = 1 if kept else 2  # kept from forward to backward, or gathered again
         out[("all_gather", "parameters")] = k * (gathers * units + other) * param_bytes * f
     if stage in (1, 2):

@@ -114,7 +114,7 @@ def _blocks_state(io, width, depth):
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3)), psi
 
 
-def _memory(stage, width, depth, bucket_bytes, precision="fp32"):
+def _memory(stage, width, depth, bucket_bytes, precision="fp32", **options):
     n, r = dist.get_world_size(), dist.get_rank()
     state, psi = _blocks_state(16, width, depth)
     seen = {}
@@ -126,7 +126,7 @@ def _memory(stage, width, depth, bucket_bytes, precision="fp32"):
         return state.apply_gradients(g), {"loss": loss}
 
     inner = train_step if precision == "fp32" else fzero.mixed_precision(train_step, precision, loss_scale=None)
-    step = fzero.shard_state(inner, fzero.Mesh(dp=-1), stage, bucket_bytes=bucket_bytes)
+    step = fzero.shard_state(inner, fzero.Mesh(dp=-1), stage, bucket_bytes=bucket_bytes, **options)
     state = step.init(state)
     for _ in range(2):
         state, _ = step(state, {"x": torch.randn(4, 16), "y": torch.randn(4, 16)})
@@ -147,7 +147,9 @@ GRADS = {0: lambda n: 4, 1: lambda n: 4, 2: lambda n: 4 / n, 3: lambda n: 4 / n}
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_per_rank_matches_the_zero_formula(ranks, stage):
     world, bucket = 2, 64 * 1024
-    for res in ranks(world).run(_memory, stage, 96, 6, bucket):
+    # Stage 3 frees each block after its forward (the default window, 25 MiB of parameters,
+    # would keep this whole small model gathered from forward to backward).
+    for res in ranks(world).run(_memory, stage, 96, 6, bucket, **({"max_reuse_distance": 0} if stage == 3 else {})):
         psi = res["psi"]
         expected = BETWEEN[stage](world) * psi
         assert abs(res["between"] - expected) <= 0.02 * expected, (stage, res, expected)
@@ -309,7 +311,7 @@ def _lm_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
-def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
+def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_rank=2):
     """Runs on every rank: a stage-3 TinyGPT's trajectory against the plain step's, with the
     order reductions start in, the order units are gathered in, and the reduce buffers' peak."""
     from fzero.transforms.shard_state._reduce import ReduceSink
@@ -327,7 +329,8 @@ def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
     for b in batches:
         ref, m = _lm_step(ref, b)
         ref_losses.append(m["loss"])
-    step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=bucket_bytes)
+    step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=bucket_bytes,
+                             max_reuse_distance=max_reuse_distance)
     state = step.init(_state(make_model, "adamw"))
     units = step.handler.units
     launched, gathered = [], []
@@ -360,9 +363,9 @@ def _stage3_reduce_order(bucket_bytes, steps=3, per_rank=2):
             "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
 
 
-@pytest.mark.parametrize("bucket_bytes", [64, 2**20])
-def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bucket_bytes):
-    for res in ranks(2).run(_stage3_reduce_order, bucket_bytes):
+@pytest.mark.parametrize("bucket_bytes, max_reuse_distance", [(64, 0), (2**20, None)])
+def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bucket_bytes, max_reuse_distance):
+    for res in ranks(2).run(_stage3_reduce_order, bucket_bytes, max_reuse_distance):
         units, names, launched = res["units"], res["names"], res["launched"]
         assert len(units) == 4 and sorted(launched) == list(range(len(names))), res
         # Backward's order: the last block's reduce-scatter starts first, the tied embedding's last.
@@ -370,10 +373,10 @@ def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bu
         assert names[launched[-1]][-1] == "wte.weight", res
         if bucket_bytes == 64:  # every loose parameter a group of its own: the final norm's come first
             assert names[launched[0]] == ["ln_f.bias"], res
-        # Forward gathers the units in forward order, backward in reverse; a unit within the
-        # default max_reuse_distance (the bucket's worth of elements: every unit of this model
-        # within 1 MiB, none within 64 bytes) stays gathered from its forward to its backward.
-        assert res["keep"] == (set(units) if bucket_bytes > 64 else set()), res
+        # Forward gathers the units in forward order, backward in reverse; a unit within
+        # max_reuse_distance (the default, 25 MiB of parameters: every unit of this model; 0:
+        # none) stays gathered from its forward to its backward.
+        assert res["keep"] == (set(units) if max_reuse_distance is None else set()), res
         assert [gi for gi, when in res["gathered"] if when == "forward"] == units, res
         assert [gi for gi, when in res["gathered"] if when == "backward"] == \
             [gi for gi in units[::-1] if gi not in res["keep"]], res

@@ -464,8 +464,8 @@ class ZeroConfig:
     max_reuse_distance: float | None = None
     """``stage3_max_reuse_distance`` (or ``max_reuse_distance``): ZeRO-3 units whose reuse
     distance, in elements, is at most this stay gathered from forward to backward
-    (``fzero.compile(max_reuse_distance=)``); ``None`` when not written (fzero's default, the
-    bucket's worth, rather than DeepSpeed's 1e9)."""
+    (``fzero.compile(max_reuse_distance=)``); ``None`` when not written (fzero's default, 25
+    MiB of parameters' worth, rather than DeepSpeed's 1e9 elements)."""
 
     offload_optimizer: Literal["none", "cpu"] | None = None
     """``offload_optimizer.device``: ``"cpu"`` keeps the masters and optimizer state on the

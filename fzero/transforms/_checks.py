@@ -13,14 +13,18 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "MIN_BUCKET_BYTES", "check_option",
-           "default_bucket_bytes", "kept_reduce_bytes", "units_within_reuse"]
+__all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "DEFAULT_REUSE_BYTES", "MIN_BUCKET_BYTES",
+           "check_option", "default_bucket_bytes", "default_reuse_distance", "kept_reduce_bytes", "units_within_reuse"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (DeepSpeed's buckets are larger still): the default
 # Stage 3's default bucket is at most this fraction of the trainable parameters' bytes: there
-# the bucket is also the reuse window, the units kept gathered from their forward to their
-# backward (``max_reuse_distance``), which a whole-model bucket would make every unit.
+# a bucket is one unit's reduce buffer, two of which are kept between steps.
 BUCKETS_PER_MODEL = 32
+# Stage 3's default reuse window: the last units of forward whose parameters, together, are
+# at most this many bytes stay gathered until their backward (``max_reuse_distance``) instead
+# of being gathered a second time. DeepSpeed's default keeps up to 1e9 elements so; FSDP2's
+# ``reshard_after_forward=True`` none.
+DEFAULT_REUSE_BYTES = DEFAULT_BUCKET_BYTES
 # ...but not below this: a bucket is also a flat group, the unit of one collective and one
 # launch of the fused optimizer, and a tiny model cut into 32 groups pays 32 of each per step
 # for a few kilobytes saved. A model smaller than it is one group (no buffer exceeds the model).
@@ -70,6 +74,20 @@ def kept_reduce_bytes(model_bytes: int) -> int:
         (250000, True)
     """
     return min(2 * DEFAULT_BUCKET_BYTES, 2 * -(-int(model_bytes) // BUCKETS_PER_MODEL))
+
+
+def default_reuse_distance(itemsize: int) -> int:
+    """Stage 3's default ``max_reuse_distance``, in elements of ``itemsize`` bytes: the
+    units within :data:`DEFAULT_REUSE_BYTES` (25 MiB) of parameters stay gathered from their
+    forward to their backward -- at most that much memory more at the step's peak, whatever
+    the model's size, for one all-gather fewer per kept unit. A model smaller than the window
+    is gathered once per step, as stage 2 gathers it.
+
+    Example:
+        >>> default_reuse_distance(4), default_reuse_distance(2)  # fp32, bf16 parameters
+        (6553600, 13107200)
+    """
+    return DEFAULT_REUSE_BYTES // max(1, int(itemsize))
 
 
 def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:

@@ -42,7 +42,8 @@ from fzero.distributed import comm
 from fzero.distributed.compressed import ErrorFeedback, compressed_mean
 from fzero.distributed.mesh import DATA_AXES, Mesh
 from fzero.optim import _known, exchange_of
-from fzero.transforms._checks import check_option, default_bucket_bytes, kept_reduce_bytes, units_within_reuse
+from fzero.transforms._checks import (check_option, default_bucket_bytes, default_reuse_distance, kept_reduce_bytes,
+                                      units_within_reuse)
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed,
@@ -191,11 +192,12 @@ class _ShardHandler(Handler):
         from their forward to their backward instead of being freed and gathered again: each
         unit whose *reuse distance* -- the elements gathered from its own gather until its
         backward needs it again, itself and the units after it (each gathered once) -- is at
-        most ``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``; default the
-        bucket's worth of elements). The last units of forward, whose backward comes first."""
+        most ``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``; default
+        ``_checks.default_reuse_distance``: 25 MiB of parameters). The last units of
+        forward, whose backward comes first."""
         budget = self.max_reuse_distance
         if budget is None:
-            budget = self.bucket // max(1, self.layout.groups[order[0]].dtype.itemsize) if order else 0
+            budget = default_reuse_distance(self.layout.groups[order[0]].dtype.itemsize) if order else 0
         n = units_within_reuse([self.layout.groups[gi].padded for gi in order], budget)
         return set(order[len(order) - n:])
 
@@ -533,8 +535,9 @@ def shard_state(
             gather until its backward (itself and the units after it) are at most this many
             (DeepSpeed's ``stage3_max_reuse_distance``): the last units of forward, whose
             backward comes first. ``0`` frees every unit after its forward (FSDP2's
-            ``reshard_after_forward=True``). Default: the bucket's worth of elements, so the
-            parameters kept so are at most what the reduce buffers already hold.
+            ``reshard_after_forward=True``). Default: 25 MiB of parameters' worth of elements
+            (``_checks.default_reuse_distance``), a bound on the memory it adds at the peak
+            whatever the model's size; a model smaller than that is gathered once a step.
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step
