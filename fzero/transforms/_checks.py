@@ -168,7 +168,7 @@ CHECKS: dict[str, Check] = {
     "buffer_sync": choice("broadcast", "mean", "local"),
     "offload_param": choice("none", "cpu"),
     "pin_memory": boolean,  # and offload_optimizer's
-    "max_reuse_distance": optional(nonneg_number),  # None: the bucket's worth of elements
+    "max_reuse_distance": optional(nonneg_number),  # None: 25 MiB of parameters' worth of elements
     # mixed_precision (its dtype is checked there: "bf16" or "fp16")
     "loss_scale": _loss_scale,
     "initial_scale_power": _int,

@@ -76,7 +76,7 @@ class _ShardHandler(Handler):
                  buffer_sync: str = "broadcast", overlap_comm: bool = True, offload_param: bool = False,
                  pin_memory: bool = False, max_reuse_distance: int | None = None):
         self.mesh, self.stage, self.bucket_bytes, self.units_spec = mesh, stage, bucket_bytes, units
-        self.max_reuse_distance = max_reuse_distance  # stage 3 (None: the bucket's worth, at init)
+        self.max_reuse_distance = max_reuse_distance  # stage 3 (None: 25 MiB of parameters, at init)
         # Stage 3's parameter offload: this rank's pieces live on the host between uses.
         self.offload_param, self.pin = offload_param, pin_memory and torch.cuda.is_available()
         self.overlap_comm = overlap_comm
