@@ -222,13 +222,25 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         t_both = _median_time(both, reps=5) - t_barrier
         # A training step's own mix (matmuls, GELU, LayerNorm, their backward), on rank 0
         # alone and on both ranks at once: the cores a step gets, memory traffic included.
+        # In pairs (alone, then at once), so that the machine's drift meets both alike: the
+        # share is the median of the pairs' ratios.
         block = _block_pass()
-        alone = _median_time(lambda: (dist.barrier(), block() if rank == 0 else None), reps=5) - t_barrier
-        together = _median_time(lambda: (dist.barrier(), block()), reps=5) - t_barrier
+
+        def timed(fn) -> float:
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+
+        for _ in range(2):
+            block()
+        pairs = [(timed(lambda: block() if rank == 0 else None), timed(block)) for _ in range(7)]
         if rank == 0:
             queue.put(dict(barrier_s=t_barrier, **out, matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
-                           matmul_flops_2_ranks_at_once=flops_together, block_pass_alone_s=alone,
-                           block_pass_2_ranks_at_once_s=together))
+                           matmul_flops_2_ranks_at_once=flops_together,
+                           block_pass_alone_s=statistics.median(a for a, _ in pairs),
+                           block_pass_2_ranks_at_once_s=statistics.median(b for _, b in pairs),
+                           block_pass_alone_over_at_once=statistics.median(a / b for a, b in pairs)))
     finally:
         dist.destroy_process_group()
 
@@ -255,9 +267,13 @@ def free_cores(coll: dict, flops_alone: float, cores: int) -> float:
     backward of MLP blocks), each at a share of one alone -- a quiet 2-core host whose cores
     share nothing gives 2, a loaded one, or one whose two ranks contend for memory bandwidth
     or a core's siblings, less. (A small matmul at once, which stays in cache, read 1.97 here
-    where real steps got about 1.25.) Without that measurement, the matmuls'. The model's
-    rates scale by ``min(1, this / ranks)``."""
-    if coll.get("block_pass_2_ranks_at_once_s"):
+    where real steps got about 1.25.) The share is the median ratio of pairs of passes (one
+    alone, then both at once), so that a drift in the machine meets both sides of a pair;
+    a machine file from before the pairs gives the ratio of the two medians. Without that
+    measurement, the matmuls'. The model's rates scale by ``min(1, this / ranks)``."""
+    if coll.get("block_pass_alone_over_at_once"):
+        share = coll["block_pass_alone_over_at_once"]
+    elif coll.get("block_pass_2_ranks_at_once_s"):
         share = coll["block_pass_alone_s"] / coll["block_pass_2_ranks_at_once_s"]
     else:
         share = coll["matmul_flops_2_ranks_at_once"] / flops_alone

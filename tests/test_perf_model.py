@@ -259,8 +259,9 @@ def test_elementwise_coefficients_match_a_count_of_a_real_step():
 
 def test_free_cores_come_from_a_steps_mix_on_both_ranks_at_once():
     """The calibration's cores for 2 ranks: 2 × (one rank alone / both at once) of the MLP
-    blocks' pass when it was measured, else of the matmul; never more than the host's cores
-    nor less than a quarter."""
+    blocks' pass when it was measured -- the median of paired measurements' ratios where the
+    calibration took pairs, else the ratio of the medians -- else of the matmul; never more
+    than the host's cores nor less than a quarter."""
     from fzero.perf_calibrate import free_cores
 
     coll = {"matmul_flops_2_ranks_at_once": 9e10, "block_pass_alone_s": 0.010, "block_pass_2_ranks_at_once_s": 0.016}
@@ -268,3 +269,4 @@ def test_free_cores_come_from_a_steps_mix_on_both_ranks_at_once():
     assert free_cores({"matmul_flops_2_ranks_at_once": 9e10}, 1e11, 2) == pytest.approx(1.8)
     assert free_cores({**coll, "block_pass_2_ranks_at_once_s": 0.009}, 1e11, 2) == 2.0
     assert free_cores({**coll, "block_pass_2_ranks_at_once_s": 1.0}, 1e11, 2) == 0.25
+    assert free_cores({**coll, "block_pass_alone_over_at_once": 0.9}, 1e11, 2) == pytest.approx(1.8)  # the pairs win
