@@ -17,18 +17,18 @@ __all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "DEFAULT_REUSE
            "check_option", "default_bucket_bytes", "default_reuse_distance", "kept_reduce_bytes", "units_within_reuse"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (DeepSpeed's buckets are larger still): the default
-# Stage 3's default bucket is at most this fraction of the trainable parameters' bytes: there
-# a bucket is one unit's reduce buffer, two of which are kept between steps.
+# Stage 3's default bucket is at most this fraction of the trainable parameters' bytes (there
+# it cuts only the parameters outside the units, the blocks, into groups).
 BUCKETS_PER_MODEL = 32
+# ...but not below this: a bucket is also a flat group, the unit of one collective and one
+# launch of the fused optimizer, and a tiny model cut into 32 groups pays 32 of each per step
+# for a few kilobytes saved. A model smaller than it is one group (no buffer exceeds the model).
+MIN_BUCKET_BYTES = 64 * 2**10
 # Stage 3's default reuse window: the last units of forward whose parameters, together, are
 # at most this many bytes stay gathered until their backward (``max_reuse_distance``) instead
 # of being gathered a second time. DeepSpeed's default keeps up to 1e9 elements so; FSDP2's
 # ``reshard_after_forward=True`` none.
 DEFAULT_REUSE_BYTES = DEFAULT_BUCKET_BYTES
-# ...but not below this: a bucket is also a flat group, the unit of one collective and one
-# launch of the fused optimizer, and a tiny model cut into 32 groups pays 32 of each per step
-# for a few kilobytes saved. A model smaller than it is one group (no buffer exceeds the model).
-MIN_BUCKET_BYTES = 64 * 2**10
 
 
 def default_bucket_bytes(model_bytes: int, stage: int | None = None) -> int:
