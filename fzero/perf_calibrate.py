@@ -193,13 +193,26 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         else:  # the process's own setting again, for the serial all-reduces below
             os.environ["FZERO_GLOO_PAIR"] = before
 
-        # Tensor parallelism's all-reduces: one at a time, each waited for before the next.
-        def serial():
-            dist.barrier()
-            for _ in range(16):
-                comm.all_reduce(small)
+        # Tensor parallelism's all-reduces: one at a time, each waited for before the next,
+        # each after a stretch of compute on both ranks (about a block's half: matmuls of
+        # 512 rows), so that the wait includes how far apart the ranks drift in between -- on
+        # shared cores several times the all-reduce alone. In pairs (with, then without the
+        # all-reduces), the median of the differences.
+        sa, sb = torch.randn(512, 256), torch.randn(256, 1024)
 
-        out["all_reduce_4KiB_serial_s"] = (_median_time(serial, reps=7) - t_barrier) / 16
+        def serial(reduce: bool) -> float:
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(16):
+                for _ in range(4):
+                    sa @ sb
+                if reduce:
+                    comm.all_reduce(small)
+            return time.perf_counter() - t
+
+        serial(True), serial(False)
+        out["all_reduce_4KiB_serial_s"] = statistics.median(
+            (serial(True) - serial(False)) / 16 for _ in range(7))
         t_big = out["all_reduce_8MiB_s"]
         # Overlap: an all-reduce behind a matmul loop of about its length.
         a, b = torch.randn(256, 256), torch.randn(256, 256)

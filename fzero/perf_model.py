@@ -139,9 +139,10 @@ class Machine:
     point-to-point messages rather than the backend's (a gloo pair:
     ``fzero/distributed/_pair.py``). A kind not here uses ``collectives``."""
     serial_latency: float = 0.0
-    """Seconds per ring step of a collective issued alone and waited for at once (tensor
-    parallelism's all-reduces on the critical path), when it is more than the in-flight
-    ``latency`` (0: the same)."""
+    """Seconds per ring step of a collective issued alone and waited for at once after a
+    stretch of compute (tensor parallelism's all-reduces on the critical path: the wait
+    includes how far apart the ranks drifted since the last one), when it is more than the
+    in-flight ``latency`` (0: the same)."""
 
     def share(self, ranks_on_node: int) -> float:
         """The fraction of one core's rates a rank gets when ``ranks_on_node`` ranks run."""
