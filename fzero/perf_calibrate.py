@@ -54,6 +54,16 @@ def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
     return statistics.median(ts)
 
 
+def _timed_at_once(fn) -> float:
+    """Seconds of one ``fn()`` on this rank, started when every rank is at the barrier."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def _sustained_seconds(fn, *, sample_s: float = 0.05, samples: int = 7) -> float:
     """Seconds one call of ``fn`` takes when it runs back to back: each sample repeats it for
     at least ``sample_s`` (a step's matmuls run back to back, not one at a time between
@@ -200,15 +210,15 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         # all-reduces), the median of the differences.
         sa, sb = torch.randn(512, 256), torch.randn(256, 1024)
 
-        def serial(reduce: bool) -> float:
-            dist.barrier()
-            t = time.perf_counter()
+        def rounds(reduce: bool) -> None:
             for _ in range(16):
                 for _ in range(4):
                     sa @ sb
                 if reduce:
                     comm.all_reduce(small)
-            return time.perf_counter() - t
+
+        def serial(reduce: bool) -> float:
+            return _timed_at_once(lambda: rounds(reduce))
 
         serial(True), serial(False)
         out["all_reduce_4KiB_serial_s"] = statistics.median(
@@ -238,16 +248,10 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         # In pairs (alone, then at once), so that the machine's drift meets both alike: the
         # share is the median of the pairs' ratios.
         block = _block_pass()
-
-        def timed(fn) -> float:
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            return time.perf_counter() - t
-
         for _ in range(2):
             block()
-        pairs = [(timed(lambda: block() if rank == 0 else None), timed(block)) for _ in range(7)]
+        pairs = [(_timed_at_once(lambda: block() if rank == 0 else None), _timed_at_once(block))
+                 for _ in range(7)]
         if rank == 0:
             queue.put(dict(barrier_s=t_barrier, **out, matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
                            matmul_flops_2_ranks_at_once=flops_together,

@@ -304,8 +304,8 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         units = max(1, workload.layers // layout.pp)
         psi_u = -(-workload.unit_params // (layout.tp * layout.pp))
         psi_o = psi - psi_u
-        window = default_reuse_distance(p) if layout.max_reuse_distance is None else layout.max_reuse_distance
-        kept = units_within_reuse([psi_u / units] * units, window)  # shard_state's rule
+        kept = units_within_reuse([psi_u / units] * units,  # shard_state's rule
+                                  default_reuse_distance(p, layout.max_reuse_distance))
         for _ in range(k):
             out += [("all_gather", p * psi_o / n, "after")] if psi_o else []
             out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units - kept)

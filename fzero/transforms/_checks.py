@@ -76,18 +76,20 @@ def kept_reduce_bytes(model_bytes: int) -> int:
     return min(2 * DEFAULT_BUCKET_BYTES, 2 * -(-int(model_bytes) // BUCKETS_PER_MODEL))
 
 
-def default_reuse_distance(itemsize: int) -> int:
-    """Stage 3's default ``max_reuse_distance``, in elements of ``itemsize`` bytes: the
-    units within :data:`DEFAULT_REUSE_BYTES` (25 MiB) of parameters stay gathered from their
-    forward to their backward -- at most that much memory more at the step's peak, whatever
-    the model's size, for one all-gather fewer per kept unit. A model smaller than the window
-    is gathered once per step, as stage 2 gathers it.
+def default_reuse_distance(itemsize: int, given: float | None = None) -> float:
+    """Stage 3's ``max_reuse_distance``: ``given`` when set, else the default, in elements of
+    ``itemsize`` bytes: the units within :data:`DEFAULT_REUSE_BYTES` (25 MiB) of parameters
+    stay gathered from their forward to their backward -- at most that much memory more at
+    the step's peak, whatever the model's size, for one all-gather fewer per kept unit. A
+    model smaller than the window is gathered once per step, as stage 2 gathers it.
 
     Example:
         >>> default_reuse_distance(4), default_reuse_distance(2)  # fp32, bf16 parameters
         (6553600, 13107200)
+        >>> default_reuse_distance(4, given=0)
+        0
     """
-    return DEFAULT_REUSE_BYTES // max(1, int(itemsize))
+    return DEFAULT_REUSE_BYTES // max(1, int(itemsize)) if given is None else given
 
 
 def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:

@@ -195,9 +195,9 @@ class _ShardHandler(Handler):
         most ``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``; default
         ``_checks.default_reuse_distance``: 25 MiB of parameters). The last units of
         forward, whose backward comes first."""
-        budget = self.max_reuse_distance
-        if budget is None:
-            budget = default_reuse_distance(self.layout.groups[order[0]].dtype.itemsize) if order else 0
+        if not order:
+            return set()
+        budget = default_reuse_distance(self.layout.groups[order[0]].dtype.itemsize, self.max_reuse_distance)
         n = units_within_reuse([self.layout.groups[gi].padded for gi in order], budget)
         return set(order[len(order) - n:])
 
