@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from fzero.transforms._checks import default_bucket_bytes
+from fzero.transforms._checks import DEFAULT_REUSE_BYTES, default_bucket_bytes
 
 __all__ = ["model_state_bytes", "optimizer_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share",
            "format_bytes", "KEPT", "OPTIMIZER_STATES", "PRECISIONS", "REDUCE_BUFFERS"]
@@ -345,7 +345,11 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       of forward within its reuse window (``max_reuse_distance``, default 25 MiB of
       parameters, :func:`fzero.transforms._checks.default_reuse_distance`) stay gathered
       from their forward until their own backward, alive with the activations as those are
-      and freed before this peak: like the activations, they are not counted here.
+      and freed before this peak: like the activations, they are not counted here. A model
+      whose units are all within that window has none (``shard_state`` gathers it whole for
+      the step, in stage 2's buckets): at the peak it holds stage 2's buffers and its
+      parameters gathered whole; counted so here when the whole model is within the default
+      window and ``bucket_bytes`` is the default.
 
     ``bucket_bytes`` ``None`` is ``shard_state``'s default: 25 MiB or the whole model when
     smaller; at stage 3 1/32 of the parameters' bytes, at most 25 MiB and at least 64 KiB
@@ -361,8 +365,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         52428800
         >>> reduce_buffer_bytes(10**6, world_size=1, stage=2)  # one bucket: the whole model
         4000000
-        >>> reduce_buffer_bytes(10**6, world_size=1, stage=3)  # 2 buckets of 1/32 of the model, 2 gathered
-        500000
+        >>> reduce_buffer_bytes(10**8, world_size=1, stage=3)  # 2 buckets of 1/32 of the model, 2 gathered
+        50000000
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=3)  # within the reuse window: stage 2's bucket, gathered whole
+        8000000
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
     """
@@ -372,12 +378,13 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         return 0 if p == 4 else 4 * num_params
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
+    whole = stage == 3 and bucket_bytes is None and p * num_params <= DEFAULT_REUSE_BYTES  # no units
     if bucket_bytes is None:
-        bucket_bytes = default_bucket_bytes(p * num_params, stage)
+        bucket_bytes = default_bucket_bytes(p * num_params, None if whole else stage)
     per_bucket = -(-bucket_bytes // p)
     total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
     if stage == 3:
-        total += p * min(num_params, 2 * per_bucket)
+        total += p * (num_params if whole else min(num_params, 2 * per_bucket))
     return total
 
 

@@ -281,7 +281,8 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
     docs/zero.md "Communication per step"; a group is one bucket (``bucket_bytes``) or, at
     stage 3, one block, gathered for its forward and again for its backward unless it is
     among the last blocks within ``max_reuse_distance`` (default 25 MiB of parameters),
-    which stay gathered in between.
+    which stay gathered in between. When every block is within it there are no units: the
+    whole model is gathered before each micro-batch and reduce-scattered in stage 2's buckets.
 
     Example (ZeRO-2, Ψ' = 1000 fp32 parameters in one bucket, 1 micro-batch: the gradient
     reduce-scattered, 4000 B, and the parameters all-gathered, this rank's 1000/N each):
@@ -297,8 +298,6 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
     p, g = PRECISIONS[layout.precision], 4
     from fzero.transforms._checks import default_bucket_bytes, default_reuse_distance, units_within_reuse
 
-    bucket = layout.bucket_bytes or default_bucket_bytes(p * psi, st)
-    buckets = max(1, -(-p * psi // bucket))
     out = []
     if st == 3:
         units = max(1, workload.layers // layout.pp)
@@ -306,12 +305,20 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         psi_o = psi - psi_u
         kept = units_within_reuse([psi_u / units] * units,  # shard_state's rule
                                   default_reuse_distance(p, layout.max_reuse_distance))
+        if kept == units:  # no units: the whole model gathered for each micro-batch, in stage 2's buckets
+            buckets = max(1, -(-p * psi // (layout.bucket_bytes or default_bucket_bytes(p * psi))))
+            for _ in range(k):
+                out += [("all_gather", p * psi / n, "after")]
+                out += [("reduce_scatter", g * psi / buckets, "backward")] * buckets
+            return out
         for _ in range(k):
             out += [("all_gather", p * psi_o / n, "after")] if psi_o else []
             out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units - kept)
             out += [("reduce_scatter", g * psi_u / units, "backward")] * units
             out += [("reduce_scatter", g * psi_o, "backward")] if psi_o else []
         return out
+    bucket = layout.bucket_bytes or default_bucket_bytes(p * psi, st)
+    buckets = max(1, -(-p * psi // bucket))
     reductions = 1 if st in (0, 1) else k  # stages 0-1 reduce the sum once per update
     kind = "all_reduce" if st == 0 else "reduce_scatter"
     out += [(kind, g * psi / buckets, "backward")] * (buckets * reductions)

@@ -100,10 +100,11 @@ def _padded(numel: int) -> int:
     return -(-numel // N) * N
 
 
-def _psi(stage: int, bucket: str) -> tuple[int, int]:
-    """``(Ψp of the units, Ψp of every other parameter)`` by the layout rule, in elements."""
+def _psi(stage: int, bucket: str, whole: bool = False) -> tuple[int, int]:
+    """``(Ψp of the units, Ψp of every other parameter)`` by the layout rule, in elements;
+    ``whole``: stage 3 with every unit within the reuse window, which has no units."""
     model = Blocks(*MODEL)
-    units = [list(b.parameters()) for b in model.blocks] if stage == 3 else []
+    units = [list(b.parameters()) for b in model.blocks] if stage == 3 and not whole else []
     in_units = {id(p) for u in units for p in u}
     loose = [p.numel() for p in model.parameters() if id(p) not in in_units]
     loose_groups = [sum(loose)] if bucket == "one" else loose
@@ -126,18 +127,20 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
       all-gather of the parameters once, ``Ψp p f``: the paper's ``2 Ψp f`` at ``k = 1``;
     * stage 3, every micro-batch: a unit is gathered before its forward and again when
       backward first needs it (a prefetch only starts that same gather earlier), and its
-      gradient reduce-scattered: ``3 Ψu f`` -- unless it is within ``max_reuse_distance``
-      (default 25 MiB of parameters: every unit of this model, whatever the bucket; ``0``:
-      none), when it stays gathered from its forward to its backward: ``2 Ψu f``;
+      gradient reduce-scattered: ``3 Ψu f`` -- unless it is within ``max_reuse_distance``,
+      when it stays gathered from its forward to its backward: ``2 Ψu f``;
       the parameters outside every unit are gathered once for the whole micro-batch and
-      reduce-scattered: ``2 Ψo f``.
+      reduce-scattered: ``2 Ψo f``. With every unit within the window (the default, 25 MiB
+      of parameters, holds this whole model; ``0``: none) there are no units: the whole
+      model is gathered once and reduce-scattered, in stage 2's groups: ``2 Ψp f``.
 
     And the small collectives of every step: the loss with the batch-size check, all-reduced
     every micro-batch (three fp64 scalars: the loss, ``n`` and ``n²``, ``2·24 f``); and at
     stages 1-3 the non-finite flag (fp32's ``nonfinite="skip"``, the default, or mixed
     precision's overflow check), one fp32 scalar all-reduced through ``psum`` per update.
     """
-    units, other = _psi(stage, bucket)
+    kept = True if kept is None else kept  # the default window holds this whole model
+    units, other = _psi(stage, bucket, whole=stage == 3 and kept)
     psi = units + other
     f = Fraction(N - 1, N)
     out = {("all_reduce", "loss"): k * 2 * 24 * f}
@@ -149,7 +152,6 @@ def _expected(stage: int, *, k: int = 1, grad_bytes: int = 4, param_bytes: int =
         out[("reduce_scatter", "gradients")] = k * psi * grad_bytes * f
     else:
         out[("reduce_scatter", "gradients")] = k * (units + other) * grad_bytes * f
-        kept = True if kept is None else kept  # the default window holds this whole model
         gathers = 1 if kept else 2  # kept from forward to backward, or gathered again
         out[("all_gather", "parameters")] = k * (gathers * units + other) * param_bytes * f
     if stage in (1, 2):

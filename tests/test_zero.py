@@ -250,14 +250,19 @@ def _buckets(depth, config=None, **options):
 def test_the_default_bucket_follows_the_model_and_a_given_one_is_kept(ranks):
     """The default bucket at stages 0-2 is DDP's 25 MiB, the whole model when smaller (here
     one group), with the reduce buffers kept between steps bounded to 1/16 of the model; at
-    stage 3 it is 1/32 of the trainable bytes (25 MiB at most, 64 KiB at least), so it scales
-    with the model; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4
+    stage 3 with units gathered one at a time it is 1/32 of the trainable bytes (25 MiB at
+    most, 64 KiB at least), so it scales with the model; at stage 3 with every unit within
+    the reuse window (the default's 25 MiB holds these models) there are no units and the
+    bucket is stage 2's; ``bucket_bytes=`` and DeepSpeed's ``reduce_bucket_size`` (elements, 4
     bytes each in fp32) are used as given, their two buffers kept."""
-    for stage0, stage2 in zip(ranks(2).run(_buckets, 16, zero=0), ranks(2).run(_buckets, 16, zero=2)):
+    for stage0, stage2, stage3 in zip(ranks(2).run(_buckets, 16, zero=0), ranks(2).run(_buckets, 16, zero=2),
+                                      ranks(2).run(_buckets, 16, zero=3)):
         assert stage0[1] == stage0[0] < 25 * 2**20, stage0
         assert stage2[1] == stage2[0] and stage2[2] == 2 * -(-stage2[0] // 32), stage2
+        assert stage3 == stage2, (stage3, stage2)
     for small, large, given, from_config in zip(
-            ranks(2).run(_buckets, 2, zero=3), ranks(2).run(_buckets, 16, zero=3),
+            ranks(2).run(_buckets, 2, zero=3, max_reuse_distance=0),
+            ranks(2).run(_buckets, 16, zero=3, max_reuse_distance=0),
             ranks(2).run(_buckets, 16, zero=2, bucket_bytes=25 * 2**20),
             ranks(2).run(_buckets, 16, {"train_micro_batch_size_per_gpu": 2,
                                           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}})):
@@ -329,8 +334,11 @@ def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_ran
     for b in batches:
         ref, m = _lm_step(ref, b)
         ref_losses.append(m["loss"])
+    # The blocks named as units: with the default window every one of them is kept, which
+    # the default units would not be (a model within the window has none: see
+    # test_a_model_within_the_reuse_window_is_gathered_whole_for_the_step).
     step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=bucket_bytes,
-                             max_reuse_distance=max_reuse_distance)
+                             max_reuse_distance=max_reuse_distance, units=lambda m: isinstance(m, MLPBlock))
     state = step.init(_state(make_model, "adamw"))
     units = step.handler.units
     launched, gathered = [], []
@@ -417,10 +425,14 @@ def test_max_reuse_distance_keeps_the_last_units_within_it_and_the_step_is_the_s
     order, sizes, keep, got_losses, got_params = run(0)
     assert len(order) == 4 and keep == frozenset()
     ft.assert_trees_close((got_losses, got_params), (losses, params), what="max_reuse_distance=0")
-    for distance, last in ((sizes[-1] - 1, 0), (sizes[-1], 1), (sizes[-1] + sizes[-2], 2), (sum(sizes), 4)):
+    for distance, last in ((sizes[-1] - 1, 0), (sizes[-1], 1), (sizes[-1] + sizes[-2], 2), (sum(sizes) - 1, 3)):
         _, _, kept, got_losses, got_params = run(distance)
         assert kept == set(order[len(order) - last:]), (distance, kept)
         ft.assert_trees_close((got_losses, got_params), (losses, params), what=f"max_reuse_distance={distance}")
+    # Every unit within it: no units, the model is gathered whole for the step.
+    order, _, kept, got_losses, got_params = run(sum(sizes))
+    assert order == [] and kept == frozenset(), (order, kept)
+    ft.assert_trees_close((got_losses, got_params), (losses, params), what=f"max_reuse_distance={sum(sizes)}")
     with pytest.raises(ValueError, match=r"max_reuse_distance=-1 must be a number >= 0 or None"):
         fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, max_reuse_distance=-1)
 

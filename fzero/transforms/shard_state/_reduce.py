@@ -196,9 +196,9 @@ class ReduceSink:
         self.next = 0  # position in ``order`` of the next group to launch
         self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
         self.local: dict[str, torch.Tensor] = {}  # gradients of arguments other than the parameters
-        # One group at stages 0-2 (a model smaller than the bucket): nothing can overlap its one
-        # collective, so backward runs without a hook per parameter (see takes_after_backward).
-        self.one_group = (len(layout.groups) == 1 and stage <= 2 and on_complete is None)
+        # One group (a model smaller than the bucket; at stage 3 no unit): nothing can overlap
+        # its one collective, so backward runs without a hook per parameter (see takes_after_backward).
+        self.one_group = len(layout.groups) == 1 and on_complete is None
 
     def _buffer(self, group, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
         """A reduce buffer for ``group``, from the pool (reusing resident memory instead of
@@ -261,7 +261,7 @@ class ReduceSink:
 
     def takes_after_backward(self, leaves: list[torch.Tensor]) -> bool:
         """Whether this backward's gradients (of ``leaves``) come in at once, after it
-        (``fzero.core._backward_into``): one group at stages 0-2, whose one collective
+        (``fzero.core._backward_into``): one group (at stage 3, no unit), whose one collective
         nothing can overlap, and gradients of the buffer's dtype, which backward accumulates
         in place (:meth:`grad_buffers`), as a C++ reducer would take them. Gradients reduced
         in another dtype (bf16 summed in fp32) come in one by one instead, each freed once

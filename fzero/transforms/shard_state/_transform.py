@@ -152,9 +152,17 @@ class _ShardHandler(Handler):
         found = []  # stage 3: (module, parameter names) of each unit
         if self.stage == 3 and isinstance(module, torch.nn.Module):
             found = find_units(module, train, self.units_spec)
-        self.bucket, keep = self._bucket(train)
+        self.bucket, keep = self._bucket(train, units=bool(found))
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket)
+        if found and self.units_spec is None and len(self._kept([self.layout.where[names[0]][0]
+                                                                 for _, names in found])) == len(found):
+            # Every unit would stay gathered from its forward to its backward: the model is
+            # gathered whole for the step instead, in stage 2's buckets -- the same parameters
+            # held at the peak, one collective each way instead of one per block.
+            found = []
+            self.bucket, keep = self._bucket(train)
+            self.layout = build_layout(train, world=self.world, rank=self.rank, bucket_bytes=self.bucket)
         if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
             self.pool = BufferPool(limit=len(self.layout.groups) + MAX_IN_FLIGHT)
         else:
@@ -201,20 +209,21 @@ class _ShardHandler(Handler):
         n = units_within_reuse([self.layout.groups[gi].padded for gi in order], budget)
         return set(order[len(order) - n:])
 
-    def _bucket(self, train: dict[str, torch.Tensor]) -> tuple[int, int | None]:
+    def _bucket(self, train: dict[str, torch.Tensor], units: bool = False) -> tuple[int, int | None]:
         """The bucket in bytes, and the most bytes of free reduce buffers to keep between
         steps (``None``: the two buffers of a given bucket). The one given (a config's
         ``"auto"`` one is asked now); else ``default_bucket_bytes`` of the trainable
         parameters' bytes (DDP's 25 MiB, the whole model when smaller; 1/32 of it at stage
-        3), with the kept buffers at stages 1-2 bounded to a share of the model
+        3 with ``units``), with the kept buffers bounded to a share of the model
         (``_checks.kept_reduce_bytes``), so a large default bucket costs memory between
         steps little."""
         given = self.bucket_bytes() if callable(self.bucket_bytes) else self.bucket_bytes
         if given is not None:
             return given, None
         model = sum(p.numel() * p.element_size() for p in train.values())
-        # Stage 3's buffers are its units' (blocks), whatever the bucket: two are kept.
-        return default_bucket_bytes(model, self.stage), kept_reduce_bytes(model) if self.stage < 3 else None
+        if self.stage == 3 and units:  # its buffers are its units' (blocks), whatever the bucket: two are kept
+            return default_bucket_bytes(model, 3), None
+        return default_bucket_bytes(model), kept_reduce_bytes(model)
 
     def _on_host(self, shards: dict[str, Shard]) -> dict[str, Shard]:
         """Parameter offload: each group's owned slice copied to a host buffer of its own (page-
@@ -298,8 +307,11 @@ class _ShardHandler(Handler):
                         return fn(p, *a, **kw)
 
                 views = with_values(params, views)
-                sink = self._sink(views, on_complete=units.post_backward)
-                out = next(regathering, views, args, kwargs, grad_sink=sink, **options)
+                if units.unit_groups:
+                    sink = self._sink(views, on_complete=units.post_backward)
+                    out = next(regathering, views, args, kwargs, grad_sink=sink, **options)
+                else:  # the whole model gathered for the step: nothing to gather again in backward
+                    out = next(fn, views, args, kwargs, grad_sink=self._sink(views), **options)
         else:
             # Under accumulation stages 0-1 hold whole gradients, as DDP and DeepSpeed do:
             # the micro-batches before the last only add into the reduce buffers and the sum
@@ -498,16 +510,17 @@ def shard_state(
         bucket_bytes: size of a gradient bucket (a group of parameters reduced together), or
             a function of no arguments giving it at ``init`` (a config's ``"auto"`` bucket,
             which the model's hidden size decides). ``None`` (the default, or what the
-            function gives): DDP's 25 MiB, the whole model when smaller; at stage 3, where
-            the bucket is also the reuse window, 1/32 of the trainable parameters' bytes, at
-            most 25 MiB, at least 64 KiB
+            function gives): DDP's 25 MiB, the whole model when smaller; at stage 3 with
+            units (blocks gathered one at a time), which cuts only the parameters outside
+            them, 1/32 of the trainable parameters' bytes, at most 25 MiB, at least 64 KiB
             (:func:`fzero.transforms._checks.default_bucket_bytes`). With the default, the
-            reduce buffers kept between steps at stages 1-2 are at most 1/16 of the
+            reduce buffers kept between steps at stages 1-2 (and 3 without units) are at most 1/16 of the
             gradient (:func:`fzero.transforms._checks.kept_reduce_bytes`; a larger one goes
             back to the allocator once reduced); with a given bucket, two are kept.
             ``step.handler.bucket`` is the bucket ``init`` chose.
         units: stage 3: predicate choosing the modules that are gathered one at a time
-            (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks).
+            (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks,
+            unless every one of them is within ``max_reuse_distance``: then none).
         timeout_s: collective timeout (default: the mesh's).
         reduce_in: the dtype gradients are summed in across ranks (halving the bytes
             moved with ``"bf16"``); default fp32 for low-precision gradients, else their own.
@@ -537,7 +550,9 @@ def shard_state(
             backward comes first. ``0`` frees every unit after its forward (FSDP2's
             ``reshard_after_forward=True``). Default: 25 MiB of parameters' worth of elements
             (``_checks.default_reuse_distance``), a bound on the memory it adds at the peak
-            whatever the model's size; a model smaller than that is gathered once a step.
+            whatever the model's size. When every unit is within it (and ``units`` is not
+            given) there are no units: the model is gathered whole for the step, in stage 2's
+            buckets, and reduced as stage 2 reduces it.
 
     Returns:
         A :class:`Step`. ``step.init(state)`` partitions the state (call it once); the step

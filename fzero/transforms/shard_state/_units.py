@@ -242,7 +242,8 @@ class Units:
                 views.update(zip(g.names, g.views(flat)))
                 if freed:
                     flat.untyped_storage().resize_(0)
-            with running(jit=None) if jit is not None else contextlib.nullcontext():
+            # Without units nothing is gathered inside the forward: it compiles whole, as at stage 2.
+            with running(jit=None) if jit is not None and self.unit_groups else contextlib.nullcontext():
                 yield views
         finally:
             for h in hooks:
