@@ -5,7 +5,13 @@ on a CPU host run, one core each):
 
 * **matmul FLOP/s** by precision: ``a @ b`` at (1024 × 256) @ (256 × 1024) in fp32 and
   (256 × 256) @ (256 × 256) in bf16 / fp16 (slow on a CPU without 16-bit arithmetic), run
-  back to back as a step's matmuls run (a single call timed alone reads 30-50% slower here).
+  back to back as a step's matmuls run (a single call timed alone reads 30-50% slower here):
+  the peak (MFU's denominator). What a step achieves is less: its backward's matmuls are of
+  other shapes and its elementwise ops evict the operands from cache. So the achieved rate is
+  read from a step's own mix, a forward and backward of two MLP blocks (below) on one rank
+  alone: its matmul FLOPs (counted by ``torch.utils.flop_counter``) over its time less its
+  elementwise bytes at the elementwise bandwidth (:func:`mix_matmul_flops`); every precision's
+  achieved rate is its peak times that share (at most 1).
 * **elementwise bandwidth**: GELU forward and backward, LayerNorm forward and an add on
   (4096 × 512) fp32 tensors, bytes counted as inputs + outputs of each op (the count
   :data:`fzero.perf_model.ELEMENTWISE` uses).
@@ -40,7 +46,7 @@ import torch
 
 from fzero.perf_model import OPTIMIZER_BYTES, Link, Machine, save_machine
 
-__all__ = ["calibrate"]
+__all__ = ["block_pass_work", "calibrate", "mix_matmul_flops"]
 
 
 def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
@@ -133,20 +139,50 @@ def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7) -> float:
     return _median_time(one, reps=steps)
 
 
+_BLOCK_ROWS, _BLOCK_D, _BLOCK_H, _BLOCKS = 1024, 256, 1024, 2
+
+
 def _block_pass():
     """A forward and backward of two MLP blocks (LayerNorm, 256 → 1024 → 256 with GELU) on
     1024 rows: the mix a transformer step runs, as one function of no arguments."""
     torch.manual_seed(0)
-    blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024),
-                                                       torch.nn.GELU(), torch.nn.Linear(1024, 256))
-                                   for _ in range(2)])
-    x = torch.randn(1024, 256)
+    blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(_BLOCK_D), torch.nn.Linear(_BLOCK_D, _BLOCK_H),
+                                                       torch.nn.GELU(), torch.nn.Linear(_BLOCK_H, _BLOCK_D))
+                                   for _ in range(_BLOCKS)])
+    x = torch.randn(_BLOCK_ROWS, _BLOCK_D)
 
     def run():
         blocks(x).square().mean().backward()
         blocks.zero_grad(set_to_none=True)
 
     return run
+
+
+def block_pass_work() -> tuple[float, float]:
+    """``(matmul FLOPs, elementwise bytes)`` of one :func:`_block_pass`: the FLOPs counted by
+    ``torch.utils.flop_counter`` over a pass, the bytes as :data:`fzero.perf_model.ELEMENTWISE`
+    counts them (inputs + outputs of each op): per block LayerNorm forward 2 and backward 3
+    tensors of the rows × 256, GELU forward 2 and backward 3 of the rows × 1024, in fp32."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    run = _block_pass()
+    with FlopCounterMode(display=False) as counter:
+        run()
+    elems = _BLOCKS * _BLOCK_ROWS * (5 * _BLOCK_D + 5 * _BLOCK_H)
+    return float(counter.get_total_flops()), 4.0 * elems
+
+
+def mix_matmul_flops(block_s: float, elementwise: float, peak: float, work: tuple[float, float]) -> float:
+    """The matmul FLOP/s a step's mix achieves: the block pass's FLOPs over its time
+    ``block_s`` less its elementwise bytes at ``elementwise`` bytes/s (``work`` is
+    :func:`block_pass_work`), at most ``peak``.
+
+    Example (6.4 GFLOP and 50 MB in 45 ms at 25 GB/s: 6.4e9 / 0.043 s):
+        >>> round(mix_matmul_flops(0.045, 25e9, 2e11, (6.4e9, 5e7)) / 1e9, 1)
+        148.8
+    """
+    flops, nbytes = work
+    return min(peak, flops / max(block_s - nbytes / elementwise, 1e-9))
 
 
 def _free_port() -> int:
@@ -321,6 +357,9 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
     steps, sent = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}, {"all_reduce": 1.0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     free = free_cores(coll, flops_alone, cores)
+    work = block_pass_work()
+    achieved = mix_matmul_flops(coll["block_pass_alone_s"], elementwise, mm["fp32"], work)
+    efficiency = achieved / mm["fp32"]  # of the lone matmul's rate, reached in a step's mix
     slowed = min(1.0, free / 2)  # bandwidths measured on 2 ranks sharing the free cores: scaled back
     kinds, pair_kinds = {}, {}
     for prefix, into in (("", kinds), ("pair_", pair_kinds)):
@@ -339,12 +378,13 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         source=f"measured by fzero estimate --calibrate on {cores} cores ({free:.2f} free for 2 ranks), 1 thread "
                f"per rank, gloo; "
                f"load average {load:.2f}; {time.strftime('%Y-%m-%d')}",
-        matmul_flops=mm, peak_flops=dict(mm),
+        matmul_flops={prec: rate * efficiency for prec, rate in mm.items()}, peak_flops=dict(mm),
         elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
         ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
         collective_overhead=0.0, host_async=False, collectives=kinds, pair_collectives=pair_kinds,
         serial_latency=serial_latency)
     save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
-                 fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone, **coll)
+                 fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone,
+                 block_pass_flops=work[0], block_pass_elementwise_bytes=work[1], mix_matmul_share=efficiency, **coll)
     return machine

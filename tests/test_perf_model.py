@@ -270,3 +270,19 @@ def test_free_cores_come_from_a_steps_mix_on_both_ranks_at_once():
     assert free_cores({**coll, "block_pass_2_ranks_at_once_s": 0.009}, 1e11, 2) == 2.0
     assert free_cores({**coll, "block_pass_2_ranks_at_once_s": 1.0}, 1e11, 2) == 0.25
     assert free_cores({**coll, "block_pass_alone_over_at_once": 0.9}, 1e11, 2) == pytest.approx(1.8)  # the pairs win
+
+
+def test_the_achieved_matmul_rate_comes_from_a_steps_mix():
+    """The calibration's achieved matmul rate: the MLP blocks' pass FLOPs (torch's flop
+    counter, here against the dense count 3 · 2 · rows · (2 · d · h) per block, forward and
+    backward) over its time less its elementwise bytes at the elementwise bandwidth; never
+    above the lone matmul's peak."""
+    from fzero.perf_calibrate import block_pass_work, mix_matmul_flops
+
+    flops, nbytes = block_pass_work()
+    rows, d, h, blocks = 1024, 256, 1024, 2
+    assert flops == 3 * 2 * rows * (2 * d * h) * blocks
+    assert nbytes == 4 * blocks * rows * (5 * d + 5 * h)
+    assert mix_matmul_flops(0.05, 1e10, 1e12, (4e9, 1e8)) == pytest.approx(4e9 / 0.04)
+    assert mix_matmul_flops(0.05, 1e10, 5e10, (4e9, 1e8)) == 5e10  # capped at the peak
+    assert mix_matmul_flops(0.005, 1e10, 5e10, (4e9, 1e8)) == 5e10  # elementwise alone over the time: the peak
