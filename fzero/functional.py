@@ -61,7 +61,12 @@ class Apply:
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
         """The buffers the forward runs with."""
-        return dict(self.module.named_buffers()) if self._buffers is None else self._buffers
+        if self._buffers is not None:
+            return self._buffers
+        slots = _slots(self.module)
+        if slots is not None and slots.keys() == self._names:  # no buffer: no walk of the modules
+            return {}
+        return dict(self.module.named_buffers())
 
     def with_buffers(self, buffers: dict[str, torch.Tensor] | None) -> "Apply":
         """This apply running with ``buffers`` instead of the module's own."""

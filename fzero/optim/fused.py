@@ -230,6 +230,11 @@ def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay:
     return out
 
 
+def _dense(operands: list[list[torch.Tensor]]) -> bool:
+    """Every leaf of every operand is contiguous."""
+    return all(t.is_contiguous() for op in operands for t in op)
+
+
 def _write_back(leaves: list[torch.Tensor], flat: torch.Tensor, run: _Run, donate: bool) -> None:
     """The run's new leaves into ``leaves`` (in place): views of ``flat``, or, for a donated
     non-contiguous leaf, the leaf itself with the row-major result copied into it."""
@@ -292,24 +297,29 @@ def _adam_groups(spec: FusedSpec, runs: list[_Run], *, lr: float, step: int, cli
               found_inf=found_inf, **clip)
 
 
-def _torch_adam(spec: FusedSpec, runs: list[_Run], *, lr: float, step: int, clip: dict, found_inf,
-                grad_scale) -> None:
-    """Adam/AdamW over the runs by torch's fused CPU kernel (``torch._fused_adamw_``), one call
-    per decay flag: one pass over each run instead of the chain's ten. The gradients it reads
-    are the kernels' (:func:`_torch_grads`); ``found_inf`` skips the update, as the kernels do."""
+def _torch_adam(spec: FusedSpec, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, decays: list[bool],
+                *, lr: float, step: int, clip: dict, found_inf, grad_scale) -> None:
+    """Adam/AdamW over the operands (runs' spans, or leaves) by torch's fused CPU kernel
+    (``torch._fused_adamw_``), one call per decay flag: one pass over each instead of the
+    chain's ten, written in place. The gradients it reads are the kernels'
+    (:func:`_torch_grads`); ``found_inf`` skips the update, as the kernels do."""
     found = None if found_inf is None else (found_inf.reshape(()) > 0).to(torch.float32)
-    grads, bad = _torch_grads([r.grad for r in runs], grad_scale, clip)
+    grads, bad = _torch_grads(grads, grad_scale, clip)
     if bad is not None:  # a non-finite sum of squares: the kernels skip the update
         found = bad if found is None else torch.maximum(found, bad)
     fn = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
-    steps = [torch.tensor(float(step))] * len(runs)  # read, never written, by the kernel
+    steps = [torch.tensor(float(step))] * len(params)  # read, never written, by the kernel
     for decay in (True, False):
-        idx = [i for i, r in enumerate(runs) if r.decay == decay]
-        if idx:
-            fn([runs[i].param for i in idx], [grads[i] for i in idx], [runs[i].states[0] for i in idx],
-               [runs[i].states[1] for i in idx], [], steps[:len(idx)], lr=lr, beta1=spec.b1, beta2=spec.b2,
-               weight_decay=spec.weight_decay if decay else 0.0, eps=spec.eps, amsgrad=False, maximize=False,
-               grad_scale=None, found_inf=found)
+        idx = [i for i, d in enumerate(decays) if d == decay]
+        if len(idx) == len(params):  # every operand: the lists as they are
+            ops = (params, grads, exp_avgs, exp_avg_sqs)
+        elif idx:
+            ops = tuple([x[i] for i in idx] for x in (params, grads, exp_avgs, exp_avg_sqs))
+        else:
+            continue
+        fn(*ops, [], steps[:len(idx)], lr=lr, beta1=spec.b1, beta2=spec.b2,
+           weight_decay=spec.weight_decay if decay else 0.0, eps=spec.eps, amsgrad=False, maximize=False,
+           grad_scale=None, found_inf=found)
 
 
 def _torch_grads(grads: list[torch.Tensor], grad_scale, clip: dict) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -430,7 +440,8 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
         return None
     node = _node(opt_state, path) if path is not None else None
     s_trees = [getattr(node, f) for f in fields]
-    s_leaves = [tree.leaves(t) for t in s_trees]
+    s_flat = [tree.flatten(t) for t in s_trees]
+    s_leaves = [leaves for leaves, _ in s_flat]
 
     from fzero.optim.clipping import _leaf_norms
     from fzero.core import LeafSums, emit_metric, psum
@@ -449,11 +460,19 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             emit_metric("grad_norm", sq.sqrt())
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
         on_torch = mode == "auto" and _torch_cpu(spec, p_leaves[0])
-        runs = _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves, g_leaves, s_leaves, decay,
-                        donate, flat=not on_torch)
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
-        if on_torch:
-            _torch_adam(spec, runs, **kw)
+        in_place = on_torch and donate and _dense([p_leaves, g_leaves, *s_leaves])
+        runs = [] if in_place else _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves,
+                                            g_leaves, s_leaves, decay, donate, flat=not on_torch)
+        if in_place:
+            # torch's kernel takes the leaves as they are, in place: no runs to find, no
+            # spans to form, nothing to write back (the same elementwise pass, bit for bit)
+            live = [i for i, t in enumerate(p_leaves) if t.numel()]
+            pick = (lambda x: x) if len(live) == len(p_leaves) else (lambda x: [x[i] for i in live])
+            _torch_adam(spec, pick(p_leaves), pick(g_leaves), *(pick(x) for x in s_leaves), pick(decay), **kw)
+        elif on_torch:
+            _torch_adam(spec, [r.param for r in runs], [r.grad for r in runs], [r.states[0] for r in runs],
+                        [r.states[1] for r in runs], [r.decay for r in runs], **kw)
         elif spec.kind == "lamb":
             _lamb(spec, runs, params, len(p_leaves), device, **kw)
         elif spec.kind in ("adam", "adamw") and len(runs) > 1:
@@ -473,7 +492,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             for leaves, flat in zip(new_s, run.states):
                 _write_back(leaves, flat, run, donate)
     if node is not None:
-        node = node._replace(**{f: tree.unflatten(tree.structure(t), s) for f, t, s in zip(fields, s_trees, new_s)})
+        node = node._replace(**{f: tree.unflatten(spec_, s) for f, (_, spec_), s in zip(fields, s_flat, new_s)})
         if "count" in node._fields:
             node = node._replace(count=node.count + 1)
     return tree.unflatten(p_spec, new_p), _rebuild(opt_state, path, node)
