@@ -122,6 +122,8 @@ def _spans(leaves: list) -> list:
     (the gradients as views of a reduced flat buffer: :func:`fzero.optim.fused.back_to_back`,
     the fused update's runs) replaced by one tensor over the run: the same elements, one
     min-max pass instead of one per leaf. Any other leaf stays as it is; empty ones go."""
+    if len({t.untyped_storage().data_ptr() for t in leaves}) == len(leaves):  # no two share a storage
+        return [t for t in leaves if t.numel()]
     runs = back_to_back([leaves], [None] * len(leaves))
     return [leaves[idx[0]] if len(idx) == 1 else span([leaves[i] for i in idx]) for idx in runs]
 
