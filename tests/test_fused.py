@@ -69,6 +69,33 @@ def test_compiled_step_reports_grad_norm_on_both_paths():
         assert "grad_norm" in m
 
 
+def test_torch_adamw_on_donated_leaves_updates_in_place_and_owns_nothing_gracefully():
+    """On the CPU, a donated state of dense leaves goes to torch's fused AdamW as it is: the
+    leaves are updated in place, as ``torch.optim.AdamW(fused=True)`` updates them, one of
+    them with its decay masked off; and a rank whose pieces are all empty (it owns nothing
+    of a small model under ZeRO) has nothing to update."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    grads = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    tx = optim.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False})
+    ref = {k: nn.Parameter(v.clone()) for k, v in params.items()}
+    torch_opt = torch.optim.AdamW([{"params": [ref["w"]], "weight_decay": 0.1},
+                                   {"params": [ref["b"]], "weight_decay": 0.0}], lr=1e-2, fused=True)
+    for k in ref:
+        ref[k].grad = grads[k].clone()
+    torch_opt.step()
+    where = {k: v.data_ptr() for k, v in params.items()}
+    with optim.use_fused("auto"):
+        new, _ = fused_update(tx, grads, tx.init(params), params, donate=True)
+    assert {k: v.data_ptr() for k, v in new.items()} == where  # in place
+    for k in params:
+        assert torch.equal(new[k], ref[k].detach()), k
+    empty = {"w": torch.empty(0), "b": torch.empty(0)}
+    with optim.use_fused("auto"):
+        new, _ = fused_update(tx, empty, tx.init(empty), empty, donate=True)
+    assert all(v.numel() == 0 for v in new.values())
+
+
 def test_fused_path_is_taken_and_auto_on_the_cpu_only_for_adam():
     tx = optim.adamw(1e-3)
     params = {"w": torch.ones(4)}

@@ -311,12 +311,12 @@ def _torch_adam(spec: FusedSpec, params: list, grads: list, exp_avgs: list, exp_
     steps = [torch.tensor(float(step))] * len(params)  # read, never written, by the kernel
     for decay in (True, False):
         idx = [i for i, d in enumerate(decays) if d == decay]
+        if not idx:  # (a rank that owns no piece of any parameter has nothing to update)
+            continue
         if len(idx) == len(params):  # every operand: the lists as they are
             ops = (params, grads, exp_avgs, exp_avg_sqs)
-        elif idx:
-            ops = tuple([x[i] for i in idx] for x in (params, grads, exp_avgs, exp_avg_sqs))
         else:
-            continue
+            ops = tuple([x[i] for i in idx] for x in (params, grads, exp_avgs, exp_avg_sqs))
         fn(*ops, [], steps[:len(idx)], lr=lr, beta1=spec.b1, beta2=spec.b2,
            weight_decay=spec.weight_decay if decay else 0.0, eps=spec.eps, amsgrad=False, maximize=False,
            grad_scale=None, found_inf=found)
