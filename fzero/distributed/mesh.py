@@ -89,7 +89,10 @@ class Mesh:
                  timeout_s: float | None = None):
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         if dist.is_available() and dist.is_initialized():
+            # A group someone else made (Hugging Face's TrainingArguments, through accelerate,
+            # makes one before any Mesh): destroyed at exit too, as fzero's own is below.
             world, rank = dist.get_world_size(), dist.get_rank()
+            _register_destroy_at_exit()
         elif _launched() and int(os.environ["WORLD_SIZE"]) > 1:
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             if backend == "nccl":
@@ -289,7 +292,17 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"default_pg/attempt{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    atexit.register(_destroy_at_exit)
+    _register_destroy_at_exit()
+
+
+_destroy_registered = False
+
+
+def _register_destroy_at_exit() -> None:
+    global _destroy_registered
+    if not _destroy_registered:
+        _destroy_registered = True
+        atexit.register(_destroy_at_exit)
 
 
 def _destroy_at_exit() -> None:
