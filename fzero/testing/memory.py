@@ -26,7 +26,8 @@ def storage_bytes(*trees: Any) -> int:
 
     A partitioned leaf counts the piece this rank holds: a :class:`~fzero.transforms.shard_state.Shard`
     (inside a train step) its ``local``, a ``DTensor`` its local tensor. Meta tensors, empty
-    storages and leaves that are not tensors count nothing.
+    storages, tensors with no memory behind them (the fake tensors ``torch.compile`` traces
+    with, which a census of every object may meet) and leaves that are not tensors count nothing.
     """
     seen, total = set(), 0
     for t in trees:
@@ -35,8 +36,14 @@ def storage_bytes(*trees: Any) -> int:
             if not isinstance(x, torch.Tensor) or x.is_meta:
                 continue
             s = x.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
+            if not s.nbytes():
+                continue
+            try:
+                ptr = s.data_ptr()
+            except RuntimeError:  # a fake tensor: no memory
+                continue
+            if ptr not in seen:
+                seen.add(ptr)
                 total += s.nbytes()
     return total
 

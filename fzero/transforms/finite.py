@@ -121,7 +121,8 @@ def _spans(leaves: list) -> list:
     """``leaves`` with each run of contiguous leaves that lie back to back in one storage
     (the gradients as views of a reduced flat buffer: :func:`fzero.optim.fused.back_to_back`,
     the fused update's runs) replaced by one tensor over the run: the same elements, one
-    min-max pass instead of one per leaf. Any other leaf stays as it is; empty ones go."""
+    tensor for the check instead of one per leaf. Any other leaf stays as it is; empty ones
+    go. Leaves that share no storage (a world of one's autograd gradients) are not searched."""
     if len({t.untyped_storage().data_ptr() for t in leaves}) == len(leaves):  # no two share a storage
         return [t for t in leaves if t.numel()]
     runs = back_to_back([leaves], [None] * len(leaves))

@@ -20,7 +20,8 @@ backward; the handler of ``apply_gradients`` runs the unchanged optimizer on thi
 slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
 then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
 model) just before the unit's forward, freed after it, and gathered again when backward
-first needs them. At stage 0 an optimizer that exchanges across the ranks itself (the 1-bit
+first needs them, unless the unit is within ``max_reuse_distance``; a model whose units all
+are has none, and is gathered whole for the step, in stage 2's buckets. At stage 0 an optimizer that exchanges across the ranks itself (the 1-bit
 family, ``fzero.optim.exchange_of``) is handed this rank's own gradients when it asks for
 them, and its ``compressed_pmean`` runs here (``fzero/distributed/compressed.py``).
 

@@ -228,9 +228,14 @@ class Units:
             if jit is not None:
                 hooks.append(jit.compiled_forward(m))
         try:
-            for gi in range(len(self.groups)):
-                if gi not in self.unit_groups:
-                    self._resident(gi)  # parameters outside every unit stay gathered for the step
+            # Parameters outside every unit stay gathered for the step: their all-gathers all
+            # start, then each is waited for.
+            loose = [gi for gi in range(len(self.groups)) if gi not in self.unit_groups]
+            for gi in loose:
+                if gi not in self.gathered and gi not in self.inflight:
+                    self.gather(gi)
+            for gi in loose:
+                self._resident(gi)
             # The autograd leaves are the parameters as views of their unit's buffer (made
             # while the buffer has its size: views are checked against it, no page is touched),
             # so each gradient arrives on its own and is copied into its group's reduce buffer.
