@@ -541,3 +541,24 @@ def _lonely_group():
 def test_a_gloo_group_a_rank_never_joins_is_named_after_the_timeout(ranks):
     said = _rank_0_alone(ranks, _lonely_group)
     assert said.startswith("test: creating the test's group (on rank 0 only) did not complete on rank 0 within 1 s ("), said
+
+
+def test_tensors_of_a_finished_collective_are_held_until_the_backend_lets_go_at_exit():
+    """A collective's tensors its caller drops at once are held; at exit ``_release_held``
+    waits until nothing but the hold references them -- here a view stands for the backend's
+    reference, dropped by another thread a moment later -- so that it is not gloo's worker
+    thread that frees them during the interpreter's finalization (std::terminate); and the
+    wait is bounded: a reference that never goes does not hold the exit."""
+    import threading
+
+    t = torch.zeros(4)
+    other = {"ref": t.view(-1)}  # a second reference to t's TensorImpl, as a work's would be
+    comm.hold_until_released(t)
+    threading.Timer(0.2, other.clear).start()
+    comm._release_held(timeout_s=30.0)
+    assert not other and not comm._HELD  # it waited for the other reference to go
+    stuck = torch.zeros(2)
+    forever = stuck.view(-1)
+    comm.hold_until_released(stuck)
+    comm._release_held(timeout_s=0.05)  # returns: bounded
+    assert stuck._use_count() == 2 and forever is not None and not comm._HELD

@@ -35,9 +35,9 @@ class World:
     def __init__(self, size: int, rank: int, group, timeout_s: float, where: str):
         self.size, self.rank, self.group, self.timeout_s, self.where = size, rank, group, timeout_s, where
 
-    def _run(self, name: str, fn) -> None:
+    def _run(self, name: str, fn, *tensors: torch.Tensor) -> None:
         with device_check.on_host():
-            comm.run(name, fn, timeout_s=self.timeout_s, where=self.where)
+            comm.run(name, fn, timeout_s=self.timeout_s, where=self.where, hold=tensors)
 
     def all_gather_json(self, name: str, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), in rank order."""
@@ -46,14 +46,16 @@ class World:
             return [json.loads(data)]
         n = torch.tensor([len(data)], dtype=torch.int64)
         lengths = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
-        self._run(f"all_gather({name} lengths)", lambda: dist.all_gather(lengths, n, group=self.group, async_op=True))
+        self._run(f"all_gather({name} lengths)", lambda: dist.all_gather(lengths, n, group=self.group, async_op=True),
+                  n, *lengths)
         sizes = [int(x) for x in lengths]
         width = max(sizes)
         send = torch.zeros(width, dtype=torch.uint8)
         if data:
             send[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         recv = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
-        self._run(f"all_gather({name})", lambda: dist.all_gather(recv, send, group=self.group, async_op=True))
+        self._run(f"all_gather({name})", lambda: dist.all_gather(recv, send, group=self.group, async_op=True),
+                  send, *recv)
         return [json.loads(t.numpy().tobytes()[:k]) for t, k in zip(recv, sizes)]
 
     def broadcast_json(self, name: str, obj: Any = None, src: int = 0) -> Any:
@@ -62,11 +64,11 @@ class World:
             return obj
         data = json.dumps(obj, separators=(",", ":")).encode() if self.rank == src else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
-        self._run(f"broadcast({name} length)", lambda: dist.broadcast(n, src, group=self.group, async_op=True))
+        self._run(f"broadcast({name} length)", lambda: dist.broadcast(n, src, group=self.group, async_op=True), n)
         buf = torch.zeros(int(n), dtype=torch.uint8)
         if self.rank == src and data:
             buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._run(f"broadcast({name})", lambda: dist.broadcast(buf, src, group=self.group, async_op=True))
+        self._run(f"broadcast({name})", lambda: dist.broadcast(buf, src, group=self.group, async_op=True), buf)
         return json.loads(buf.numpy().tobytes())
 
 

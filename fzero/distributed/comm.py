@@ -18,6 +18,7 @@ hand to torch.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import contextvars
@@ -395,14 +396,50 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def run(name: str, fn: Callable[[], object], *, timeout_s: float, where: str = "fzero"):
+def run(name: str, fn: Callable[[], object], *, timeout_s: float, where: str = "fzero",
+        hold: tuple[torch.Tensor, ...] = ()):
     """Run a collective to completion within ``timeout_s``.
 
     ``fn`` starts it with ``async_op=True`` and returns the work; a failure or a timeout is
     a :class:`CollectiveError` naming ``name`` and this rank (on a device, a hang is the
-    watchdog's: see :meth:`Pending.wait`).
+    watchdog's: see :meth:`Pending.wait`). ``hold``: the collective's tensors, when the
+    caller lets them go right after (:func:`hold_until_released`).
     """
-    return start(name, fn, where=where).wait(timeout_s)
+    out = start(name, fn, where=where).wait(timeout_s)
+    hold_until_released(*hold)
+    return out
+
+
+# Small tensors of completed collectives that their caller let go of at once (a checkpoint's
+# metadata exchanges: a few bytes each, so holding the last 64 costs nothing). Gloo's worker thread
+# drops its reference to a completed work (and to the work's tensors) a moment after the
+# wait returns; if it holds the last reference to a tensor Python has let go of, it must take
+# the GIL to free the tensor's Python object, and during the interpreter's finalization
+# (a program that ends right after a collective: a checkpoint's last commit) that ends the
+# thread inside a C++ destructor: std::terminate, "terminate called without an active
+# exception", SIGABRT. These are held here, the most recent ones, and at exit the worker is
+# given a moment to let go of them while Python can still free them (:func:`_release_held`).
+_HELD: collections.deque = collections.deque(maxlen=64)
+_HELD_LOCK = threading.Lock()
+HOLD_AT_EXIT_S = 1.0
+
+
+def hold_until_released(*tensors: torch.Tensor) -> None:
+    """Keep ``tensors`` (those of a completed collective) alive until the interpreter exits,
+    where :func:`_release_held` waits for the backend to let go of them first."""
+    if tensors:
+        with _HELD_LOCK:
+            _HELD.extend(t for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _release_held(timeout_s: float = HOLD_AT_EXIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    with _HELD_LOCK:
+        held = list(_HELD)
+        _HELD.clear()
+    for t in held:  # 1: only this list's reference is left
+        while t._use_count() > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 class Pending:
@@ -518,3 +555,6 @@ def all_gather_ints(name: str, values: list[int], group=None, *, timeout_s: floa
     run(name, lambda: all_gather_flat(out, x, group=group, async_op=True, what="metadata"),
         timeout_s=timeout_s, where=where)
     return out.view(n, len(values)).cpu()
+
+
+atexit.register(_release_held)
