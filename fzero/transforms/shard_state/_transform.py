@@ -156,12 +156,12 @@ class _ShardHandler(Handler):
         self.bucket, keep = self._bucket(train, units=bool(found))
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket)
-        if found and self.units_spec is None and len(self._kept([self.layout.where[names[0]][0]
-                                                                 for _, names in found])) == len(found):
+        kept = self._kept([self.layout.where[names[0]][0] for _, names in found])  # units kept gathered
+        if found and self.units_spec is None and len(kept) == len(found):
             # Every unit would stay gathered from its forward to its backward: the model is
             # gathered whole for the step instead, in stage 2's buckets -- the same parameters
             # held at the peak, one collective each way instead of one per block.
-            found = []
+            found, kept = [], set()
             self.bucket, keep = self._bucket(train)
             self.layout = build_layout(train, world=self.world, rank=self.rank, bucket_bytes=self.bucket)
         if self.stage == 0:  # every group's buffer is kept between steps, as DDP keeps its buckets
@@ -189,7 +189,7 @@ class _ShardHandler(Handler):
         modules = [(m, self.layout.where[names[0]][0]) for m, names in found]
         self.units = Units(self.layout, modules, group=self.group, world=self.world, timeout_s=self.timeout_s,
                            prefetch=self.prefetch, host=self.offload_param, pin_memory=self.pin,
-                           keep=self._kept([gi for _, gi in modules]))
+                           keep=kept)
         target = master or with_values(trainable_view(params), shards)
         opt_state = state.tx.init(target)  # on the device, beside the pieces it was built over
         if self.offload_param:
