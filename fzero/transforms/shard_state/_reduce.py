@@ -109,6 +109,12 @@ class BufferPool:
             while self.free and sum(_nbytes(f) for f in self.free) > self.keep_bytes:
                 self.free.pop(max(range(len(self.free)), key=lambda i: _nbytes(self.free[i])))
 
+    def drop(self, t: torch.Tensor) -> None:
+        """Account a buffer :meth:`take` gave as given back without keeping it: its memory
+        goes with its last user (a world of one's gradient at stages 1-3, which is the
+        buffer itself)."""
+        self.in_use_bytes -= _nbytes(t)
+
     def lend(self, t: torch.Tensor) -> None:
         """Take back a buffer whose views went out as gradients (stage 0's reduced groups,
         DDP's ``gradient_as_bucket_view``): it is reused only once nothing else holds a view
@@ -328,10 +334,10 @@ class ReduceSink:
             buf = self._buffer(group, reduce_dtype(group.dtype, self.reduce_in), zero=True)
         else:
             self._zero_missing(gi, buf)
-        if self.world == 1:
-            self.results[gi] = buf if self.stage == 0 else buf[: group.chunk].clone()
-            if self.stage >= 1:
-                self.pool.give(buf)
+        if self.world == 1:  # nothing to reduce: the buffer is the gradient, not copied
+            self.results[gi] = buf if self.stage == 0 else buf[: group.chunk]
+            if self.stage >= 1:  # its memory goes with the gradient (never kept between steps)
+                self.pool.drop(buf)
             return
         if self.stage == 0:
             self.pending[gi] = comm.start(
@@ -368,8 +374,9 @@ class ReduceSink:
                     self._complete(gi)
                 else:
                     self.results[gi] = self.pending.pop(gi).wait(self.timeout_s)
-            for r in self.results.values():
-                r.div_(self.world)
+            if self.world > 1:
+                for r in self.results.values():
+                    r.div_(self.world)
             grads = gradients(self.layout, self.results, stage=self.stage, group=self.group, keep_fp32=self.summed)
             if self.stage == 0:  # the gradients are views of the reduced buffers
                 for r in self.results.values():
