@@ -30,6 +30,10 @@ on a CPU host run, one core each):
   one after another, each waited for (the latency tensor parallelism pays); and the overlap:
   an all-reduce launched asynchronously and waited for after a matmul loop of about its
   length, against the two alone.
+* **a data-parallel step**: the host-and-optimizer step above (2 leaves of 2M elements) on
+  both ranks, its 16 MiB gradient all-reduced; what it takes beyond the one-rank step and
+  the all-reduce at the pair's cost is the reduction's cost per gradient byte
+  (:func:`reduce_overhead`).
 
 The result is written as JSON with the raw measurements beside it (``measured``), and read by
 ``fzero estimate --time --machine PATH``.
@@ -44,9 +48,9 @@ import time
 
 import torch
 
-from fzero.perf_model import OPTIMIZER_BYTES, Link, Machine, save_machine
+from fzero.perf_model import OPTIMIZER_BYTES, Link, Machine, ring_seconds, save_machine
 
-__all__ = ["block_pass_work", "calibrate", "mix_matmul_flops"]
+__all__ = ["block_pass_work", "calibrate", "mix_matmul_flops", "reduce_overhead"]
 
 
 def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
@@ -110,7 +114,10 @@ def _elementwise_bandwidth() -> float:
     return sum(n for _, n in ops) / sum(_sustained_seconds(f) for f, _ in ops)
 
 
-def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7) -> float:
+def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7, *, at_once: bool = False) -> float:
+    """Seconds of a ``fzero.compile``'d AdamW step (ZeRO stage 0) on a model of ``leaves``
+    leaves of ``elems`` elements, over the process group's ranks (one rank when there is
+    none); ``at_once``: each step started when every rank is at a barrier."""
     import fzero
     from fzero import optim
 
@@ -136,10 +143,15 @@ def _fzero_step_seconds(leaves: int, elems: int, steps: int = 7) -> float:
         box["s"], m = step(box["s"], batch)
         m["loss"].item()
 
+    if at_once:
+        for _ in range(2):
+            one()
+        return statistics.median(_timed_at_once(one) for _ in range(steps))
     return _median_time(one, reps=steps)
 
 
 _BLOCK_ROWS, _BLOCK_D, _BLOCK_H, _BLOCKS = 1024, 256, 1024, 2
+_BIG_ELEMS = 2 * 2**20  # elements per leaf of the 2-leaf step that measures the optimizer
 
 
 def _block_pass():
@@ -183,6 +195,25 @@ def mix_matmul_flops(block_s: float, elementwise: float, peak: float, work: tupl
     """
     flops, nbytes = work
     return min(peak, flops / max(block_s - nbytes / elementwise, 1e-9))
+
+
+def reduce_overhead(step_2_ranks_s: float, step_alone_s: float, grad_bytes: float, pair_all_reduce: Link,
+                    free: float) -> float:
+    """Seconds per gradient byte a data-parallel step pays beyond what the model counts
+    (:attr:`fzero.perf_model.Machine.reduce_byte_overhead`): the same fzero step on 2 ranks
+    at once (``step_2_ranks_s``) less the model's parts of it -- the one-rank step
+    (``step_alone_s``: host, optimizer) and the all-reduce of its ``grad_bytes`` at the
+    pair's measured cost, every rate at the share of a core a rank gets (``free`` cores for
+    2 ranks) -- per byte, at a whole core's rate (the model divides by the share again).
+
+    Example (a 16 MB gradient: 0.10 s on 2 ranks, 0.08 s alone, the all-reduce 10 ms at 1.6 GB/s):
+        >>> round(reduce_overhead(0.10, 0.08, 16e6, Link(bandwidth=1.6e9, latency=0.0), 2.0) * 1e9, 3)
+        0.625
+    """
+    share = min(1.0, free / 2)
+    modelled = step_alone_s / share + ring_seconds("all_reduce", grad_bytes, 2, Link(
+        bandwidth=pair_all_reduce.bandwidth * share, latency=pair_all_reduce.latency))
+    return max(0.0, step_2_ranks_s - modelled) * share / grad_bytes
 
 
 def _free_port() -> int:
@@ -288,6 +319,9 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
             block()
         pairs = [(_timed_at_once(lambda: block() if rank == 0 else None), _timed_at_once(block))
                  for _ in range(7)]
+        # A data-parallel step as fzero runs it: the one-rank step of 2 leaves of 2M
+        # elements (its optimizer term) on both ranks, its 16 MiB gradient all-reduced.
+        out["fzero_step_2x2M_2_ranks_s"] = _fzero_step_seconds(2, _BIG_ELEMS, steps=7, at_once=True)
         if rank == 0:
             queue.put(dict(barrier_s=t_barrier, **out, matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
                            matmul_flops_2_ranks_at_once=flops_together,
@@ -342,7 +376,7 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         mm = _matmul_flops()
         elementwise = _elementwise_bandwidth()
         t2, t64 = _fzero_step_seconds(2, 16), _fzero_step_seconds(64, 16)
-        big_elems = 2 * 2**20
+        big_elems = _BIG_ELEMS
         t_big = _fzero_step_seconds(2, big_elems, steps=5)
         a, b = torch.randn(256, 256), torch.randn(256, 256)
         flops_alone = 2 * 256 ** 3 / _sustained_seconds(lambda: a @ b)  # as the 2 ranks' loop runs them
@@ -368,6 +402,8 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
             bw = sent.get(kind, 0.5) * 8 * 2**20 / max(coll[f"{prefix}{kind}_8MiB_s"] - n * lat, 1e-9)
             into[kind] = {"bandwidth": bw / slowed, "latency": lat}
     latency, bandwidth = kinds["all_reduce"]["latency"], kinds["all_reduce"]["bandwidth"]
+    reduce_byte_overhead = reduce_overhead(coll["fzero_step_2x2M_2_ranks_s"], t_big, 4.0 * 2 * big_elems,
+                                           Link(**pair_kinds["all_reduce"]), free)
     serial_latency = max(coll["all_reduce_4KiB_serial_s"] / 2, 1e-7)
     t_mm, t_ar, t_both = coll["matmul_loop_s"], coll["all_reduce_8MiB_s"], coll["all_reduce_behind_matmul_s"]
     hidden = t_mm + t_ar - t_both  # what ran at once; overlap is its share of the compute window
@@ -382,7 +418,7 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
         ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
-        collective_overhead=0.0, host_async=False, collectives=kinds, pair_collectives=pair_kinds,
+        collective_overhead=0.0, reduce_byte_overhead=reduce_byte_overhead, host_async=False, collectives=kinds, pair_collectives=pair_kinds,
         serial_latency=serial_latency)
     save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
                  fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone,

@@ -25,6 +25,11 @@
   prefetched, so up to ``overlap`` × that compute hides them; what does not fit is exposed,
   and at least the last bucket (stage 3: the first unit's gather) always is. Stage 1-2's
   all-gather after the update is exposed whole.
+* **reduction**: on a machine that was measured, a data-parallel step (dp > 1) also pays
+  ``Machine.reduce_byte_overhead`` seconds per byte of its fp32 gradient, once per reduction,
+  exposed: what a real 2-rank fzero step took beyond its parts as this model counts them
+  (the sink's passes over its reduce buffer, the collective's slowdown inside a step, the
+  step's small all-reduces).
 * **optimizer**: the bytes of the update's elementwise pass (:data:`OPTIMIZER_BYTES` per
   parameter a rank updates) over the machine's optimizer bandwidth.
 * **host**: a per-step, a per-leaf and a per-collective overhead. On a CPU the host is the
@@ -126,6 +131,12 @@ class Machine:
     """Host seconds per parameter leaf per step (the per-tensor dispatches)."""
     collective_overhead: float = 0.0
     """Host seconds per collective call."""
+    reduce_byte_overhead: float = 0.0
+    """Seconds per byte of gradient a data-parallel step reduces (dp > 1), beyond its
+    collectives' modelled time: the sink's passes over its reduce buffer (zeroing, averaging),
+    the collective's slowdown inside a step against one alone, the step's small all-reduces
+    (the loss, the non-finite count). Measured on a CPU host as a 2-rank fzero step less its
+    parts (:mod:`fzero.perf_calibrate`); 0 on the datasheet presets."""
     host_async: bool = False
     """The host launches ahead of the device (a GPU): the step is max(host, device), not their sum."""
     collectives: dict = field(default_factory=dict)
@@ -365,7 +376,11 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
         t = ring_seconds(kind, payload, dp, link(dp * tp, kind, group=dp))
         secs[when] += t
         last[when] = t  # the last reduce, the first gather: never behind compute
-    dp_comm = sum(secs.values())
+    # the reduction's in-step cost beyond its collectives, once per reduction of the gradient
+    psi_local = -(-w.params // (tp * pp))
+    reductions = 0 if dp == 1 else 1 if lay.stage in (0, 1) else k
+    reduce_extra = m.reduce_byte_overhead * 4 * psi_local * reductions / share
+    dp_comm = sum(secs.values()) + reduce_extra
     per_micro = compute / k
     # backward is 2/3 of compute; stages 0-1 reduce in the last micro-batch's backward only
     window = m.overlap * 2 / 3 * (per_micro if lay.stage in (0, 1) else compute)
@@ -374,6 +389,7 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
         exposed_dp = max(last["forward"] + last["backward"], hide - m.overlap * compute) + secs["after"]
     else:
         exposed_dp = max(last["backward"], secs["backward"] - window) + secs["after"]
+    exposed_dp += reduce_extra
     # tensor parallel: 4 all-reduces of a micro-batch's (tokens × hidden) per block, on the critical path
     micro_tokens = tokens / k
     act = micro_tokens * w.hidden * PRECISIONS[lay.precision]

@@ -155,6 +155,24 @@ def test_a_group_of_two_takes_the_pairs_costs_and_a_larger_group_the_collectives
         pytest.approx(24000 / 0.5e9 - 24000 / 1e9)
 
 
+def test_a_data_parallel_reduction_pays_its_measured_cost_per_gradient_byte():
+    # 1 ns per byte of the fp32 gradient (Ψ = 8000: 32,000 B), once per reduction: stages
+    # 0-1 reduce once per update, 2-3 every micro-batch; a world of one reduces nothing.
+    m = dataclasses.replace(ROUND, reduce_byte_overhead=1e-9)
+    w = _workload()
+    for stage, k, reductions in ((0, 4, 1), (1, 4, 1), (2, 4, 4), (3, 1, 1)):
+        lay = Layout(world_size=4, stage=stage, micro_batches=k)
+        plain, paid = step_time(w, lay, ROUND, global_batch=16), step_time(w, lay, m, global_batch=16)
+        assert paid.exposed_comm - plain.exposed_comm == pytest.approx(reductions * 32000e-9)
+        assert paid.total - plain.total == pytest.approx(reductions * 32000e-9)
+    alone = Layout(world_size=1, stage=2)
+    assert step_time(w, alone, m, global_batch=8).total == step_time(w, alone, ROUND, global_batch=8).total
+    # under tp a rank reduces its tp share of the gradient
+    tp = Layout(world_size=4, stage=0, tp=2)
+    assert (step_time(w, tp, m, global_batch=8).total - step_time(w, tp, ROUND, global_batch=8).total
+            == pytest.approx(16000e-9))
+
+
 def test_layout_errors_name_the_argument():
     with pytest.raises(ValueError, match="stage"):
         Layout(world_size=2, stage=4)
@@ -286,3 +304,17 @@ def test_the_achieved_matmul_rate_comes_from_a_steps_mix():
     assert mix_matmul_flops(0.05, 1e10, 1e12, (4e9, 1e8)) == pytest.approx(4e9 / 0.04)
     assert mix_matmul_flops(0.05, 1e10, 5e10, (4e9, 1e8)) == 5e10  # capped at the peak
     assert mix_matmul_flops(0.005, 1e10, 5e10, (4e9, 1e8)) == 5e10  # elementwise alone over the time: the peak
+
+
+def test_the_reductions_cost_is_a_two_rank_step_less_its_modelled_parts():
+    """The calibration's cost per gradient byte of a data-parallel step: the 2-rank step less
+    the one-rank step and the all-reduce at the pair's cost, per byte; on shared cores every
+    part at the rank's share, the result at a whole core's rate; never negative."""
+    from fzero.perf_calibrate import reduce_overhead
+
+    link = Link(bandwidth=1e9, latency=1e-4)
+    # 8 MB all-reduced by 2 ranks: 8 ms + 2 steps × 0.1 ms; 30 ms alone; 48.2 ms on 2 ranks
+    assert reduce_overhead(0.0482, 0.030, 8e6, link, 2.0) == pytest.approx(0.010 / 8e6)
+    # a rank gets half a core: the parts take 60 + 16.2 ms, the 100 ms step leaves 23.8 ms
+    assert reduce_overhead(0.100, 0.030, 8e6, link, 1.0) == pytest.approx(0.0238 * 0.5 / 8e6)
+    assert reduce_overhead(0.030, 0.030, 8e6, link, 2.0) == 0.0
