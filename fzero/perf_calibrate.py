@@ -34,6 +34,10 @@ on a CPU host run, one core each):
   both ranks, its 16 MiB gradient all-reduced; what it takes beyond the one-rank step and
   the all-reduce at the pair's cost is the reduction's cost per gradient byte
   (:func:`reduce_overhead`).
+* **a tensor-parallel step**: the MLP blocks on both ranks, each block's first linear split by
+  columns and its second by rows (4 all-reduces of 1024 × 256 activations a step); what it
+  takes beyond a rank's share of the work and those all-reduces, as the model counts them,
+  is the cost per tensor-parallel all-reduce (:func:`tp_overhead`).
 
 The result is written as JSON with the raw measurements beside it (``measured``), and read by
 ``fzero estimate --time --machine PATH``.
@@ -154,13 +158,18 @@ _BLOCK_ROWS, _BLOCK_D, _BLOCK_H, _BLOCKS = 1024, 256, 1024, 2
 _BIG_ELEMS = 2 * 2**20  # elements per leaf of the 2-leaf step that measures the optimizer
 
 
-def _block_pass():
-    """A forward and backward of two MLP blocks (LayerNorm, 256 → 1024 → 256 with GELU) on
-    1024 rows: the mix a transformer step runs, as one function of no arguments."""
+def _blocks() -> torch.nn.Module:
+    """Two MLP blocks (LayerNorm, 256 → 1024 → 256 with GELU), the calibration's step mix."""
     torch.manual_seed(0)
-    blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(_BLOCK_D), torch.nn.Linear(_BLOCK_D, _BLOCK_H),
-                                                       torch.nn.GELU(), torch.nn.Linear(_BLOCK_H, _BLOCK_D))
-                                   for _ in range(_BLOCKS)])
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(_BLOCK_D), torch.nn.Linear(_BLOCK_D, _BLOCK_H),
+                                                     torch.nn.GELU(), torch.nn.Linear(_BLOCK_H, _BLOCK_D))
+                                 for _ in range(_BLOCKS)])
+
+
+def _block_pass():
+    """A forward and backward of :func:`_blocks` on 1024 rows: the mix a transformer step
+    runs, as one function of no arguments."""
+    blocks = _blocks()
     x = torch.randn(_BLOCK_ROWS, _BLOCK_D)
 
     def run():
@@ -168,6 +177,42 @@ def _block_pass():
         blocks.zero_grad(set_to_none=True)
 
     return run
+
+
+def _tp_step_seconds(steps: int = 15) -> float:
+    """Seconds of a ``fzero.compile``'d tensor-parallel AdamW step of :func:`_blocks` on 1024
+    rows over the process group's ranks (``Mesh(dp=1, tp=-1)``: each block's first linear split by
+    columns, its second by rows, Megatron's MLP), each step started at a barrier."""
+    import fzero
+    from fzero import optim
+
+    apply, params = fzero.functionalize(_blocks())
+    x = torch.randn(_BLOCK_ROWS, _BLOCK_D)
+
+    def train_step(state, batch):
+        loss, grads = fzero.value_and_grad(lambda p: state.apply_fn(p, batch["x"]).square().mean())(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    plan = {f"{i}.1": fzero.ColwiseParallel() for i in range(_BLOCKS)}
+    plan |= {f"{i}.3": fzero.RowwiseParallel() for i in range(_BLOCKS)}
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, tp=-1), tp=plan)
+    box = {"s": step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-4)))}
+
+    def one():
+        box["s"], m = step(box["s"], {"x": x})
+        m["loss"].item()
+
+    for _ in range(2):
+        one()
+    return statistics.median(_timed_at_once(one) for _ in range(steps))
+
+
+def tp_work() -> tuple[float, float, float]:
+    """``(matmul FLOPs, elementwise bytes split, elementwise bytes replicated)`` of one rank's
+    forward and backward in :func:`_tp_step_seconds` at tp = 2: half the block pass's FLOPs
+    and its GELU's bytes (the hidden 1024 is split), its LayerNorms' whole."""
+    flops, _ = block_pass_work()
+    return flops / 2, 4.0 * _BLOCKS * _BLOCK_ROWS * 5 * _BLOCK_H / 2, 4.0 * _BLOCKS * _BLOCK_ROWS * 5 * _BLOCK_D
 
 
 def block_pass_work() -> tuple[float, float]:
@@ -214,6 +259,26 @@ def reduce_overhead(step_2_ranks_s: float, step_alone_s: float, grad_bytes: floa
     modelled = step_alone_s / share + ring_seconds("all_reduce", grad_bytes, 2, Link(
         bandwidth=pair_all_reduce.bandwidth * share, latency=pair_all_reduce.latency))
     return max(0.0, step_2_ranks_s - modelled) * share / grad_bytes
+
+
+def tp_overhead(step_s: float, *, mix: float, elementwise: float, optimizer: float, step: float, leaf: float,
+                pair_all_reduce: Link, serial_latency: float, free: float) -> float:
+    """Seconds per tensor-parallel all-reduce a step pays beyond what the model counts
+    (:attr:`fzero.perf_model.Machine.tp_overhead`): the 2-rank tensor-parallel step of the
+    MLP blocks (``step_s``, :func:`_tp_step_seconds`) less its parts as the model counts them
+    -- a rank's matmuls at the achieved ``mix`` rate, its elementwise bytes at
+    ``elementwise``, its AdamW pass at ``optimizer``, the host's ``step`` and ``leaf``
+    overheads, and 4 serial all-reduces of the 1024 × 256 fp32 activations at the pair's cost
+    -- over those 4 all-reduces, at a whole core's rate (``free`` cores for 2 ranks)."""
+    share = min(1.0, free / 2)
+    flops, split, replicated = tp_work()
+    params = _BLOCKS * (2 * _BLOCK_D + (_BLOCK_D * _BLOCK_H + _BLOCK_H) // 2 + _BLOCK_H * _BLOCK_D // 2 + _BLOCK_D)
+    leaves = _BLOCKS * 6
+    n = 2 * _BLOCKS  # each block: the row-parallel output forward, the column-parallel input gradient backward
+    link = Link(bandwidth=pair_all_reduce.bandwidth * share, latency=max(pair_all_reduce.latency, serial_latency))
+    parts = ((flops / mix + (split + replicated) / elementwise + params * OPTIMIZER_BYTES["fp32"] / optimizer
+              + step + leaf * leaves) / share + n * ring_seconds("all_reduce", 4.0 * _BLOCK_ROWS * _BLOCK_D, 2, link))
+    return max(0.0, step_s - parts) * share / n
 
 
 def _free_port() -> int:
@@ -322,6 +387,8 @@ def _collective_rank(rank: int, world: int, port: int, queue) -> None:
         # A data-parallel step as fzero runs it: the one-rank step of 2 leaves of 2M
         # elements (its optimizer term) on both ranks, its 16 MiB gradient all-reduced.
         out["fzero_step_2x2M_2_ranks_s"] = _fzero_step_seconds(2, _BIG_ELEMS, steps=7, at_once=True)
+        # A tensor-parallel step: the MLP blocks split over both ranks (tp_overhead).
+        out["fzero_tp_step_s"] = _tp_step_seconds()
         if rank == 0:
             queue.put(dict(barrier_s=t_barrier, **out, matmul_loop_s=t_mm, all_reduce_behind_matmul_s=t_both,
                            matmul_flops_2_ranks_at_once=flops_together,
@@ -402,9 +469,12 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
             bw = sent.get(kind, 0.5) * 8 * 2**20 / max(coll[f"{prefix}{kind}_8MiB_s"] - n * lat, 1e-9)
             into[kind] = {"bandwidth": bw / slowed, "latency": lat}
     latency, bandwidth = kinds["all_reduce"]["latency"], kinds["all_reduce"]["bandwidth"]
+    serial_latency = max(coll["all_reduce_4KiB_serial_s"] / 2, 1e-7)
+    tp_over = tp_overhead(coll["fzero_tp_step_s"], mix=achieved, elementwise=elementwise, optimizer=optimizer_bw,
+                          step=step, leaf=leaf, pair_all_reduce=Link(**pair_kinds["all_reduce"]),
+                          serial_latency=serial_latency, free=free)
     reduce_byte_overhead = reduce_overhead(coll["fzero_step_2x2M_2_ranks_s"], t_big, 4.0 * 2 * big_elems,
                                            Link(**pair_kinds["all_reduce"]), free)
-    serial_latency = max(coll["all_reduce_4KiB_serial_s"] / 2, 1e-7)
     t_mm, t_ar, t_both = coll["matmul_loop_s"], coll["all_reduce_8MiB_s"], coll["all_reduce_behind_matmul_s"]
     hidden = t_mm + t_ar - t_both  # what ran at once; overlap is its share of the compute window
     overlap = min(1.0, max(0.0, hidden / t_mm))
@@ -418,8 +488,8 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         elementwise_bandwidth=elementwise, optimizer_bandwidth=optimizer_bw,
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
         ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
-        collective_overhead=0.0, reduce_byte_overhead=reduce_byte_overhead, host_async=False, collectives=kinds, pair_collectives=pair_kinds,
-        serial_latency=serial_latency)
+        collective_overhead=0.0, tp_overhead=tp_over, reduce_byte_overhead=reduce_byte_overhead, host_async=False,
+        collectives=kinds, pair_collectives=pair_kinds, serial_latency=serial_latency)
     save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
                  fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone,
                  block_pass_flops=work[0], block_pass_elementwise_bytes=work[1], mix_matmul_share=efficiency, **coll)

@@ -19,7 +19,8 @@
   fzero exchanges point-to-point on gloo) and a latency for collectives issued one at a time
   (``Machine.serial_latency``, tensor parallelism's). Tensor
   parallelism all-reduces the activations 4 times per block per micro-batch, forward and
-  backward (Megatron, Shoeybi et al. 2019, sec. 3), on the critical path; a pipeline sends a
+  backward (Megatron, Shoeybi et al. 2019, sec. 3), on the critical path, each with the
+  machine's ``tp_overhead`` (measured from a real tensor-parallel step; 0 on the presets); a pipeline sends a
   micro-batch's activations forward and its gradient back at each stage boundary.
 * **overlap**: gradient reductions run while backward goes on, and stage 3's gathers are
   prefetched, so up to ``overlap`` × that compute hides them; what does not fit is exposed,
@@ -131,6 +132,11 @@ class Machine:
     """Host seconds per parameter leaf per step (the per-tensor dispatches)."""
     collective_overhead: float = 0.0
     """Host seconds per collective call."""
+    tp_overhead: float = 0.0
+    """Seconds per tensor-parallel all-reduce beyond its modelled time (the collective's
+    slowdown inside a step, the host work tensor parallelism adds per split layer). Measured
+    on a CPU host as a 2-rank tensor-parallel fzero step less its parts
+    (:mod:`fzero.perf_calibrate`); 0 on the datasheet presets."""
     reduce_byte_overhead: float = 0.0
     """Seconds per byte of gradient a data-parallel step reduces (dp > 1), beyond its
     collectives' modelled time: the sink's passes over its reduce buffer (zeroing, averaging),
@@ -395,7 +401,8 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     act = micro_tokens * w.hidden * PRECISIONS[lay.precision]
     blocks = w.layers / pp
     n_tp = int(4 * blocks * k) if tp > 1 else 0
-    tp_comm = n_tp * ring_seconds("all_reduce", act, tp, link(tp, "all_reduce", serial=True, group=tp))
+    tp_comm = n_tp * (ring_seconds("all_reduce", act, tp, link(tp, "all_reduce", serial=True, group=tp))
+                      + m.tp_overhead / share)
     # pipeline: a micro-batch's activations forward and its gradient back, per slot of the schedule
     n_pp = 2 * (k + pp - 1) if pp > 1 else 0
     pp_comm = n_pp * ring_seconds("send", act, 2, link(tp * dp * pp))

@@ -318,3 +318,36 @@ def test_the_reductions_cost_is_a_two_rank_step_less_its_modelled_parts():
     # a rank gets half a core: the parts take 60 + 16.2 ms, the 100 ms step leaves 23.8 ms
     assert reduce_overhead(0.100, 0.030, 8e6, link, 1.0) == pytest.approx(0.0238 * 0.5 / 8e6)
     assert reduce_overhead(0.030, 0.030, 8e6, link, 2.0) == 0.0
+
+
+def test_a_tensor_parallel_all_reduce_pays_its_measured_overhead():
+    # 2 layers: 8 all-reduces per micro-batch (4 per block), each 1 ms more; on shared cores
+    # (2 cores, 4 ranks) each at half a core's rate: 2 ms more.
+    w = _workload(layers=2)
+    m = dataclasses.replace(ROUND, tp_overhead=1e-3)
+    tp = Layout(world_size=2, stage=0, tp=2)
+    assert step_time(w, tp, m, global_batch=8).comm - step_time(w, tp, ROUND, global_batch=8).comm == \
+        pytest.approx(8e-3)
+    shared = Layout(world_size=4, stage=0, tp=2)
+    assert (step_time(w, shared, dataclasses.replace(m, cores=2), global_batch=8).comm
+            - step_time(w, shared, dataclasses.replace(ROUND, cores=2), global_batch=8).comm) == pytest.approx(16e-3)
+    assert step_time(w, Layout(world_size=2, stage=0), m, global_batch=8).total == \
+        step_time(w, Layout(world_size=2, stage=0), ROUND, global_batch=8).total  # no tp: nothing
+
+
+def test_the_tp_overhead_is_a_tp_step_less_its_modelled_parts_per_all_reduce():
+    """The calibration's cost per tensor-parallel all-reduce: the 2-rank tp step of the MLP
+    blocks less a rank's matmuls, elementwise bytes, optimizer pass, host and 4 all-reduces,
+    over the 4; never negative."""
+    from fzero.perf_calibrate import tp_overhead, tp_work
+
+    flops, split, replicated = tp_work()
+    assert flops == 3 * 2 * 1024 * (2 * 256 * 1024) * 2 / 2  # half the blocks' FLOPs per rank
+    assert (split, replicated) == (4 * 2 * 1024 * 5 * 1024 / 2, 4 * 2 * 1024 * 5 * 256)
+    free = dict(mix=1e11, elementwise=1e10, optimizer=1e10, step=1e-3, leaf=1e-5, serial_latency=1e-4,
+                pair_all_reduce=Link(bandwidth=1e9, latency=1e-5))
+    params = 2 * (2 * 256 + (256 * 1024 + 1024) // 2 + 1024 * 256 // 2 + 256)
+    parts = (flops / 1e11 + (split + replicated) / 1e10 + params * 28 / 1e10 + 1e-3 + 12 * 1e-5
+             + 4 * (1024 * 256 * 4 / 1e9 + 2 * 1e-4))
+    assert tp_overhead(parts + 0.008, free=2.0, **free) == pytest.approx(0.002)
+    assert tp_overhead(parts / 2, free=2.0, **free) == 0.0
