@@ -54,11 +54,12 @@ def _snapshot(state):
     return {k: v.clone() for k, v in fzero.gather(state.params).items()}, int(state.step)
 
 
-@pytest.mark.parametrize("donate", [True, False])
-def test_fp32_skips_a_non_finite_update_by_default_as_if_its_batch_were_not_there(donate):
+@pytest.mark.parametrize("donate,clip_norm", [(True, None), (False, None), (True, 0.5), (False, 0.5)])
+def test_fp32_skips_a_non_finite_update_by_default_as_if_its_batch_were_not_there(donate, clip_norm):
+    """With ``clip_norm`` the verdict is the clip's global norm, taken once for both."""
     module = _model()
     reference = copy.deepcopy(module)
-    step = fzero.compile(_train_step, donate=donate)
+    step = fzero.compile(_train_step, donate=donate, clip_norm=clip_norm)
     state = step.init(_state(module))
     batches = _batches(5, bad_at=(2,))
     skipped = []
@@ -79,6 +80,8 @@ def test_fp32_skips_a_non_finite_update_by_default_as_if_its_batch_were_not_ther
             continue
         opt.zero_grad()
         (reference(x) - y).pow(2).mean().backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_norm)
         opt.step()
     got = fzero.gather(state.params)
     for name, p in reference.named_parameters():
@@ -161,9 +164,9 @@ def test_mixed_precision_combinations():
         fzero.compile(_train_step, nonfinite="sometimes")
 
 
-def _one_rank_nan(stage, mode):
+def _one_rank_nan(stage, mode, clip_norm=None):
     rank = dist.get_rank()
-    step = fzero.compile(_train_step, zero=stage, nonfinite=mode)
+    step = fzero.compile(_train_step, zero=stage, nonfinite=mode, clip_norm=clip_norm)
     state = step.init(_state(_model()))
     batches = _batches(3, size=4)
     out = []
@@ -182,9 +185,9 @@ def _one_rank_nan(stage, mode):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_a_nan_on_one_rank_is_skipped_by_every_rank(ranks, stage):
-    results = ranks(2).run(_one_rank_nan, stage, "skip")
+@pytest.mark.parametrize("stage,clip_norm", [(0, None), (2, None), (3, None), (1, 0.5), (3, 0.5)])
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(ranks, stage, clip_norm):
+    results = ranks(2).run(_one_rank_nan, stage, "skip", clip_norm)
     for skipped, count, _ in results:
         assert skipped == [False, True, False] and count == 2, skipped
     a, b = results[0][2], results[1][2]
@@ -408,3 +411,53 @@ def test_the_count_checks_views_of_one_buffer_in_one_pass_and_nothing_between_th
         assert count_nonfinite(leaves, None).item() == 1, inside
     leaves[-1][1] = float("nan")
     assert count_nonfinite(leaves, None).item() == 2
+
+
+def _huge_step(state, batch):
+    """Gradients of about 1e20 per element, all finite: their sum of squares is not (fp32)."""
+    loss, grads = fzero.value_and_grad(lambda p: 1e20 * state.apply_fn(p, batch[0]).sum())(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def test_with_a_clip_the_verdict_is_the_global_norm_and_is_taken_once():
+    """``compile(clip_norm=)`` in fp32: the non-finite check takes the clip's global norm
+    (one pass over the gradients and one reduction, the clip reuses it), so finite gradients
+    whose sum of squares overflows are skipped too, where the check without a clip (an
+    exact per-leaf one) applies them."""
+    import fzero.optim.clipping as clipping
+
+    x = torch.ones(2, 3)
+    passes, real = [], clipping._leaf_norms
+    clipping._leaf_norms = lambda xs, device: passes.append(len(xs)) or real(xs, device)
+    try:
+        step = fzero.compile(_train_step, clip_norm=1.0)
+        state = step.init(_state(_model()))
+        state, metrics = step(state, _batches(1)[0])
+        assert passes == [4] and not bool(metrics["skipped"])  # 4 leaves, one pass: the clip reused it
+        # the same norm: torch's clip_grad_norm_ on the same gradients
+        ref = _model()
+        (ref(_batches(1)[0][0]) - _batches(1)[0][1]).pow(2).mean().backward()
+        torch.testing.assert_close(metrics["grad_norm"], torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    finally:
+        clipping._leaf_norms = real
+    clipped = fzero.compile(_huge_step, clip_norm=1.0)
+    state = clipped.init(_state(_model()))
+    state, metrics = clipped(state, (x,))
+    assert bool(metrics["skipped"]) and int(state.step) == 0
+    exact = fzero.compile(_huge_step)
+    state = exact.init(_state(_model()))
+    state, metrics = exact(state, (x,))
+    assert not bool(metrics["skipped"]) and int(state.step) == 1
+
+
+def test_a_known_norm_serves_only_the_same_unchanged_leaves():
+    from fzero.optim import global_sumsq, known_sumsq
+
+    g = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+    with known_sumsq(g, torch.tensor(7.0)):
+        assert global_sumsq(g).item() == 7.0
+        assert global_sumsq({"a": g["a"].clone(), "b": g["b"]}).item() == 25.0  # another tensor
+        assert global_sumsq({"b": g["a"], "a": g["b"]}).item() == 25.0  # other names
+        g["a"].mul_(2)  # written in place since
+        assert global_sumsq(g).item() == 52.0
+    assert global_sumsq({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}).item() == 25.0

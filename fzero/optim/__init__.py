@@ -24,7 +24,7 @@ from fzero.optim.alias import adam, adamw, lamb, lion, sgd
 from fzero.optim._known import FusedSpec, fused_spec_of
 from fzero.optim.adagrad import ScaleByRssState, adagrad, scale_by_rss
 from fzero.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
-from fzero.optim.clipping import clip_by_global_norm, global_norm, leaf_norms
+from fzero.optim.clipping import clip_by_global_norm, global_norm, global_sumsq, known_sumsq, leaf_norms
 from fzero.optim.deepspeed import ScaleByDeepSpeedLambState, deepspeed_lamb
 from fzero.optim.fused import use_fused
 from fzero.optim.matrix import WholeTensorState, adafactor, muon, scale_by_muon

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import NamedTuple
+
 import torch
 
 from fzero import tree
@@ -10,7 +14,7 @@ from fzero.optim._checks import check_number
 from fzero.optim.base import GradientTransformation, _multiply, init_empty_state
 from fzero.core import LeafSums, emit_metric, psum
 
-__all__ = ["clip_by_global_norm", "global_norm", "leaf_norms"]
+__all__ = ["clip_by_global_norm", "global_norm", "global_sumsq", "known_sumsq", "leaf_norms"]
 
 # torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); we keep it so clipping matches
 # torch's (and never divides by zero on an all-zero gradient).
@@ -62,6 +66,54 @@ def leaf_norms(*trees, device: torch.device | None = None) -> tuple[torch.Tensor
     return sq.sqrt().split([len(xs) for xs in groups])
 
 
+class _Known(NamedTuple):
+    leaves: tuple
+    versions: tuple
+    names: tuple
+    sumsq: torch.Tensor
+
+
+# The global sum of squares of one set of gradients, already reduced (known_sumsq).
+_KNOWN: contextvars.ContextVar[_Known | None] = contextvars.ContextVar("fzero_known_sumsq", default=None)
+
+
+@contextlib.contextmanager
+def known_sumsq(updates, sumsq: torch.Tensor):
+    """While open, :func:`global_sumsq` of exactly the leaves of ``updates`` -- the same
+    tensors, in the same order under the same names, not written in place since -- is
+    ``sumsq``, not computed and reduced again: a norm taken once serves the non-finite
+    check (``fzero.check_finite``) and the clip after it."""
+    leaves = tuple(tree.leaves(updates))
+    token = _KNOWN.set(_Known(leaves, tuple(t._version for t in leaves), LeafSums.of([updates], None).names, sumsq))
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
+def _known_for(leaves: list, names: tuple) -> torch.Tensor | None:
+    known = _KNOWN.get()
+    if (known is None or len(known.leaves) != len(leaves) or known.names != names
+            or any(a is not b or a._version != v for a, b, v in zip(leaves, known.leaves, known.versions))):
+        return None
+    return known.sumsq
+
+
+def global_sumsq(updates, device: torch.device | None = None) -> torch.Tensor:
+    """The sum of squares of all leaves of ``updates`` together, reduced over the ranks
+    (:func:`global_norm` squared; a 0-dim tensor on ``device``, default the first leaf's).
+    Inside :func:`known_sumsq` for the same leaves, the value given there."""
+    leaves = tree.leaves(updates)
+    with torch.no_grad():
+        if not leaves:
+            return psum(torch.zeros((), dtype=torch.float32))
+        sums = LeafSums.of([updates], None, total=True)
+        known = _known_for(leaves, sums.names)
+        if known is not None:
+            return known
+        return psum(sums._replace(sums=_leaf_norms(leaves, device or leaves[0].device).square()))
+
+
 def global_norm(updates) -> torch.Tensor:
     """The L2 norm of all leaves of ``updates`` together, as a 0-dim tensor (fp32, or fp64
     when a leaf is fp64).
@@ -78,11 +130,8 @@ def global_norm(updates) -> torch.Tensor:
         >>> optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
         tensor(5.)
     """
-    leaves = tree.leaves(updates)
     with torch.no_grad():
-        if not leaves:
-            return psum(torch.zeros((), dtype=torch.float32)).sqrt()
-        return psum(LeafSums.of([updates], _leaf_norms(leaves, leaves[0].device).square(), total=True)).sqrt()
+        return global_sumsq(updates).sqrt()
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

@@ -443,8 +443,8 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     s_flat = [tree.flatten(t) for t in s_trees]
     s_leaves = [leaves for leaves, _ in s_flat]
 
-    from fzero.optim.clipping import _leaf_norms
-    from fzero.core import LeafSums, emit_metric, psum
+    from fzero.optim.clipping import global_sumsq
+    from fzero.core import emit_metric
 
     with torch.no_grad():
         count = _count(opt_state)
@@ -454,9 +454,10 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
         device = p_leaves[0].device
         clip = {}
         if spec.clip_norm is not None:
-            # clip_by_global_norm's sum of squares (the same per-leaf fp32 norms and psum, so
-            # the same bits), left on the device: the kernels form the coefficient from it.
-            sq = psum(LeafSums.of([grads], _leaf_norms(g_leaves, device).square(), total=True))
+            # clip_by_global_norm's sum of squares (the same function, so the same bits, or
+            # the non-finite check's when it took it), left on the device: the kernels form
+            # the coefficient from it.
+            sq = global_sumsq(grads, device)
             emit_metric("grad_norm", sq.sqrt())
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
         on_torch = mode == "auto" and _torch_cpu(spec, p_leaves[0])

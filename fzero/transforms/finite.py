@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
+from fzero.optim.clipping import global_sumsq, known_sumsq
 from fzero.optim.fused import back_to_back, span
 from fzero.transforms.shard_state import is_shard
 from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum)
@@ -130,8 +131,8 @@ def _spans(leaves: list) -> list:
 
 
 class _FiniteHandler(Handler):
-    def __init__(self, mode: str):
-        self.mode = mode
+    def __init__(self, mode: str, by_norm: bool = False):
+        self.mode, self.by_norm = mode, by_norm
         self.pending = False  # a deferred micro-batch of this update was not finite
         # The buffers' values before the update's first forward, for a skip or a raise to restore.
         self.guard = BufferGuard(WHERE)
@@ -147,6 +148,14 @@ class _FiniteHandler(Handler):
         pieces = [(path, g.local if is_shard(g) else g) for path, g in zip(paths, found)]  # this rank's
         pieces = [(path, g) for path, g in pieces if isinstance(g, torch.Tensor) and not is_deferred(g)]
         leaves = [g for _, g in pieces]
+        if self.mode == "skip" and self.by_norm and len(leaves) == len(found):
+            # The clip's global norm decides: finite exactly when every element is, unless
+            # the sum of squares itself overflows (elements beyond about 1e19), which is
+            # skipped too. Taken once, here, for the clip to use (optim.known_sumsq).
+            local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard)
+            sumsq = global_sumsq(local)
+            with known_sumsq(local, sumsq):
+                return self._under_verdict(state, grads, (~torch.isfinite(sumsq)).to(torch.float32), next)
         if self.mode == "raise":
             # One flag per leaf, summed over the ranks (each holds its pieces of the
             # gradients under ZeRO): every rank learns which leaves, and all raise together.
@@ -168,6 +177,9 @@ class _FiniteHandler(Handler):
             if not (isinstance(new, NotApplied) and new.reason == "deferred"):
                 self.guard.finish(skipped=False)
             return new
+        return self._under_verdict(state, grads, flags, next)
+
+    def _under_verdict(self, state, grads, flags: torch.Tensor, next):
         new, overflow = update_under_verdict(flags, self.pending, lambda: next(state, grads))
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside
             self.pending = overflow
@@ -183,7 +195,7 @@ class _FiniteHandler(Handler):
 
 
 
-def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
+def check_finite(step, mode: Literal["skip", "raise"] = "skip", *, by_norm: bool = False) -> Step:
     """``step`` with its updates checked for non-finite gradients.
 
     ``"skip"``: an update whose gradients hold inf or NaN on any rank is skipped by every
@@ -198,6 +210,13 @@ def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
 
     ``fzero.compile`` applies it in fp32 (``nonfinite=``, default ``"skip"``); under fp16
     and bf16 ``fzero.mixed_precision`` checks instead (and ``nonfinite="raise"`` adds this).
+
+    ``by_norm`` (``"skip"`` only; ``fzero.compile`` sets it with ``clip_norm``): the verdict
+    is the gradients' global L2 norm, the one the clip takes -- computed and reduced once,
+    here, and handed to the clip (:func:`fzero.optim.known_sumsq`) -- instead of a count of
+    its own: not finite when an element is inf or NaN, and also when the sum of squares
+    overflows though every element is finite (elements beyond about 1e19 in fp32, where the
+    clip would scale the update to zero), which is skipped too.
 
     Example:
         >>> import torch, fzero
@@ -216,7 +235,7 @@ def check_finite(step, mode: Literal["skip", "raise"] = "skip") -> Step:
     if mode not in MODES:
         raise ValueError(f"{WHERE}: mode={mode!r} must be one of {', '.join(map(repr, MODES))}")
     inner = as_step(step)
-    handler = _FiniteHandler(mode)
+    handler = _FiniteHandler(mode, by_norm=by_norm and mode == "skip")
 
     def call(state, batch):
         if context().micro_batch.index == 0:  # an update starts: its forwards are about to change the buffers
