@@ -66,11 +66,11 @@ def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world:
         else:
             flat = flats[g.index]
         own = flat[slice(*g.owned)]
-        for i, name in enumerate(g.names):
-            piece = pieces[name].local.reshape(-1)
-            target = own[g._in_owned(g.info(i))]
-            if piece.data_ptr() != target.data_ptr():
-                target.copy_(piece)
+        base, size = own.data_ptr(), own.element_size()
+        for name, at in zip(g.names, g._placed(None)[1]):  # where each piece sits in the own slice
+            piece = pieces[name].local
+            if piece.data_ptr() != base + at.start * size:  # not already there (an update in place)
+                own[at].copy_(piece.reshape(-1))
         if world > 1:
             works.append(start_all_gather(g, own, flat, group=group, world=world))
         out.update(zip(g.names, g.views(flat)) if flats is None else ((n, into[n]) for n in g.names))

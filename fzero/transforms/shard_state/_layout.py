@@ -50,7 +50,20 @@ class Group:
         return self.rank * self.chunk, (self.rank + 1) * self.chunk
 
     def info(self, i: int, group=None) -> ShardInfo:
-        return ShardInfo(tuple(self.shapes[i]), self.offsets[i], self.chunk, self.world, self.rank, group)
+        return self._placed(group)[0][i]
+
+    def _placed(self, group) -> tuple[list[ShardInfo], list[slice], list[slice]]:
+        """Each parameter's :class:`ShardInfo` over ``group``, where its piece sits in the
+        owned slice, and which of the flattened leaf's elements it is: worked out once per
+        group, not on every step (a step cuts every gradient and parameter into pieces)."""
+        cache = self.__dict__.setdefault("_placements", {})
+        hit = cache.get(id(group))
+        if hit is None or hit[0] is not group:
+            infos = [ShardInfo(tuple(s), o, self.chunk, self.world, self.rank, group)
+                     for s, o in zip(self.shapes, self.offsets)]
+            hit = cache[id(group)] = (group, infos, [self._in_owned(info) for info in infos],
+                                      [slice(*info.piece()) for info in infos])
+        return hit[1:]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter as a view into the group's full flat buffer.
@@ -66,8 +79,8 @@ class Group:
 
     def pieces(self, local: torch.Tensor, group=None) -> list[Shard]:
         """Each parameter's piece as a view into the rank's owned slice ``local``."""
-        infos = [self.info(i, group) for i in range(len(self.names))]
-        return [Shard(local[self._in_owned(info)], info) for info in infos]
+        infos, where, _ = self._placed(group)
+        return [Shard(local[at], info) for info, at in zip(infos, where)]
 
     def owned_buffer(self, pieces: Mapping[str, Shard]) -> torch.Tensor | None:
         """The one buffer this rank's ``pieces`` view, when they lie in it as its owned slice
@@ -78,9 +91,10 @@ class Group:
         if base is None or base._base is not None or base.dim() != 1 or base.numel() != self.chunk \
                 or base.dtype != self.dtype:
             return None
+        where = self._placed(None)[1]
         for i, t in enumerate(local):
             if t.numel() and (t._base is not base  # an empty piece (owned by another rank) lies nowhere
-                              or t.storage_offset() - base.storage_offset() != self._in_owned(self.info(i)).start):
+                              or t.storage_offset() - base.storage_offset() != where[i].start):
                 return None
         return base
 
@@ -99,8 +113,8 @@ class Group:
         if base is not None and base.device == self.device:
             return base
         own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
-        for i, name in enumerate(self.names):
-            own[self._in_owned(self.info(i))] = pieces[name].local.reshape(-1)
+        for name, at in zip(self.names, self._placed(None)[1]):
+            own[at] = pieces[name].local.reshape(-1)
         return own
 
     def _in_owned(self, info: ShardInfo) -> slice:
@@ -146,9 +160,8 @@ class Layout:
         out = {}
         for name, p in params.items():
             gi, i = self.where[name]
-            info = self.groups[gi].info(i, group)
-            a, b = info.piece()
-            out[name] = Shard(p.reshape(-1)[a:b], info)
+            infos, _, spans = self.groups[gi]._placed(group)
+            out[name] = Shard(p.reshape(-1)[spans[i]], infos[i])
         return out
 
 

@@ -273,8 +273,8 @@ def _own_on_host(g: Group, pieces: dict[str, Shard], pin: bool) -> torch.Tensor:
     if base is not None:
         return base
     own = torch.zeros(g.chunk, dtype=g.dtype, device="cpu", pin_memory=pin)
-    for i, name in enumerate(g.names):
-        own[g._in_owned(g.info(i))] = pieces[name].local.reshape(-1)
+    for name, at in zip(g.names, g._placed(None)[1]):
+        own[at] = pieces[name].local.reshape(-1)
     return own
 
 
