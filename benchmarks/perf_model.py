@@ -220,8 +220,9 @@ def main(argv=None) -> None:
     print(f"machine: {machine.source}: matmul {machine.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, elementwise "
           f"{machine.elementwise_bandwidth / 1e9:.2f} GB/s, optimizer {machine.optimizer_bandwidth / 1e9:.2f} GB/s, "
           f"gloo {machine.intra.bandwidth / 1e9:.2f} GB/s + {machine.intra.latency * 1e6:.0f} µs/step, overlap "
-          f"{machine.overlap:.2f}, host {machine.step_overhead * 1e3:.2f} ms + {machine.leaf_overhead * 1e6:.0f} µs/leaf, "
-          f"a dp step's reduction {machine.reduce_byte_overhead * 1e9:.3f} ns per gradient byte beyond its collectives\n")
+          f"{machine.overlap:.2f}, host {machine.step_overhead * 1e3:.2f} ms + {machine.leaf_overhead * 1e6:.0f} "
+          f"µs/leaf, a dp step's reduction {machine.reduce_byte_overhead * 1e9:.3f} ns per gradient byte and tp "
+          f"{machine.tp_overhead * 1e3:.2f} ms per all-reduce beyond their collectives\n")
     print("| ranks | case | predicted s (compute / exposed comm / optimizer / host) | measured s (median) | measured/predicted |")
     print("| ---: | --- | --- | ---: | ---: |")
     for r in rows:

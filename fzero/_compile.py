@@ -91,7 +91,8 @@ ORDER: tuple[Layer, ...] = (
                                       round_grads=p.opts.zero >= 1),
           "where mixed precision would be (the two exclude each other): the forward under torch.autocast with "
           "fp32 weights; at ZeRO 1-3 the listed modules' gradients take a low-precision reduction's values"),
-    Layer("check_finite", lambda p: p.nonfinite is not None, lambda s, p: check_finite(s, p.nonfinite, by_norm=p.opts.clip_norm is not None),
+    Layer("check_finite", lambda p: p.nonfinite is not None,
+          lambda s, p: check_finite(s, p.nonfinite, by_norm=p.opts.clip_norm is not None),
           "outside mixed precision (it sees the unscaled gradients' verdict first) and inside ZeRO (its flags "
           "are summed over the ranks, so every rank decides alike)"),
     Layer("ulysses", lambda p: p.mesh.size("sp") > 1, lambda s, p: ulysses(s, p.mesh),

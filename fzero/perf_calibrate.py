@@ -54,7 +54,7 @@ import torch
 
 from fzero.perf_model import OPTIMIZER_BYTES, Link, Machine, ring_seconds, save_machine
 
-__all__ = ["block_pass_work", "calibrate", "mix_matmul_flops", "reduce_overhead"]
+__all__ = ["block_pass_work", "calibrate", "mix_matmul_flops", "reduce_overhead", "tp_overhead", "tp_work"]
 
 
 def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
