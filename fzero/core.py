@@ -342,6 +342,9 @@ class StepContext:
         jit: how the model's forward runs: ``None`` eagerly, or a :class:`fzero._jit.Jit`
             (``fzero.compile(jit=)``), whose compiled forward of each module
             :class:`fzero.functional.Apply` calls instead of the module.
+        finite_certificate: ``check_finite``'s (``"skip"``) holder for a verdict on the
+            gradients that a reduction outside it can give for free
+            (``fzero.transforms.finite.Certificate``: ZeRO 1-3 on gloo), else ``None``.
 
     Example:
         >>> context().micro_batch
@@ -360,6 +363,7 @@ class StepContext:
     skip_flag: Any = None
     sequence_shard: DataShard = DataShard(0, 1)
     jit: Any = None  # a fzero._jit.Jit; core stands under it and does not import it
+    finite_certificate: Any = None  # a fzero.transforms.finite.Certificate
 
 
 _CONTEXT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("fzero_step_context", default=StepContext())

@@ -194,6 +194,54 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(ranks, stage, clip_norm):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _scaled_step(state, batch):
+    x, y, scale = batch
+    loss, grads = fzero.value_and_grad(lambda p: scale * (state.apply_fn(p, x) - y).pow(2).mean())(state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def _check_psums(stage, scale):
+    """Three updates at ``stage`` on two ranks, the second's gradient on rank 1 scaled by
+    ``scale`` (1e20: finite, its sum of squares not; NaN): what each update did, how many
+    all-reduces the non-finite check made itself, and the parameters."""
+    import fzero.transforms.finite as finite
+
+    rank = dist.get_rank()
+    calls, real = [], finite.psum
+    finite.psum = lambda x: calls.append(1) or real(x)
+    try:
+        step = fzero.compile(_scaled_step, zero=stage)
+        state = step.init(_state(_model()))
+        out = []
+        for i, (x, y) in enumerate(_batches(3, size=4)):
+            x, y = x[rank * 2:(rank + 1) * 2].clone(), y[rank * 2:(rank + 1) * 2]
+            before = len(calls)
+            state, metrics = step(state, (x, y, torch.tensor(scale if i == 1 and rank == 1 else 1.0)))
+            out.append((bool(metrics["skipped"]), len(calls) - before))
+    finally:
+        finite.psum = real
+    return out, {k: v.clone() for k, v in fzero.gather(state.params).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_zero_on_gloo_certifies_finite_gradients_without_an_all_reduce_of_the_check(ranks):
+    """At stages 1-3 on gloo the reduction all-reduces, beside its reduce-scatter, whether
+    any rank's local gradient had a sum of squares that is not finite: when none had, the
+    check makes no all-reduce of its own; when one had, the exact count decides -- a NaN is
+    skipped, finite gradients of 1e20 (sum of squares beyond fp32) are applied, as at stage 0,
+    whose check is on the whole reduced gradient (same values to 1e-6)."""
+    for stage in (1, 2, 3):
+        for (steps, got), (ref_steps, ref) in zip(ranks(2).run(_check_psums, stage, 1e20),
+                                                  ranks(2).run(_check_psums, 0, 1e20)):
+            assert steps == [(False, 0), (False, 1), (False, 0)], (stage, steps)
+            assert [s for s, _ in ref_steps] == [False, False, False]
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-6)
+        for steps, _ in ranks(2).run(_check_psums, stage, NAN):
+            assert steps == [(False, 0), (True, 1), (False, 0)], (stage, steps)
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_raise_on_one_ranks_nan_raises_on_every_rank_naming_the_path(ranks):
@@ -461,3 +509,20 @@ def test_a_known_norm_serves_only_the_same_unchanged_leaves():
         g["a"].mul_(2)  # written in place since
         assert global_sumsq(g).item() == 52.0
     assert global_sumsq({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}).item() == 25.0
+
+
+def test_a_certificate_answers_once_for_the_same_unchanged_tensors():
+    from fzero.transforms._skip import Certificate
+
+    a, b = torch.ones(2), torch.ones(3)
+    cert = Certificate()
+    assert cert.take([a, b]) is None  # nothing given
+    cert.give(torch.tensor(0.0), [a, b])
+    assert cert.take([b, a]).item() == 0.0  # any order
+    assert cert.take([a, b]) is None  # taken once
+    for other in ([a], [a, b.clone()], [a, b, torch.ones(1)]):
+        cert.give(torch.tensor(0.0), [a, b])
+        assert cert.take(other) is None, other
+    cert.give(torch.tensor(0.0), [a, b])
+    a.add_(1)  # written in place since
+    assert cert.take([a, b]) is None

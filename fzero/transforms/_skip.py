@@ -19,7 +19,7 @@ import torch
 
 from fzero.core import context, running
 
-__all__ = ["BufferGuard", "SkipStreak", "WARN_AFTER", "update_under_verdict"]
+__all__ = ["BufferGuard", "Certificate", "SkipStreak", "WARN_AFTER", "update_under_verdict"]
 
 # A streak of this many skipped updates in a row is reported once. DeepSpeed logs every
 # skipped step; most skips are fp16's dynamic scaler finding its scale: from 2^16 with
@@ -28,6 +28,44 @@ __all__ = ["BufferGuard", "SkipStreak", "WARN_AFTER", "update_under_verdict"]
 # past that, and under bf16 or fp32, which skip only on inf/NaN gradients, already a run
 # that is not training.
 WARN_AFTER = 10
+
+
+class Certificate:
+    """A verdict on an update's gradients that a reduction outside ``check_finite`` gives for
+    free, handed over within one step (the step context's ``finite_certificate``).
+
+    ZeRO 1-3 on gloo (``shard_state``'s reduce sink) all-reduces, beside its last
+    reduce-scatter, how many ranks' *local* gradient had a sum of squares that is not finite
+    (:meth:`give`). When none had, every local element was finite and below about 1.8e19
+    in magnitude, so their sum over the ranks -- every element of the reduced gradient --
+    is finite: the check needs no count and no all-reduce of its own. When one had, the
+    check makes its exact count. :meth:`take` answers only for the very tensors given,
+    unwritten since (identity and version counter): gradients a step changed in between get
+    the exact count.
+    """
+
+    __slots__ = ("verdict", "leaves")
+
+    def __init__(self):
+        self.verdict: torch.Tensor | None = None
+        self.leaves: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def give(self, verdict: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        """``verdict`` (a 0-dim count, agreed across the ranks) holds for ``leaves``."""
+        self.verdict, self.leaves = verdict, {id(t): (t, t._version) for t in leaves}
+
+    def take(self, leaves: list[torch.Tensor]) -> torch.Tensor | None:
+        """The verdict given for exactly ``leaves``, unchanged since, else ``None``; it is
+        taken once."""
+        verdict, known = self.verdict, self.leaves
+        self.verdict, self.leaves = None, {}
+        if verdict is None or len(known) != len({id(t) for t in leaves}):
+            return None
+        for t in leaves:
+            k = known.get(id(t))
+            if k is None or k[0] is not t or k[1] != t._version:
+                return None
+        return verdict
 
 
 def update_under_verdict(flag: torch.Tensor, pending: bool, update: Callable[[], Any]) -> tuple[Any, bool]:

@@ -18,9 +18,10 @@ from fzero import tree
 from fzero.optim.clipping import global_sumsq, known_sumsq
 from fzero.optim.fused import back_to_back, span
 from fzero.transforms.shard_state import is_shard
-from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum)
+from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, context, emit_metric, installed, psum,
+                        running)
 from fzero.transforms._deferred import is_deferred
-from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
+from fzero.transforms._skip import BufferGuard, Certificate, SkipStreak, update_under_verdict
 
 __all__ = ["NonFiniteGradientError", "check_finite"]
 
@@ -137,6 +138,7 @@ class _FiniteHandler(Handler):
         # The buffers' values before the update's first forward, for a skip or a raise to restore.
         self.guard = BufferGuard(WHERE)
         self.streak = SkipStreak(WHERE)
+        self.certificate: Certificate | None = None  # this call's, where a reduction may give one
 
     def apply_gradients(self, state, grads, *, next):
         # Paths only under "raise", which names the leaves; "skip" runs on every update.
@@ -148,6 +150,13 @@ class _FiniteHandler(Handler):
         pieces = [(path, g.local if is_shard(g) else g) for path, g in zip(paths, found)]  # this rank's
         pieces = [(path, g) for path, g in pieces if isinstance(g, torch.Tensor) and not is_deferred(g)]
         leaves = [g for _, g in pieces]
+        if self.certificate is not None and len(leaves) == len(found):
+            # ZeRO's reduction certified these very gradients (Certificate): every rank's
+            # local sum of squares was finite, so the reduced gradient is; no count, no psum.
+            verdict = self.certificate.take(leaves)
+            if verdict is not None and not bool(verdict > 0):  # on the host already (gloo)
+                return self._under_verdict(state, grads, torch.zeros((), dtype=torch.float32, device=verdict.device),
+                                           next)
         if self.mode == "skip" and self.by_norm and len(leaves) == len(found):
             # The clip's global norm decides: finite exactly when every element is, unless
             # the sum of squares itself overflows (elements beyond about 1e19), which is
@@ -240,7 +249,10 @@ def check_finite(step, mode: Literal["skip", "raise"] = "skip", *, by_norm: bool
     def call(state, batch):
         if context().micro_batch.index == 0:  # an update starts: its forwards are about to change the buffers
             handler.guard.keep(getattr(state, "buffers", None))
-        with collecting_metrics() as emitted, installed(handler):
+        # "skip" without a clip takes a verdict a reduction outside may give for free
+        # (Certificate); with a clip the norm decides (by_norm), "raise" counts per leaf.
+        handler.certificate = Certificate() if handler.mode == "skip" and not handler.by_norm else None
+        with collecting_metrics() as emitted, installed(handler), running(finite_certificate=handler.certificate):
             out = inner(state, batch)
         for k, v in emitted.items():
             emit_metric(k, v)

@@ -178,13 +178,19 @@ class ReduceSink:
         overlap: launch each group's collective as soon as it is complete, while backward
             goes on; ``False`` launches them all once backward is done (DeepSpeed's
             ``overlap_comm: false``: the same sums, later, with every bucket held at once).
+        certificate: stages 1-3, a ``fzero.transforms._skip.Certificate`` to give, for the
+            gradients :meth:`finish` returns, how many ranks' local gradient had a sum of
+            squares that is not finite: each group's buffer is looked at as it is launched
+            and the count is all-reduced beside the last reduce-scatter (``check_finite``
+            then needs no all-reduce of its own). Ignored when the sink holds or keeps a
+            gradient local.
     """
 
     def __init__(self, layout: Layout, leaf_names: list[str], *, group, world: int, stage: int,
                  reduce_in: torch.dtype | None, pool: BufferPool, timeout_s: float,
                  held: dict[int, torch.Tensor] | None = None, hold: dict[str, Any] | None = None,
                  summed: bool = False, on_complete: Callable[[int], None] | None = None, overlap: bool = True,
-                 on_value: Callable[[torch.Tensor], None] | None = None):
+                 on_value: Callable[[torch.Tensor], None] | None = None, certificate: Any = None):
         self.layout, self.group, self.world, self.stage = layout, group, world, stage
         self.overlap = overlap  # launch each group as it completes (else all at finish)
         self.reduce_in, self.pool, self.timeout_s = reduce_in, pool, timeout_s
@@ -198,6 +204,9 @@ class ReduceSink:
         self.on_complete, self.on_value = on_complete, on_value
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
+        certifies = stage >= 1 and world > 1 and hold is None and all(g is not None for g in self.leaf_groups)
+        self.certificate = certificate if certifies else None
+        self.local_bad: torch.Tensor | None = None  # ranks' local sums of squares not finite, so far
         self.order = layout.reduce_order
         self.next = 0  # position in ``order`` of the next group to launch
         self.sending: dict[int, torch.Tensor] = {}  # stages 1-3: send buffers in flight, oldest first
@@ -345,6 +354,10 @@ class ReduceSink:
                 lambda: comm.all_reduce(buf, group=self.group, async_op=True, what="gradients"),
                 lambda: buf, where=WHERE)
         else:
+            if self.certificate is not None:
+                acc = torch.promote_types(buf.dtype, torch.float32)
+                bad = (~torch.isfinite(torch.linalg.vector_norm(buf, dtype=acc))).to(torch.float32)
+                self.local_bad = bad if self.local_bad is None else self.local_bad + bad
             out = torch.empty(group.chunk, dtype=buf.dtype, device=buf.device)
             self.pending[gi] = comm.start(
                 f"reduce_scatter(gradient group {gi}, {group.padded} elements)",
@@ -369,6 +382,11 @@ class ReduceSink:
             grads = self.hold
         else:
             self._launch_ready(force=True)
+            certified = None
+            if self.certificate is not None and self.local_bad is not None:
+                flag = self.local_bad  # beside the last reduce-scatter: no wait of its own
+                certified = comm.start("all_reduce(finite certificate)", lambda: comm.all_reduce(
+                    flag, group=self.group, async_op=True, what="psum"), lambda: flag, where=WHERE)
             for gi in list(self.pending):
                 if gi in self.sending:
                     self._complete(gi)
@@ -381,6 +399,8 @@ class ReduceSink:
             if self.stage == 0:  # the gradients are views of the reduced buffers
                 for r in self.results.values():
                     self.pool.lend(r)
+            if certified is not None:
+                self.certificate.give(certified.wait(self.timeout_s), [getattr(g, "local", g) for g in grads.values()])
         return [self.local[n] if n in self.local else grads.get(n) for n in self.leaf_names]  # frozen: None
 
 
