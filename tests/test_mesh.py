@@ -48,3 +48,24 @@ def test_resolve_errors(sizes, world, message):
 def test_mesh_size_mismatch_in_one_process():
     with pytest.raises(ValueError, match="fzero.Mesh: pp=1, dp=2, tp=1 multiply to 2, but the world has 1 ranks"):
         fzero.Mesh(dp=2)
+
+
+def test_at_exit_the_other_threads_are_let_run_until_none_is_runnable(tmp_path):
+    """The exit hook's test of this process's threads (``/proc/self/task/*/stat``, the state
+    after the parenthesised name, which may itself hold ``)``): runnable when another thread
+    than this one is ``R``; not when that cannot be read."""
+    from fzero.distributed.mesh import _let_threads_settle, _others_runnable
+
+    def task(tid, state, name="python3"):
+        (tmp_path / str(tid)).mkdir(exist_ok=True)
+        (tmp_path / str(tid) / "stat").write_text(f"{tid} ({name}) {state} 1 2 3\n")
+
+    task(10, "R")
+    task(11, "S", name="gloo) R (worker")
+    assert not _others_runnable(str(tmp_path), me=10)  # only this thread runs
+    task(12, "R", name="pt_main_thread")
+    assert _others_runnable(str(tmp_path), me=10)
+    task(12, "D")
+    assert not _others_runnable(str(tmp_path), me=10)
+    assert not _others_runnable(str(tmp_path / "absent"), me=10)
+    _let_threads_settle(timeout_s=0.05)  # here: returns, whatever the threads

@@ -10,6 +10,8 @@ import atexit
 import contextlib
 import datetime
 import os
+import threading
+import time
 from typing import Literal
 
 import torch
@@ -315,6 +317,39 @@ def _destroy_at_exit() -> None:
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    _let_threads_settle()
+
+
+def _let_threads_settle(timeout_s: float = 0.5) -> None:
+    """Wait, at most ``timeout_s``, until no other thread of this process is runnable.
+
+    A gloo worker thread that has completed a collective drops its last hold on the
+    collective's tensors a moment after the caller's wait returned. Under load it may not
+    have run yet when the program ends; if it runs only once the interpreter is finalizing
+    (the tensors' Python objects already gone), freeing them takes the GIL there, which ends
+    the thread inside a C++ destructor: "terminate called without an active exception"
+    (SIGABRT), seen after a plain ``dist.all_reduce`` and ``destroy_process_group()`` (a
+    group some object still holds outlives that call, and its threads with it). Here, at
+    exit, before the interpreter tears anything down, each thread that is still runnable
+    (``R`` in ``/proc/self/task/*/stat``) is given the cores until every one is asleep, so
+    such a release happens while it is safe. Without ``/proc`` it returns at once."""
+    me, deadline = threading.get_native_id(), time.monotonic() + timeout_s
+    while _others_runnable("/proc/self/task", me) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _others_runnable(tasks: str, me: int) -> bool:
+    """Whether a thread of ``tasks`` (``/proc/<pid>/task``) other than ``me`` is runnable
+    (state ``R``); ``False`` when that cannot be read."""
+    try:
+        for tid in os.listdir(tasks):
+            if int(tid) != me:
+                with open(os.path.join(tasks, tid, "stat")) as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "R":
+                        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
 
 
 def _axes(axis) -> tuple[str, ...]:
