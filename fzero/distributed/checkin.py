@@ -72,12 +72,20 @@ def _process_state(rec: dict) -> str | None:
     ``None`` (running, or on another host, or not known)."""
     if rec.get("host") != _HOST or not isinstance(rec.get("pid"), int):
         return None
-    try:
-        with open(f"/proc/{rec['pid']}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    state = proc_state(f"/proc/{rec['pid']}/stat")
+    if state is None:
         return "gone" if os.path.isdir("/proc") else None
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state)
+
+
+def proc_state(stat: str) -> str | None:
+    """The state letter of a process or thread from its ``/proc/.../stat`` file (the field
+    after the parenthesised name, which may itself hold ``)``), ``None`` when unreadable."""
+    try:
+        with open(stat) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _beat(stop: threading.Event, store, rank: int) -> None:

@@ -342,14 +342,10 @@ def _others_runnable(tasks: str, me: int) -> bool:
     """Whether a thread of ``tasks`` (``/proc/<pid>/task``) other than ``me`` is runnable
     (state ``R``); ``False`` when that cannot be read."""
     try:
-        for tid in os.listdir(tasks):
-            if int(tid) != me:
-                with open(os.path.join(tasks, tid, "stat")) as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "R":
-                        return True
-    except (OSError, ValueError, IndexError):
+        return any(checkin.proc_state(os.path.join(tasks, tid, "stat")) == "R"
+                   for tid in os.listdir(tasks) if int(tid) != me)
+    except (OSError, ValueError):
         return False
-    return False
 
 
 def _axes(axis) -> tuple[str, ...]:
