@@ -15,7 +15,8 @@ gives the uninterrupted run's losses bit for bit.
 ``--fault KIND:rank=R:at=WHERE[:step=S][:attempt=A]`` makes rank ``R`` fail in attempt ``A``
 (``TORCHELASTIC_RESTART_COUNT``, default 0): ``KIND`` is ``kill`` (SIGKILL), ``stop``
 (SIGSTOP: a hung rank), ``exit`` (``sys.exit(3)``), ``term`` (a SIGTERM: to the rank itself,
-or with ``:to=launcher`` to ``fzero launch``, its grandparent; with ``:again=1`` the rank
+or with ``:to=launcher`` to ``fzero launch``, its grandparent, after which the rank waits
+until the launcher's copy reached it; with ``:again=1`` the rank
 sends a second one, more than ``preemption.REPEAT_S`` later, while it writes the
 preemption's checkpoint) or ``full`` (the rank's file size limit,
 ``RLIMIT_FSIZE``, drops to 1 KiB just before the save of step ``S``: its writes fail as into
@@ -101,6 +102,15 @@ def main(argv=None) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault["kind"] == "term":
             os.kill(os.getpid() if fault["to"] == "self" else _launcher_pid(), signal.SIGTERM)
+            if fault["to"] != "self" and fault["at"] != "init":
+                # The launcher passes it on to every rank a moment later; this rank waits
+                # (at most 10 s) until its own copy arrived, so that the step the fault is
+                # in is the one the ranks agree to stop after, however fast the step's rest.
+                from fzero.distributed import preemption
+
+                deadline = time.monotonic() + 10.0
+                while preemption._STATE["first"] is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
         else:
             os._exit(3)
 
