@@ -37,6 +37,7 @@ import torch
 
 __all__ = [
     "NAMESPACE",
+    "Unchanged",
     "dataclass",
     "field",
     "flatten",
@@ -357,3 +358,33 @@ def dataclass(cls: type[T] | None = None, /, *, frozen: bool = True, **kwargs):
 
     return wrap if cls is None else wrap(cls)
 
+
+
+class Unchanged:
+    """Which tensors a value was worked out from, as they were: :meth:`holds` says whether a
+    list of tensors is exactly those -- the same objects, in any order, none written in place
+    since (their version counters) -- so a value can be handed on and trusted only for them
+    (a norm, a verdict on gradients).
+
+    Example:
+        >>> a, b = torch.ones(2), torch.ones(3)
+        >>> seen = Unchanged([a, b])
+        >>> seen.holds([b, a]), seen.holds([a, b.clone()])
+        (True, False)
+        >>> _ = a.add_(1); seen.holds([a, b])
+        False
+    """
+
+    __slots__ = ("_seen",)
+
+    def __init__(self, tensors):
+        self._seen = {id(t): (t, t._version) for t in tensors}
+
+    def holds(self, tensors) -> bool:
+        if len(self._seen) != len({id(t) for t in tensors}):
+            return False
+        for t in tensors:
+            k = self._seen.get(id(t))
+            if k is None or k[0] is not t or k[1] != t._version:
+                return False
+        return True

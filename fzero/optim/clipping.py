@@ -67,8 +67,8 @@ def leaf_norms(*trees, device: torch.device | None = None) -> tuple[torch.Tensor
 
 
 class _Known(NamedTuple):
-    leaves: tuple
-    versions: tuple
+    leaves: tree.Unchanged
+    order: tuple  # the leaves' ids in order: each name keeps its tensor
     names: tuple
     sumsq: torch.Tensor
 
@@ -83,8 +83,9 @@ def known_sumsq(updates, sumsq: torch.Tensor):
     tensors, in the same order under the same names, not written in place since -- is
     ``sumsq``, not computed and reduced again: a norm taken once serves the non-finite
     check (``fzero.check_finite``) and the clip after it."""
-    leaves = tuple(tree.leaves(updates))
-    token = _KNOWN.set(_Known(leaves, tuple(t._version for t in leaves), LeafSums.of([updates], None).names, sumsq))
+    leaves = tree.leaves(updates)
+    token = _KNOWN.set(_Known(tree.Unchanged(leaves), tuple(map(id, leaves)), LeafSums.of([updates], None).names,
+                              sumsq))
     try:
         yield
     finally:
@@ -93,8 +94,8 @@ def known_sumsq(updates, sumsq: torch.Tensor):
 
 def _known_for(leaves: list, names: tuple) -> torch.Tensor | None:
     known = _KNOWN.get()
-    if (known is None or len(known.leaves) != len(leaves) or known.names != names
-            or any(a is not b or a._version != v for a, b, v in zip(leaves, known.leaves, known.versions))):
+    if (known is None or known.names != names or known.order != tuple(map(id, leaves))
+            or not known.leaves.holds(leaves)):
         return None
     return known.sumsq
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fzero import tree
 from fzero.core import context, running
 
 __all__ = ["BufferGuard", "Certificate", "SkipStreak", "WARN_AFTER", "update_under_verdict"]
@@ -48,24 +49,18 @@ class Certificate:
 
     def __init__(self):
         self.verdict: torch.Tensor | None = None
-        self.leaves: dict[int, tuple[torch.Tensor, int]] = {}
+        self.leaves: tree.Unchanged | None = None
 
     def give(self, verdict: torch.Tensor, leaves: list[torch.Tensor]) -> None:
         """``verdict`` (a 0-dim count, agreed across the ranks) holds for ``leaves``."""
-        self.verdict, self.leaves = verdict, {id(t): (t, t._version) for t in leaves}
+        self.verdict, self.leaves = verdict, tree.Unchanged(leaves)
 
     def take(self, leaves: list[torch.Tensor]) -> torch.Tensor | None:
         """The verdict given for exactly ``leaves``, unchanged since, else ``None``; it is
         taken once."""
         verdict, known = self.verdict, self.leaves
-        self.verdict, self.leaves = None, {}
-        if verdict is None or len(known) != len({id(t) for t in leaves}):
-            return None
-        for t in leaves:
-            k = known.get(id(t))
-            if k is None or k[0] is not t or k[1] != t._version:
-                return None
-        return verdict
+        self.verdict, self.leaves = None, None
+        return verdict if verdict is not None and known.holds(leaves) else None
 
 
 def update_under_verdict(flag: torch.Tensor, pending: bool, update: Callable[[], Any]) -> tuple[Any, bool]:
