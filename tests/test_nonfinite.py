@@ -242,6 +242,76 @@ def test_zero_on_gloo_certifies_finite_gradients_without_an_all_reduce_of_the_ch
             assert steps == [(False, 0), (True, 1), (False, 0)], (stage, steps)
 
 
+class _Frozen(torch.nn.Module):
+    """What the certificate's handoff must see past: a frozen weight (no gradient piece), a
+    weight tied to two places (one gradient), a float buffer and an integer one in forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.Linear(3, 8)
+        self.stem.weight.requires_grad_(False)
+        self.mid = torch.nn.Linear(8, 8)
+        self.again = torch.nn.Linear(8, 8)
+        self.again.weight = self.mid.weight
+        self.head = torch.nn.Linear(8, 2)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("shift", torch.tensor(2, dtype=torch.int64))
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x)) * self.scale
+        h = torch.tanh(self.again(torch.tanh(self.mid(h)))) + self.shift
+        return self.head(h)
+
+
+def _frozen_nan(stage):
+    """Four updates at ``stage`` on two ranks, each rank half of every batch, rank 1's half of
+    the second holding a NaN: what each did, the check's own all-reduces, the parameters."""
+    import fzero.transforms.finite as finite
+
+    rank = dist.get_rank()
+    calls, real = [], finite.psum
+    finite.psum = lambda x: calls.append(1) or real(x)
+    try:
+        step = fzero.compile(_train_step, zero=stage)
+        state = step.init(_state(_Frozen()))
+        out = []
+        for i, (x, y) in enumerate(_batches(4, size=4)):
+            x, y = x[rank * 2:(rank + 1) * 2].clone(), y[rank * 2:(rank + 1) * 2]
+            if i == 1 and rank == 1:
+                x[0, 0] = NAN
+            before = len(calls)
+            state, metrics = step(state, (x, y))
+            out.append((bool(metrics["skipped"]), len(calls) - before))
+    finally:
+        finite.psum = real
+    return out, {k: v.clone() for k, v in fzero.gather(state.params).items()}, _buffers(state)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_certificate_on_a_model_with_frozen_tied_weights_and_buffers_matches_plain_pytorch(ranks):
+    """ZeRO 1-3 on gloo: the reduction's certificate covers the trainable pieces only (the
+    frozen weight has none, the tied one one), a finite update makes no all-reduce of its
+    own, the NaN update is skipped everywhere, and the result is torch.optim.AdamW's on the
+    clean batches, whole, frozen weight and buffers as they were."""
+    reference = _Frozen()
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    batches = _batches(4, size=4)
+    for x, y in batches[:1] + batches[2:]:
+        opt.zero_grad()
+        (reference(x) - y).pow(2).mean().backward()
+        opt.step()
+    for stage in (1, 2, 3):
+        for steps, got, buffers in ranks(2).run(_frozen_nan, stage):
+            assert steps == [(False, 0), (True, 1), (False, 0), (False, 0)], (stage, steps)
+            assert set(got) == {n for n, _ in reference.named_parameters()}, sorted(got)  # tied: once
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{stage} {name}: {m}")
+            assert torch.equal(got["stem.weight"], _Frozen().stem.weight.detach())
+            assert _same(buffers, {k: v for k, v in reference.named_buffers()})
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_raise_on_one_ranks_nan_raises_on_every_rank_naming_the_path(ranks):

@@ -204,7 +204,9 @@ class ReduceSink:
         self.on_complete, self.on_value = on_complete, on_value
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
-        certifies = stage >= 1 and world > 1 and hold is None and all(g is not None for g in self.leaf_groups)
+        # Frozen leaves have no gradient to certify; a gradient kept local (an argument's) is not
+        # among those given, so the check's leaves differ from them and it counts exactly.
+        certifies = stage >= 1 and world > 1 and hold is None
         self.certificate = certificate if certifies else None
         self.local_bad: torch.Tensor | None = None  # ranks' local sums of squares not finite, so far
         self.order = layout.reduce_order
