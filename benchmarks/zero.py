@@ -234,7 +234,8 @@ def build_fzero(stage, jit=False):
             return state.params, state.opt_state, grads, list(module.parameters()), list(module.buffers())
 
         bucket = None if args.fzero_default_bucket else int(args.bucket_mb * MIB)
-        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=bucket,
+        reuse = {"max_reuse_distance": args.max_reuse_distance} if stage == 3 and args.max_reuse_distance is not None else {}
+        step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=bucket, **reuse,
                                 **({"jit": args.jit or True} if jit else {}))
         return lambda batch, probe: step(batch, probe)["loss"]  # already the mean over ranks
 
@@ -266,6 +267,9 @@ def parse(argv=None):
                    help="gradient bucket size of DDP, fzero and DeepSpeed (MiB)")
     p.add_argument("--fzero-default-bucket", action="store_true",
                    help="run fzero at its own default bucket (no bucket_bytes given), the others at --bucket-mb")
+    p.add_argument("--max-reuse-distance", type=float, default=None, metavar="ELEMENTS",
+                   help="fzero stage 3's max_reuse_distance, in parameters (default: fzero's, 25 MiB of them; "
+                        "0 gathers every block again in backward, as FSDP2; 1e9 is DeepSpeed's default)")
     p.add_argument("--only", default=None,
                    help="comma-separated contestants to run (default: all of " + ", ".join(CONTESTANTS)
                         + "; DeepSpeed's where it imports; with --jit, each one's compiled twin beside it)")
@@ -457,6 +461,7 @@ def run(args, argv) -> dict | None:
         "batch": [args.batch_size, args.block_size],
         "steps": args.steps,
         "warmup": warmup,
+        "max_reuse_distance": args.max_reuse_distance,
         "targets": TARGETS[args.preset],
         "baseline_rss_mib": baseline_rss,
         "peak_rss_all_contestants_mib": float(peak_rss),
@@ -477,7 +482,8 @@ def isolated_rss(args, names) -> dict[str, float]:
                 "--preset", args.preset, "--threads", str(args.threads), "--batch-size", str(args.batch_size),
                 "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
                 "--n-embd", str(args.n_embd), "--vocab-size", str(args.vocab_size), "--bucket-mb", str(args.bucket_mb),
-                "--json", path, "--quiet", *(["--fzero-default-bucket"] if args.fzero_default_bucket else [])])
+                "--json", path, "--quiet", *(["--fzero-default-bucket"] if args.fzero_default_bucket else []),
+                *(["--max-reuse-distance", str(args.max_reuse_distance)] if args.max_reuse_distance is not None else [])])
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"isolated RSS run of {n} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}", file=sys.stderr)
@@ -559,7 +565,8 @@ def report(result: dict, rss: dict) -> None:
                      f"comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
             print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit, and the units within "
-                  "max_reuse_distance (25 MiB of parameters by default), once per step, not twice: it sends less "
+                  "max_reuse_distance (" + (f"{args_reuse:g} parameters" if (args_reuse := result.get("max_reuse_distance")) is not None
+                                           else "25 MiB of parameters by default") + "), once per step, not twice: it sends less "
                   "than 3Ψ(N-1)/N (2Ψ(N-1)/N when every unit is kept)")
     ds = result["deepspeed"]
     if not ds["available"]:
