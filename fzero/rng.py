@@ -79,7 +79,10 @@ class Unknown(NamedTuple):
     op: str
 
 
-_TAG = "_fzero_slice"
+#: The key of a tagged tensor's ``__dict__`` that holds its :class:`Slice` or :class:`Unknown`
+#: (read and written by :func:`slice_of` and :func:`with_slice`, and directly by the
+#: tensor-parallel tracker, which looks at every operation's tensors).
+SLICE_ATTR = "_fzero_slice"
 
 
 _COMPILED_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar("fzero_compiled_region", default=False)
@@ -122,7 +125,7 @@ def slice_of(t: Any) -> Slice | Unknown | None:
     (and inside a graph being compiled, whose tensors carry no tags)."""
     if torch.compiler.is_compiling():
         return None
-    return t.__dict__.get(_TAG) if isinstance(t, torch.Tensor) else None
+    return t.__dict__.get(SLICE_ATTR) if isinstance(t, torch.Tensor) else None
 
 
 def with_slice(t: torch.Tensor, tag: Slice | Unknown | None) -> torch.Tensor:
@@ -131,9 +134,9 @@ def with_slice(t: torch.Tensor, tag: Slice | Unknown | None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return t
     if tag is None:
-        t.__dict__.pop(_TAG, None)
+        t.__dict__.pop(SLICE_ATTR, None)
     else:
-        t.__dict__[_TAG] = tag
+        t.__dict__[SLICE_ATTR] = tag
     return t
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fzero.rng import Slice, Unknown, slice_of, with_slice
+from fzero.rng import SLICE_ATTR, Slice, Unknown, slice_of
 
 __all__ = ["SliceTracker"]
 
@@ -56,6 +56,21 @@ def _tensors(x: Any):
             yield from _tensors(v)
 
 
+def _tagged(values, found: list) -> list:
+    """``(tensor, tag)`` of every tagged tensor among ``values`` (lists and tuples looked
+    into), appended to ``found``: the tracker's look at every operation's arguments, so
+    kept to one dict lookup per tensor (``slice_of`` without its compiling check, which
+    the tracker makes once per operation)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            tag = v.__dict__.get(SLICE_ATTR)
+            if tag is not None:
+                found.append((v, tag))
+        elif isinstance(v, (list, tuple)):
+            _tagged(v, found)
+    return found
+
+
 class SliceTracker(TorchFunctionMode):
     """Tags the results of operations on sliced tensors with where they sit in the whole.
 
@@ -66,12 +81,15 @@ class SliceTracker(TorchFunctionMode):
     tracks_slices = True  # what fzero.rng looks for on the mode stack
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        tagged = [(t, slice_of(t)) for t in _tensors(args) if slice_of(t) is not None]
-        tagged += [(t, slice_of(t)) for t in _tensors(tuple(kwargs.values())) if slice_of(t) is not None]
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if torch.compiler.is_compiling():  # a graph's tensors carry no tags (fzero.rng.slice_of)
+            return out
+        tagged = _tagged(args, [])
+        if kwargs:
+            _tagged(kwargs.values(), tagged)
         if not tagged:
             return out
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         try:
             tags = _rule(name, args, kwargs, out, tagged)
@@ -82,7 +100,7 @@ class SliceTracker(TorchFunctionMode):
             tags = [None] * len(outs)
         for t, tag in zip(outs, tags):
             if isinstance(t, torch.Tensor):
-                with_slice(t, Unknown(name) if tag is None else tag)
+                t.__dict__[SLICE_ATTR] = Unknown(name) if tag is None else tag  # with_slice, tag never None
         return out
 
 
