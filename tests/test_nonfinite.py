@@ -200,27 +200,33 @@ def _scaled_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
-def _check_psums(stage, scale):
-    """Three updates at ``stage`` on two ranks, the second's gradient on rank 1 scaled by
-    ``scale`` (1e20: finite, its sum of squares not; NaN): what each update did, how many
-    all-reduces the non-finite check made itself, and the parameters."""
+def _counting_psums(stage, model, train_step, n, batch):
+    """``n`` updates at ``stage`` on two ranks, each rank half of every batch
+    (``batch(i, rank, x, y)`` gives update ``i``'s): what each update did and how many
+    all-reduces the non-finite check made itself, the parameters and the buffers."""
     import fzero.transforms.finite as finite
 
     rank = dist.get_rank()
     calls, real = [], finite.psum
     finite.psum = lambda x: calls.append(1) or real(x)
     try:
-        step = fzero.compile(_scaled_step, zero=stage)
-        state = step.init(_state(_model()))
+        step = fzero.compile(train_step, zero=stage)
+        state = step.init(_state(model))
         out = []
-        for i, (x, y) in enumerate(_batches(3, size=4)):
-            x, y = x[rank * 2:(rank + 1) * 2].clone(), y[rank * 2:(rank + 1) * 2]
+        for i, (x, y) in enumerate(_batches(n, size=4)):
             before = len(calls)
-            state, metrics = step(state, (x, y, torch.tensor(scale if i == 1 and rank == 1 else 1.0)))
+            state, metrics = step(state, batch(i, rank, x[rank * 2:(rank + 1) * 2].clone(), y[rank * 2:(rank + 1) * 2]))
             out.append((bool(metrics["skipped"]), len(calls) - before))
     finally:
         finite.psum = real
-    return out, {k: v.clone() for k, v in fzero.gather(state.params).items()}
+    return out, {k: v.clone() for k, v in fzero.gather(state.params).items()}, _buffers(state)
+
+
+def _check_psums(stage, scale):
+    """Three updates, the second's gradient on rank 1 scaled by ``scale`` (1e20: finite, its
+    sum of squares not; NaN)."""
+    return _counting_psums(stage, _model(), _scaled_step, 3, lambda i, rank, x, y: (
+        x, y, torch.tensor(scale if i == 1 and rank == 1 else 1.0)))[:2]
 
 
 @pytest.mark.slow
@@ -265,27 +271,13 @@ class _Frozen(torch.nn.Module):
 
 
 def _frozen_nan(stage):
-    """Four updates at ``stage`` on two ranks, each rank half of every batch, rank 1's half of
-    the second holding a NaN: what each did, the check's own all-reduces, the parameters."""
-    import fzero.transforms.finite as finite
+    """Four updates, rank 1's half of the second holding a NaN."""
+    def batch(i, rank, x, y):
+        if i == 1 and rank == 1:
+            x[0, 0] = NAN
+        return x, y
 
-    rank = dist.get_rank()
-    calls, real = [], finite.psum
-    finite.psum = lambda x: calls.append(1) or real(x)
-    try:
-        step = fzero.compile(_train_step, zero=stage)
-        state = step.init(_state(_Frozen()))
-        out = []
-        for i, (x, y) in enumerate(_batches(4, size=4)):
-            x, y = x[rank * 2:(rank + 1) * 2].clone(), y[rank * 2:(rank + 1) * 2]
-            if i == 1 and rank == 1:
-                x[0, 0] = NAN
-            before = len(calls)
-            state, metrics = step(state, (x, y))
-            out.append((bool(metrics["skipped"]), len(calls) - before))
-    finally:
-        finite.psum = real
-    return out, {k: v.clone() for k, v in fzero.gather(state.params).items()}, _buffers(state)
+    return _counting_psums(stage, _Frozen(), _train_step, 4, batch)
 
 
 @pytest.mark.slow
