@@ -234,7 +234,8 @@ def build_fzero(stage, jit=False):
             return state.params, state.opt_state, grads, list(module.parameters()), list(module.buffers())
 
         bucket = None if args.fzero_default_bucket else int(args.bucket_mb * MIB)
-        reuse = {"max_reuse_distance": args.max_reuse_distance} if stage == 3 and args.max_reuse_distance is not None else {}
+        reuse = ({"max_reuse_distance": args.max_reuse_distance}
+                 if stage == 3 and args.max_reuse_distance is not None else {})
         step = fzero_contestant(module, mesh, held, zero=stage, bucket_bytes=bucket, **reuse,
                                 **({"jit": args.jit or True} if jit else {}))
         return lambda batch, probe: step(batch, probe)["loss"]  # already the mean over ranks
@@ -483,7 +484,8 @@ def isolated_rss(args, names) -> dict[str, float]:
                 "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
                 "--n-embd", str(args.n_embd), "--vocab-size", str(args.vocab_size), "--bucket-mb", str(args.bucket_mb),
                 "--json", path, "--quiet", *(["--fzero-default-bucket"] if args.fzero_default_bucket else []),
-                *(["--max-reuse-distance", str(args.max_reuse_distance)] if args.max_reuse_distance is not None else [])])
+                *(["--max-reuse-distance", str(args.max_reuse_distance)]
+                  if args.max_reuse_distance is not None else [])])
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"isolated RSS run of {n} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}", file=sys.stderr)
@@ -564,9 +566,10 @@ def report(result: dict, rss: dict) -> None:
                   + (f" ({'=' if round(r['sent_bytes']) == round(r['c10d_sent_bytes']) else '≠'} "
                      f"comm.traffic.sent() {r['sent_bytes'] / MIB:.2f} MiB)" if r["sent_as"] == "ring" else ""))
         if "zero3" in fz:
+            reuse = result.get("max_reuse_distance")
+            window = f"{reuse:g} parameters" if reuse is not None else "25 MiB of parameters by default"
             print("fzero's stage 3 gathers the parameters outside every ZeRO-3 unit, and the units within "
-                  "max_reuse_distance (" + (f"{args_reuse:g} parameters" if (args_reuse := result.get("max_reuse_distance")) is not None
-                                           else "25 MiB of parameters by default") + "), once per step, not twice: it sends less "
+                  f"max_reuse_distance ({window}), once per step, not twice: it sends less "
                   "than 3Ψ(N-1)/N (2Ψ(N-1)/N when every unit is kept)")
     ds = result["deepspeed"]
     if not ds["available"]:

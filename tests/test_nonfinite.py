@@ -299,7 +299,8 @@ def test_the_certificate_on_a_model_with_frozen_tied_weights_and_buffers_matches
             assert steps == [(False, 0), (True, 1), (False, 0), (False, 0)], (stage, steps)
             assert set(got) == {n for n, _ in reference.named_parameters()}, sorted(got)  # tied: once
             for name, p in reference.named_parameters():
-                torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{stage} {name}: {m}")
+                torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"stage {stage}, {name}: {m}")
             assert torch.equal(got["stem.weight"], _Frozen().stem.weight.detach())
             assert _same(buffers, {k: v for k, v in reference.named_buffers()})
 
