@@ -419,6 +419,9 @@ def run(args, argv) -> dict | None:
         # Paired: this contestant's time over DDP's in the same round, median over rounds.
         paired = [a / b for a, b in zip(t, slowest["ddp"])] if "ddp" in slowest and t else []
         paired_fused = [a / b for a, b in zip(t, slowest["ddp-fused"])] if "ddp-fused" in slowest and t else []
+        # A compiled twin against DDP + torch.compile in the same round (--jit's first target).
+        paired_jit = ([a / b for a, b in zip(t, slowest["ddp-jit"])] if n.endswith("-jit") and "ddp-jit" in slowest
+                      and t else [])
         formula = FORMULA[stage](world) * psi
         sent_formula = SENT[stage] * psi * (world - 1) / world * 4
         # fzero's step reads its own count from comm.traffic; every step has the c10d count.
@@ -429,6 +432,7 @@ def run(args, argv) -> dict | None:
             **time_stats(t),
             "x_ddp_paired": statistics.median(paired) if paired else None,
             "x_ddp_fused_paired": statistics.median(paired_fused) if paired_fused else None,
+            "x_ddp_jit_paired": statistics.median(paired_jit) if paired_jit else None,
             "state_bytes": largest["bytes"],
             "formula_bytes": formula,
             "x_formula": largest["bytes"] / formula,
@@ -547,6 +551,10 @@ def report(result: dict, rss: dict) -> None:
         print("×DDP-fused paired (the same, against DDP with torch.optim.AdamW(fused=True)): "
               + ", ".join(f"{n} {r['x_ddp_fused_paired']:.3f}" for n, r in ran.items()
                           if r.get("x_ddp_fused_paired") is not None))
+    if any(r.get("x_ddp_jit_paired") is not None for r in ran.values()):
+        print("÷DDP+compile paired (a compiled twin's step time / DDP + torch.compile's in the same round, median): "
+              + ", ".join(f"{n} {r['x_ddp_jit_paired']:.3f}" for n, r in ran.items()
+                          if r.get("x_ddp_jit_paired") is not None))
     print(f"bytes sent, ZeRO formula in fp32: 2Ψ(N-1)/N × 4 B = {2 * psi * (world - 1) / world * 4 / MIB:.2f} MiB "
           f"(stages 0-2), 3Ψ(N-1)/N × 4 B = {3 * psi * (world - 1) / world * 4 / MIB:.2f} MiB (stage 3, FSDP2); "
           "DDP, FSDP2 and DeepSpeed: what the ring algorithm sends for the c10d ops of one step")
