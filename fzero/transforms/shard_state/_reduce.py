@@ -182,8 +182,9 @@ class ReduceSink:
             gradients :meth:`finish` returns, how many ranks' local gradient had a sum of
             squares that is not finite: each group's buffer is looked at as it is launched
             and the count is all-reduced beside the last reduce-scatter (``check_finite``
-            then needs no all-reduce of its own). Ignored when the sink holds or keeps a
-            gradient local.
+            then needs no all-reduce of its own). Ignored when the sink holds; a gradient
+            kept local (an argument's) is not among the leaves it is given for, so the check
+            counts exactly there.
     """
 
     def __init__(self, layout: Layout, leaf_names: list[str], *, group, world: int, stage: int,
@@ -204,8 +205,7 @@ class ReduceSink:
         self.on_complete, self.on_value = on_complete, on_value
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
-        # Frozen leaves have no gradient to certify; a gradient kept local (an argument's) is not
-        # among those given, so the check's leaves differ from them and it counts exactly.
+        # Frozen leaves have no gradient to certify (see the docstring for a local one).
         certifies = stage >= 1 and world > 1 and hold is None
         self.certificate = certificate if certifies else None
         self.local_bad: torch.Tensor | None = None  # ranks' local sums of squares not finite, so far
