@@ -98,6 +98,11 @@ class Handler:
         # options: has_aux, grad_sink, loss_scale (see _value_and_grad_base)
         return next(fn, params, args, kwargs, **options)
 
+    def forward(self, fn, params, args, kwargs, *, next: Callable):
+        # a model's apply outside value_and_grad (an evaluation inside the step):
+        # fn(params, *args, **kwargs), nothing differentiated
+        return next(fn, params, args, kwargs)
+
     def apply_gradients(self, state, grads, *, next: Callable):
         # returns the new state, or a NotApplied carrying the state to go on with
         return next(state, grads)
@@ -186,6 +191,11 @@ def installed(handler: Handler) -> Iterator[Handler]:
 def handlers() -> tuple[Handler, ...]:
     """The installed handlers, outermost first."""
     return _STACK.get()
+
+
+@register_primitive("forward")
+def _forward_base(fn, params, args, kwargs):
+    return fn(params, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------- psum

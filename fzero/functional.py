@@ -27,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fzero import means, tree
 from fzero._params import Params
-from fzero.core import _BINDINGS, bind, context, loss_scale
+from fzero.core import _BINDINGS, bind, context, handlers, loss_scale
 
 __all__ = ["functionalize", "value_and_grad", "grad", "remat", "load_into", "loss_scale"]
 
@@ -82,19 +82,28 @@ class Apply:
             )
         if params.keys() != self._names:
             self._key_error(params)
-        tensors = {**params, **self.buffers}
-        # Under compile(jit=): the module's call compiled, with the tensors bound as here
-        # (fzero/_jit.py); the binding itself stays eager.
-        jit = context().jit
-        forward = self.module if jit is None else jit.forward(self.module)
         bindings = _BINDINGS.get()
         if bindings is None:
-            with self._bound(tensors):
-                return forward(*args, **kwargs)
+            if handlers():
+                # Inside a transformed step, outside value_and_grad (an evaluation): the
+                # transforms see the call as the primitive "forward" (ZeRO-3 gathers its
+                # units a block at a time, mixed precision runs it under autocast).
+                return bind("forward", self._forward, params, args, kwargs)
+            return self._forward(params, *args, **kwargs)
         # Under value_and_grad: released when its backward is done (LIFO, so a nested or
         # repeated call restores correctly).
-        bindings.enter_context(self._bound(tensors))
-        return forward(*args, **kwargs)
+        bindings.enter_context(self._bound({**params, **self.buffers}))
+        return self._module_call()(*args, **kwargs)
+
+    def _forward(self, params: dict[str, torch.Tensor], *args, **kwargs):
+        with self._bound({**params, **self.buffers}):
+            return self._module_call()(*args, **kwargs)
+
+    def _module_call(self) -> Callable:
+        """The module's call: under compile(jit=), compiled, with the tensors bound as here
+        (fzero/_jit.py); the binding itself stays eager."""
+        jit = context().jit
+        return self.module if jit is None else jit.forward(self.module)
 
     def _bound(self, tensors: dict[str, torch.Tensor]):
         """The module running with ``tensors`` (parameters and buffers by name; a tied

@@ -178,6 +178,67 @@ def test_mixed_precision_memory_matches_the_zero_formula(ranks, stage):
             assert abs(res["after_backward"] - expected) <= 0.02 * expected, (stage, res, expected)
 
 
+def _evaluating(precision, jit):
+    """Runs on every rank: a ZeRO-3 step that also evaluates the model (its forward on a
+    held-out batch under no_grad, outside value_and_grad) against the plain module trained
+    by torch.optim.SGD in lockstep; and the most parameter bytes gathered by that
+    evaluation alone, before any training forward."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    module = Blocks(16, 96, 6, 16)
+    ref = Blocks(16, 96, 6, 16)
+    ref.load_state_dict(module.state_dict())
+    # SGD with momentum: linear in the gradient, so the reduction order's last bits stay there
+    # (Adam's first steps magnify them where a gradient is near 0).
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    apply, params = fzero.functionalize(module)
+    psi = sum(p.numel() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9))
+    seen = []
+
+    def train_step(state, batch):
+        with torch.no_grad():
+            out = state.apply_fn(state.params, batch["x_eval"])
+        seen.append((out, handler.peak_gathered_bytes))
+        loss, g = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]), batch["y"]))(state.params)
+        return state.apply_gradients(g), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=3, max_reuse_distance=0, precision=precision,
+                         **({"jit": "aot_eager"} if jit else {}))
+    handler = _shard_handler(step)
+    state = step.init(state)
+    g = torch.Generator().manual_seed(1)
+    steps = 3 if precision == "fp32" else 1
+    for i in range(steps):
+        x, y, x_eval = (torch.randn(4 * n, 16, generator=g) for _ in range(3))
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            expected = ref(x_eval)
+        rows = slice(4 * r, 4 * r + 4)
+        state, _ = step(state, {"x": x[rows], "y": y[rows], "x_eval": x_eval})
+        out, peak = seen[-1]
+        assert out.dtype == expected.dtype, (out.dtype, expected.dtype)
+        ft.assert_trees_close(out, expected, what=f"evaluation {i} on rank {r}")
+        if i == 0:
+            # The evaluation gathered a block at a time, never the whole model.
+            full = psi * (4 if precision == "fp32" else 2)
+            assert 0 < peak < 0.5 * full, (peak, full)
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if precision == "fp32":
+        ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), what=f"params on rank {r}")
+    return True
+
+
+@pytest.mark.parametrize("precision,jit", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_an_evaluation_inside_a_zero3_step_gathers_block_by_block_and_equals_the_plain_module(ranks, precision, jit):
+    """A forward outside value_and_grad (the model evaluated inside the step) at stage 3: the
+    units are gathered and freed as in training, so the evaluation never holds the whole
+    model, and it computes what the plain module computes -- under torch.autocast for bf16,
+    compiled under jit -- while training goes on as torch's SGD trains."""
+    assert ranks(2).run(_evaluating, precision, jit) == [True, True]
+
+
 def _process_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process (views once): the state,
     the module, the reduce buffers kept between steps and anything else, not only the pytree."""

@@ -120,6 +120,17 @@ class _AutocastHandler(Handler):
                                         if grads[name] is not None})
         return value, grads
 
+    def forward(self, fn, params, args, kwargs, *, next):
+        # An evaluation inside the step runs under the training forward's autocast.
+        dtype = self.dtype
+
+        @functools.wraps(fn)
+        def autocast(p, *a, **kw):
+            with torch.autocast(device_type=next_device(p), dtype=dtype):
+                return fn(p, *a, **kw)
+
+        return next(autocast, params, args, kwargs)
+
     def find(self, state) -> None:
         """The names of the parameters whose modules' classes are listed (direct parameters
         of such a module, as DeepSpeed sets ``comm_dtype`` on ``parameters(recurse=False)``)."""

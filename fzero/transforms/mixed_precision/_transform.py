@@ -47,7 +47,32 @@ class _PrecisionHandler(Handler):
         self.streak = SkipStreak(WHERE)
 
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
-        has_aux, scale, dtype = options.get("has_aux", False), self.scale, self.dtype
+        has_aux, scale = options.get("has_aux", False), self.scale
+        run = self._low_precision(fn)
+
+        @functools.wraps(fn)
+        def low_precision(p, *a, **kw):
+            out = run(p, *a, **kw)
+            if scale == 1.0:
+                return out
+            if has_aux:
+                return out[0].float() * scale, out[1]
+            return out.float() * scale
+
+        # The scale travels with the call: a function that seeds its own backward (the
+        # pipeline schedule) seeds it with the same scale.
+        options["loss_scale"] = options.get("loss_scale", 1.0) * scale
+        value, grads = next(low_precision, params, args, kwargs, **options)
+        if scale != 1.0:
+            value = (value[0] / scale, value[1]) if has_aux else value / scale
+        return value, grads
+
+    def forward(self, fn, params, args, kwargs, *, next):
+        # An evaluation inside the step computes as the training forward does.
+        return next(self._low_precision(fn), params, args, kwargs)
+
+    def _low_precision(self, fn):
+        dtype = self.dtype
 
         @functools.wraps(fn)
         def low_precision(p, *a, **kw):
@@ -65,19 +90,9 @@ class _PrecisionHandler(Handler):
             else:
                 with torch.autocast(device_type=device, dtype=dtype):
                     out = fn(tree.map(norm_weights, p), *a, **kw)
-            if scale == 1.0:
-                return out
-            if has_aux:
-                return out[0].float() * scale, out[1]
-            return out.float() * scale
+            return out
 
-        # The scale travels with the call: a function that seeds its own backward (the
-        # pipeline schedule) seeds it with the same scale.
-        options["loss_scale"] = options.get("loss_scale", 1.0) * scale
-        value, grads = next(low_precision, params, args, kwargs, **options)
-        if scale != 1.0:
-            value = (value[0] / scale, value[1]) if has_aux else value / scale
-        return value, grads
+        return low_precision
 
     def apply_gradients(self, state, grads, *, next):
         if not self.check:

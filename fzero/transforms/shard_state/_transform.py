@@ -276,6 +276,16 @@ class _ShardHandler(Handler):
         return compressed_mean(tensors, errors, group=self.group, world=self.world, timeout_s=self.timeout_s,
                                where=WHERE, commit=commit)
 
+    def forward(self, fn, params, args, kwargs, *, next):
+        # An evaluation inside the step at stage 3: the units gathered a block at a time, as
+        # in the training forward, and every group freed on the way out; the peak is the
+        # training forward's, never the whole model (FSDP2's and DeepSpeed's forward under
+        # no_grad). Stages 0-2 hold whole parameters: nothing to gather.
+        if self.stage != 3 or not (isinstance(params, dict) and params.keys() == self.all_names):
+            return next(fn, params, args, kwargs)
+        with self.units.step(params) as views:
+            return next(fn, with_values(params, views), args, kwargs)
+
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         if options.get("grad_sink") is not None:
             raise NotImplementedError(f"{WHERE}: another transform already reduces gradients inside this one")

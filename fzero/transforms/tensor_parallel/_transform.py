@@ -56,11 +56,21 @@ class _TensorParallelHandler(Handler):
         # The forward runs with split layers' outputs tagged, the tags followed to any dropout
         # (_slices.py): its mask is the whole model's slice. Only the forward: the optimizer's
         # operations never pay the tracker's call per operation.
-        def tracked(p, *a, **kw):
-            with SliceTracker():
-                return fn(p, *a, **kw)
+        return next(_tracked(fn), params, args, kwargs, **options)
 
-        return next(tracked, params, args, kwargs, **options)
+    def forward(self, fn, params, args, kwargs, *, next):
+        # An evaluation inside the step draws its dropout masks as the training forward does.
+        return next(_tracked(fn), params, args, kwargs)
+
+
+def _tracked(fn: Callable) -> Callable:
+    """``fn`` run with split layers' outputs tagged (:class:`SliceTracker`)."""
+
+    def tracked(p, *a, **kw):
+        with SliceTracker():
+            return fn(p, *a, **kw)
+
+    return tracked
 
 
 def tensor_parallel(step: Callable, mesh: Mesh | None = None, plan: Mapping[str, Any] | None = None, *,
