@@ -355,6 +355,11 @@ class StepContext:
         finite_certificate: ``check_finite``'s (``"skip"``) holder for a verdict on the
             gradients that a reduction outside it can give for free
             (``fzero.transforms.finite.Certificate``: ZeRO 1-3 on gloo), else ``None``.
+        opt_state_outside: at ``init``: a transform outside (ZeRO 1-3) builds the optimizer
+            state over its own pieces of the masters, so one inside need not build it over
+            the whole tensors (it would be thrown away: 8 bytes per parameter for Adam at the
+            peak of ``init``). ``offload_optimizer`` is set at ``init`` too: the pieces and the
+            optimizer state are built on the host, where they live.
 
     Example:
         >>> context().micro_batch
@@ -374,6 +379,7 @@ class StepContext:
     sequence_shard: DataShard = DataShard(0, 1)
     jit: Any = None  # a fzero._jit.Jit; core stands under it and does not import it
     finite_certificate: Any = None  # a fzero.transforms.finite.Certificate
+    opt_state_outside: bool = False
 
 
 _CONTEXT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("fzero_step_context", default=StepContext())
@@ -746,15 +752,19 @@ class Step:
 
     ``step.init(state)`` prepares a freshly created state for this step, in the one order
     written at the top of this module: ``after(inner.init(before(state)))``, each of the
-    three skipped when absent. ``step(state, batch) -> (state, metrics)`` runs it. Every
+    three skipped when absent; ``init_scope()``, a context manager, is entered around
+    ``inner.init`` (what a transform tells the inits inside it, as its call tells their
+    steps: a :func:`running` block). ``step(state, batch) -> (state, metrics)`` runs it. Every
     transform returns a ``Step``; a plain function is a ``Step`` whose ``init`` returns the
     state unchanged.
     """
 
     def __init__(self, fn: Callable, *, before: Callable | None = None, after: Callable | None = None,
-                 name: str | None = None, inner=None):
+                 name: str | None = None, inner=None,
+                 init_scope: Callable[[], contextlib.AbstractContextManager] | None = None):
         self._fn = fn
         self._before, self._after = before, after
+        self._init_scope = init_scope
         self.inner = inner
         self.__name__ = name or getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -784,7 +794,8 @@ class Step:
         if self._before is not None:
             state = self._before(state)
         if self.inner is not None:
-            state = self.inner.init(state)
+            with self._init_scope() if self._init_scope is not None else contextlib.nullcontext():
+                state = self.inner.init(state)
         if self._after is not None:
             state = self._after(state)
         return state

@@ -83,3 +83,28 @@ def test_the_nonfinite_check_sees_nan_and_inf_on_the_gpu():
     from test_nonfinite import _flags_case
 
     _flags_case("cuda")
+
+
+def test_offload_init_never_holds_the_optimizer_state_on_the_gpu():
+    """ZeRO-Offload's init cuts the masters' pieces into host memory and builds the moments
+    there: the GPU's peak during init is the module's fp32 weights (the user's), their bf16
+    copies and one fp32 flat group in passing -- not the 12 bytes per parameter of masters and
+    moments built on the device and then copied (which kept offload from training a larger
+    model than no offload: docs/performance.md, GPU)."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(dev)
+    apply, params = fzero.functionalize(model)
+    psi = sum(p.numel() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+    step = fzero.compile(lambda s, b: (s, {}), fzero.Mesh(dp=1), zero=1, precision="bf16", offload_optimizer="cpu")
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    new = step.init(state)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    assert all(x.device.type == "cpu" for x in fzero.tree.leaves(new.opt_state) + fzero.tree.leaves(new.master)
+               if isinstance(x, torch.Tensor) and x.dim() > 0)
+    # Beyond what the caller holds (the module's weights, the state it passed): the bf16
+    # copies (2 bytes per parameter) and one fp32 flat group of the masters in passing.
+    assert peak <= 6.5 * psi, peak / psi

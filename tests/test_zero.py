@@ -178,6 +178,41 @@ def test_mixed_precision_memory_matches_the_zero_formula(ranks, stage):
             assert abs(res["after_backward"] - expected) <= 0.02 * expected, (stage, res, expected)
 
 
+def _init_bytes(**options) -> tuple[int, int, int]:
+    """(Ψ, the most bytes allocated at once during ``step.init``, the bytes it left allocated),
+    over what the process held before: every allocation, counted by torch's profiler, not
+    only the state's trees (a world of one, an 8-block MLP of 256-wide layers, AdamW)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state, psi = _blocks_state(256, 256, 8)
+    step = fzero.compile(lambda s, b: (s, {}), fzero.Mesh(dp=1), **options)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        new = step.init(state)  # the state passed in stays, as the caller's does while init runs
+    del new
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    now = peak = 0
+    for _, n in events:
+        now += n
+        peak = max(peak, now)
+    return psi, peak, now
+
+
+@pytest.mark.parametrize("options", [dict(zero=1, precision="bf16"), dict(zero=2, precision="bf16"),
+                                     dict(zero=3, precision="bf16"), dict(zero=1, precision="bf16", offload_optimizer="cpu"),
+                                     dict(zero=2, offload_optimizer="cpu"), dict(zero=3, precision="fp16")],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_init_builds_the_optimizer_state_once_where_it_lives(options):
+    """``init`` builds the optimizer state once, over the pieces it keeps: mixed precision
+    inside ZeRO 1-3 builds none over the whole masters for ZeRO to throw away, and under
+    offload the masters' pieces and the moments are made on the host, not made on the device
+    and copied. So init's peak is what it leaves plus at most one fp32 copy of the parameters
+    (the masters flattened before they are cut), where a second Adam state (8 bytes per
+    parameter) stood before."""
+    psi, peak, left = _init_bytes(**options)
+    assert left >= 14 * psi * 0.99, (left / psi, options)  # the low-precision copies, masters, moments
+    assert peak - left <= 4 * psi * 1.01 + 4096, ((peak - left) / psi, options)
+
+
 def _evaluating(precision, jit):
     """Runs on every rank: a ZeRO-3 step that also evaluates the model (its forward on a
     held-out batch under no_grad, outside value_and_grad) against the plain module trained

@@ -100,11 +100,16 @@ class _OffloadHandler(Handler):
     ``offload_optimizer``, which this transform's call sets).
     """
 
-    def __init__(self, pin_memory: bool, copies: bool):
+    def __init__(self, pin_memory: bool, copies: bool, inner_handler=None):
         # Pinned pages only mean something to a CUDA copy engine; without CUDA they cannot
         # be made, so they are not asked for.
         self.pin = pin_memory and torch.cuda.is_available()
         self.copies = copies
+        # shard_state at stages 1-3 directly inside builds the optimizer state over its
+        # pieces of the masters, which it cuts to the host when told (this transform's init
+        # scope): nothing to build before it, nothing to move after.
+        self.inner = inner_handler
+        self.rebuilt = getattr(inner_handler, "builds_optimizer_state", False)
         self.ready = False
         self.grads: dict[int, torch.Tensor] = {}  # host gradient buffers, kept between steps
 
@@ -114,16 +119,18 @@ class _OffloadHandler(Handler):
         # optimizer state over those.
         if self.copies and state.master is None:
             master = tree.map(lambda p: p.detach(), trainable(state.params))
-            state = state.replace(master=master, opt_state=state.tx.init(master))
+            state = state.replace(master=master, opt_state=None if self.rebuilt else state.tx.init(master))
         return state
 
     def after(self, state):
         if state.master is None:
             raise ValueError(f"{WHERE}: found no master weights in state.master after the inner transforms' "
                              "init: pass make_masters=True unless a mixed_precision inside makes them")
-        # After shard_state: these are this rank's pieces, placed on the mesh's device.
-        host = lambda x: host_copy(x, self.pin)  # noqa: E731
         self.ready = True
+        if getattr(self.inner, "opt_state_on_host", False):  # shard_state built them there
+            return state
+        # After a shard_state that did not: this rank's pieces, placed on the mesh's device.
+        host = lambda x: host_copy(x, self.pin)  # noqa: E731
         return state.replace(opt_state=tree.map(host, state.opt_state),
                              master=tree.map(host, state.master))
 
@@ -196,12 +203,13 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
     check_option(WHERE, "pin_memory", pin_memory)
     check_option(WHERE, "make_masters", make_masters, "pin_memory")  # a bool, the same check
     inner = as_step(step)
-    handler = _OffloadHandler(pin_memory, make_masters)
+    handler = _OffloadHandler(pin_memory, make_masters, getattr(inner, "handler", None))
 
     def call(state, batch):
         with installed(handler), running(offload_optimizer=True):
             return inner(state, batch)
 
-    out = Step(call, before=handler.before, after=handler.after, name=f"offload_optimizer({inner.__name__})", inner=inner)
+    out = Step(call, before=handler.before, after=handler.after, name=f"offload_optimizer({inner.__name__})",
+               inner=inner, init_scope=lambda: running(offload_optimizer=True))
     out.handler = handler
     return out

@@ -408,7 +408,10 @@ def mixed_precision(
                 tx = states_in(tx, states_dtype)
             if rounding == "kahan":  # a bf16 compensation per parameter, partitioned with the optimizer state
                 tx = compensated(tx)
-            state = state.replace(params=params, tx=tx, opt_state=tx.init(master), master=master)
+            # ZeRO 1-3 outside builds the optimizer state over its pieces of the masters: one
+            # built here over the whole masters would only add to init's peak.
+            opt_state = None if context().opt_state_outside else tx.init(master)
+            state = state.replace(params=params, tx=tx, opt_state=opt_state, master=master)
         if loss_scale == "dynamic" and state.loss_scaler is None:
             state = state.replace(loss_scaler=LossScaler.create(initial_scale_power, hysteresis))
         return state

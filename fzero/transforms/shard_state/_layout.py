@@ -145,12 +145,13 @@ class Layout:
         all-gather of the groups writes into."""
         return {name: view for g in self.groups for name, view in zip(g.names, g.views(self.flatten_full(params, g)))}
 
-    def shard_params(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
-        """Cut full parameters into this rank's pieces (copies: the full tensors can go)."""
+    def shard_params(self, params: dict[str, torch.Tensor], group=None, copy=torch.clone) -> dict[str, Shard]:
+        """Cut full parameters into this rank's pieces (copies: the full tensors can go);
+        ``copy(owned slice)`` makes each group's (a host copy, say)."""
         out = {}
         for g in self.groups:
             lo, hi = g.owned
-            local = self.flatten_full(params, g)[lo:hi].clone()
+            local = copy(self.flatten_full(params, g)[lo:hi])
             for name, piece in zip(g.names, g.pieces(local, group)):
                 out[name] = piece
         return {k: out[k] for k in params}

@@ -97,6 +97,11 @@ class _ShardHandler(Handler):
         self.names: list[str] = []
         self.all_names: frozenset[str] = frozenset()
         self.units: Units | None = None  # stage 3
+        # Stages 1-3 build the optimizer state at init, over this rank's pieces: a transform
+        # inside need not, one outside finds it built (offload_optimizer: on the host, where
+        # the masters' pieces were cut to, when opt_state_on_host).
+        self.builds_optimizer_state = stage >= 1
+        self.opt_state_on_host = False
         self.pool = BufferPool()
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
         self.loss_sums = None  # (loss, sums, pending): the all-reduce _mean_value waits for
@@ -177,9 +182,18 @@ class _ShardHandler(Handler):
         # fp32 master weights (mixed precision) count as optimizer state: partitioned from
         # stage 1 on, and the optimizer state is built over them.
         master = state.master
+        # Under offload_optimizer (which says so at init) this rank's pieces of the masters are
+        # cut straight into host memory and the optimizer state is built over them there: the
+        # device never holds them, not even while init runs.
+        self.opt_state_on_host = context().offload_optimizer and master is not None
         if master is not None:
-            master = with_values(master, self.layout.shard_params(
-                {k: v for k, v in master.items() if v is not None}, self.group))
+            whole = {k: v for k, v in master.items() if v is not None}
+            if self.opt_state_on_host:  # each piece its own host tensor (the group's padding stays behind)
+                pieces = self.layout.shard_params(whole, self.group, copy=lambda flat: flat)
+                pieces = {k: Shard(host_copy(v.local, pin=False), v.info) for k, v in pieces.items()}
+            else:
+                pieces = self.layout.shard_params(whole, self.group)
+            master = with_values(master, pieces)
         if self.stage in (1, 2):
             full = self.layout.regroup(train)
             target = master or with_values(trainable_view(params), self.layout.piece_views(full, self.group))
@@ -191,7 +205,7 @@ class _ShardHandler(Handler):
                            prefetch=self.prefetch, host=self.offload_param, pin_memory=self.pin,
                            keep=kept)
         target = master or with_values(trainable_view(params), shards)
-        opt_state = state.tx.init(target)  # on the device, beside the pieces it was built over
+        opt_state = state.tx.init(target)  # beside the pieces it was built over (the masters' on the host)
         if self.offload_param:
             shards = self._on_host(shards)
         return state.replace(params=with_values(params, shards), opt_state=opt_state, master=master)
@@ -629,6 +643,9 @@ def shard_state(
                          world=handler.world, timeout_s=handler.timeout_s)
         return out
 
-    out = Step(call, after=after, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner)
+    # Stages 1-3 build the optimizer state over their pieces: the transforms inside need not.
+    scope = (lambda: running(opt_state_outside=True)) if stage >= 1 else None
+    out = Step(call, after=after, name=f"shard_state({inner.__name__}, stage={stage})", inner=inner,
+               init_scope=scope)
     out.handler = handler
     return out
