@@ -98,12 +98,29 @@ class Recorder(transformers.TrainerCallback):
         return super().__getattribute__(name)
 
 
-def _train(cls, out, *, resume=None, args=None, stop_at=None, **kw):
+class HeldInEvaluation(transformers.TrainerCallback):
+    """The most parameter bytes the model held (not ``meta``) when one of its blocks began a
+    forward in evaluation (eval mode), and how many such forwards there were."""
+
+    def __init__(self):
+        self.most, self.forwards = 0, 0
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        def look(block, inputs):
+            if not block.training:
+                held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+                self.most, self.forwards = max(self.most, held), self.forwards + 1
+
+        for block in model.transformer.h:
+            block.register_forward_pre_hook(look)
+
+
+def _train(cls, out, *, resume=None, args=None, stop_at=None, callbacks=(), **kw):
     recorder = Recorder(stop_at)
     args = args or _args(out)
     evals = _rows(8, seed=1) if args.eval_strategy != "no" else None
     trainer = cls(model=_model(), args=args, train_dataset=_rows(), eval_dataset=evals,
-                  data_collator=_collate, callbacks=[recorder], **kw)
+                  data_collator=_collate, callbacks=[recorder, *callbacks], **kw)
     trainer.train(resume_from_checkpoint=resume)
     trainer.recorded = recorder.events
     return trainer
@@ -157,10 +174,18 @@ def _two_ranks(tmp):
     assert z0.fzero_step.options.zero == 0 and z0.fzero_step.mesh.size("dp") == 2
     _assert_same_run(z0, ref)
     assert z0.recorded == ref.recorded  # every callback, in the Trainer's order
+    whole = sum(p.numel() * p.element_size() for p in _model().parameters())
     for stage in (1, 3):
-        got = _train(FzeroTrainer, f"{tmp}/z{stage}", fzero={"zero": stage})
+        held = HeldInEvaluation()
+        # Stage 3 frees every block after its forward (the default window would keep this
+        # small model gathered whole for a step).
+        options = {"zero": stage, **({"max_reuse_distance": 0} if stage == 3 else {})}
+        got = _train(FzeroTrainer, f"{tmp}/z{stage}", fzero=options, callbacks=[held])
         assert got.fzero_step.options.zero == stage
-        _assert_same_run(got, ref)
+        _assert_same_run(got, ref)  # the evaluation losses too
+        if stage == 3:
+            # Evaluated a unit (GPT-2 block) at a time: never the whole model on a rank.
+            assert held.forwards > 0 and held.most < whole, (held.forwards, held.most, whole)
     # ZeRO 2 from args.deepspeed set after the arguments were made; checkpoint-2 on the way.
     args = _args(f"{tmp}/z2", save_strategy="steps", save_steps=2)
     args.deepspeed = _zero2_config()

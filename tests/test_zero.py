@@ -262,6 +262,20 @@ def _evaluating(precision, jit):
         opt.zero_grad()
     if precision == "fp32":
         ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), what=f"params on rank {r}")
+        # Outside a step: the module itself, bound to the state a unit at a time.
+        from fzero.transforms.shard_state import evaluating
+
+        units = [(m, handler.layout.groups[gi].names) for m, gi in handler.units.modules]
+        held = []
+        for block in module.blocks:
+            block.register_forward_pre_hook(lambda m, a: held.append(
+                sum(p.numel() for p in module.parameters() if p.device.type != "meta")))
+        x_eval = torch.randn(3, 16, generator=g)
+        with torch.no_grad(), evaluating(module, state, units):
+            out = module(x_eval)
+        ft.assert_trees_close(out, ref(x_eval).detach(), what=f"the module evaluated outside the step on rank {r}")
+        assert len(held) == 6 and max(held) < 0.5 * psi, (held, psi)
+        assert all(p.device.type == "meta" for p in module.parameters())  # released again
     return True
 
 
@@ -270,7 +284,9 @@ def test_an_evaluation_inside_a_zero3_step_gathers_block_by_block_and_equals_the
     """A forward outside value_and_grad (the model evaluated inside the step) at stage 3: the
     units are gathered and freed as in training, so the evaluation never holds the whole
     model, and it computes what the plain module computes -- under torch.autocast for bf16,
-    compiled under jit -- while training goes on as torch's SGD trains."""
+    compiled under jit -- while training goes on as torch's SGD trains. Outside the step,
+    shard_state.evaluating binds the trained state into the module itself a unit at a time,
+    with the same output."""
     assert ranks(2).run(_evaluating, precision, jit) == [True, True]
 
 

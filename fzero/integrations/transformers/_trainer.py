@@ -18,12 +18,15 @@ What fzero does instead (one ``trainer.fzero_step`` call per update):
   fzero's config, ``"auto"`` filled from ``args``) or from ``args``.
 
 The module is only code while the state trains (``step.init`` releases its weights to
-``meta``); evaluation, saving and the end of ``train()`` write the trained weights back
-with ``fzero.load_into`` first, so HF's code there sees a normal module.
+``meta``); saving and the end of ``train()`` write the trained weights back with
+``fzero.load_into`` first, so HF's code there sees a normal module; so does evaluation,
+except at ZeRO-3, where the module runs with the partitioned state's weights bound a unit
+at a time (``fzero.transforms.shard_state.evaluating``), so no rank holds the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,8 +38,9 @@ import torch
 import transformers
 
 import fzero
+from fzero.functional import _Bound, _slots
 from fzero.integrations.transformers._optim import hf_optimizer, hf_schedule
-from fzero.transforms.shard_state import release_parameters
+from fzero.transforms.shard_state import evaluating, release_parameters
 
 __all__ = ["FzeroTrainer"]
 
@@ -320,13 +324,46 @@ class FzeroTrainer(transformers.Trainer):
             fzero.load_into(self.model, self.fzero_state)
             self._module_current = True
 
+    @contextlib.contextmanager
+    def _trained_weights(self):
+        """The module computing with the trained weights for an evaluation: at ZeRO-3 bound
+        from the partitioned state a unit at a time (``shard_state``'s ``evaluating``: no rank
+        holds the whole model); else written in (``fzero.load_into``)."""
+        units = None if self._module_current else _zero3_units(self.fzero_step)
+        state = self.fzero_state
+        if units is None or state.tensor_parallel is not None or state.pipeline is not None:
+            self._sync_module()
+            yield
+            return
+        with evaluating(self.model, state, units):
+            self._prepare_for_evaluation()
+            yield
+
+    def _prepare_for_evaluation(self) -> None:
+        """What the Trainer's evaluation loop does to an unprepared module (accelerate's
+        ``prepare_model(evaluation_mode=True)``: moves it to the device, wraps its forward for
+        mixed precision), done here once, before its first evaluation at ZeRO-3: there the
+        units' weights are ``meta`` outside their forwards and cannot be moved, so each stands
+        in as one element on the device, broadcast to its shape, while accelerate looks."""
+        if len(self.accelerator._models) != 0:  # the Trainer's own test before it prepares
+            return
+        slots = {name: places for name, places in _slots(self.model).items()
+                 if places[0][0][places[0][1]].device.type == "meta"}
+        device = self.args.device
+        stand_ins = {}
+        for name, places in slots.items():
+            t = places[0][0][places[0][1]]
+            stand_ins[name] = torch.empty((), dtype=t.dtype, device=device).expand(t.shape)
+        with _Bound(slots, stand_ins):
+            self.accelerator.prepare_model(self.model, evaluation_mode=True)
+
     def evaluate(self, *args, **kwargs):
-        self._sync_module()
-        return super().evaluate(*args, **kwargs)
+        with self._trained_weights():
+            return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        self._sync_module()
-        return super().predict(*args, **kwargs)
+        with self._trained_weights():
+            return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the trained model with ``save_pretrained`` (call it on every rank: the
@@ -386,6 +423,17 @@ class FzeroTrainer(transformers.Trainer):
     def _save_rng_state(self, output_dir: str) -> None:
         """Nothing: fzero's dropout draws from a counter-based generator keyed by the state's
         seed and update, so a resumed run needs no saved generator (and no pickle)."""
+
+
+def _zero3_units(step) -> list | None:
+    """``(module, parameter names)`` of each ZeRO-3 unit of ``step``'s ``shard_state`` (an
+    empty list when the model is gathered whole for a step), or ``None`` below stage 3."""
+    while step is not None:
+        handler = getattr(step, "handler", None)
+        if getattr(handler, "stage", None) == 3 and getattr(handler, "units", None) is not None:
+            return [(m, list(handler.layout.groups[gi].names)) for m, gi in handler.units.modules]
+        step = getattr(step, "inner", None)
+    return None
 
 
 def _read_config(config: Any) -> dict | None:

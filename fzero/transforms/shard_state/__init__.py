@@ -12,10 +12,13 @@ As FSDP2's ``_fully_shard/`` holds everything of ``fully_shard``:
 * ``_units.py``: ZeRO-3's units and their lifecycle (FSDP2's ``FSDPParamGroup``);
 * ``_collectives.py``: the parameter all-gathers and the buffer sync, as plain functions
   (FSDP2's ``_fsdp_collectives.py``);
-* ``_checks.py``: the check at ``init`` that every rank holds the same model.
+* ``_checks.py``: the check at ``init`` that every rank holds the same model;
+* ``_evaluate.py``: :func:`evaluating`, the module run outside a step with a partitioned
+  state's weights, the ZeRO-3 units gathered one at a time.
 """
 
+from fzero.transforms.shard_state._evaluate import evaluating
 from fzero.transforms.shard_state._shard import Shard, ShardInfo, is_shard
 from fzero.transforms.shard_state._transform import release_parameters, shard_state
 
-__all__ = ["Shard", "ShardInfo", "is_shard", "release_parameters", "shard_state"]
+__all__ = ["Shard", "ShardInfo", "evaluating", "is_shard", "release_parameters", "shard_state"]
