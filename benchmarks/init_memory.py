@@ -2,9 +2,10 @@
 
 One process, an MLP of ``--blocks`` layers of ``--width`` (fp32, AdamW), compiled in a world of
 one with each option set below; for each, the most bytes allocated at once while ``init``
-runs and what it leaves allocated, beyond what the caller holds (the module's fp32 weights
-and the state it passed in, whose AdamW moments ``TrainState.create`` built: 12 bytes per
-parameter, held by the caller until ``init`` returns). On a CPU the host and the device are
+runs and what is allocated when it returns, over what the caller held just before (the
+module's fp32 weights, the state's -- which share them -- and the AdamW moments
+``TrainState.create`` built: 12 bytes per parameter; what ``init`` frees of them counts
+against its own). On a CPU the host and the device are
 one memory, so offload's rows count both; on a GPU ``benchmarks/gpu_memory.py`` reads the
 device's share.
 
@@ -18,7 +19,7 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -37,23 +38,31 @@ VARIANTS = [
 
 
 def init_bytes(width: int, blocks: int, **options) -> tuple[int, int, int]:
-    """(Ψ, init's peak bytes, the bytes it leaves), beyond what was allocated before it."""
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
-    apply, params = fzero.functionalize(module)
-    psi = sum(p.numel() for p in params.values())
-    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
-    del params, module
-    step = fzero.compile(lambda s, b: (s, {}), fzero.Mesh(dp=1), **options)
+    """(Ψ, init's peak bytes, the bytes allocated when it returns), over what was allocated
+    just before it (the caller's module and state): the profiler watches from before the
+    module is made, so what ``init`` frees of the caller's is counted too."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        new = step.init(state)
-    del new
-    now = peak = 0
-    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                       if e.name() == "[memory]"):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
+        apply, params = fzero.functionalize(module)
+        psi = sum(p.numel() for p in params.values())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+        del params
+        step = fzero.compile(lambda s, b: (s, {}), fzero.Mesh(dp=1), **options)
+        with record_function("init"):
+            new = step.init(state)
+        del new, state, module
+    events = list(prof.profiler.kineto_results.events())
+    mark = next(e for e in events if e.name() == "init")
+    now = before = peak = after = 0
+    for t, n in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        if t < mark.start_ns():
+            before = now = now + n
+            continue
         now += n
-        peak = max(peak, now)
-    return psi, peak, now
+        if t <= mark.end_ns():
+            peak, after = max(peak, now), now
+    return psi, peak - before, after - before
 
 
 def main(argv=None) -> None:
@@ -61,9 +70,9 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--blocks", type=int, default=6)
     args = p.parse_args(argv)
-    print(f"bytes per parameter allocated by step.init, beyond the caller's 12 (MLP {args.blocks} x "
-          f"{args.width}, torch {torch.__version__})")
-    print("| options | init's peak | left after init |")
+    print(f"bytes per parameter allocated while step.init runs, over the caller's 12 (module, moments) (MLP "
+          f"{args.blocks} x {args.width}, torch {torch.__version__})")
+    print("| options | init's peak | when init returns |")
     print("| --- | ---: | ---: |")
     for options in VARIANTS:
         psi, peak, left = init_bytes(args.width, args.blocks, **options)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fzero import replicas
+from fzero import replicas, tree
 from fzero._jit import Jit
 from fzero.autotune._profile import TrialProfiler
 from fzero.config import AutoFill, Config
@@ -123,12 +123,18 @@ class Donated:
     """What a donated state's ``params``, ``opt_state`` and ``extra`` become once the step
     has written the next state into their tensors: any use is an error that says why."""
 
-    __slots__ = ("field", "step")
+    __slots__ = ("field", "step", "init")
 
-    def __init__(self, field: str, step: int):
-        self.field, self.step = field, step
+    def __init__(self, field: str, step: int, init: bool = False):
+        self.field, self.step, self.init = field, step, init
 
     def error(self) -> RuntimeError:
+        if self.init:
+            return RuntimeError(
+                f"fzero.compile: this state's {self.field} was given up to step.init (donate=True), which "
+                "builds the optimizer state afresh (over masters, pieces or slices) and freed the one "
+                "TrainState.create made: use the state step.init returned (state = step.init(state)), "
+                "create the state again to init it again, or compile with donate=False")
         return RuntimeError(
             f"fzero.compile: this state's {self.field} was donated to the step (donate=True) that "
             f"returned the state at step {self.step}, and its tensors now hold that state's values: "
@@ -149,6 +155,23 @@ class Donated:
 
     def __repr__(self) -> str:
         return f"<donated to the step that returned step {self.step}>"
+
+
+def _give_up_opt_state(given: TrainState, state: TrainState) -> TrainState:
+    """``state`` without its optimizer state, whose tensors are freed now, and ``given`` (the
+    caller's state) marked as having given it up: ``init`` builds the optimizer state again
+    inside, so the moments ``TrainState.create`` made (8 bytes per parameter for Adam) would
+    otherwise stay allocated beside the new ones until ``init`` returned -- on a GPU, at
+    init's peak. A tensor that shares storage with the parameters, masters, buffers or
+    ``extra`` is left alone."""
+    kept = {t.untyped_storage().data_ptr() for t in tree.leaves((given.params, given.master, given.buffers, given.extra,
+                                                                 state.params, state.master, state.buffers))
+            if isinstance(t, torch.Tensor)}
+    for t in tree.leaves((given.opt_state, state.opt_state)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.untyped_storage().data_ptr() not in kept:
+            t.untyped_storage().resize_(0)
+    object.__setattr__(given, "opt_state", Donated("opt_state", 0, init=True))
+    return state.replace(opt_state=None)
 
 
 def donated(state: TrainState, step: int) -> None:
@@ -255,9 +278,18 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
     # step measures itself and ends the run, as DeepSpeed's engine does (docs/autotune.md).
     profiler = TrialProfiler(opts.trial) if opts.trial is not None else None
 
+    # A transform inside builds the optimizer state afresh at init (over the masters, the
+    # pieces, the tp slices or the stage's parameters): the one TrainState.create built is
+    # not used, and init owns its input as a step does (donate=True).
+    rebuilds = (opts.precision != "fp32" or opts.zero >= 1 or (opts.tp is not None and mesh.size("tp") > 1)
+                or opts.pipeline is not None or opts.offload_optimizer != "none")
+
     def before(state):
         if not isinstance(state, TrainState):
             raise TypeError(f"fzero.compile: step.init expects an fzero.TrainState, got {type(state).__name__}")
+        if isinstance(state.__dict__.get("opt_state"), Donated):
+            raise state.opt_state.error()
+        given = state
         if profiler is not None:  # Ψ of the whole model, before any transform splits it
             profiler.init(state, mesh)
         # First, so that every transform's init (masters, layouts, optimizer state) builds
@@ -273,6 +305,8 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
             state = resolved.install(state)
         if state.tx is None:  # before any transform builds optimizer state over its masters or pieces
             raise missing_optimizer("fzero.compile: step.init")
+        if opts.donate and rebuilds:
+            state = _give_up_opt_state(given, state)
         return state
 
     def after(state):
