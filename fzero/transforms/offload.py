@@ -7,11 +7,13 @@ foreach CPU kernels). Each update copies the reduced gradient pieces device→ho
 the new parameter pieces host→device after, before ZeRO-1/2 all-gathers them; the device
 keeps only what the forward and backward compute with.
 
-The transform sits just outside ``shard_state`` (``fzero/_compile.py``): its ``init`` runs
-after ZeRO has partitioned the state and placed it on the mesh's device, and moves this
-rank's pieces of the masters and the optimizer state to the host; its handler of ``update``
-is the last before the optimizer's own, so it sees exactly the pieces the optimizer steps,
-with ``mixed_precision``'s masters already swapped in.
+The transform sits just outside ``shard_state`` (``fzero/_compile.py``). Its ``init`` scope
+says ``offload_optimizer`` to the inits inside it, and ``shard_state`` (stages 1-3) then cuts
+this rank's pieces of the masters straight into host memory and builds the optimizer state
+over them there, so the device never holds them; a ``shard_state`` that did not (another
+transform in between) has them copied to the host by this transform's ``after``. Its handler
+of ``update`` is the last before the optimizer's own, so it sees exactly the pieces the
+optimizer steps, with ``mixed_precision``'s masters already swapped in.
 """
 
 from __future__ import annotations
@@ -164,8 +166,9 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
     Apply it outside :func:`fzero.shard_state` (stages 1-3), as ``fzero.compile(...,
     offload_optimizer="cpu")`` does. ``state.master`` holds the fp32 master
     weights: :func:`fzero.mixed_precision`'s, or in fp32 training this transform's own
-    (``make_masters``), which shard_state partitions like any masters; ``init`` then moves
-    this rank's pieces of them and of the optimizer state to the host. Each update copies
+    (``make_masters``), which shard_state partitions like any masters; at ``init`` this
+    rank's pieces of them, and the optimizer state built over those, are made on the host
+    (by the shard_state directly inside, told so; else copied there). Each update copies
     the gradient pieces to the host, steps the masters there, and copies the new pieces back
     into the device parameters (in place when the step owns its state), before ZeRO-1/2's
     all-gather; under mixed precision the low-precision bytes are copied, cast on the host.
