@@ -146,3 +146,45 @@ def test_a_negative_grace_is_refused_naming_the_option(value):
     args = build_parser().parse_args(["launch", "--nproc", "1", "--grace", value, "t.py"])
     with pytest.raises(launch.LaunchError, match=rf"--grace must be >= 0 seconds, got {value}"):
         launch.plan(args, env={})
+
+
+def test_an_elastic_jobs_agents_are_supervised_as_one_agent_is(tmp_path, capsys):
+    """``fzero launch --nproc-min``'s agents (here two stand-ins of one rank each): a SIGTERM
+    reaches the ranks, not the agents; a rank that saves exits 0, one that ignores it is
+    killed past ``--grace`` and the launcher exits 128 + SIGTERM, without waiting for it."""
+    import argparse
+    from types import SimpleNamespace
+
+    from fzero.cli import _elastic
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text("")
+    ranks = [SAVES_ON_SIGTERM, IGNORES_SIGTERM]
+    nodes = [SimpleNamespace(argv=[sys.executable, "-c", AGENT, str(out), code], env={}, nproc=1)
+             for out, code in zip(outs, ranks)]
+    plan = SimpleNamespace(nodes=nodes, host_store=False, master_addr="127.0.0.1", master_port=0, min_nodes=1,
+                           max_nodes=2, join=["fzero", "launch", "..."])
+    args = argparse.Namespace(dry_run=False, script=str(script), grace=1.0)
+
+    def signal_once_both_started():
+        for out in outs:
+            _pids(out)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_both_started, daemon=True).start()
+    t0 = time.monotonic()
+    code = _elastic.run(plan, args, parser=None)
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM, err
+    assert not any((out / "agent").exists() for out in outs), err  # no agent was signalled
+    assert (outs[0] / "codes").read_text() == "0" and (outs[1] / "codes").read_text() == str(-signal.SIGKILL), err
+    pid = _pids(outs[1])[0]
+    # (Each stand-in numbers its own ranks from 0.)
+    assert (f"the ranks did not stop within the grace period of 1 s (--grace) after SIGTERM: killed rank 0 "
+            f"(pid {pid}) (SIGKILL)") in err, err
+    assert took < 30, took
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

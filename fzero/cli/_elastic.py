@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from fzero.cli import _signals
 from fzero.cli._nodes import DEFAULT_MULTINODE_PORT, LaunchError, Node, free_port
 from fzero.cli._nodes import default_nproc as _default_nproc
 
@@ -244,7 +245,8 @@ def _say(text: str) -> None:
 
 def run(p: ElasticPlan, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Start the plan's agents (and, where it falls to this launcher, the rendezvous store),
-    wait for all of them, and return :func:`exit_code` of theirs."""
+    wait for all of them, and return :func:`exit_code` of theirs (128 + SIGTERM when ranks
+    were killed past ``--grace``)."""
     import subprocess
 
     if args.dry_run:
@@ -258,12 +260,16 @@ def run(p: ElasticPlan, args: argparse.Namespace, parser: argparse.ArgumentParse
     _say(f"elastic job, {k} node{'s' if k != 1 else ''} of {p.nodes[0].nproc} rank(s) here, between {p.min_nodes} "
          f"and {p.max_nodes} nodes in all; rendezvous {p.master_addr}:{p.master_port}"
          f"{' (hosted here)' if store is not None else ''}; add a node with: {shlex.join(p.join)}")
-    procs = [subprocess.Popen(n.argv, env={**os.environ, **n.env}) for n in p.nodes]
+    procs = [subprocess.Popen(n.argv, env=_signals.agent_env({**os.environ, **n.env}, args.grace)) for n in p.nodes]
+    # Each agent as fzero launch runs a single one (_signals.py): a SIGTERM reaches the ranks,
+    # which get --grace seconds to save and stop before they are killed; a stopped rank is
+    # killed at once.
+    watched = [_signals.Supervisor(q, args.grace) for q in procs]
 
     def forward(signum, frame):
-        for q in procs:
-            if q.poll() is None:
-                q.send_signal(signum)
+        for w in watched:
+            if w.proc.poll() is None:
+                w.on_signal(signum, frame)
 
     old = {}
     for s in (signal.SIGTERM, signal.SIGHUP):
@@ -284,11 +290,18 @@ def run(p: ElasticPlan, args: argparse.Namespace, parser: argparse.ArgumentParse
                              f"{p.min_nodes} node(s) remain or arrive")
                 if all(q.poll() is not None for q in procs):
                     break
-                time.sleep(0.2)
+                for w in watched:
+                    if w.proc.poll() is None:
+                        w.poll()
+                time.sleep(_signals.POLL_S)
             except KeyboardInterrupt:
-                forward(signal.SIGINT, None)
+                for q in procs:
+                    if q.poll() is None:
+                        q.send_signal(signal.SIGINT)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         del store  # the rendezvous ends with the launcher's last agent
+    if any(w.killed for w in watched):
+        return 128 + signal.SIGTERM
     return exit_code([q.returncode for q in procs])

@@ -33,7 +33,7 @@ import time
 
 from fzero._signals import REPEAT_S
 
-__all__ = ["DEFAULT_GRACE_S", "POLL_S", "supervise"]
+__all__ = ["DEFAULT_GRACE_S", "POLL_S", "Supervisor", "agent_env", "supervise"]
 
 #: Seconds the ranks get to save and stop after a SIGTERM: Kubernetes' default
 #: ``terminationGracePeriodSeconds`` and a GCP spot VM's notice.
@@ -124,8 +124,9 @@ def _say(text: str) -> None:
     print(f"fzero launch: {text}", file=sys.stderr, flush=True)
 
 
-class _Supervisor:
-    """Watches one torchrun agent and its ranks (see the module docstring)."""
+class Supervisor:
+    """Watches one torchrun agent and its ranks (see the module docstring): :func:`supervise`'s
+    one, and each of an elastic job's agents on this host (``_elastic.run``)."""
 
     def __init__(self, proc: subprocess.Popen, grace_s: float):
         self.proc, self.grace_s = proc, grace_s
@@ -188,6 +189,13 @@ class _Supervisor:
                 self.proc.kill()
 
 
+def agent_env(env: dict[str, str], grace_s: float) -> dict[str, str]:
+    """A torchrun agent's environment: if torchrun itself is signalled too (a scheduler
+    signalling every process), its own wait for the ranks is the grace period rather than
+    its 30 s."""
+    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(math.ceil(grace_s), 1)), **env}
+
+
 def supervise(argv: list[str], env: dict[str, str], *, grace_s: float = DEFAULT_GRACE_S) -> int:
     """Run one torchrun agent (``argv``) to its end; return its exit code (128 + s when it was
     killed by signal s, 128 + 15 when the ranks were killed past the grace period).
@@ -196,11 +204,8 @@ def supervise(argv: list[str], env: dict[str, str], *, grace_s: float = DEFAULT_
     to stop; a rank that is stopped (SIGSTOP) when it is sent SIGTERM is killed at once.
     Ctrl-C (SIGINT) goes to torchrun.
     """
-    # If torchrun itself is signalled too (a scheduler signalling every process), its own
-    # wait for the ranks is the grace period rather than its 30 s.
-    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(math.ceil(grace_s), 1)), **env}
-    proc = subprocess.Popen(argv, env=env)
-    sup = _Supervisor(proc, grace_s)
+    proc = subprocess.Popen(argv, env=agent_env(env, grace_s))
+    sup = Supervisor(proc, grace_s)
     old = {}
     for s in (signal.SIGTERM, signal.SIGHUP):
         try:
