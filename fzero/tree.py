@@ -362,25 +362,29 @@ def dataclass(cls: type[T] | None = None, /, *, frozen: bool = True, **kwargs):
 
 class Unchanged:
     """Which tensors a value was worked out from, as they were: :meth:`holds` says whether a
-    list of tensors is exactly those -- the same objects, in any order, none written in place
-    since (their version counters) -- so a value can be handed on and trusted only for them
-    (a norm, a verdict on gradients).
+    list of tensors is exactly those -- the same objects, in any order (in the same order when
+    ``ordered``), none written in place since (their version counters) -- so a value can be
+    handed on and trusted only for them (a norm, a verdict on gradients).
 
     Example:
         >>> a, b = torch.ones(2), torch.ones(3)
         >>> seen = Unchanged([a, b])
-        >>> seen.holds([b, a]), seen.holds([a, b.clone()])
-        (True, False)
+        >>> seen.holds([b, a]), seen.holds([a, b.clone()]), Unchanged([a, b], ordered=True).holds([b, a])
+        (True, False, False)
         >>> _ = a.add_(1); seen.holds([a, b])
         False
     """
 
-    __slots__ = ("_seen",)
+    __slots__ = ("_seen", "_order")
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, ordered: bool = False):
+        tensors = list(tensors)
         self._seen = {id(t): (t, t._version) for t in tensors}
+        self._order = tuple(map(id, tensors)) if ordered else None
 
     def holds(self, tensors) -> bool:
+        if self._order is not None and tuple(map(id, tensors)) != self._order:
+            return False
         if len(self._seen) != len({id(t) for t in tensors}):
             return False
         for t in tensors:

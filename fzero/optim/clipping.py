@@ -67,8 +67,7 @@ def leaf_norms(*trees, device: torch.device | None = None) -> tuple[torch.Tensor
 
 
 class _Known(NamedTuple):
-    leaves: tree.Unchanged
-    order: tuple  # the leaves' ids in order: each name keeps its tensor
+    leaves: tree.Unchanged  # ordered: each name keeps its tensor
     names: tuple
     sumsq: torch.Tensor
 
@@ -84,8 +83,7 @@ def known_sumsq(updates, sumsq: torch.Tensor):
     ``sumsq``, not computed and reduced again: a norm taken once serves the non-finite
     check (``fzero.check_finite``) and the clip after it."""
     leaves = tree.leaves(updates)
-    token = _KNOWN.set(_Known(tree.Unchanged(leaves), tuple(map(id, leaves)), LeafSums.of([updates], None).names,
-                              sumsq))
+    token = _KNOWN.set(_Known(tree.Unchanged(leaves, ordered=True), LeafSums.of([updates], None).names, sumsq))
     try:
         yield
     finally:
@@ -94,8 +92,7 @@ def known_sumsq(updates, sumsq: torch.Tensor):
 
 def _known_for(leaves: list, names: tuple) -> torch.Tensor | None:
     known = _KNOWN.get()
-    if (known is None or known.names != names or known.order != tuple(map(id, leaves))
-            or not known.leaves.holds(leaves)):
+    if known is None or known.names != names or not known.leaves.holds(leaves):
         return None
     return known.sumsq
 
