@@ -294,9 +294,10 @@ def _evaluating(precision, jit):
     if precision == "fp32":
         ft.assert_trees_close(fzero.gather(state.params), dict(ref.named_parameters()), what=f"params on rank {r}")
         # Outside a step: the module itself, bound to the state a unit at a time.
-        from fzero.transforms.shard_state import evaluating
+        from fzero.transforms.shard_state import evaluating, units_of
 
-        units = [(m, handler.layout.groups[gi].names) for m, gi in handler.units.modules]
+        units = units_of(step)
+        assert len(units) == 6, units  # max_reuse_distance=0: every block a unit
         held = []
         for block in module.blocks:
             block.register_forward_pre_hook(lambda m, a: held.append(

@@ -40,7 +40,7 @@ import transformers
 import fzero
 from fzero.functional import _Bound, _slots
 from fzero.integrations.transformers._optim import hf_optimizer, hf_schedule
-from fzero.transforms.shard_state import evaluating, release_parameters
+from fzero.transforms.shard_state import evaluating, release_parameters, units_of
 
 __all__ = ["FzeroTrainer"]
 
@@ -329,7 +329,7 @@ class FzeroTrainer(transformers.Trainer):
         """The module computing with the trained weights for an evaluation: at ZeRO-3 bound
         from the partitioned state a unit at a time (``shard_state``'s ``evaluating``: no rank
         holds the whole model); else written in (``fzero.load_into``)."""
-        units = None if self._module_current else _zero3_units(self.fzero_step)
+        units = None if self._module_current else units_of(self.fzero_step)
         state = self.fzero_state
         if units is None or state.tensor_parallel is not None or state.pipeline is not None:
             self._sync_module()
@@ -423,17 +423,6 @@ class FzeroTrainer(transformers.Trainer):
     def _save_rng_state(self, output_dir: str) -> None:
         """Nothing: fzero's dropout draws from a counter-based generator keyed by the state's
         seed and update, so a resumed run needs no saved generator (and no pickle)."""
-
-
-def _zero3_units(step) -> list | None:
-    """``(module, parameter names)`` of each ZeRO-3 unit of ``step``'s ``shard_state`` (an
-    empty list when the model is gathered whole for a step), or ``None`` below stage 3."""
-    while step is not None:
-        handler = getattr(step, "handler", None)
-        if getattr(handler, "stage", None) == 3 and getattr(handler, "units", None) is not None:
-            return [(m, list(handler.layout.groups[gi].names)) for m, gi in handler.units.modules]
-        step = getattr(step, "inner", None)
-    return None
 
 
 def _read_config(config: Any) -> dict | None:

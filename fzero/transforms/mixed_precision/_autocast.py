@@ -105,31 +105,31 @@ class _AutocastHandler(Handler):
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         dtype, low = self.dtype, self.low if self.round_grads else frozenset()
         by_name = isinstance(params, dict)
-
-        @functools.wraps(fn)
-        def autocast(p, *a, **kw):
-            if low and by_name:
-                p = with_values(p, {name: _rounding_alias(p[name], dtype) for name in low & p.keys()
-                                    if isinstance(p[name], torch.Tensor) and p[name].requires_grad})
-            with torch.autocast(device_type=next_device(p), dtype=dtype):
-                return fn(p, *a, **kw)
-
-        value, grads = next(autocast, params, args, kwargs, **options)
+        value, grads = next(self._autocast(fn, low if by_name else frozenset()), params, args, kwargs, **options)
         if low and by_name and isinstance(grads, dict):
             grads = with_values(grads, {name: _round(grads[name], dtype) for name in low & grads.keys()
                                         if grads[name] is not None})
         return value, grads
 
     def forward(self, fn, params, args, kwargs, *, next):
-        # An evaluation inside the step runs under the training forward's autocast.
+        # An evaluation inside the step runs under the training forward's autocast (no
+        # gradient to round).
+        return next(self._autocast(fn, frozenset()), params, args, kwargs)
+
+    def _autocast(self, fn, low: frozenset):
+        """``fn`` under autocast; the parameters named in ``low`` through an alias that
+        rounds their gradients to the low dtype."""
         dtype = self.dtype
 
         @functools.wraps(fn)
         def autocast(p, *a, **kw):
+            if low:
+                p = with_values(p, {name: _rounding_alias(p[name], dtype) for name in low & p.keys()
+                                    if isinstance(p[name], torch.Tensor) and p[name].requires_grad})
             with torch.autocast(device_type=next_device(p), dtype=dtype):
                 return fn(p, *a, **kw)
 
-        return next(autocast, params, args, kwargs)
+        return autocast
 
     def find(self, state) -> None:
         """The names of the parameters whose modules' classes are listed (direct parameters

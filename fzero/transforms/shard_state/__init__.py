@@ -17,8 +17,8 @@ As FSDP2's ``_fully_shard/`` holds everything of ``fully_shard``:
   state's weights, the ZeRO-3 units gathered one at a time.
 """
 
-from fzero.transforms.shard_state._evaluate import evaluating
+from fzero.transforms.shard_state._evaluate import evaluating, units_of
 from fzero.transforms.shard_state._shard import Shard, ShardInfo, is_shard
 from fzero.transforms.shard_state._transform import release_parameters, shard_state
 
-__all__ = ["Shard", "ShardInfo", "evaluating", "is_shard", "release_parameters", "shard_state"]
+__all__ = ["Shard", "ShardInfo", "evaluating", "is_shard", "release_parameters", "shard_state", "units_of"]

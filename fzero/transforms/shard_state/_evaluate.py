@@ -18,9 +18,23 @@ import torch
 from fzero.distributed.gather import gather
 from fzero.functional import _Bound, _slots
 
-__all__ = ["evaluating"]
+__all__ = ["evaluating", "units_of"]
 
 WHERE = "fzero.transforms.shard_state.evaluating"
+
+
+def units_of(step) -> list[tuple[torch.nn.Module, list[str]]] | None:
+    """``(submodule, parameter names)`` of each ZeRO-3 unit of the ``shard_state`` inside
+    ``step`` (a compiled step: its transforms nest by ``inner``), as :func:`evaluating` takes
+    them; an empty list when the model is gathered whole for a step (within
+    ``max_reuse_distance``), ``None`` when there is no ``shard_state`` at stage 3 (or its
+    ``init`` has not run)."""
+    while step is not None:
+        handler = getattr(step, "handler", None)
+        if getattr(handler, "stage", None) == 3 and getattr(handler, "units", None) is not None:
+            return [(m, list(handler.layout.groups[gi].names)) for m, gi in handler.units.modules]
+        step = getattr(step, "inner", None)
+    return None
 
 
 @contextlib.contextmanager
@@ -31,7 +45,7 @@ def evaluating(module: torch.nn.Module, state, units: Sequence[tuple[torch.nn.Mo
     parameters, and its buffers.
 
     Each call of a module of ``units`` (``(submodule, parameter names)``, the ZeRO-3 units:
-    ``step.handler.units``' or :func:`fzero.transforms.shard_state._units.find_units`'s) gathers
+    :func:`units_of` the compiled step, or :func:`fzero.transforms.shard_state._units.find_units`'s) gathers
     that unit's weights just before it and drops them right after; the other weights are
     gathered once for the block. Gathering is a collective over the state's mesh: every rank
     must run the same forwards (an evaluation loop whose ranks get as many batches each, as
