@@ -1131,3 +1131,39 @@ def test_any_mlp_under_the_automatic_plan_equals_the_plain_step(ranks, d, h, dep
         assert "glob 'blocks.*.fc' matches no module" in out[0]
     else:
         assert out == ["ok", "ok"]
+
+
+def _evaluated_inside_the_step():
+    """On each of 2 ranks (tp=2): a step that evaluates the model on a held-out batch (a
+    forward outside value_and_grad, under no_grad) before it trains, against the plain
+    module trained by torch.optim.SGD in lockstep."""
+    torch.manual_seed(3)
+    ref = Net()
+    state = _state("sgd")
+    ref.load_state_dict({k: v.detach().clone() for k, v in state.params.items()})
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+
+    def train_step(state, batch):
+        with torch.no_grad():
+            seen.append(state.apply_fn(state.params, batch["x_eval"]))
+        return ft.mse_step(state, batch)
+
+    step = fzero.compile(train_step, fzero.Mesh(tp=2), tp=PLAN)
+    state = step.init(state)
+    g = torch.Generator().manual_seed(5)
+    for i, b in enumerate(_batches(3, 4)):
+        x_eval = torch.randn(6, 5, generator=g)
+        with torch.no_grad():
+            expected = ref(x_eval)
+        state, _ = step(state, {**b, "x_eval": x_eval})
+        ft.assert_trees_close(seen[-1], expected, tol="fp32", what=f"evaluation {i}")
+        F.mse_loss(ref(b["x"]), b["y"]).backward()
+        opt.step()
+        opt.zero_grad()
+    return True
+
+
+@pytest.mark.multirank
+def test_an_evaluation_inside_a_tensor_parallel_step_equals_the_plain_module(ranks):
+    assert ranks(2).run(_evaluated_inside_the_step) == [True, True]
