@@ -40,7 +40,8 @@ VARIANTS = [
 def init_bytes(width: int, blocks: int, **options) -> tuple[int, int, int]:
     """(Ψ, init's peak bytes, the bytes allocated when it returns), over what was allocated
     just before it (the caller's module and state): the profiler watches from before the
-    module is made, so what ``init`` frees of the caller's is counted too."""
+    module is made, so what ``init`` frees of the caller's is counted too. The suite's bound
+    on init's memory counts with it (``tests/test_zero.py``)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         module = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])

@@ -7,6 +7,8 @@ each rank in the same job; the sharded step sees only its rank's slice of that b
 
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,32 +180,6 @@ def test_mixed_precision_memory_matches_the_zero_formula(ranks, stage):
             assert abs(res["after_backward"] - expected) <= 0.02 * expected, (stage, res, expected)
 
 
-def _init_bytes(**options) -> tuple[int, int, int]:
-    """(Ψ, the most bytes allocated at once while ``step.init`` ran, the bytes allocated when
-    it returned), over what was allocated just before it -- the caller's module and state,
-    with the AdamW moments TrainState.create made: every allocation and free, counted by
-    torch's profiler from before the module was made (a world of one, an 8-block MLP of
-    256-wide layers, as ``benchmarks/init_memory.py`` counts)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        state, psi = _blocks_state(256, 256, 8)
-        step = fzero.compile(lambda s, b: (s, {}), fzero.Mesh(dp=1), **options)
-        with record_function("init"):
-            new = step.init(state)
-        del new, state
-    events = list(prof.profiler.kineto_results.events())
-    mark = next(e for e in events if e.name() == "init")
-    now = before = peak = after = 0
-    for t, n in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        now += n
-        if t < mark.start_ns():
-            before = now
-        elif t <= mark.end_ns():
-            peak, after = max(peak, now), now
-    return psi, peak - before, after - before
-
-
 @pytest.mark.parametrize("options", [dict(zero=1, precision="bf16"), dict(zero=2, precision="bf16"),
                                      dict(zero=3, precision="bf16"), dict(zero=1, precision="bf16", offload_optimizer="cpu"),
                                      dict(zero=2, offload_optimizer="cpu"), dict(zero=3, precision="fp16"),
@@ -217,7 +193,12 @@ def test_init_builds_the_optimizer_state_once_where_it_lives(options):
     the caller's module and state, init's peak is what it builds (2 + 4 + 8 bytes per
     parameter of bf16 copies, masters and moments) less the 8 of the moments it frees, plus
     one fp32 flat copy of the parameters in passing; it was 24-28 bytes per parameter."""
-    psi, peak, left = _init_bytes(**options)
+    # Every allocation and free while init runs, over what the caller held, counted by torch's
+    # profiler (benchmarks/init_memory.py's count: an MLP of 8 layers of 256).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from init_memory import init_bytes
+
+    psi, peak, left = init_bytes(256, 8, **options)
     freed = 0 if options.get("donate") is False else 8
     fp32 = options.get("precision") is None
     built = (4 + 4 + 8) if fp32 else (2 + 4 + 8)  # (regrouped) parameters or their copies, masters' pieces, moments
