@@ -293,16 +293,19 @@ def compile(train_step: Callable, mesh: Mesh | None = None, config: Any = None, 
         if profiler is not None:  # Ψ of the whole model, before any transform splits it
             profiler.init(state, mesh)
         # First, so that every transform's init (masters, layouts, optimizer state) builds
-        # on the mesh's device.
-        state = mesh.place(state)
+        # on the mesh's device. An optimizer state built again inside is not placed: the
+        # moments TrainState.create made on the host never reach the device (under
+        # offload_optimizer they are built on the host again, and ZeRO builds pieces).
+        state = mesh.place(state.replace(opt_state=None) if rebuilds else state)
         if fill is not None:
             # step.config is the config as far as it is known: the state fills the bucket
             # from the model's hidden size (shard_state's init, inside, reads it), the first
             # call the batch sizes.
             step.config = resolved = fill.at_init(state)
             _report(resolved)
-            # The config's optimizer and scheduler sections, as deepspeed.initialize builds them.
-            state = resolved.install(state)
+            # The config's optimizer and scheduler sections, as deepspeed.initialize builds
+            # them (its optimizer state only where nothing inside builds it again).
+            state = resolved.install(state, opt_state=not rebuilds)
         if state.tx is None:  # before any transform builds optimizer state over its masters or pieces
             raise missing_optimizer("fzero.compile: step.init")
         if opts.donate and rebuilds:

@@ -225,6 +225,51 @@ def test_init_gives_up_the_optimizer_state_it_builds_again():
                           tol="exact", what="an undonated state's moments after init")
 
 
+@pytest.mark.parametrize("options, placed", [
+    (dict(), True), (dict(precision="bf16"), False), (dict(zero=1), False), (dict(zero=3, donate=False), False),
+    (dict(zero=1, precision="bf16", offload_optimizer="cpu"), False)],
+    ids=["fp32-zero0", "bf16", "zero1", "zero3-undonated", "zero1-bf16-offload"])
+def test_init_moves_no_optimizer_state_it_builds_again_to_the_device(options, placed):
+    """A state built on the host for a step on a device (``Mesh(device=)``): ``init`` moves
+    the parameters there, but the moments ``TrainState.create`` made only where no transform
+    builds them again -- under ZeRO, mixed precision or offload they would reach the device
+    (8 bytes per parameter of Adam's, on a GPU at init's peak) only to be thrown away. Each
+    ``Tensor.to`` call init makes on one of the input's moments is recorded."""
+    from torch.overrides import TorchFunctionMode
+
+    state, _ = _blocks_state(8, 8, 1)
+    # The tensors themselves are held here, so no id is reused by a tensor init makes.
+    held = [t for t in fzero.tree.leaves((state.opt_state, state.params)) if isinstance(t, torch.Tensor)]
+    moments = {id(t) for t in fzero.tree.leaves(state.opt_state) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    weights = {id(t) for t in fzero.tree.leaves(state.params)}
+    moved = {"moments": set(), "params": set()}
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.to and args:
+                for kind, ids in (("moments", moments), ("params", weights)):
+                    if id(args[0]) in ids:
+                        moved[kind].add(id(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, device="cpu"), **options)
+    with Watch():
+        new = step.init(state)
+    assert moved["params"] == weights  # the chosen device is where the parameters go
+    assert moved["moments"] == (moments if placed else set()), (len(moved["moments"]), len(moments))
+    step(new, {"x": torch.randn(4, 8), "y": torch.randn(4, 8)})
+    del held
+
+
+def test_a_mesh_device_must_exist_and_be_a_device():
+    with pytest.raises(ValueError, match=r"device='cuda', but this process sees no CUDA device"):
+        if torch.cuda.is_available():
+            pytest.skip("this process sees a CUDA device")
+        fzero.Mesh(dp=1, device="cuda")
+    with pytest.raises(ValueError, match=r"device='nowhere' is not a device"):
+        fzero.Mesh(dp=1, device="nowhere")
+
+
 def _evaluating(precision, jit):
     """Runs on every rank: a ZeRO-3 step that also evaluates the model (its forward on a
     held-out batch under no_grad, outside value_and_grad) against the plain module trained

@@ -531,10 +531,12 @@ class Config:
                              "step.init and the first call fill them (or call cfg.resolve(state=..., batch=...), "
                              "or pass auto={path: value} to Config.load)")
 
-    def install(self, state: Any) -> Any:
+    def install(self, state: Any, opt_state: bool = True) -> Any:
         """``state`` with this config's optimizer as ``tx`` and a fresh ``opt_state``, as
         ``deepspeed.initialize`` builds them; ``state`` unchanged without an optimizer
-        section. ``fzero.compile(config=...)`` calls this in ``step.init``.
+        section. ``fzero.compile(config=...)`` calls this in ``step.init``, with
+        ``opt_state=False`` where a transform inside builds the optimizer state (over masters
+        or pieces): ``opt_state`` is then left as it is.
 
         Raises:
             NotImplementedError: a ``scheduler`` section without an ``optimizer`` section
@@ -550,4 +552,4 @@ class Config:
             return state
         module = getattr(state.apply_fn, "module", None)
         tx = self.make_optimizer(module if isinstance(module, torch.nn.Module) else None)
-        return state.replace(tx=tx, opt_state=tx.init(state.params))
+        return state.replace(tx=tx, opt_state=tx.init(state.params)) if opt_state else state.replace(tx=tx)

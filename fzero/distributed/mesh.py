@@ -46,6 +46,25 @@ _DEVICE_MESHES: dict = {}
 _FLAT_GROUPS: dict = {}
 
 
+def _chosen_device(device: str | torch.device, group_device: torch.device, world: int) -> torch.device:
+    """``Mesh(device=)`` as a device: ``"cuda"`` on this rank's GPU; in a world of several
+    ranks it must be the process group's device (``group_device``)."""
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"fzero.Mesh: device={device!r} is not a device ({e})") from None
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1 and (chosen.type != group_device.type
+                      or (chosen.type != "cpu" and chosen.index != group_device.index)):
+        raise ValueError(f"fzero.Mesh: device={str(device)!r} on rank {dist.get_rank()} of {world}, whose "
+                         f"process group moves tensors on {group_device} "
+                         f"(backend {dist.get_backend()!r}); leave device unset or name {group_device}")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"fzero.Mesh: device={str(device)!r}, but this process sees no CUDA device")
+    return group_device if chosen == group_device else chosen  # the very object (device_check's mark)
+
+
 def _launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
@@ -62,6 +81,9 @@ class Mesh:
     NCCL group, the CPU on a gloo group (and in a world of one). NCCL moves CUDA tensors
     only, so every tensor fzero hands to the mesh's groups is made there, and
     ``step.init`` puts the state there (:meth:`place`); see docs/design.md, "Devices".
+    A world of one keeps the state where the program made it, unless ``device=`` names a
+    device: a model built on the host then trains there (with ``offload_optimizer``, only
+    what the device computes with ever reaches it).
 
     Axes accept a tuple of axes too (``mesh.size(("dp", "sp"))``, ``mesh.group(...)``,
     ``mesh.ranks(...)``, ``mesh.coord(...)``): the block of ranks spanned by them, as one
@@ -72,13 +94,18 @@ class Mesh:
             ``sp`` is DeepSpeed-Ulysses sequence parallelism (docs/parallelism.md): each
             ``sp`` rank holds a slice of every sequence.
         backend: force ``"gloo"`` or ``"nccl"``.
+        device: the device the step runs on (``"cuda"`` is ``cuda:LOCAL_RANK``); default:
+            the process group's (``cuda:LOCAL_RANK`` on NCCL, the CPU on gloo), and in a world
+            of one wherever the program put the state. It must agree with the process
+            group's: NCCL moves CUDA tensors, gloo's groups here move the CPU's.
         timeout_s: collective timeout; a collective that does not return in time raises
             instead of hanging (default ``$FZERO_TIMEOUT`` or 300 s). On a device, where
             collectives are waited on without a timeout, the watchdog reports it and ends the
             process instead (:mod:`fzero.distributed.watchdog`).
 
     Raises:
-        ValueError: the sizes do not multiply to the world size, or more than one is -1.
+        ValueError: the sizes do not multiply to the world size, or more than one is -1; or
+            ``device`` is not the process group's.
 
     Example:
         >>> import fzero
@@ -88,7 +115,7 @@ class Mesh:
     """
 
     def __init__(self, *, dp: int = -1, sp: int = 1, tp: int = 1, pp: int = 1, backend: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, device: str | torch.device | None = None):
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         if dist.is_available() and dist.is_initialized():
             # A group someone else made (Hugging Face's TrainingArguments, through accelerate,
@@ -121,6 +148,10 @@ class Mesh:
             self.device = device_check.PRETEND_DEVICE
         else:
             self.device = torch.device("cpu")
+        # A device the program chose: in a world of one, place() moves the state there.
+        self.chosen = None if device is None else _chosen_device(device, self.device, world)
+        if self.chosen is not None:
+            self.device = self.chosen
 
     @staticmethod
     def _resolve(sizes: dict[str, int], world: int) -> dict[str, int]:
@@ -157,8 +188,8 @@ class Mesh:
         (``int(count)``, ``float(scale)``) without a device synchronisation and from where
         they never enter a collective. In a process without a process group (a world of
         one) the state stays where its creator put it, as in plain PyTorch: the device is
-        chosen by the program there, and by the mesh only when the mesh's ranks exchange
-        tensors.
+        chosen by the program there (by the state it makes, or by ``Mesh(device=)``), and by
+        the mesh only when the mesh's ranks exchange tensors.
 
         Example:
             >>> import torch, fzero
@@ -166,7 +197,7 @@ class Mesh:
             >>> fzero.Mesh(dp=-1).place(state)["params"]["w"].device.type
             'cpu'
         """
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()) and self.chosen is None:
             return state
         from fzero import tree
 
