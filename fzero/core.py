@@ -40,10 +40,11 @@ A handler must call ``next``, never the public primitive, to pass a call on (the
 primitive would start again at the innermost handler).
 
 Options travel with a call: ``value_and_grad`` carries ``has_aux``, ``grad_sink`` (a
-transform that reduces gradients while backward runs) and ``loss_scale`` (the factor a
+transform that reduces gradients while backward runs), ``loss_scale`` (the factor a
 handler has multiplied the loss by, so that a function seeding its own backward -- the
-pipeline schedule -- seeds it with the same scale). A handler adds to them and passes the
-rest on untouched.
+pipeline schedule -- seeds it with the same scale) and ``leaf`` (how the differentiated
+leaves are made: mixed precision's are its ``NormWeight`` tensors). A handler adds to them
+and passes the rest on untouched.
 
 ``init`` runs once, before the first step, as one traversal of the nesting -- an onion.
 :class:`Step` runs a transform's ``before`` on the way in (outermost first), its inner
@@ -513,7 +514,8 @@ def _trainable_flags(params: Any, n: int) -> list[bool]:
 
 
 @register_primitive("value_and_grad")
-def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None, loss_scale: float = 1.0):
+def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=None, loss_scale: float = 1.0,
+                         leaf: Callable | None = None):
     """The plain implementation: differentiate ``fn`` at ``params`` on the autograd engine.
 
     Frozen entries of a :class:`fzero.Params` are passed through undifferentiated and get
@@ -528,11 +530,16 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     value (the loss, still attached) before backward starts, so that a reduction of it can
     run while backward does. ``loss_scale`` (the factor a
     handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
-    runs.
+    runs. ``leaf(x)``, where a handler gives one, makes the differentiated leaf of each
+    trainable tensor (default ``x.detach().requires_grad_()``): a leaf of a tensor subclass
+    made here, rather than an alias made inside ``fn``, whose backward node -- created
+    before the forward's -- the engine would run last, holding every gradient behind it
+    until backward is done.
     """
     leaves, spec = tree.flatten(params)
     train = _trainable_flags(params, len(leaves))
-    inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
+    make = leaf if leaf is not None else (lambda x: x.detach().requires_grad_(True))
+    inputs = [make(x) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
     wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
     bindings = contextlib.ExitStack()
     token, scale_token = _BINDINGS.set(bindings), _LOSS_SCALE.set(loss_scale)

@@ -541,6 +541,64 @@ def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_ran
             "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
 
 
+class _BackwardAt(torch.autograd.Function):
+    """Identity; its backward notes that backward has reached the first layer's output."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append("backward reached the first layer")
+        return g, None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradients_reach_the_reduction_while_backward_runs_at_every_precision(stage, precision):
+    """Each parameter's gradient reaches ZeRO's reduce sink as autograd completes it, while
+    backward runs on below: the last layers' before backward reaches the first layer, at 16
+    bits as at 32. (Mixed precision's parameters once entered the forward through an alias
+    made at its start, the first node of the graph, which the engine runs last: every
+    gradient arrived after the whole backward, and no reduction overlapped it.)"""
+    from fzero.transforms.shard_state import _reduce
+
+    seen, on_grad = [], _reduce.ReduceSink.on_grad
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(8, 8)
+            self.rest = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            x = _BackwardAt.apply(self.first(x), seen)
+            for layer in self.rest:
+                x = torch.tanh(layer(x))
+            return self.norm(x)
+
+    def noted(self, i, g):
+        seen.append(self.leaf_names[i])
+        return on_grad(self, i, g)
+
+    torch.manual_seed(0)
+    apply, params = fzero.functionalize(Net())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
+    step = fzero.compile(ft.mse_step, zero=stage, precision=precision, bucket_bytes=64, max_reuse_distance=0)
+    state = step.init(state)
+    _reduce.ReduceSink.on_grad = noted
+    try:
+        step(state, {"x": torch.randn(4, 8), "y": torch.randn(4, 8)})
+    finally:
+        _reduce.ReduceSink.on_grad = on_grad
+    mark = seen.index("backward reached the first layer")
+    assert {"norm.weight", "rest.2.weight", "rest.0.bias"} <= set(seen[:mark]), seen
+    assert {"first.weight", "first.bias"} <= set(seen[mark:]), seen
+
+
 @pytest.mark.parametrize("bucket_bytes, max_reuse_distance", [(64, 0), (2**20, None)])
 def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bucket_bytes, max_reuse_distance):
     for res in ranks(2).run(_stage3_reduce_order, bucket_bytes, max_reuse_distance):

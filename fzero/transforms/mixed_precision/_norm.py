@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NormWeight", "NormsInFp32", "norm_weights"]
+__all__ = ["NormWeight", "NormsInFp32", "norm_weight_leaf", "norm_weights"]
 
 
 # The norm functions and where their weight and bias are, positionally (by keyword they are
@@ -87,6 +87,25 @@ class NormsInFp32(torch.overrides.TorchFunctionMode):
 
 def _fp32(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
+
+
+def norm_weight_leaf(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a differentiated leaf (``value_and_grad``'s ``leaf``): a 16-bit tensor as a
+    :class:`NormWeight` leaf sharing its storage (as ``nn.Parameter`` is made), anything else
+    as ``x.detach().requires_grad_()``. The leaf is the parameter the model sees, so no alias
+    stands between it and the forward: an alias made at the forward's start would be the
+    first node of the graph, which the autograd engine runs last, and every gradient would
+    reach its leaf -- and ZeRO's reduction -- only once backward is done.
+
+    Example:
+        >>> import torch
+        >>> w = norm_weight_leaf(torch.ones(2, dtype=torch.bfloat16))
+        >>> type(w).__name__, w.is_leaf, w.requires_grad
+        ('NormWeight', True, True)
+    """
+    if type(x) is torch.Tensor and x.dtype in _LOW:
+        return torch.Tensor._make_subclass(NormWeight, x.detach(), True)
+    return x.detach().requires_grad_(True)
 
 
 def norm_weights(x):

@@ -21,7 +21,7 @@ from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 from fzero.transforms.finite import count_nonfinite
 from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
                                                     stochastic_round, toward_zero, widen)
-from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weights
+from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weight_leaf, norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
 __all__ = ["mixed_precision"]
@@ -62,6 +62,11 @@ class _PrecisionHandler(Handler):
         # The scale travels with the call: a function that seeds its own backward (the
         # pipeline schedule) seeds it with the same scale.
         options["loss_scale"] = options.get("loss_scale", 1.0) * scale
+        if context().jit is None:
+            # The leaves are NormWeights from the start (norm_weight_leaf): no alias whose
+            # backward the engine would run last, holding every gradient until backward is
+            # done (and ZeRO's reduction with them).
+            options.setdefault("leaf", norm_weight_leaf)
         value, grads = next(low_precision, params, args, kwargs, **options)
         if scale != 1.0:
             value = (value[0] / scale, value[1]) if has_aux else value / scale
