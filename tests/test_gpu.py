@@ -108,3 +108,47 @@ def test_offload_init_never_holds_the_optimizer_state_on_the_gpu():
     # Beyond what the caller holds (the module's weights, the state it passed): the bf16
     # copies (2 bytes per parameter) and one fp32 flat group of the masters in passing.
     assert peak <= 6.5 * psi, peak / psi
+
+
+def test_offload_from_a_state_built_on_the_host_keeps_the_optimizer_off_the_gpu():
+    """ZeRO-Offload as DeepSpeed users run it: the model built on the host, the step on the
+    GPU (``Mesh(device="cuda")``). ``init`` moves the parameters there but not the moments
+    ``TrainState.create`` made (they are built again on the host); between steps the GPU
+    holds the bf16 parameters (2 bytes a parameter) and the reduce buffers ZeRO keeps (at most
+    1/16 of the fp32 gradient's bytes: ``_checks.kept_reduce_bytes``); the first loss is the
+    module's own under ``torch.autocast``."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = torch.nn.functional.mse_loss(model.to(dev)(x.to(dev)).float(), y.to(dev)).item()
+    model.to("cpu")
+    apply, params = fzero.functionalize(model)
+    psi = sum(p.numel() for p in params.values())
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+
+    def train_step(state, batch):
+        loss, grads = fzero.value_and_grad(
+            lambda p: torch.nn.functional.mse_loss(state.apply_fn(p, batch["x"]).float(), batch["y"]))(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, device="cuda"), zero=1, precision="bf16",
+                         offload_optimizer="cpu")
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    new = step.init(state)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    assert {x.device.type for x in fzero.tree.leaves(new.params)} == {"cuda"}
+    assert all(x.device.type == "cpu" for x in fzero.tree.leaves(new.opt_state) + fzero.tree.leaves(new.master)
+               if isinstance(x, torch.Tensor) and x.dim() > 0)
+    # The fp32 parameters moved (4 bytes a parameter), their bf16 copies (2) and one fp32
+    # flat group in passing; never the moments (8 more).
+    assert peak <= 6.5 * psi, peak / psi
+    batch = {"x": x.to(dev), "y": y.to(dev)}
+    new, metrics = step(new, batch)
+    assert abs(float(metrics["loss"]) - expected) <= 2e-2 * abs(expected), (float(metrics["loss"]), expected)
+    new, _ = step(new, batch)
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.memory_allocated(dev) - base <= 2.3 * psi, (torch.cuda.memory_allocated(dev) - base) / psi

@@ -303,6 +303,106 @@ def test_parameter_offload_on_two_ranks_equals_stage_3_bit_for_bit(ranks, precis
     assert ranks(2).run(_param_offload_equals_stage_3, precision, offload_optimizer) == [True, True]
 
 
+EVENTS: list[str] = []
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward notes that backward has reached the first layer's output (all
+    that is left is that layer's own gradients)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        EVENTS.append("backward reached the first layer")
+        return g
+
+
+class _Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.h = nn.ModuleList([nn.Linear(6, 6) for _ in range(4)])
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = _Mark.apply(self.inp(x))
+        for block in self.h:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+def _streamed_equals_on_device(stage, precision):
+    """On each rank, under device_check.pretend() (host tensors told from device tensors as on
+    a GPU), a state placed on the device (``Mesh(device=)`` in a world of one): with
+    ``offload_optimizer`` each group's reduced gradient piece is copied to the host as its
+    reduction completes, while backward is still running, and the update reads those copies
+    (nothing copied twice: d2h is the pieces once, in the dtype the non-offloaded update gets
+    them); the trajectory equals the on-device one bit for bit."""
+    from fzero.distributed import device_check
+    from fzero.transforms.shard_state import _reduce
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    item = 4 if precision == "fp32" else 2  # the parameters' bytes, the gradients' too
+    copies, copy = [], _reduce.HostGradients.copy
+
+    def noted(self, gi, r, valid):
+        EVENTS.append("gradient piece to the host")
+        copies.append(device_check.is_host(r))
+        return copy(self, gi, r, valid)
+
+    def run(offload):
+        torch.manual_seed(0)
+        apply, params = fzero.functionalize(_Deep())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1))
+        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1, device="cpu"), zero=stage, precision=precision,
+                             clip_norm=1.0, bucket_bytes=item * (UNIT + 1), offload_optimizer=offload, comm_bytes=True)
+        state, spent, orders = step.init(state), [], []
+        for b in _batches(world):
+            EVENTS.clear()
+            state, m = step(state, ft.local_batch(b, world, rank))
+            spent.append(m.get("offload_bytes"))
+            orders.append(list(EVENTS))
+        return state, spent, orders
+
+    _reduce.HostGradients.copy = noted
+    try:
+        with device_check.pretend():
+            ref, _, _ = run("none")
+            state, spent, orders = run("cpu")
+            for what, a, b in (("parameters", state.params, ref.params), ("optimizer state", state.opt_state,
+                                                                           ref.opt_state)):
+                for x, y in zip(fzero.tree.leaves(fzero.gather(a)), fzero.tree.leaves(fzero.gather(b))):
+                    assert torch.equal(x, y), f"rank {rank}: {what} differ (stage {stage}, {precision})"
+            assert not any(device_check.is_host(p) for p in fzero.tree.leaves(state.params)), rank
+    finally:
+        _reduce.HostGradients.copy = copy
+    assert copies and not any(copies), f"rank {rank}: a piece copied to the host was not on the device"
+    for order in orders:  # the last blocks' pieces left before backward reached the first layer
+        assert order.index("gradient piece to the host") < order.index("backward reached the first layer"), order
+    groups = 1 + 4 + 1  # inp, each block, out: one group each at this bucket
+    assert all(order.count("gradient piece to the host") == groups for order in orders), orders
+    owned = sum(_held(n, world, rank) for n in (4 * 6 + 6, *[UNIT] * 4, 6 * 3 + 3))
+    assert spent == [{"d2h": item * owned, "h2d": item * owned}] * len(spent), (rank, spent, owned)
+    return True
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_copies_each_gradient_piece_to_the_host_as_its_reduction_completes(stage, precision):
+    assert _streamed_equals_on_device(stage, precision)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_on_two_ranks_copies_each_gradient_piece_as_its_reduce_scatter_completes(ranks, stage):
+    assert ranks(2).run(_streamed_equals_on_device, stage, "bf16") == [True, True]
+
+
 def _zero(**zero):
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "bf16": {"enabled": True}, "zero_optimization": zero}

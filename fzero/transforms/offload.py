@@ -25,11 +25,11 @@ import torch
 
 from fzero import tree
 from fzero._params import merge_trainable, trainable
-from fzero.distributed import comm
+from fzero.distributed import comm, device_check
 from fzero.core import Handler, Step, as_step, context, installed, running
 from fzero.transforms._checks import check_option
 
-__all__ = ["host_copy", "offload_optimizer", "write_params"]
+__all__ = ["host_copy", "offload_optimizer", "on_host", "write_params"]
 
 WHERE = "fzero.offload_optimizer"
 
@@ -93,6 +93,12 @@ def write_params(params: Any, masters: Any) -> Any:
     return tree.map(write, params, masters)
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is in host memory: a CPU tensor, or inside ``device_check.pretend()``
+    (a CPU standing for a GPU) one made on the host."""
+    return device_check.is_host(t) if device_check.pretending() else t.device.type == "cpu"
+
+
 class _OffloadHandler(Handler):
     """Runs ``update`` on the host.
 
@@ -114,6 +120,7 @@ class _OffloadHandler(Handler):
         self.rebuilt = getattr(inner_handler, "builds_optimizer_state", False)
         self.ready = False
         self.grads: dict[int, torch.Tensor] = {}  # host gradient buffers, kept between steps
+        self.on_device = False  # whether the parameters live apart from the host (set at init)
 
     def before(self, state):
         # fp32: the parameters stand as their own masters until shard_state, inside, cuts
@@ -129,6 +136,7 @@ class _OffloadHandler(Handler):
             raise ValueError(f"{WHERE}: found no master weights in state.master after the inner transforms' "
                              "init: pass make_masters=True unless a mixed_precision inside makes them")
         self.ready = True
+        self.on_device = any(not on_host(p) for p in tree.leaves(state.params) if isinstance(p, torch.Tensor))
         if getattr(self.inner, "opt_state_on_host", False):  # shard_state built them there
             return state
         # After a shard_state that did not: this rank's pieces, placed on the mesh's device.
@@ -136,9 +144,19 @@ class _OffloadHandler(Handler):
         return state.replace(opt_state=tree.map(host, state.opt_state),
                              master=tree.map(host, state.master))
 
+    def _on_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is in host memory apart from the device: a CPU tensor where the
+        parameters live on a device (inside ``device_check.pretend()``, one made on the
+        host). Where they live on the CPU, the host is the device, and every gradient is
+        copied as it would be from a device."""
+        return self.on_device and on_host(t)
+
     def _to_host(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """Gradient piece ``g`` in host buffer ``i`` (made once: a new buffer every step would
-        be page-faulted in every step)."""
+        be page-faulted in every step); ``g`` itself when it is on the host already (ZeRO's
+        reduction copied it there as it completed: ``shard_state``'s ``HostGradients``)."""
+        if self._on_host(g):
+            return g
         buf = self.grads.get(i)
         if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
             buf = self.grads[i] = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=self.pin)

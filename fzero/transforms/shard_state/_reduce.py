@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from fzero.distributed import comm
+from fzero.distributed import comm, device_check
 from fzero.transforms.shard_state._layout import Layout
 
-__all__ = ["MAX_IN_FLIGHT", "BufferPool", "ReduceSink", "gradients", "reduce_dtype"]
+__all__ = ["MAX_IN_FLIGHT", "BufferPool", "HostGradients", "ReduceSink", "gradients", "reduce_dtype"]
 
 WHERE = "fzero.shard_state"
 # Stages 2-3: reduce-scatters outstanding at once. A group's buffer is taken only once fewer
@@ -131,6 +131,11 @@ class BufferPool:
             self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
 
 
+def _on_host(t: torch.Tensor) -> bool:
+    """A CPU tensor, or inside ``device_check.pretend()`` one made on the host."""
+    return device_check.is_host(t) if device_check.pretending() else t.device.type == "cpu"
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -145,6 +150,47 @@ _SOLE = _storage_uses(torch.empty(1)) if hasattr(torch._C, "_storage_Use_Count")
 def _only_holder(t: torch.Tensor) -> bool:
     """Whether ``t`` is the only tensor using its storage (no view of it is alive)."""
     return _SOLE is not None and _storage_uses(t) == _SOLE
+
+
+class HostGradients:
+    """Host buffers that each group's reduced gradient piece is copied into the moment its
+    reduction completes, while backward goes on (ZeRO-Offload, as DeepSpeed's stage 1-2
+    offload copies each partition's gradient to the host during backward): the device holds
+    a few groups' buffers at a time, never this rank's whole gradient, and the optimizer on
+    the host reads the copies. One buffer per group, kept between steps (a fresh one would be
+    page-faulted in every step), page-locked with ``pin`` (CUDA only), where the copy is
+    asynchronous until :meth:`wait`.
+
+    Example (on a CPU the copy is a plain one, counted all the same):
+        >>> from fzero.distributed import comm
+        >>> host, before = HostGradients(pin=False), comm.traffic.copy()
+        >>> out = host.copy(0, torch.ones(4), valid=3); host.wait()
+        >>> out.tolist(), (comm.traffic - before).copy_bytes()["d2h"]
+        ([1.0, 1.0, 1.0, 0.0], 12)
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin and torch.cuda.is_available()
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._device: torch.device | None = None  # where asynchronous copies are outstanding
+
+    def copy(self, gi: int, r: torch.Tensor, valid: int) -> torch.Tensor:
+        """Group ``gi``'s reduced piece ``r`` in its host buffer: its first ``valid`` elements
+        (the rest is padding past the group's end: zero)."""
+        buf = self.buffers.get(gi)
+        if buf is None or buf.shape != r.shape or buf.dtype != r.dtype:
+            buf = self.buffers[gi] = torch.zeros(r.shape, dtype=r.dtype, pin_memory=self.pin)
+        later = self.pin and r.is_cuda
+        comm.copy_(buf[:valid], r[:valid], kind="d2h", non_blocking=later)
+        if later:
+            self._device = r.device
+        return buf
+
+    def wait(self) -> None:
+        """Every copy made so far has landed (the host may read the buffers)."""
+        if self._device is not None:
+            torch.cuda.current_stream(self._device).synchronize()
+            self._device = None
 
 
 class ReduceSink:
@@ -185,13 +231,19 @@ class ReduceSink:
             then needs no all-reduce of its own). Ignored when the sink holds; a gradient
             kept local (an argument's) is not among the leaves it is given for, so the check
             counts exactly there.
+        to_host: stages 1-3, where the reduced pieces are the update's gradients and the
+            optimizer runs on the host (``offload_optimizer``): each group's piece, averaged
+            and in the dtype :func:`gradients` gives it, is copied there as its reduction
+            completes, and the device's buffer is let go; :meth:`finish` returns the host
+            copies.
     """
 
     def __init__(self, layout: Layout, leaf_names: list[str], *, group, world: int, stage: int,
                  reduce_in: torch.dtype | None, pool: BufferPool, timeout_s: float,
                  held: dict[int, torch.Tensor] | None = None, hold: dict[str, Any] | None = None,
                  summed: bool = False, on_complete: Callable[[int], None] | None = None, overlap: bool = True,
-                 on_value: Callable[[torch.Tensor], None] | None = None, certificate: Any = None):
+                 on_value: Callable[[torch.Tensor], None] | None = None, certificate: Any = None,
+                 to_host: HostGradients | None = None):
         self.layout, self.group, self.world, self.stage = layout, group, world, stage
         self.overlap = overlap  # launch each group as it completes (else all at finish)
         self.reduce_in, self.pool, self.timeout_s = reduce_in, pool, timeout_s
@@ -205,6 +257,8 @@ class ReduceSink:
         self.on_complete, self.on_value = on_complete, on_value
         self.pending: dict[int, comm.Pending] = {}
         self.results: dict[int, torch.Tensor] = {}
+        self.to_host = to_host if stage >= 1 and hold is None else None
+        self.settled: set[int] = set()  # groups whose result is final (averaged, cast, on the host)
         # Frozen leaves have no gradient to certify (see the docstring for a local one).
         certifies = stage >= 1 and world > 1 and hold is None
         self.certificate = certificate if certifies else None
@@ -349,6 +403,7 @@ class ReduceSink:
             self.results[gi] = buf if self.stage == 0 else buf[: group.chunk]
             if self.stage >= 1:  # its memory goes with the gradient (never kept between steps)
                 self.pool.drop(buf)
+                self._settle(gi)
             return
         if self.stage == 0:
             self.pending[gi] = comm.start(
@@ -374,6 +429,25 @@ class ReduceSink:
     def _complete(self, gi: int) -> None:
         self.results[gi] = self.pending.pop(gi).wait(self.timeout_s)
         self.pool.give(self.sending.pop(gi))
+        self._settle(gi)
+
+    def _settle(self, gi: int) -> None:
+        """With :attr:`to_host`: group ``gi``'s reduced piece made final -- averaged over the
+        ranks and cast as :func:`gradients` would, on the device, in that order (the same
+        bits) -- and copied to the host; the device's copy goes with its last reference.
+        (On a CPU, where the host is the device, nothing is moved early, unless
+        ``device_check.pretend()`` tells them apart, as on a GPU.)"""
+        group, r = self.layout.groups[gi], self.results[gi]
+        if self.to_host is None or _on_host(r):
+            return  # the gradient is in host memory already (on a CPU the host is the device)
+        if self.world > 1:
+            r.div_(self.world)
+        dtype = torch.promote_types(group.dtype, torch.float32) if self.summed else group.dtype
+        if r.dtype != dtype:
+            r = r.to(dtype)
+        valid = max(0, min(group.numel - group.rank * group.chunk, group.chunk))  # the rest is padding
+        self.results[gi] = self.to_host.copy(gi, r, valid)
+        self.settled.add(gi)
 
     def finish(self) -> list[Any]:
         """The gradient leaves in flatten order (``None`` for frozen ones): this rank's share
@@ -395,8 +469,11 @@ class ReduceSink:
                 else:
                     self.results[gi] = self.pending.pop(gi).wait(self.timeout_s)
             if self.world > 1:
-                for r in self.results.values():
-                    r.div_(self.world)
+                for gi, r in self.results.items():
+                    if gi not in self.settled:
+                        r.div_(self.world)
+            if self.to_host is not None:
+                self.to_host.wait()
             grads = gradients(self.layout, self.results, stage=self.stage, group=self.group, keep_fp32=self.summed)
             if self.stage == 0:  # the gradients are views of the reduced buffers
                 for r in self.results.values():

@@ -54,7 +54,7 @@ from fzero.transforms._deferred import Deferred
 from fzero.transforms.shard_state._checks import check_same_model
 from fzero.transforms.shard_state._collectives import all_gather_params, sync_buffers
 from fzero.transforms.shard_state._layout import Layout, build_layout
-from fzero.transforms.shard_state._reduce import MAX_IN_FLIGHT, BufferPool, ReduceSink
+from fzero.transforms.shard_state._reduce import MAX_IN_FLIGHT, BufferPool, HostGradients, ReduceSink
 from fzero.transforms.shard_state._shard import Shard
 from fzero.transforms.shard_state._units import Units, find_units
 
@@ -103,6 +103,7 @@ class _ShardHandler(Handler):
         self.builds_optimizer_state = stage >= 1
         self.opt_state_on_host = False
         self.pool = BufferPool()
+        self.host_gradients: HostGradients | None = None  # offload_optimizer: where reduced pieces go
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
         self.loss_sums = None  # (loss, sums, pending): the all-reduce _mean_value waits for
         self.rows = -1  # the leading size of this step's local batch (-1: no batched tensor)
@@ -359,7 +360,20 @@ class _ShardHandler(Handler):
                           stage=self.stage,
                           reduce_in=self.reduce_in, pool=self.pool, timeout_s=self.timeout_s,
                           overlap=self.overlap_comm, on_value=self._start_loss_sums if self.world > 1 else None,
-                          certificate=self._certificate(), **options)
+                          certificate=self._certificate(), to_host=self._gradients_to_host(), **options)
+
+    def _gradients_to_host(self) -> HostGradients | None:
+        """Where the reduced pieces go as each group's reduction completes: to the host when
+        the optimizer runs there (``offload_optimizer``) and this backward's pieces are the
+        update's gradients (one micro-batch, or stages 0-1's last, which reduces the sum;
+        at stages 2-3 each micro-batch's pieces are summed on the device first)."""
+        here = context()
+        if self.stage == 0 or self.local or not here.offload_optimizer or (
+                self.stage >= 2 and here.micro_batch.count > 1):
+            return None
+        if self.host_gradients is None:
+            self.host_gradients = HostGradients(self.pin)
+        return self.host_gradients
 
     def _certificate(self):
         """``check_finite``'s holder for the sink to certify the gradients it reduces, where
