@@ -1,0 +1,122 @@
+"""What a training step holds on the device, with and without ``offload_optimizer``, per parameter.
+
+One process, an MLP of ``--blocks`` layers of ``--width`` (AdamW), handed to ``step.init``
+on the host and placed on a device with ``fzero.Mesh(dp=1, device=...)``. There is no GPU
+here: the step runs inside ``device_check.pretend()``, which tells the tensors made on the
+host from the ones made on the device as a GPU would (the CPU standing for it). After every
+operation of the second step the distinct storages of the live device tensors are added up;
+the table gives the most, over Ψ. Activations are small here (4 rows), so this is the
+model's states and gradients: what decides how large a model offload can train beside the
+one without it, before activations (``benchmarks/gpu_step.py --largest`` measures that on
+a GPU).
+
+    python benchmarks/offload_memory.py [--width 256] [--blocks 8] [--groups 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fzero  # noqa: E402
+from fzero import optim  # noqa: E402
+from fzero.distributed import device_check  # noqa: E402
+
+VARIANTS = [
+    {"zero": 1, "precision": "bf16"},
+    {"zero": 1, "precision": "bf16", "offload_optimizer": "cpu"},
+    {"zero": 2, "precision": "bf16", "offload_optimizer": "cpu"},
+    {"zero": 1},
+    {"zero": 1, "offload_optimizer": "cpu"},
+]
+
+
+def _device_bytes() -> int:
+    """Bytes of the distinct storages of every live tensor made on the device."""
+    seen = {}
+    with warnings.catch_warnings():  # isinstance on a deprecated object of torch's warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in objects:
+        if not device_check.is_host(o):
+            try:
+                storage = o.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _Peak(TorchDispatchMode):
+    def __init__(self, least: int):
+        super().__init__()
+        self.peak, self.least = 0, least
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # The device's bytes only rise when an operation allocates there: counted after
+        # those that return a device tensor of some size (a count after every operation
+        # would walk the heap thousands of times a step).
+        made = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.numel() * t.element_size() >= self.least and not device_check.is_host(t) for t in made):
+            self.peak = max(self.peak, _device_bytes())
+        return out
+
+
+def _step(state, batch):
+    loss, grads = fzero.value_and_grad(lambda p: F.mse_loss(state.apply_fn(p, batch["x"]).float(), batch["y"]))(
+        state.params)
+    return state.apply_gradients(grads), {"loss": loss}
+
+
+def step_device_peak(width: int, blocks: int, groups: int = 4, **options) -> tuple[int, int]:
+    """(Ψ, the most bytes the device held during a step), the model cut into ``groups``
+    reduction groups (``bucket_bytes``: Ψ / ``groups`` parameters each). The suite's
+    bound on offload's device memory counts with it (``tests/test_offload.py``)."""
+    gc.collect()
+    with device_check.pretend():
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
+        apply, params = fzero.functionalize(module)
+        psi = sum(p.numel() for p in params.values())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
+        del params, module
+        item = 2 if options.get("precision") in ("bf16", "fp16") else 4  # the parameters' bytes
+        step = fzero.compile(_step, fzero.Mesh(dp=1, device="cpu"), bucket_bytes=item * -(-psi // groups), **options)
+        state = step.init(state)
+        batch = {"x": torch.randn(4, width), "y": torch.randn(4, width)}
+        state, _ = step(state, batch)  # the first step makes what the steps keep
+        peak = _Peak(least=width * 4)  # a layer's bias in fp32; a weight is width times that
+        with peak:
+            state, _ = step(state, batch)
+        del state, step
+    return psi, peak.peak
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4, help="reduction groups the model is cut into")
+    args = p.parse_args(argv)
+    print(f"device bytes per parameter at a step's peak (MLP {args.blocks} x {args.width}, {args.groups} "
+          f"reduction groups, AdamW, 4 rows; under device_check.pretend(); torch {torch.__version__})")
+    print("| options | device bytes / parameter at the step's peak |")
+    print("| --- | ---: |")
+    for options in VARIANTS:
+        psi, peak = step_device_peak(args.width, args.blocks, args.groups, **options)
+        name = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        print(f"| `{name}` | {peak / psi:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
