@@ -10,8 +10,10 @@ Phases, each in processes of its own with its own time limit (a share of ``--bud
   again on the tests not yet run, until the phase's time is up (a test still running then is
   ``unfinished``);
 * ``offload``: ``benchmarks/gpu_step.py --largest`` at 350M width, the deepest GPT trainable
-  with and without ``offload_optimizer="cpu"`` (device memory capped so that it takes
-  seconds a try). It needs the GPU's memory but not its clock, so it runs beside ``tests``;
+  with and without ``offload_optimizer="cpu"`` (device memory capped at 8 GiB so that it
+  takes seconds a try; one sequence of 1024 tokens a step, so that the model's states, which
+  offload moves, decide the depth rather than the activations, which it does not). It needs
+  the GPU's memory but not its clock, so it runs beside ``tests``;
 * ``bench_124m``, ``bench_350m``: ``benchmarks/gpu_step.py`` at each preset, contestants
   ``plain``, ``fzero``, ``compiled``, ``fzero-jit``, alone on the GPU one after the other.
 
@@ -394,7 +396,8 @@ def bench_argv(py: str, preset: str, device: str, limit: float, out: Path, dry: 
 
 def offload_argv(py: str, limit: float, out: Path) -> list[str]:
     return [py, str(ROOT / "benchmarks" / "gpu_step.py"), "--device", "cuda", "--preset", "350m",
-            "--contestants", "none", "--largest", "--largest-memory-gib", "12", "--json", str(out),
+            "--contestants", "none", "--largest", "--largest-memory-gib", "8", "--largest-batch", "1",
+            "--json", str(out),
             "--time-limit", f"{limit:.0f}"]
 
 
