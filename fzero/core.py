@@ -43,7 +43,8 @@ Options travel with a call: ``value_and_grad`` carries ``has_aux``, ``grad_sink`
 transform that reduces gradients while backward runs), ``loss_scale`` (the factor a
 handler has multiplied the loss by, so that a function seeding its own backward -- the
 pipeline schedule -- seeds it with the same scale) and ``leaf`` (how the differentiated
-leaves are made: mixed precision's are its ``NormWeight`` tensors). A handler adds to them
+leaves are made: mixed precision's are its ``NormWeight`` tensors, ``torch_autocast``'s
+carry the hook that rounds a gradient). A handler adds to them
 and passes the rest on untouched.
 
 ``init`` runs once, before the first step, as one traversal of the nesting -- an onion.
@@ -530,16 +531,19 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     value (the loss, still attached) before backward starts, so that a reduction of it can
     run while backward does. ``loss_scale`` (the factor a
     handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
-    runs. ``leaf(x)``, where a handler gives one, makes the differentiated leaf of each
-    trainable tensor (default ``x.detach().requires_grad_()``): a leaf of a tensor subclass
-    made here, rather than an alias made inside ``fn``, whose backward node -- created
-    before the forward's -- the engine would run last, holding every gradient behind it
-    until backward is done.
+    runs. ``leaf(x, name)``, where a handler gives one, makes the differentiated leaf of each
+    trainable tensor (``name``: its key in ``params``; default ``x.detach().requires_grad_()``):
+    a leaf of a tensor subclass, or one with a gradient hook, made here rather than an alias
+    made inside ``fn``, whose backward node -- created before the forward's -- the engine
+    would run last, holding every gradient behind it until backward is done.
     """
     leaves, spec = tree.flatten(params)
     train = _trainable_flags(params, len(leaves))
-    make = leaf if leaf is not None else (lambda x: x.detach().requires_grad_(True))
-    inputs = [make(x) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
+    if leaf is None:
+        inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
+    else:
+        names = [_key(path) for path in tree.paths(params)]
+        inputs = [leaf(x, n) if t and _differentiable(x) else x for x, t, n in zip(leaves, train, names)]
     wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
     bindings = contextlib.ExitStack()
     token, scale_token = _BINDINGS.set(bindings), _LOSS_SCALE.set(loss_scale)
@@ -566,6 +570,14 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
         aux = tree.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
         return (value, aux), tree.unflatten(spec, out_leaves)
     return value, tree.unflatten(spec, out_leaves)
+
+
+def _key(path) -> str:
+    """A leaf's name in the parameters: its key in a dict of them (``functionalize``'s), else
+    its path written out."""
+    if len(path) == 1 and isinstance(getattr(path[0], "entry", None), str):
+        return path[0].entry
+    return tree.keystr(path)
 
 
 def keeping_function_modes(fn: Callable) -> Callable:

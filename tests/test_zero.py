@@ -555,14 +555,16 @@ class _BackwardAt(torch.autograd.Function):
         return g, None
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "autocast"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gradients_reach_the_reduction_while_backward_runs_at_every_precision(stage, precision):
     """Each parameter's gradient reaches ZeRO's reduce sink as autograd completes it, while
     backward runs on below: the last layers' before backward reaches the first layer, at 16
-    bits as at 32. (Mixed precision's parameters once entered the forward through an alias
-    made at its start, the first node of the graph, which the engine runs last: every
-    gradient arrived after the whole backward, and no reduction overlapped it.)"""
+    bits as at 32, and under ``torch_autocast`` with its Linear gradients rounded to bf16.
+    (Mixed precision's parameters, and torch_autocast's rounded ones, once entered the
+    forward through an alias made at its start, the first node of the graph, which the
+    engine runs last: every gradient arrived after the whole backward, and no reduction
+    overlapped it.)"""
     from fzero.transforms.shard_state import _reduce
 
     seen, on_grad = [], _reduce.ReduceSink.on_grad
@@ -587,7 +589,8 @@ def test_gradients_reach_the_reduction_while_backward_runs_at_every_precision(st
     torch.manual_seed(0)
     apply, params = fzero.functionalize(Net())
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1))
-    step = fzero.compile(ft.mse_step, zero=stage, precision=precision, bucket_bytes=64, max_reuse_distance=0)
+    dtypes = {"torch_autocast": "bf16"} if precision == "autocast" else {"precision": precision}
+    step = fzero.compile(ft.mse_step, zero=stage, bucket_bytes=64, max_reuse_distance=0, **dtypes)
     state = step.init(state)
     _reduce.ReduceSink.on_grad = noted
     try:

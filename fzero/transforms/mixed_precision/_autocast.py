@@ -78,14 +78,21 @@ def safe_module_classes(names: Sequence[str], where: str = WHERE) -> tuple[type,
     return tuple(out)
 
 
-def _rounding_alias(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An alias of ``p`` whose gradient is rounded to ``dtype`` and back on its way to ``p``:
-    a rank's gradient as it enters a low-precision reduction bucket. A plain view with a
-    tensor hook (not a custom autograd Function, whose view output ZeRO-3's freeing of a
-    gathered unit in place would trip), made per call, so no hook outlives the call."""
-    q = p.view_as(p)
-    q.register_hook(lambda g: g.to(dtype).to(g.dtype))
-    return q
+def _rounding_leaf(low: frozenset, dtype: torch.dtype):
+    """``value_and_grad``'s ``leaf``: each differentiated leaf, those named in ``low`` with a
+    hook that rounds their gradient to ``dtype`` and back before it is accumulated: a rank's
+    gradient as it enters a low-precision reduction bucket. A hook on the leaf itself, not an
+    alias made in the forward (whose backward the engine would run last, holding those
+    gradients, and ZeRO's reduction, until backward was done); made per call, so no hook
+    outlives the call."""
+
+    def leaf(x: torch.Tensor, name: str | None) -> torch.Tensor:
+        out = x.detach().requires_grad_(True)
+        if name in low:
+            out.register_hook(lambda g: g.to(dtype).to(g.dtype))
+        return out
+
+    return leaf
 
 
 def _round(x, dtype):
@@ -105,7 +112,9 @@ class _AutocastHandler(Handler):
     def value_and_grad(self, fn, params, args, kwargs, *, next, **options):
         dtype, low = self.dtype, self.low if self.round_grads else frozenset()
         by_name = isinstance(params, dict)
-        value, grads = next(self._autocast(fn, low if by_name else frozenset()), params, args, kwargs, **options)
+        if low and by_name:
+            options.setdefault("leaf", _rounding_leaf(low, dtype))
+        value, grads = next(self._autocast(fn), params, args, kwargs, **options)
         if low and by_name and isinstance(grads, dict):
             grads = with_values(grads, {name: _round(grads[name], dtype) for name in low & grads.keys()
                                         if grads[name] is not None})
@@ -114,18 +123,14 @@ class _AutocastHandler(Handler):
     def forward(self, fn, params, args, kwargs, *, next):
         # An evaluation inside the step runs under the training forward's autocast (no
         # gradient to round).
-        return next(self._autocast(fn, frozenset()), params, args, kwargs)
+        return next(self._autocast(fn), params, args, kwargs)
 
-    def _autocast(self, fn, low: frozenset):
-        """``fn`` under autocast; the parameters named in ``low`` through an alias that
-        rounds their gradients to the low dtype."""
+    def _autocast(self, fn):
+        """``fn`` under autocast."""
         dtype = self.dtype
 
         @functools.wraps(fn)
         def autocast(p, *a, **kw):
-            if low:
-                p = with_values(p, {name: _rounding_alias(p[name], dtype) for name in low & p.keys()
-                                    if isinstance(p[name], torch.Tensor) and p[name].requires_grad})
             with torch.autocast(device_type=next_device(p), dtype=dtype):
                 return fn(p, *a, **kw)
 

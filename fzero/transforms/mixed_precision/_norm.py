@@ -89,7 +89,7 @@ def _fp32(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x
 
 
-def norm_weight_leaf(x: torch.Tensor) -> torch.Tensor:
+def norm_weight_leaf(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """``x`` as a differentiated leaf (``value_and_grad``'s ``leaf``): a 16-bit tensor as a
     :class:`NormWeight` leaf sharing its storage (as ``nn.Parameter`` is made), anything else
     as ``x.detach().requires_grad_()``. The leaf is the parameter the model sees, so no alias
