@@ -47,12 +47,13 @@ def _device_bytes() -> int:
         warnings.simplefilter("ignore")
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     for o in objects:
-        if not device_check.is_host(o):
-            try:
-                storage = o.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
+        if o.device.type == "meta" or device_check.is_host(o):
+            continue
+        try:  # a tensor without real storage (a fake one another program left behind) is none of the step's
+            storage = o.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            continue
     return sum(seen.values())
 
 
