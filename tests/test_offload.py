@@ -20,6 +20,7 @@ import fzero.testing as ft
 from fzero import optim
 from fzero.distributed import comm
 from fzero.transforms.shard_state import is_shard
+from harness.marks import REACHED_FIRST_LAYER, BackwardReached
 
 
 # 4*5 + 5 + 5*3 + 3 = 43 parameters: one flat group padded to 44 over 2 ranks, so rank 0
@@ -306,20 +307,6 @@ def test_parameter_offload_on_two_ranks_equals_stage_3_bit_for_bit(ranks, precis
 EVENTS: list[str] = []
 
 
-class _Mark(torch.autograd.Function):
-    """Identity; its backward notes that backward has reached the first layer's output (all
-    that is left is that layer's own gradients)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        EVENTS.append("backward reached the first layer")
-        return g
-
-
 class _Deep(nn.Module):
     def __init__(self):
         super().__init__()
@@ -328,7 +315,7 @@ class _Deep(nn.Module):
         self.out = nn.Linear(6, 3)
 
     def forward(self, x):
-        x = _Mark.apply(self.inp(x))
+        x = BackwardReached.apply(self.inp(x), EVENTS)
         for block in self.h:
             x = torch.tanh(block(x))
         return self.out(x)
@@ -382,7 +369,7 @@ def _streamed_equals_on_device(stage, precision):
         _reduce.HostGradients.copy = copy
     assert copies and not any(copies), f"rank {rank}: a piece copied to the host was not on the device"
     for order in orders:  # the last blocks' pieces left before backward reached the first layer
-        assert order.index("gradient piece to the host") < order.index("backward reached the first layer"), order
+        assert order.index("gradient piece to the host") < order.index(REACHED_FIRST_LAYER), order
     groups = 1 + 4 + 1  # inp, each block, out: one group each at this bucket
     assert all(order.count("gradient piece to the host") == groups for order in orders), orders
     owned = sum(_held(n, world, rank) for n in (4 * 6 + 6, *[UNIT] * 4, 6 * 3 + 3))

@@ -22,6 +22,7 @@ import fzero
 import fzero.testing as ft
 from fzero import optim
 from fzero.transforms.shard_state import is_shard
+from harness.marks import REACHED_FIRST_LAYER, BackwardReached
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -541,20 +542,6 @@ def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_ran
             "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
 
 
-class _BackwardAt(torch.autograd.Function):
-    """Identity; its backward notes that backward has reached the first layer's output."""
-
-    @staticmethod
-    def forward(ctx, x, seen):
-        ctx.seen = seen
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.seen.append("backward reached the first layer")
-        return g, None
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "autocast"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gradients_reach_the_reduction_while_backward_runs_at_every_precision(stage, precision):
@@ -577,7 +564,7 @@ def test_gradients_reach_the_reduction_while_backward_runs_at_every_precision(st
             self.norm = nn.LayerNorm(8)
 
         def forward(self, x):
-            x = _BackwardAt.apply(self.first(x), seen)
+            x = BackwardReached.apply(self.first(x), seen)
             for layer in self.rest:
                 x = torch.tanh(layer(x))
             return self.norm(x)
@@ -597,7 +584,7 @@ def test_gradients_reach_the_reduction_while_backward_runs_at_every_precision(st
         step(state, {"x": torch.randn(4, 8), "y": torch.randn(4, 8)})
     finally:
         _reduce.ReduceSink.on_grad = on_grad
-    mark = seen.index("backward reached the first layer")
+    mark = seen.index(REACHED_FIRST_LAYER)
     assert {"norm.weight", "rest.2.weight", "rest.0.bias"} <= set(seen[:mark]), seen
     assert {"first.weight", "first.bias"} <= set(seen[mark:]), seen
 

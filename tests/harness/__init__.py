@@ -5,6 +5,7 @@
   ``tests/conftest.py``), every failure named by rank;
 - :mod:`harness.commands`: ``run_command``, ``reap``: run ``fzero launch`` / torchrun to its
   end or a timeout and kill whatever it left behind;
+- :mod:`harness.marks`: ``BackwardReached``: a mark in backward (what ran before it);
 - ``harness/fault_job.py``: a small training job that resumes from its checkpoints and fails
   on demand, run under ``fzero launch`` by ``tests/test_faults.py`` and ``benchmarks/faults.py``.
 
