@@ -82,7 +82,8 @@ ORDER: tuple[Layer, ...] = (
           lambda s, p: mixed_precision(s, p.opts.precision, p.opts.loss_scale,
                                        check_grad_overflow=p.opts.check_grad_overflow,
                                        master_weights=p.opts.master_weights, optimizer_states=p.opts.optimizer_states,
-                                       rounding=p.opts.rounding, **p.opts.scaler()),
+                                       rounding=p.opts.rounding, check_by_norm=p.opts.clip_norm is not None,
+                                       **p.opts.scaler()),
           "inside ZeRO: its init makes the masters and the low-precision copies, which shard_state's init then "
           "partitions and gathers (half the bytes)"),
     Layer("torch_autocast", lambda p: p.opts.torch_autocast is not None,

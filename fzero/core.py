@@ -532,7 +532,8 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     run while backward does. ``loss_scale`` (the factor a
     handler multiplies ``fn``'s loss by) is what :func:`loss_scale` answers while ``fn``
     runs. ``leaf(x, name)``, where a handler gives one, makes the differentiated leaf of each
-    trainable tensor (``name``: its key in ``params``; default ``x.detach().requires_grad_()``):
+    trainable tensor (``name``: its key in ``params``, ``None`` for a ``leaf`` whose
+    ``by_name`` attribute is false; default ``x.detach().requires_grad_()``):
     a leaf of a tensor subclass, or one with a gradient hook, made here rather than an alias
     made inside ``fn``, whose backward node -- created before the forward's -- the engine
     would run last, holding every gradient behind it until backward is done.
@@ -541,8 +542,8 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     train = _trainable_flags(params, len(leaves))
     if leaf is None:
         inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
-    else:
-        names = [_key(path) for path in tree.paths(params)]
+    else:  # the names only for a leaf that reads them (a walk of the tree less for one that does not)
+        names = [_key(path) for path in tree.paths(params)] if getattr(leaf, "by_name", True) else [None] * len(leaves)
         inputs = [leaf(x, n) if t and _differentiable(x) else x for x, t, n in zip(leaves, train, names)]
     wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
     bindings = contextlib.ExitStack()

@@ -561,6 +561,38 @@ def test_with_a_clip_the_verdict_is_the_global_norm_and_is_taken_once():
     assert not bool(metrics["skipped"]) and int(state.step) == 1
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_under_bf16_with_a_clip_the_overflow_check_is_the_clip_s_norm(zero):
+    """``compile(precision="bf16", clip_norm=)``: mixed precision's overflow check takes the
+    clip's global norm, which the clip then reuses -- one pass over the gradients a step
+    (``torch._foreach_norm`` is called once), where the check and the clip made one each;
+    an inf gradient still skips the update, and gradients whose sum of squares overflows
+    are skipped too, as in fp32 with a clip; without a clip the check stays exact."""
+    calls, real = [], torch._foreach_norm
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    step = fzero.compile(_train_step, zero=zero, precision="bf16", clip_norm=1.0)
+    state = step.init(_state(_model()))
+    batches = _batches(2, bad_at=(1,))
+    torch._foreach_norm = counted
+    try:
+        state, metrics = step(state, batches[0])
+    finally:
+        torch._foreach_norm = real
+    assert len(calls) == 1 and not bool(metrics["skipped"]) and int(state.step) == 1, calls
+    state, metrics = step(state, batches[1])  # an inf in the input: inf/nan gradients
+    assert bool(metrics["skipped"]) and int(state.step) == 1
+    x = torch.ones(2, 3)
+    for clip_norm, skipped in ((1.0, True), (None, False)):
+        huge = fzero.compile(_huge_step, zero=zero, precision="bf16", clip_norm=clip_norm)
+        state = huge.init(_state(_model()))
+        state, metrics = huge(state, (x,))
+        assert bool(metrics["skipped"]) is skipped and int(state.step) == int(not skipped), clip_norm
+
+
 def test_a_known_norm_serves_only_the_same_unchanged_leaves():
     from fzero.optim import global_sumsq, known_sumsq
 

@@ -108,6 +108,9 @@ def norm_weight_leaf(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
     return x.detach().requires_grad_(True)
 
 
+norm_weight_leaf.by_name = False  # the leaf does not depend on the parameter's name
+
+
 def norm_weights(x):
     """A 16-bit tensor as a :class:`NormWeight` (an alias); anything else as it is."""
     if type(x) is torch.Tensor and x.dtype in _LOW:

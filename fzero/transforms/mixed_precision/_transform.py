@@ -4,6 +4,7 @@ weights ``_norm.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Literal
@@ -18,6 +19,7 @@ from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, 
                         psum)
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
+from fzero.optim.clipping import global_sumsq, known_sumsq
 from fzero.transforms.finite import count_nonfinite
 from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
                                                     stochastic_round, toward_zero, widen)
@@ -35,8 +37,8 @@ KEPT_IN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class _PrecisionHandler(Handler):
     def __init__(self, dtype: torch.dtype, loss_scale, opts: dict, check_grad_overflow: bool, *,
-                 master_dtype: torch.dtype = torch.float32, rounding: str = "nearest"):
-        self.dtype, self.loss_scale, self.opts = dtype, loss_scale, opts
+                 master_dtype: torch.dtype = torch.float32, rounding: str = "nearest", by_norm: bool = False):
+        self.dtype, self.loss_scale, self.opts, self.by_norm = dtype, loss_scale, opts, by_norm
         self.master_dtype, self.rounding = master_dtype, rounding
         # A loss scaler needs the verdict on every update; without one it is the user's choice.
         self.check = loss_scale is not None or check_grad_overflow
@@ -109,7 +111,18 @@ class _PrecisionHandler(Handler):
         # pieces are finite still skips when another rank's are not (DeepSpeed all-reduces
         # its overflow flag with MAX), the same count check_finite takes.
         leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
-        flag = psum(count_nonfinite(leaves, state))
+        known = contextlib.nullcontext()
+        if self.by_norm and scale == 1.0 and not any(is_deferred(g) for g in leaves):
+            # A clip follows: its global norm decides, finite exactly when every element
+            # is (unless the sum of squares itself overflows, past about 1e19 an element,
+            # which is skipped too, as check_finite's by_norm skips it), taken once here for
+            # the clip to use (optim.known_sumsq): one pass over the gradients and one psum
+            # where the check and the clip took two each.
+            local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard)
+            sumsq = global_sumsq(local)
+            flag, known = (~torch.isfinite(sumsq)).to(torch.float32), known_sumsq(local, sumsq)
+        else:
+            flag = psum(count_nonfinite(leaves, state))
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
         unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
@@ -117,7 +130,8 @@ class _PrecisionHandler(Handler):
         # outside this transform must still count this micro-batch, and the verdict is
         # for the whole update (every micro-batch of it), as DeepSpeed checks the
         # accumulated gradient. It runs with the verdict still on the device.
-        new, overflow = update_under_verdict(flag, self.pending_overflow, lambda: next(state, unscaled))
+        with known:
+            new, overflow = update_under_verdict(flag, self.pending_overflow, lambda: next(state, unscaled))
         if isinstance(new, NotApplied) and new.reason == "deferred":  # an accumulation outside:
             self.pending_overflow = overflow  # remember, decide at the update's last micro-batch
             return new
@@ -270,6 +284,7 @@ def mixed_precision(
     master_weights: Literal["fp32", "bf16"] = "fp32",
     optimizer_states: Literal["fp32", "bf16"] = "fp32",
     rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
+    check_by_norm: bool = False,
 ) -> Step:
     """Compute in bf16 or fp16 with fp32 master weights; skip updates whose gradients are
     not finite.
@@ -332,6 +347,12 @@ def mixed_precision(
             the rounding dropped; the update computes with weight plus compensation, so
             small updates add up deterministically.
 
+        check_by_norm: a clip by global norm follows inside (``compile(clip_norm=)`` sets
+            it): without a loss scale, the verdict is that norm, taken here once for the
+            clip to use -- finite exactly when every gradient element is, unless its sum of
+            squares overflows (elements past about 1e19, skipped too, as
+            :func:`fzero.check_finite`'s ``by_norm`` does) -- one pass and one ``psum`` less.
+
     Returns:
         A :class:`Step`. Its metrics carry ``skipped`` (whether this update was skipped)
         whenever gradients are checked, and under fp16 with a scale ``loss_scale`` (the
@@ -390,8 +411,9 @@ def mixed_precision(
     opts = dict(window=loss_scale_window, hysteresis=hysteresis, consecutive=consecutive_hysteresis,
                 min_scale=float(min_loss_scale))
     master_dtype, states_dtype = KEPT_IN[master_weights], KEPT_IN[optimizer_states]
+    check_option(WHERE, "check_by_norm", check_by_norm, "check_grad_overflow")  # a bool, the same check
     handler = _PrecisionHandler(DTYPES[dtype], loss_scale, opts, check_grad_overflow, master_dtype=master_dtype,
-                                rounding=rounding)
+                                rounding=rounding, by_norm=check_by_norm)
 
     def before(state):
         # Before the inner transforms' init, so that a shard_state inside or outside this
