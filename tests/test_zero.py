@@ -262,6 +262,23 @@ def test_init_moves_no_optimizer_state_it_builds_again_to_the_device(options, pl
     del held
 
 
+def _mesh_on_another_device():
+    """On each rank of a gloo group: the error of a Mesh that names CUDA for it."""
+    try:
+        fzero.Mesh(dp=-1, device="cuda")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+def test_a_mesh_device_must_be_the_process_group_s(ranks):
+    said = ranks(2).run(_mesh_on_another_device)
+    for rank, message in enumerate(said):
+        assert message is not None and f"device='cuda' on rank {rank} of 2" in message, said
+        assert "moves tensors on cpu (backend 'gloo')" in message, said
+
+
 def test_a_mesh_device_must_exist_and_be_a_device():
     with pytest.raises(ValueError, match=r"device='nowhere' is not a device"):
         fzero.Mesh(dp=1, device="nowhere")
