@@ -394,9 +394,9 @@ def test_an_offloaded_step_holds_on_the_device_the_parameters_and_one_group_in_f
     """What an offloaded step holds on the device at its peak (every live device tensor after
     every allocating operation, under device_check.pretend(); benchmarks/offload_memory.py):
     the bf16 parameters and the group being reduced -- its fp32 buffer, its cast, one leaf's
-    gradient -- not this rank's whole gradient. It read 8.03 bytes per parameter when the
+    gradient -- not this rank's whole gradient. It read 8.02 bytes per parameter when the
     gradients reached the host only at the update (fp32 reduce results, their bf16 casts),
-    3.80 now, against 20.03 without offload."""
+    3.79 now, against 20.02 without offload (benchmarks/offload_memory.py's model)."""
     import sys
     from pathlib import Path
 
