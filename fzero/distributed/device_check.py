@@ -43,7 +43,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fzero.distributed._errors import CollectiveError
 
-__all__ = ["ENV", "PRETEND_DEVICE", "DeviceMismatchError", "guard", "is_host", "on_host", "pretend", "pretending"]
+__all__ = ["ENV", "PRETEND_DEVICE", "DeviceMismatchError", "guard", "in_host_memory", "is_host", "on_host", "pretend",
+           "pretending"]
 
 ENV = "FZERO_CHECK_DEVICE"
 # The mesh's device inside pretend(): the CPU, told apart from other CPU devices by identity.
@@ -136,6 +137,12 @@ def is_host(t: torch.Tensor) -> bool:
     """Inside :func:`pretend`: whether ``t`` was made on the host (``False`` outside it)."""
     tracker = _TRACKER
     return tracker is not None and tracker.is_host(t)
+
+
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is in host memory: a CPU tensor, or inside :func:`pretend` (a CPU standing
+    for a GPU) one made on the host."""
+    return is_host(t) if _TRACKER is not None else t.device.type == "cpu"
 
 
 @contextlib.contextmanager

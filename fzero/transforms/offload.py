@@ -29,7 +29,7 @@ from fzero.distributed import comm, device_check
 from fzero.core import Handler, Step, as_step, context, installed, running
 from fzero.transforms._checks import check_option
 
-__all__ = ["host_copy", "offload_optimizer", "on_host", "write_params"]
+__all__ = ["host_copy", "offload_optimizer", "write_params"]
 
 WHERE = "fzero.offload_optimizer"
 
@@ -93,12 +93,6 @@ def write_params(params: Any, masters: Any) -> Any:
     return tree.map(write, params, masters)
 
 
-def on_host(t: torch.Tensor) -> bool:
-    """Whether ``t`` is in host memory: a CPU tensor, or inside ``device_check.pretend()``
-    (a CPU standing for a GPU) one made on the host."""
-    return device_check.is_host(t) if device_check.pretending() else t.device.type == "cpu"
-
-
 class _OffloadHandler(Handler):
     """Runs ``update`` on the host.
 
@@ -136,7 +130,8 @@ class _OffloadHandler(Handler):
             raise ValueError(f"{WHERE}: found no master weights in state.master after the inner transforms' "
                              "init: pass make_masters=True unless a mixed_precision inside makes them")
         self.ready = True
-        self.on_device = any(not on_host(p) for p in tree.leaves(state.params) if isinstance(p, torch.Tensor))
+        self.on_device = any(not device_check.in_host_memory(p) for p in tree.leaves(state.params)
+                             if isinstance(p, torch.Tensor))
         if getattr(self.inner, "opt_state_on_host", False):  # shard_state built them there
             return state
         # After a shard_state that did not: this rank's pieces, placed on the mesh's device.
@@ -149,7 +144,7 @@ class _OffloadHandler(Handler):
         parameters live on a device (inside ``device_check.pretend()``, one made on the
         host). Where they live on the CPU, the host is the device, and every gradient is
         copied as it would be from a device."""
-        return self.on_device and on_host(t)
+        return self.on_device and device_check.in_host_memory(t)
 
     def _to_host(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """Gradient piece ``g`` in host buffer ``i`` (made once: a new buffer every step would

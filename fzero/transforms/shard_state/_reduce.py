@@ -131,11 +131,6 @@ class BufferPool:
             self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
 
 
-def _on_host(t: torch.Tensor) -> bool:
-    """A CPU tensor, or inside ``device_check.pretend()`` one made on the host."""
-    return device_check.is_host(t) if device_check.pretending() else t.device.type == "cpu"
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -438,7 +433,7 @@ class ReduceSink:
         (On a CPU, where the host is the device, nothing is moved early, unless
         ``device_check.pretend()`` tells them apart, as on a GPU.)"""
         group, r = self.layout.groups[gi], self.results[gi]
-        if self.to_host is None or _on_host(r):
+        if self.to_host is None or device_check.in_host_memory(r):
             return  # the gradient is in host memory already (on a CPU the host is the device)
         if self.world > 1:
             r.div_(self.world)
