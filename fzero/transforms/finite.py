@@ -103,6 +103,25 @@ def _bad_by_norm(leaves: list) -> torch.Tensor:
     return bad
 
 
+def nonfinite_by_norm(grads):
+    """The verdict on ``grads`` (keyed as ``state.params``; ZeRO pieces allowed) that a clip by
+    global norm gives: ``(flag, known)``, ``flag`` 1.0 where the global sum of squares is not
+    finite -- exactly when some element is not, unless the sum itself overflows (elements
+    past about 1e19, where the clip would scale the update to zero), which counts too -- and
+    ``known`` the block (``optim.known_sumsq``) inside which the clip reuses that sum instead
+    of taking it again: one pass over the gradients and one ``psum`` for both.
+
+    Example:
+        >>> import torch
+        >>> flag, known = nonfinite_by_norm({"w": torch.tensor([1.0, float("inf")])})
+        >>> float(flag)
+        1.0
+    """
+    local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard)
+    sumsq = global_sumsq(local)
+    return (~torch.isfinite(sumsq)).to(torch.float32), known_sumsq(local, sumsq)
+
+
 def count_nonfinite(leaves: list, state) -> torch.Tensor:
     """More than 0 exactly when some of ``leaves`` holds an inf or NaN: a 0-dim fp32 tensor
     on their device, counting the non-finite leaves, where leaves that lie back to back in
@@ -158,13 +177,9 @@ class _FiniteHandler(Handler):
                 return self._under_verdict(state, grads, torch.zeros((), dtype=torch.float32, device=verdict.device),
                                            next)
         if self.mode == "skip" and self.by_norm and len(leaves) == len(found):
-            # The clip's global norm decides: finite exactly when every element is, unless
-            # the sum of squares itself overflows (elements beyond about 1e19), which is
-            # skipped too. Taken once, here, for the clip to use (optim.known_sumsq).
-            local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard)
-            sumsq = global_sumsq(local)
-            with known_sumsq(local, sumsq):
-                return self._under_verdict(state, grads, (~torch.isfinite(sumsq)).to(torch.float32), next)
+            flag, known = nonfinite_by_norm(grads)  # the clip's global norm decides
+            with known:
+                return self._under_verdict(state, grads, flag, next)
         if self.mode == "raise":
             # One flag per leaf, summed over the ranks (each holds its pieces of the
             # gradients under ZeRO): every rank learns which leaves, and all raise together.

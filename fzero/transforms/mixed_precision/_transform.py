@@ -19,8 +19,7 @@ from fzero.core import (Handler, NotApplied, Step, as_step, collecting_metrics, 
                         psum)
 from fzero.transforms._deferred import is_deferred
 from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
-from fzero.optim.clipping import global_sumsq, known_sumsq
-from fzero.transforms.finite import count_nonfinite
+from fzero.transforms.finite import count_nonfinite, nonfinite_by_norm
 from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
                                                     stochastic_round, toward_zero, widen)
 from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weight_leaf, norm_weights
@@ -111,18 +110,12 @@ class _PrecisionHandler(Handler):
         # pieces are finite still skips when another rank's are not (DeepSpeed all-reduces
         # its overflow flag with MAX), the same count check_finite takes.
         leaves = [g for g in tree.leaves(grads) if isinstance(g, torch.Tensor)]
-        known = contextlib.nullcontext()
         if self.by_norm and scale == 1.0 and not any(is_deferred(g) for g in leaves):
-            # A clip follows: its global norm decides, finite exactly when every element
-            # is (unless the sum of squares itself overflows, past about 1e19 an element,
-            # which is skipped too, as check_finite's by_norm skips it), taken once here for
-            # the clip to use (optim.known_sumsq): one pass over the gradients and one psum
-            # where the check and the clip took two each.
-            local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard)
-            sumsq = global_sumsq(local)
-            flag, known = (~torch.isfinite(sumsq)).to(torch.float32), known_sumsq(local, sumsq)
+            # A clip follows: its global norm decides, taken once here for the clip to use,
+            # as check_finite's by_norm takes it: one pass and one psum for both.
+            flag, known = nonfinite_by_norm(grads)
         else:
-            flag = psum(count_nonfinite(leaves, state))
+            flag, known = psum(count_nonfinite(leaves, state)), contextlib.nullcontext()
         # Unscale in fp32: an fp16 gradient divided by 2^16 in fp16 would underflow.
         # A deferred gradient has no value yet: the last micro-batch's gradient carries it.
         unscaled = tree.map(lambda g: g if is_deferred(g) else g.float() / scale, grads) if scale != 1.0 else grads
