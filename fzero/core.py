@@ -540,12 +540,17 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     """
     leaves, spec = tree.flatten(params)
     train = _trainable_flags(params, len(leaves))
+    # Which leaves are differentiated, asked of the leaves as given: a leaf made below may be a
+    # tensor subclass, whose every method call passes through Python.
+    wrt = [i for i, (x, t) in enumerate(zip(leaves, train)) if t and _differentiable(x)]
+    inputs = list(leaves)
     if leaf is None:
-        inputs = [x.detach().requires_grad_(True) if t and _differentiable(x) else x for x, t in zip(leaves, train)]
+        for i in wrt:
+            inputs[i] = leaves[i].detach().requires_grad_(True)
     else:  # the names only for a leaf that reads them (a walk of the tree less for one that does not)
-        names = [_key(path) for path in tree.paths(params)] if getattr(leaf, "by_name", True) else [None] * len(leaves)
-        inputs = [leaf(x, n) if t and _differentiable(x) else x for x, t, n in zip(leaves, train, names)]
-    wrt = [i for i, x in enumerate(inputs) if train[i] and _differentiable(x)]
+        names = [_key(path) for path in tree.paths(params)] if getattr(leaf, "by_name", True) else None
+        for i in wrt:
+            inputs[i] = leaf(leaves[i], names[i] if names is not None else None)
     bindings = contextlib.ExitStack()
     token, scale_token = _BINDINGS.set(bindings), _LOSS_SCALE.set(loss_scale)
     try:

@@ -104,7 +104,7 @@ def norm_weight_leaf(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
         ('NormWeight', True, True)
     """
     if type(x) is torch.Tensor and x.dtype in _LOW:
-        return torch.Tensor._make_subclass(NormWeight, x.detach(), True)
+        return torch.Tensor._make_subclass(NormWeight, x, True)  # (which detaches it, as nn.Parameter's)
     return x.detach().requires_grad_(True)
 
 
