@@ -15,7 +15,9 @@ Phases, each in processes of its own with its own time limit (a share of ``--bud
   offload moves, decide the depth rather than the activations, which it does not). It needs
   the GPU's memory but not its clock, so it runs beside ``tests``;
 * ``bench_124m``, ``bench_350m``: ``benchmarks/gpu_step.py`` at each preset, contestants
-  ``plain``, ``fzero``, ``compiled``, ``fzero-jit``, alone on the GPU one after the other.
+  ``plain``, ``fzero``, ``fzero-jit``, ``compiled``, built alone on the GPU one after the other
+  (fzero-jit before the compiled reference: a build still running when the phase's time is
+  up is reported ``timeout``).
 
 The JSON (``--out``) is rewritten after every phase, a failed or cut phase recorded in it,
 and copied with the log and the rendered table to ``$OUT`` when that is set (the device
