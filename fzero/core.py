@@ -563,7 +563,7 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
             else:
                 grads = [None] * len(wrt)
                 if value.requires_grad and wrt:
-                    grads = list(torch.autograd.grad(value, [inputs[i] for i in wrt], allow_unused=True))
+                    grads = list(run_backward(value, [inputs[i] for i in wrt], accumulate=False))
                 by_index = dict(zip(wrt, grads))
                 out_leaves = [by_index.get(i) for i in range(len(inputs))]
                 out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
@@ -607,6 +607,64 @@ def keeping_function_modes(fn: Callable) -> Callable:
     return under_modes
 
 
+# torch.autograd.grad and backward check their tensors for a __torch_function__ override and,
+# for a subclass that has one (mixed precision's NormWeight leaves), call it; it runs the
+# function with subclasses no longer dispatching, and so runs the whole backward that way: a
+# block that activation checkpointing recomputes there computes without the subclass's rule
+# (a norm in bf16 that the forward ran in fp32; the non-reentrant checkpoint then refuses the
+# recomputed tensors). The engine's entry below that check is what fzero calls then (torch's
+# own grad() and backward() call it); without it (a torch that moved it), the leaves' gradient
+# edges, on which torch does not dispatch.
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - torch 2.4-2.13 have it
+    _engine_run_backward = None
+
+
+def _overrides(leaves: Sequence[torch.Tensor]) -> bool:
+    return any(type(x) is not torch.Tensor and getattr(type(x), "__torch_function__", None)
+               is not torch._C._disabled_torch_function_impl for x in leaves)
+
+
+def run_backward(outputs: torch.Tensor, leaves: Sequence[torch.Tensor], seed: torch.Tensor | None = None, *,
+                 accumulate: bool):
+    """``torch.autograd.backward(outputs, seed, inputs=leaves)`` (``accumulate``: into the
+    leaves' ``.grad``; returns ``None``) or ``torch.autograd.grad(outputs, leaves, seed,
+    allow_unused=True)``, the same, except that leaves of a tensor subclass with a
+    ``__torch_function__`` (mixed precision's norm weights) still dispatch to it during the
+    backward: a block recomputed there (activation checkpointing) computes as its forward did.
+    ``seed`` defaults to ones, for a scalar ``outputs``."""
+    try:
+        return _run_backward(outputs, leaves, seed, accumulate)
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise RuntimeError(
+            "fzero.value_and_grad: the model runs torch.utils.checkpoint with use_reentrant=True, which "
+            "cannot run under the torch.autograd.grad fzero differentiates with; checkpoint with "
+            "use_reentrant=False (fzero.remat does; a Hugging Face model: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}))") from e
+
+
+def _run_backward(outputs, leaves, seed, accumulate: bool):
+    if not _overrides(leaves):
+        if accumulate:
+            torch.autograd.backward(outputs, seed, inputs=list(leaves))
+            return None
+        return torch.autograd.grad(outputs, list(leaves), seed, allow_unused=True)
+    if seed is None:
+        seed = torch.ones_like(outputs, memory_format=torch.preserve_format)
+    if _engine_run_backward is not None:
+        out = _engine_run_backward((outputs,), (seed,), False, False, tuple(leaves), True, accumulate_grad=accumulate)
+        return None if accumulate else out
+    with torch._C.DisableTorchFunctionSubclass():
+        edges = [torch.autograd.graph.get_gradient_edge(x) for x in leaves]
+    if accumulate:
+        torch.autograd.backward(outputs, seed, inputs=edges)
+        return None
+    return torch.autograd.grad(outputs, edges, seed, allow_unused=True)
+
+
 def _backward_into(sink, value, inputs, wrt):
     on_value = getattr(sink, "on_value", None)
     if on_value is not None:  # the value is known before backward: a reduction of it can start now
@@ -619,7 +677,7 @@ def _backward_into(sink, value, inputs, wrt):
             return sink.finish()
         grad_buffers = getattr(sink, "grad_buffers", None)
         if grad_buffers is None:
-            sink.on_grads(wrt, torch.autograd.grad(value, leaves, allow_unused=True))
+            sink.on_grads(wrt, run_backward(value, leaves, accumulate=False))
             return sink.finish()
         # Backward accumulates each gradient into the sink's buffer, as the leaf's .grad:
         # no hook per leaf, no gradient held twice.
@@ -627,7 +685,7 @@ def _backward_into(sink, value, inputs, wrt):
         for leaf, view in zip(leaves, views):
             leaf.grad = view
         try:
-            torch.autograd.backward(value, inputs=leaves)
+            run_backward(value, leaves, accumulate=True)
             grads = [leaf.grad for leaf in leaves]
         finally:
             for leaf in leaves:
@@ -645,7 +703,7 @@ def _backward_into(sink, value, inputs, wrt):
         handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
     try:
         if value.requires_grad and wrt:
-            torch.autograd.backward(value, inputs=leaves)
+            run_backward(value, leaves, accumulate=True)
     finally:
         for h in handles:
             h.remove()

@@ -414,6 +414,58 @@ def test_norm_layers_fed_fp32_train_as_under_torch_autocast(kind, precision):
     assert all(b.dtype == r.dtype for b, r in zip(state.buffers.values(), reference.buffers()))
 
 
+class _CheckpointedNormNet(_NormNet):
+    """:class:`_NormNet` with its second norm and head checkpointed (torch.utils.checkpoint):
+    recomputed in backward, where the norm must compute in fp32 as its forward did."""
+
+    def __init__(self, kind, reentrant):
+        super().__init__(kind)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        r = x + self.lin(self.norm_in(x))
+        return torch.utils.checkpoint.checkpoint(lambda t: self.head(self.norm_mid(t)), r,
+                                                 use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("entry", ["engine", "edges"])
+@pytest.mark.parametrize("kind", ["layer", "group"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_norm_recomputed_in_backward_trains_as_under_torch_autocast(kind, precision, entry, monkeypatch):
+    """Activation checkpointing inside the model: the recomputation runs in backward, and its
+    norm takes the 16-bit weight in fp32 as the forward's did. (It ran in bf16/fp16 when the
+    backward ran inside the norm weights' own __torch_function__, and the checkpoint refused
+    the recomputed tensors.) ``edges``: the way for a torch without the engine's entry."""
+    if entry == "edges":
+        from fzero import core
+
+        monkeypatch.setattr(core, "_engine_run_backward", None)
+    torch.manual_seed(0)
+    model = _CheckpointedNormNet(kind, reentrant=False)
+    reference = copy.deepcopy(model)
+    batches = _norm_batches(3)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    ref_losses = _autocast_reference(reference, batches, dtype)
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(_norm_step, precision=precision, **({"loss_scale": None} if precision == "fp16" else {}))
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9)))
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    ft.assert_trees_close(losses, ref_losses, tol=precision)
+    ft.assert_trees_close(fzero.gather(state.master), dict(reference.named_parameters()), tol=precision)
+
+
+def test_a_reentrant_checkpoint_is_refused_naming_the_non_reentrant_one():
+    """torch's reentrant checkpoint cannot run under torch.autograd.grad, which
+    value_and_grad differentiates with: the error says what to use instead."""
+    apply, params = fzero.functionalize(_CheckpointedNormNet("layer", reentrant=True))
+    b = _norm_batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"fzero.value_and_grad.*use_reentrant=False.*gradient_checkpointing_kwargs"):
+        fzero.value_and_grad(lambda p: F.mse_loss(apply(p, b["x"]), b["y"]))(params)
+
+
 def _norms_at_every_stage():
     import torch.distributed as dist
 

@@ -16,7 +16,7 @@ from fzero import means, rng, tree
 from fzero._params import frozen_names, like_params, trainable
 from fzero.distributed import comm
 from fzero.distributed.mesh import Mesh
-from fzero.core import Handler, MicroBatch, Step, as_step, bind, context, installed, loss_scale, running
+from fzero.core import Handler, MicroBatch, Step, as_step, bind, context, installed, loss_scale, run_backward, running
 from fzero.transforms._batches import split_batch
 from fzero.transforms.pipeline._deliver import _Deliver, _targets
 from fzero.transforms.pipeline._handshake import _MAX_DIMS, Handshake, _decode, _describe, _encode, _fmt, broadcast
@@ -300,7 +300,7 @@ class Pipeline:
                 # A recomputation (remat) in it keys by the same rows.
                 with torch.autocast(self.device.type, enabled=False), \
                         running(pipeline_micro_batch=MicroBatch(j, m)), rng.calls_before(dropouts_before):
-                    gs = torch.autograd.grad(out, wrt, seed, allow_unused=True)
+                    gs = run_backward(out, wrt, seed, accumulate=False)
             else:
                 gs = [None] * len(wrt)
             for i, g in enumerate(gs[: len(targets)]):
