@@ -11,8 +11,9 @@ Phases, each in processes of its own with its own time limit (a share of ``--bud
   ``unfinished``);
 * ``offload``: ``benchmarks/gpu_step.py --largest`` at 350M width, the deepest GPT trainable
   with and without ``offload_optimizer="cpu"`` (device memory capped at 8 GiB so that it
-  takes seconds a try; one sequence of 1024 tokens a step, so that the model's states, which
-  offload moves, decide the depth rather than the activations, which it does not). It needs
+  takes seconds a try; one sequence of 1024 tokens a step and every block's activations
+  checkpointed in both searches, so that the model's states, which offload moves, decide the
+  depth rather than the activations, which it does not). It needs
   the GPU's memory but not its clock, so it runs beside ``tests``;
 * ``bench_124m``, ``bench_350m``: ``benchmarks/gpu_step.py`` at each preset, contestants
   ``plain``, ``fzero``, ``fzero-jit``, ``compiled``, built alone on the GPU one after the other

@@ -35,7 +35,10 @@ the host). To keep the search inside minutes, the GPU's memory is capped at
 ``--largest-memory-gib`` (``torch.cuda.set_per_process_memory_fraction``): the ratio of the
 two sizes is what is measured, and it hardly depends on the cap. The offload search starts at
 3x the parameters of the deepest non-offloaded model (the target), doubles while it trains
-(never past what half the host's memory holds) and bisects to 3% otherwise.
+(never past what half the host's memory holds) and bisects to 3% otherwise. Both searches
+checkpoint every block's activations (``GPTConfig(remat=True)``, as ZeRO-Offload's large
+models are trained; ``--no-largest-remat`` keeps them): what decides the depth is then the
+states each keeps on the device, not activations, which offload does not move.
 
 ``--time-limit`` bounds the whole run: a contestant still building when its share runs out is
 stopped and reported ``timeout``; the rounds and the search stop at the limit with what they
@@ -461,6 +464,7 @@ def largest(args, cfg: GPTConfig, device: torch.device, batch: int, deadline: fl
         result.update(status="skipped", reason="needs a GPU: it searches what fits in the device's memory")
         emit()
         return
+    cfg = GPTConfig(**{**vars(cfg), "remat": args.largest_remat})
     total = torch.cuda.get_device_properties(device).total_memory
     cap_bytes = min(total, int(args.largest_memory_gib * 2**30)) if args.largest_memory_gib else total
     torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
@@ -475,7 +479,7 @@ def largest(args, cfg: GPTConfig, device: torch.device, batch: int, deadline: fl
     # the host: 16 B a parameter, and at init the fp32 module handed over and the moments
     # TrainState.create made beside them: 28; never ask for more than half the host's memory.
     host_cap = depth_for(0.5 * host / 28)
-    result.update(status="running", width=cfg.n_embd, batch=batch, block_size=cfg.block_size,
+    result.update(status="running", width=cfg.n_embd, batch=batch, block_size=cfg.block_size, remat=cfg.remat,
                   device_memory_cap_bytes=cap_bytes, device_memory_bytes=total, host_memory_bytes=host,
                   params_per_block=per_layer, params_outside_blocks=fixed)
     emit()
@@ -534,6 +538,8 @@ def main(argv=None) -> dict:
                    help="GPU memory the --largest search may use (0: all of it)")
     p.add_argument("--largest-batch", type=int, default=None, help="sequences per step in the search "
                                                                   "(default: the preset's)")
+    p.add_argument("--largest-remat", action=argparse.BooleanOptionalAction, default=True,
+                   help="checkpoint every block's activations in the search, both contestants (default: on)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--json", default=None, help="write the results here (rewritten after every stage)")
     args = p.parse_args(argv)

@@ -68,7 +68,8 @@ def _offload_line(report: dict) -> str:
         return f"Offload search: {off.get('status', 'not run')}{': ' + why[:300] if why else ''}."
     a, b = off["fzero"], off["fzero-offload"]
     bound = " (a lower bound: the search stopped before a depth failed)" if off.get("ratio_is_lower_bound") else ""
-    return (f"Offload search, GPT of width {off['width']}, batch {off['batch']} × {off['block_size']}, device memory "
+    remat = {True: ", every block checkpointed", False: ", no activation checkpointing"}.get(off.get("remat"), "")
+    return (f"Offload search, GPT of width {off['width']}, batch {off['batch']} × {off['block_size']}{remat}, device memory "
             f"capped at {off['device_memory_cap_bytes'] / GIB:.0f} GiB: `fzero` trains {a['depth']} blocks "
             f"({a['params'] / 1e6:,.0f}M parameters), `offload_optimizer=\"cpu\"` {b['depth']} blocks "
             f"({b['params'] / 1e6:,.0f}M): **{off['ratio']:.2f}×**{bound}.")

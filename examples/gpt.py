@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass(kw_only=True)
@@ -51,6 +52,10 @@ class GPTConfig:
     dropout: float = 0.0
     """Dropout rate on the embeddings, the attention probabilities and each block's two
     residual branches (nanoGPT's places); 0 for none."""
+
+    remat: bool = False
+    """Activation checkpointing of every block (``torch.utils.checkpoint``, non-reentrant):
+    a training forward keeps only each block's input and backward runs the block again."""
 
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:
@@ -167,8 +172,9 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: a sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = _dropout(self.wte(idx) + self.wpe(pos), self.cfg.dropout, self.training)
+        remat = self.cfg.remat and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if remat else block(x)
         return self.lm_head(self.ln_f(x))
 
 
