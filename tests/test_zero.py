@@ -354,6 +354,69 @@ def _evaluating(precision, jit):
     return True
 
 
+def _checkpointed_blocks(precision):
+    """Runs on every rank: at stages 1-3, a GPT whose blocks are checkpointed inside the
+    module (torch.utils.checkpoint, non-reentrant; recomputed in backward, where stage 3
+    gathers a freed unit again) trained on half the batch each, against the plain module
+    without checkpointing trained on the whole batch by torch.optim.SGD (under
+    torch.autocast for bf16)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from gpt import GPT, GPTConfig
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    cfg = dict(block_size=16, n_layer=3, n_head=2, n_embd=32)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (2 * n, 17), generator=g) for _ in range(3)]
+
+    def loss_of(logits, x):
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    torch.manual_seed(1)
+    ref = GPT(GPTConfig(**cfg))
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_losses = []
+    for x in data:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            logits = ref(x[:, :-1])
+        loss = loss_of(logits, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.detach())
+    out = []
+    for stage in (1, 2, 3):
+        module = GPT(GPTConfig(**cfg, remat=True))
+        module.load_state_dict(start)
+        apply, params = fzero.functionalize(module)
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9))
+
+        def train_step(state, batch):
+            loss, grads = fzero.value_and_grad(lambda p: loss_of(state.apply_fn(p, batch["x"][:, :-1]), batch["x"]))(
+                state.params)
+            return state.apply_gradients(grads), {"loss": loss}
+
+        step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage, max_reuse_distance=0, precision=precision)
+        state = step.init(state)
+        losses = []
+        for x in data:
+            state, m = step(state, {"x": x[2 * r:2 * r + 2]})
+            losses.append(m["loss"])
+        ft.assert_trees_close(losses, ref_losses, tol=precision, what=f"losses at stage {stage} on rank {r}")
+        trained = fzero.gather(state.master if precision == "bf16" else state.params)
+        ft.assert_trees_close(trained, dict(ref.named_parameters()), tol=precision,
+                              what=f"params at stage {stage} on rank {r}")
+        out.append(stage)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_blocks_checkpointed_inside_the_model_train_as_the_plain_module_at_every_stage(ranks, precision):
+    assert ranks(2).run(_checkpointed_blocks, precision) == [[1, 2, 3]] * 2
+
+
 @pytest.mark.parametrize("precision,jit", [("fp32", False), ("bf16", False), ("fp32", True)])
 def test_an_evaluation_inside_a_zero3_step_gathers_block_by_block_and_equals_the_plain_module(ranks, precision, jit):
     """A forward outside value_and_grad (the model evaluated inside the step) at stage 3: the
