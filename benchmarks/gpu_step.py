@@ -76,7 +76,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 import fzero  # noqa: E402
 from fzero import optim  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, init_weights  # noqa: E402
 
 PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch
     "124m": (12, 12, 768, 1024, 50304, 8),
@@ -138,6 +138,28 @@ def make_model(cfg: GPTConfig, device: torch.device, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     with torch.device(device):
         return GPT(cfg)
+
+
+def host_model(cfg: GPTConfig, device: torch.device, seed: int = 0) -> GPT:
+    """The GPT in host memory, as a ZeRO-Offload user hands it over, its weights drawn on
+    ``device`` a part at a time (the device's generator is quicker than the host's for a
+    billion weights, and the whole fp32 model need not fit in the device's memory cap):
+    each part (an embedding, a block, the final norm) made on ``meta``, materialised on the
+    device, initialised as :class:`GPT` does, and moved to the host."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        module = GPT(cfg)
+
+    def on_host(part: torch.nn.Module) -> torch.nn.Module:
+        part = part.to_empty(device=device)
+        init_weights(part, cfg.n_layer)
+        return part.to("cpu")
+
+    module.wte, module.wpe, module.ln_f = on_host(module.wte), on_host(module.wpe), on_host(module.ln_f)
+    for i, block in enumerate(module.blocks):
+        module.blocks[i] = on_host(block)
+    module.lm_head.weight = module.wte.weight  # tied, as GPT ties them
+    return module
 
 
 def plain_step(module: torch.nn.Module, device: torch.device, compiled: bool = False, backend: str | None = None):
@@ -220,9 +242,8 @@ def build(name: str, cfg: GPTConfig, device: torch.device, backend: str | None =
     if name == "fzero-offload":
         # ZeRO-Offload as DeepSpeed runs it: the model handed over on the host, the step on
         # the device (Mesh(device=)); init moves there only what the device computes with,
-        # the masters and moments staying on the host. (Drawn on the device, which is
-        # quicker than the host's generator for a billion weights, then moved.)
-        module = make_model(cfg, device).to("cpu")
+        # the masters and moments staying on the host.
+        module = host_model(cfg, device)
         free(device)
         return fzero_step(module, device=device, zero=1, offload_optimizer="cpu", pin_memory=device.type == "cuda")
     module = make_model(cfg, device)

@@ -71,6 +71,29 @@ class GPTConfig:
             )
 
 
+def init_weights(module: nn.Module, n_layer: int) -> None:
+    """GPT-2's initialisation, in place, of a :class:`GPT` or any part of one (a part made on
+    ``meta`` and materialised with ``to_empty``): Linear and Embedding weights N(0, 0.02),
+    biases 0, LayerNorms 1 and 0, and -- GPT-2's scaled init: each block adds two projections
+    to the residual stream, so they shrink by sqrt(2 * n_layer) to keep its variance flat
+    with depth -- the ``c_proj`` weights N(0, 0.02 / sqrt(2 * n_layer))."""
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        elif isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
+
+    module.apply(init)
+    for name, p in module.named_parameters():
+        if name.endswith("c_proj.weight"):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     # No call at all without dropout: a model without it has no dropout in its graph.
     return F.dropout(x, p, training) if p and training else x
@@ -150,21 +173,7 @@ class GPT(nn.Module):
         # Weight tying (Press & Wolf, 2017): the same matrix reads tokens in and scores them
         # out. Fewer parameters, and it usually helps small models.
         self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        # GPT-2's scaled init: each block adds two projections to the residual stream, so
-        # shrink them by sqrt(2 * n_layer) to keep its variance flat with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        init_weights(self, cfg.n_layer)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

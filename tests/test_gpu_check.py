@@ -136,3 +136,27 @@ def test_the_tests_phase_records_each_outcome_a_timeout_and_a_cut(tmp_path):
     res = gpu_check.run_tests(sys.executable, ["test_slow.py"], 12, 60, tmp_path / "work2", log, cwd=tmp_path)
     assert res["tests"]["test_slow.py::test_slow"]["outcome"] == "unfinished", res
     assert (res["failed"], res["unfinished"], res["status"]) == (0, 1, "timeout")
+
+
+def test_the_offload_search_builds_its_models_on_the_host_and_trains_them_with_blocks_checkpointed():
+    """gpu_step.py --largest's offload contestant: the GPT made a part at a time (the whole
+    fp32 model need not fit in the device's memory cap), with GPT's parameters, tying and
+    init; it trains two steps with every block checkpointed, as the search runs it."""
+    import torch
+
+    import gpu_step
+    from gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, remat=True)
+    module = gpu_step.host_model(cfg, torch.device("cpu"))
+    reference = GPT(cfg)
+    assert [(n, p.shape) for n, p in module.named_parameters()] == \
+        [(n, p.shape) for n, p in reference.named_parameters()]
+    assert module.lm_head.weight is module.wte.weight
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    assert torch.equal(params["blocks.2.ln_2.weight"], torch.ones(32))
+    assert abs(float(params["blocks.0.mlp.c_proj.weight"].std()) - 0.02 / 6 ** 0.5) < 0.002
+    run = gpu_step.build("fzero-offload", cfg, torch.device("cpu"))
+    batch = gpu_step.batches(cfg, 2, 1, torch.device("cpu"))[0]
+    losses = [float(run(batch)) for _ in range(2)]
+    assert losses[1] < losses[0], losses
