@@ -331,3 +331,41 @@ def _torch_losses_hf(model, batches):
         opt.zero_grad()
         F.cross_entropy(model(input_ids=b["x"]).logits.flatten(0, 1), b["y"].flatten()).backward()
         opt.step()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hugging_face_gradient_checkpointing_trains_as_the_plain_model(precision):
+    """A Hugging Face GPT-2 with its activation (gradient) checkpointing enabled (non-reentrant,
+    transformers' default here): the blocks recomputed in backward, their LayerNorms under bf16 in fp32 as
+    in the forward, train as the same model without checkpointing does in plain PyTorch
+    (under torch.autocast for bf16). Under bf16 it failed with torch's CheckpointError."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ref = copy.deepcopy(model)
+    # (transformers 5 renames it; the old name warns)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    batches = _gpt_batches(3, vocab=64, T=8)
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
+    step = fzero.compile(_hf_step, precision=precision)
+    state = step.init(state)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(m["loss"])
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_losses = []
+    for b in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            logits = ref(input_ids=b["x"]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["y"].flatten())
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.detach())
+    ft.assert_trees_close(losses, ref_losses, tol=precision)
+    trained = state.master if precision == "bf16" else state.params
+    ft.assert_trees_close(dict(trained), dict(ref.named_parameters()), tol=precision)
