@@ -391,24 +391,28 @@ def _norm_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
-@pytest.mark.parametrize("kind", sorted(NORMS))
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_norm_layers_fed_fp32_train_as_under_torch_autocast(kind, precision):
-    torch.manual_seed(0)
-    model = _NormNet(kind)
+def _trains_as_under_autocast(model, steps, precision):
+    """``model`` trained by the fzero step at ``precision`` and, from the same weights, by
+    plain PyTorch under torch.autocast: the same losses and weights. Returns the fzero state
+    and the reference module."""
     reference = copy.deepcopy(model)
-    batches = _norm_batches(4)
+    batches = _norm_batches(steps)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     ref_losses = _autocast_reference(reference, batches, dtype)
     apply, params = fzero.functionalize(model)
     step = fzero.compile(_norm_step, precision=precision, **({"loss_scale": None} if precision == "fp16" else {}))
-    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9)))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
-    ft.assert_trees_close(losses, ref_losses, tol=precision)
+    state, losses = ft.run_steps(step, step.init(fzero.TrainState.create(
+        apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9))), batches)
+    ft.assert_trees_close(losses, torch.stack(ref_losses), tol=precision)
     ft.assert_trees_close(fzero.gather(state.master), dict(reference.named_parameters()), tol=precision)
+    return state, reference
+
+
+@pytest.mark.parametrize("kind", sorted(NORMS))
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_norm_layers_fed_fp32_train_as_under_torch_autocast(kind, precision):
+    torch.manual_seed(0)
+    state, reference = _trains_as_under_autocast(_NormNet(kind), 4, precision)
     # BatchNorm's running statistics stay fp32, as the module's under autocast
     ft.assert_trees_close(dict(state.buffers), dict(reference.named_buffers()), tol=precision)
     assert all(b.dtype == r.dtype for b, r in zip(state.buffers.values(), reference.buffers()))
@@ -441,20 +445,7 @@ def test_a_norm_recomputed_in_backward_trains_as_under_torch_autocast(kind, prec
 
         monkeypatch.setattr(core, "_engine_run_backward", None)
     torch.manual_seed(0)
-    model = _CheckpointedNormNet(kind, reentrant=False)
-    reference = copy.deepcopy(model)
-    batches = _norm_batches(3)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    ref_losses = _autocast_reference(reference, batches, dtype)
-    apply, params = fzero.functionalize(model)
-    step = fzero.compile(_norm_step, precision=precision, **({"loss_scale": None} if precision == "fp16" else {}))
-    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9)))
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(m["loss"])
-    ft.assert_trees_close(losses, ref_losses, tol=precision)
-    ft.assert_trees_close(fzero.gather(state.master), dict(reference.named_parameters()), tol=precision)
+    _trains_as_under_autocast(_CheckpointedNormNet(kind, reentrant=False), 3, precision)
 
 
 def test_a_reentrant_checkpoint_is_refused_naming_the_non_reentrant_one():
