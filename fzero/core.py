@@ -617,7 +617,7 @@ def keeping_function_modes(fn: Callable) -> Callable:
 # edges, on which torch does not dispatch.
 try:
     from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover - torch 2.4-2.13 have it
+except ImportError:  # pragma: no cover - torch 2.11 and 2.13 have it (checked)
     _engine_run_backward = None
 
 
