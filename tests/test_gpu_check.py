@@ -160,3 +160,22 @@ def test_the_offload_search_builds_its_models_on_the_host_and_trains_them_with_b
     batch = gpu_step.batches(cfg, 2, 1, torch.device("cpu"))[0]
     losses = [float(run(batch)) for _ in range(2)]
     assert losses[1] < losses[0], losses
+
+
+def test_host_phases_times_each_phase_of_both_steps():
+    """benchmarks/host_phases.py: the host time of a step before its forward, in forward and
+    backward, and after, for plain PyTorch and fzero; the phases add up to the step, and
+    torch's and fzero's backward entries are theirs again afterwards."""
+    import torch
+
+    import host_phases
+    from fzero import core
+
+    before = torch.autograd._engine_run_backward, core._engine_run_backward
+    result = host_phases.main(["--rounds", "2", "--n-layer", "2"])
+    assert set(result) == {"plain", "fzero"}
+    for name, phases in result.items():
+        assert all(phases[p] > 0 for p in host_phases.PHASES), (name, phases)
+        parts = sum(phases[p] for p in host_phases.PHASES[:3])
+        assert abs(parts - phases["step"]) < 0.5 * phases["step"], (name, phases)  # medians of each
+    assert (torch.autograd._engine_run_backward, core._engine_run_backward) == before
