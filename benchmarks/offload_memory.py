@@ -52,8 +52,12 @@ def _device_storages() -> dict[int, int]:
     with warnings.catch_warnings():  # isinstance on a deprecated object of torch's warns
         warnings.simplefilter("ignore")
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    from torch._subclasses.fake_tensor import FakeTensor
+
     for o in objects:
-        if o.device.type == "meta" or device_check.is_host(o):
+        # A fake tensor (another program's compile left it behind) has no storage of its own:
+        # torch warns, and will refuse, on its data pointer.
+        if isinstance(o, FakeTensor) or o.device.type == "meta" or device_check.is_host(o):
             continue
         try:  # a tensor without real storage (a fake one another program left behind) is none of the step's
             storage = o.untyped_storage()
