@@ -233,3 +233,20 @@ def test_inductor_matches_eager_to_fp32_rounding():
     eager_losses, eager_params = _run(batches)
     ft.assert_trees_close(losses, eager_losses, tol="fp32")
     ft.assert_trees_close(params, eager_params, tol="fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="inductor compiles C++ on a CPU: no C++ compiler (g++ or $CXX) on this machine")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_block_checkpointed_inside_the_model_under_inductor_trains_as_under_torch_autocast(precision):
+    """jit=True with torch.utils.checkpoint inside the model under bf16/fp16: the block is
+    recomputed inside the compiled backward, and the model trains as the plain module under
+    torch.autocast (under the "eager" and "aot_eager" backends the recomputation runs without
+    the norms' rule and fails: docs/guide.md)."""
+    from test_transforms import _CheckpointedNormNet, _trains_as_under_autocast
+
+    torch.manual_seed(0)
+    counters.clear()
+    _trains_as_under_autocast(_CheckpointedNormNet("layer", reentrant=False), 3, precision, jit=True)
+    assert counters["stats"]["unique_graphs"] >= 1  # it compiled

@@ -9,6 +9,8 @@ Every reference is the module itself: ``forward``, ``backward``, ``torch.optim``
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -333,13 +335,16 @@ def _torch_losses_hf(model, batches):
         opt.step()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_hugging_face_gradient_checkpointing_trains_as_the_plain_model(precision):
+@pytest.mark.parametrize("precision,jit", [("fp32", False), ("bf16", False), pytest.param("bf16", True, marks=pytest.mark.slow)])
+def test_hugging_face_gradient_checkpointing_trains_as_the_plain_model(precision, jit):
     """A Hugging Face GPT-2 with its activation (gradient) checkpointing enabled (non-reentrant,
     transformers' default here): the blocks recomputed in backward, their LayerNorms under bf16 in fp32 as
     in the forward, train as the same model without checkpointing does in plain PyTorch
-    (under torch.autocast for bf16). Under bf16 it failed with torch's CheckpointError."""
+    (under torch.autocast for bf16), eagerly and compiled (jit=True, inductor). Under bf16 it
+    failed with torch's CheckpointError."""
     transformers = pytest.importorskip("transformers")
+    if jit and shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("inductor compiles C++ on a CPU: no C++ compiler (g++ or $CXX) on this machine")
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     torch.manual_seed(0)
@@ -350,7 +355,7 @@ def test_hugging_face_gradient_checkpointing_trains_as_the_plain_model(precision
     batches = _gpt_batches(3, vocab=64, T=8)
     apply, params = fzero.functionalize(model)
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.sgd(0.1, momentum=0.9))
-    step = fzero.compile(_hf_step, precision=precision)
+    step = fzero.compile(_hf_step, precision=precision, jit=jit)
     state, losses = ft.run_steps(step, step.init(state), batches)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_losses = []

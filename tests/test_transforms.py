@@ -391,16 +391,17 @@ def _norm_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
-def _trains_as_under_autocast(model, steps, precision):
-    """``model`` trained by the fzero step at ``precision`` and, from the same weights, by
-    plain PyTorch under torch.autocast: the same losses and weights. Returns the fzero state
-    and the reference module."""
+def _trains_as_under_autocast(model, steps, precision, **options):
+    """``model`` trained by the fzero step at ``precision`` (and ``options`` of
+    ``fzero.compile``) and, from the same weights, by plain PyTorch under torch.autocast: the
+    same losses and weights. Returns the fzero state and the reference module."""
     reference = copy.deepcopy(model)
     batches = _norm_batches(steps)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     ref_losses = _autocast_reference(reference, batches, dtype)
     apply, params = fzero.functionalize(model)
-    step = fzero.compile(_norm_step, precision=precision, **({"loss_scale": None} if precision == "fp16" else {}))
+    step = fzero.compile(_norm_step, precision=precision, **({"loss_scale": None} if precision == "fp16" else {}),
+                         **options)
     state, losses = ft.run_steps(step, step.init(fzero.TrainState.create(
         apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9))), batches)
     ft.assert_trees_close(losses, torch.stack(ref_losses), tol=precision)
