@@ -169,15 +169,17 @@ def bind(primitive: str, *args, **kwargs):
         with user_view(False):
             return bind(primitive, *args, **kwargs)
     stack = _STACK.get()
-    base = _BASE[primitive]
+    return _call(stack, primitive, _BASE[primitive], len(stack) - 1, args, kwargs)
 
-    def call(i: int, *a, **kw):
-        if i < 0:
-            return base(*a, **kw)
-        method = getattr(stack[i], primitive)
-        return method(*a, next=lambda *a2, **kw2: call(i - 1, *a2, **kw2), **kw)
 
-    return call(len(stack) - 1, *args, **kwargs)
+def _call(stack: tuple, primitive: str, base: Callable, i: int, args: tuple, kwargs: dict):
+    """Handler ``i`` of ``stack`` (the base below the innermost) running ``primitive``; its
+    ``next`` calls handler ``i - 1``. (A module-level function: a closure that called itself
+    would be a reference cycle, left to the garbage collector, at every bind.)"""
+    if i < 0:
+        return base(*args, **kwargs)
+    method = getattr(stack[i], primitive)
+    return method(*args, next=lambda *a2, **kw2: _call(stack, primitive, base, i - 1, a2, kw2), **kwargs)
 
 
 @contextlib.contextmanager
