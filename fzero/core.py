@@ -340,6 +340,9 @@ class StepContext:
         offload_optimizer: the optimizer's state and the fp32 masters live on the host
             (ZeRO-Offload, ``offload_optimizer="cpu"``): what the update writes is copied from
             there.
+        offload_staging: under ``offload_optimizer``, the host buffers the new parameters are
+            cast into before their copy to the device, kept between steps
+            (``fzero.transforms.offload.HostStaging``), else ``None``.
         offload_params: this rank's pieces of the parameters live on the host between uses
             (ZeRO-3's ``offload_param="cpu"``): an update's new pieces are written there.
         skip_flag: a 0-dim device tensor, nonzero when the running update is to be discarded
@@ -378,6 +381,7 @@ class StepContext:
     data_shard: DataShard = DataShard(0, 1)
     pipeline_micro_batch: MicroBatch = MicroBatch(0, 1)
     offload_optimizer: bool = False
+    offload_staging: Any = None  # a fzero.transforms.offload.HostStaging
     offload_params: bool = False
     skip_flag: Any = None
     sequence_shard: DataShard = DataShard(0, 1)

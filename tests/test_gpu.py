@@ -135,6 +135,41 @@ def test_offload_from_a_state_built_on_the_host_keeps_the_optimizer_off_the_gpu(
     assert torch.cuda.memory_allocated(dev) - base <= 2.3 * psi, (torch.cuda.memory_allocated(dev) - base) / psi
 
 
+def test_offload_with_page_locked_buffers_trains_as_without_them_bit_for_bit():
+    """``pin_memory=True``: the gradient pieces reach the host, and the new bf16 parameters
+    the GPU, through page-locked buffers kept between steps, the host-to-device copies queued
+    asynchronously (``offload.HostStaging``); the trajectory is the one of pageable buffers
+    and synchronous copies, bit for bit (both update on the host alike), with and without
+    donation."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def run(pin: bool, donate: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to(dev)
+        apply, params = fzero.functionalize(model)
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2, weight_decay=0.1))
+
+        def train_step(state, batch):
+            loss, grads = fzero.value_and_grad(
+                lambda p: torch.nn.functional.mse_loss(state.apply_fn(p, batch["x"]).float(), batch["y"]))(state.params)
+            return state.apply_gradients(grads), {"loss": loss}
+
+        step = fzero.compile(train_step, fzero.Mesh(dp=1), zero=1, precision="bf16", offload_optimizer="cpu",
+                             pin_memory=pin, donate=donate)
+        state, losses = step.init(state), []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            batch = {"x": torch.randn(32, 256, generator=g).to(dev), "y": torch.randn(32, 256, generator=g).to(dev)}
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return losses, {k: v.cpu() for k, v in fzero.gather(state.params).items()}
+
+    for donate in (True, False):
+        (pinned_losses, pinned), (losses, params) = run(True, donate), run(False, donate)
+        assert pinned_losses == losses, (donate, pinned_losses, losses)
+        assert all(torch.equal(pinned[k], params[k]) for k in params), donate
+
+
 # The launches last: they take minutes together, and make gpu-check runs this file in order
 # within a time limit (the quick tests' outcomes first).
 @pytest.mark.multirank

@@ -413,6 +413,38 @@ def test_an_offloaded_step_holds_on_the_device_the_parameters_and_one_group_in_f
     assert whole >= 18 * psi, whole / psi  # 2 + 4 + 8 of states and 4 of fp32 gradient at least: the count sees it
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_an_offloaded_bf16_update_casts_into_host_buffers_kept_between_steps(donate, monkeypatch):
+    """The new bf16 parameters are cast on the host into buffers made once and copied to the
+    device from there (a fresh host tensor a parameter every step would be page-faulted in
+    every step; under pin_memory on a GPU they are page-locked and the copies asynchronous):
+    every step's host-to-device copies read the same buffers, each in the parameter's dtype."""
+    from fzero.distributed import device_check
+
+    sources = []
+    copy = comm.copy_
+
+    def noted(dst, src, *, kind, non_blocking=False):
+        if kind == "h2d":
+            sources[-1].append((src.data_ptr(), src.dtype, dst.dtype))
+        return copy(dst, src, kind=kind, non_blocking=non_blocking)
+
+    monkeypatch.setattr(comm, "copy_", noted)
+    with device_check.pretend():
+        torch.manual_seed(0)
+        apply, params = fzero.functionalize(_Deep())
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-2))
+        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, device=device_check.PRETEND_DEVICE), zero=1,
+                             precision="bf16", offload_optimizer="cpu", donate=donate)
+        state = step.init(state)
+        for b in _batches(1)[:3]:
+            sources.append([])
+            state, _ = step(state, b)
+    assert len(sources) == 3 and len(sources[0]) == len(params), sources
+    assert sources[1] == sources[0] and sources[2] == sources[0]
+    assert {(s, d) for _, s, d in sources[0]} == {(torch.bfloat16, torch.bfloat16)}
+
+
 def _zero(**zero):
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "bf16": {"enabled": True}, "zero_optimization": zero}

@@ -18,6 +18,7 @@ optimizer steps, with ``mixed_precision``'s masters already swapped in.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from fzero.distributed import comm, device_check
 from fzero.core import Handler, Step, as_step, context, installed, running
 from fzero.transforms._checks import check_option
 
-__all__ = ["host_copy", "offload_optimizer", "write_params"]
+__all__ = ["HostStaging", "host_copy", "offload_optimizer", "write_params"]
 
 WHERE = "fzero.offload_optimizer"
 
@@ -45,14 +46,70 @@ def host_copy(x: Any, pin: bool) -> Any:
     return out
 
 
+class HostStaging:
+    """The host buffers an offloaded update's new parameters are cast into before their copy
+    to the device (DeepSpeed's ZeRO-Offload copies from such buffers too), one per
+    parameter, kept between steps: a new host tensor a parameter every step would be
+    page-faulted in every step. Page-locked where ``pin`` (with CUDA): each copy then runs
+    asynchronously, behind the compute already queued, and the next update's casts wait for
+    the copies to have read the buffers before writing them again.
+
+    Example (one process, no CUDA: the copies are synchronous, the buffers still reused):
+        >>> import torch
+        >>> staging = HostStaging(pin=False)
+        >>> out = staging.copy({"w": torch.zeros(2, dtype=torch.bfloat16)}, {"w": torch.ones(2)}, into=lambda p: p)
+        >>> out["w"].tolist(), staging.buffers[0].dtype
+        ([1.0, 1.0], torch.bfloat16)
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.read: Any = None  # a CUDA event: the last update's asynchronous copies have run
+
+    def copy(self, params: Any, masters: Any, into: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """``masters`` cast to their ``params``' dtypes and copied into ``into(p)`` for each
+        parameter ``p`` (a master already of its parameter's dtype is copied as it is)."""
+        if self.read is not None:
+            self.read.synchronize()
+            self.read = None
+        count = itertools.count()
+        queued = []
+
+        def one(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            i = next(count)
+            if m.dtype == p.dtype:  # the master itself: the next update writes it, so copied now
+                return comm.copy_(into(p), m, kind="h2d")
+            buf = self.buffers.get(i)
+            if buf is None or buf.shape != m.shape or buf.dtype != p.dtype:
+                buf = self.buffers[i] = torch.empty(m.shape, dtype=p.dtype, device="cpu", pin_memory=self.pin)
+            with torch.no_grad():
+                buf.copy_(m)  # the cast, on the host: only the parameter's bytes cross
+            dst = into(p)
+            later = self.pin and dst.is_cuda
+            if later:
+                queued.append(dst.device)
+            return comm.copy_(dst, buf, kind="h2d", non_blocking=later)
+
+        out = tree.map(one, params, masters)
+        if queued:
+            self.read = torch.cuda.Event()
+            self.read.record(torch.cuda.current_stream(queued[0]))
+        return out
+
+
 def copy_to_device(params: Any, masters: Any) -> Any:
     """The new host ``masters`` copied into the device ``params`` (each cast on the host to
     its parameter's dtype first, so only the parameter's bytes move): into ``params``
     themselves when the step owns its state (the step context's ``donate``), else into new tensors.
     Counted as ``"h2d"``. What an offloaded update ends with, whichever transform keeps the
-    device parameters (this one in fp32 training, ``mixed_precision`` its 16-bit copies)."""
-    into = (lambda p: p) if context().donate else torch.empty_like
-    return tree.map(lambda p, m: comm.copy_(into(p), m.to(p.dtype), kind="h2d"), params, masters)
+    device parameters (this one in fp32 training, ``mixed_precision`` its 16-bit copies).
+    The casts go through ``offload_optimizer``'s :class:`HostStaging` (the step context's
+    ``offload_staging``) where there is one."""
+    here = context()
+    into = (lambda p: p) if here.donate else torch.empty_like
+    staging = here.offload_staging or HostStaging(pin=False)
+    return staging.copy(params, masters, into)
 
 
 def write_params(params: Any, masters: Any) -> Any:
@@ -114,6 +171,7 @@ class _OffloadHandler(Handler):
         self.rebuilt = getattr(inner_handler, "builds_optimizer_state", False)
         self.ready = False
         self.grads: dict[int, torch.Tensor] = {}  # host gradient buffers, kept between steps
+        self.staging = HostStaging(self.pin)  # and the new parameters' casts on their way back
         self.on_device = False  # whether the parameters live apart from the host (set at init)
 
     def before(self, state):
@@ -222,7 +280,7 @@ def offload_optimizer(step: Callable, *, pin_memory: bool = False, make_masters:
     handler = _OffloadHandler(pin_memory, make_masters, getattr(inner, "handler", None))
 
     def call(state, batch):
-        with installed(handler), running(offload_optimizer=True):
+        with installed(handler), running(offload_optimizer=True, offload_staging=handler.staging):
             return inner(state, batch)
 
     out = Step(call, before=handler.before, after=handler.after, name=f"offload_optimizer({inner.__name__})",
