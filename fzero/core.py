@@ -677,7 +677,14 @@ def _backward_into(sink, value, inputs, wrt):
         on_value(value)
     leaves = [inputs[i] for i in wrt]
     at_once = getattr(sink, "takes_after_backward", None)
-    if at_once is not None and at_once(leaves):  # the sink takes every gradient at once
+    # The sink's look at the leaves (dtypes, shapes) and their .grad, set and read here, go
+    # past a leaf's __torch_function__ (mixed precision's NormWeight): a Python call for each
+    # attribute of each parameter a step, to the same slots. Backward itself runs outside
+    # (run_backward: the norms recomputed in it must dispatch).
+    no_subclass = torch._C.DisableTorchFunctionSubclass
+    with no_subclass():
+        together = at_once is not None and at_once(leaves)
+    if together:  # the sink takes every gradient at once
         if not (value.requires_grad and wrt):
             sink.on_grads(wrt, [None] * len(wrt))
             return sink.finish()
@@ -687,26 +694,31 @@ def _backward_into(sink, value, inputs, wrt):
             return sink.finish()
         # Backward accumulates each gradient into the sink's buffer, as the leaf's .grad:
         # no hook per leaf, no gradient held twice.
-        views = grad_buffers(wrt, leaves)
-        for leaf, view in zip(leaves, views):
-            leaf.grad = view
+        with no_subclass():
+            views = grad_buffers(wrt, leaves)
+            for leaf, view in zip(leaves, views):
+                leaf.grad = view
         try:
             run_backward(value, leaves, accumulate=True)
-            grads = [leaf.grad for leaf in leaves]
+            with no_subclass():
+                grads = [leaf.grad for leaf in leaves]
         finally:
-            for leaf in leaves:
-                leaf.grad = None
+            with no_subclass():
+                for leaf in leaves:
+                    leaf.grad = None
         sink.on_accumulated(wrt, grads, views)
         return sink.finish()
     handles = []
     on_grad = keeping_function_modes(sink.on_grad)
     for i in wrt:
         def hook(leaf, i=i):
-            g = leaf.grad
-            leaf.grad = None  # the sink decides what stays resident
+            with no_subclass():
+                g = leaf.grad
+                leaf.grad = None  # the sink decides what stays resident
             on_grad(i, g)
 
-        handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
+        with no_subclass():
+            handles.append(inputs[i].register_post_accumulate_grad_hook(hook))
     try:
         if value.requires_grad and wrt:
             run_backward(value, leaves, accumulate=True)
