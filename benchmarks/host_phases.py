@@ -13,7 +13,10 @@ step of each per round; medians.
 The middle phase includes the CPU's own compute of the tiny model, and the last one the
 optimizer's (on a GPU both are kernels); the first has none: it is host overhead alone.
 
-    python benchmarks/host_phases.py [--n-layer 12] [--n-embd 64] [--rounds 40]
+    python benchmarks/host_phases.py [--n-layer 12] [--n-embd 64] [--rounds 40] [--zero 1,2,3]
+
+``--zero`` adds ``fzero.compile(zero=N)`` in a world of one for each ``N`` listed: what a
+ZeRO configuration costs a run on one GPU, where no stage has a rank to share with.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main(argv=None) -> dict:
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--zero", default="", metavar="N,...",
+                   help="also fzero.compile(zero=N) for each N listed, in a world of one (a ZeRO config run on one GPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=args.n_layer, n_head=2, n_embd=args.n_embd)
@@ -67,10 +72,12 @@ def main(argv=None) -> dict:
         core._engine_run_backward = timed_engine
     try:
         steps = {}
-        for name in ("plain", "fzero"):
+        stages = [int(n) for n in args.zero.split(",") if n.strip()]
+        for name in ("plain", "fzero", *[f"fzero zero={n}" for n in stages]):
             module = g.make_model(cfg, device)
             module.register_forward_pre_hook(forward_start)
-            steps[name] = g.plain_step(module, device) if name == "plain" else g.fzero_step(module)
+            steps[name] = (g.plain_step(module, device) if name == "plain" else
+                           g.fzero_step(module, zero=int(name.rpartition("=")[2])) if "=" in name else g.fzero_step(module))
             for _ in range(3):
                 steps[name](batch)
         times = {n: [] for n in steps}

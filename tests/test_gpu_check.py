@@ -164,7 +164,8 @@ def test_the_offload_search_builds_its_models_on_the_host_and_trains_them_with_b
 
 def test_host_phases_times_each_phase_of_both_steps():
     """benchmarks/host_phases.py: the host time of a step before its forward, in forward and
-    backward, and after, for plain PyTorch and fzero; the phases add up to the step, and
+    backward, and after, for plain PyTorch and fzero (and ZeRO stages in a world of one); the
+    phases add up to the step, and
     torch's and fzero's backward entries are theirs again afterwards."""
     import torch
 
@@ -172,8 +173,8 @@ def test_host_phases_times_each_phase_of_both_steps():
     from fzero import core
 
     before = torch.autograd._engine_run_backward, core._engine_run_backward
-    result = host_phases.main(["--rounds", "2", "--n-layer", "2"])
-    assert set(result) == {"plain", "fzero"}
+    result = host_phases.main(["--rounds", "2", "--n-layer", "2", "--zero", "1,3"])
+    assert set(result) == {"plain", "fzero", "fzero zero=1", "fzero zero=3"}
     for name, phases in result.items():
         assert all(phases[p] > 0 for p in host_phases.PHASES), (name, phases)
         parts = sum(phases[p] for p in host_phases.PHASES[:3])

@@ -262,6 +262,37 @@ def test_init_moves_no_optimizer_state_it_builds_again_to_the_device(options, pl
     del held
 
 
+@pytest.mark.parametrize("precision,accumulate", [("bf16", 1), ("bf16", 2), ("fp16", 1), ("fp32", 1)])
+def test_every_stage_in_a_world_of_one_trains_as_stage_0_without_a_hook_per_parameter(precision, accumulate,
+                                                                                     monkeypatch):
+    """One process (DeepSpeed's ZeRO config on one GPU): stages 1-3 have no other rank to sum
+    with, so a 16-bit gradient is reduced in its own dtype (a wider buffer would give back its
+    very bits), accumulated by backward in place with no hook per parameter; the trajectory
+    is stage 0's, bit for bit. With accumulation the micro-batches' sum is held in fp32, as at
+    every stage."""
+    hooks = []
+    register = torch.Tensor.register_post_accumulate_grad_hook
+
+    def counted(self, hook):
+        hooks.append(1)
+        return register(self, hook)
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", counted)
+    make_model, batches = _model_and_batches((4, 8, 2, 3), 3, 3, 4)
+    options = dict(precision=precision, accumulate=accumulate,
+                   **({"loss_scale": None} if precision == "fp16" else {}))
+    out = {}
+    for stage in range(4):
+        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, device="cpu"), zero=stage, **options)
+        state, losses = ft.run_steps(step, step.init(_state(make_model, "adamw")), batches)
+        out[stage] = (losses, fzero.gather(state.params), len(hooks))
+        hooks.clear()
+    for stage in (1, 2, 3):
+        ft.assert_trees_close(out[stage][:2], out[0][:2], tol="exact", what=f"stage {stage}")
+        if accumulate == 1:  # (stage 3 gathers this model whole: no unit, one group)
+            assert out[stage][2] == 0, (stage, out[stage][2])
+
+
 def _mesh_on_another_device():
     """On each rank of a gloo group: the error of a Mesh that names CUDA for it."""
     try:

@@ -206,7 +206,8 @@ class ReduceSink:
         leaf_names: the differentiated leaves' names in flatten order; a name outside the
             layout is an argument beside the parameters (its gradient is kept local).
         group, world, stage: the ``dp`` process group, its size and the ZeRO stage.
-        reduce_in: the reduction dtype asked for (``None``: see :func:`reduce_dtype`).
+        reduce_in: the reduction dtype asked for (``None``: see :func:`reduce_dtype`; in a
+            world of one, where nothing is summed, the gradients' own dtype).
         pool: where stage 1-3 send buffers come from and go back to.
         timeout_s: of every collective.
         held: stages 0-1: group buffers holding earlier micro-batches' sum.
@@ -242,6 +243,11 @@ class ReduceSink:
         self.layout, self.group, self.world, self.stage = layout, group, world, stage
         self.overlap = overlap  # launch each group as it completes (else all at finish)
         self.reduce_in, self.pool, self.timeout_s = reduce_in, pool, timeout_s
+        # A world of one that sums nothing (no other rank, no earlier micro-batch here or to
+        # come): a gradient is its own reduction, and a wider buffer would give back its very
+        # bits (a bf16 value cast to fp32 and back). In its own dtype backward accumulates it
+        # in place, without a hook per parameter (takes_after_backward).
+        self.own_dtype = world == 1 and reduce_in is None and not summed and not held and hold is None
         self.leaf_names = leaf_names  # the leaves in flatten order
         self.leaf_groups = [layout.where.get(n) for n in leaf_names]  # (group, position); None: not a parameter
         self.missing = [set(range(len(g.names))) for g in layout.groups]
@@ -265,6 +271,10 @@ class ReduceSink:
         # One group (a model smaller than the bucket; at stage 3 no unit): nothing can overlap
         # its one collective, so backward runs without a hook per parameter (see takes_after_backward).
         self.one_group = len(layout.groups) == 1 and on_complete is None
+
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``dtype`` are reduced in here."""
+        return dtype if self.own_dtype else reduce_dtype(dtype, self.reduce_in)
 
     def _buffer(self, group, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
         """A reduce buffer for ``group``, from the pool (reusing resident memory instead of
@@ -297,7 +307,7 @@ class ReduceSink:
         if self.leaf_groups[i] is None:
             self.local[self.leaf_names[i]] = g / self.world
             return None
-        return self._view(i, reduce_dtype(g.dtype, self.reduce_in))
+        return self._view(i, self._dtype(g.dtype))
 
     def _view(self, i: int, dtype: torch.dtype, *, zero: bool = False) -> tuple[int, torch.Tensor]:
         """``(group, leaf i's 1-D slot in the group's reduce buffer)``, the buffer (of
@@ -332,7 +342,7 @@ class ReduceSink:
         in place (:meth:`grad_buffers`), as a C++ reducer would take them. Gradients reduced
         in another dtype (bf16 summed in fp32) come in one by one instead, each freed once
         copied, so that autograd's whole gradient is never held beside the buffer."""
-        return self.one_group and all(reduce_dtype(d, self.reduce_in) == d for d in {x.dtype for x in leaves})
+        return self.one_group and all(self._dtype(d) == d for d in {x.dtype for x in leaves})
 
     def grad_buffers(self, indices: list[int], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """After :meth:`takes_after_backward`: for each of ``leaves`` (leaf ``indices[k]``), the view of its
@@ -391,7 +401,7 @@ class ReduceSink:
         group = self.layout.groups[gi]
         buf = self.buffers.pop(gi, None)
         if buf is None:  # no parameter of this group reached the loss
-            buf = self._buffer(group, reduce_dtype(group.dtype, self.reduce_in), zero=True)
+            buf = self._buffer(group, self._dtype(group.dtype), zero=True)
         else:
             self._zero_missing(gi, buf)
         if self.world == 1:  # nothing to reduce: the buffer is the gradient, not copied
