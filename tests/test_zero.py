@@ -282,14 +282,17 @@ def test_every_stage_in_a_world_of_one_trains_as_stage_0_without_a_hook_per_para
     options = dict(precision=precision, accumulate=accumulate,
                    **({"loss_scale": None} if precision == "fp16" else {}))
     out = {}
-    for stage in range(4):
-        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, device="cpu"), zero=stage, **options)
+    # "3u": stage 3 with every block a unit gathered and freed on its own (the hooks free
+    # each unit as its gradients complete)
+    for stage in (0, 1, 2, 3, "3u"):
+        step = fzero.compile(ft.mse_step, fzero.Mesh(dp=1, device="cpu"), zero=3 if stage == "3u" else stage,
+                             **({"max_reuse_distance": 0} if stage == "3u" else {}), **options)
         state, losses = ft.run_steps(step, step.init(_state(make_model, "adamw")), batches)
         out[stage] = (losses, fzero.gather(state.params), len(hooks))
         hooks.clear()
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3, "3u"):
         ft.assert_trees_close(out[stage][:2], out[0][:2], tol="exact", what=f"stage {stage}")
-        if accumulate == 1:  # (stage 3 gathers this model whole: no unit, one group)
+        if accumulate == 1 and stage != "3u":  # (stage 3 gathers this model whole: no unit, one group)
             assert out[stage][2] == 0, (stage, out[stage][2])
 
 
