@@ -233,12 +233,32 @@ class LeafSums(NamedTuple):
     def of(cls, trees, sums: torch.Tensor, *, total: bool = False) -> "LeafSums":
         """``sums`` of the leaves of ``trees`` (in order), named by the first key of each
         leaf's path: a parameter's name in a tree keyed as ``state.params``."""
-        names = []
+        names = ()
         for t in trees:
-            for path in tree.paths(t):
-                key = getattr(path[0], "entry", None) if path else None
-                names.append(key if isinstance(key, str) else None)
-        return cls(sums, tuple(names), total)
+            names += _first_keys(tree.structure(t))
+        return cls(sums, names, total)
+
+
+# Each leaf's first path key where it is a str (a parameter's name), by spec: a step asks for
+# the same structures' names every time (the norms' LeafSums).
+_FIRST_KEYS: dict[Any, tuple[str | None, ...]] = {}
+
+
+def _first_keys(spec) -> tuple[str | None, ...]:
+    try:
+        hit = _FIRST_KEYS.get(spec)
+    except TypeError:  # unhashable node data: not kept
+        return _keys_of(spec)
+    if hit is None:
+        if len(_FIRST_KEYS) >= 512:
+            _FIRST_KEYS.clear()
+        hit = _FIRST_KEYS[spec] = _keys_of(spec)
+    return hit
+
+
+def _keys_of(spec) -> tuple[str | None, ...]:
+    keys = (getattr(a[0], "entry", None) if len(a) else None for a in spec.accessors())
+    return tuple(k if isinstance(k, str) else None for k in keys)
 
 
 def psum(value):

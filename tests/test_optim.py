@@ -446,6 +446,43 @@ def test_adamw_mask_matches_torch_param_groups(problem, mask_seed, as_callable):
     _assert_matches_torch((ours,), make, params, grads)
 
 
+@pytest.mark.parametrize("as_callable", [False, True])
+def test_the_fused_step_reads_a_pytree_mask_once_and_calls_a_callable_every_update(as_callable, monkeypatch):
+    """A mask is the optimizer's, fixed when made (optax's too): the fused step resolves a
+    pytree mask once for the parameters' structure, not at every update, and calls a callable
+    mask at every update; the parameters decay as torch's param groups say either way."""
+    import fzero
+    from fzero.optim import fused
+
+    fused._DECAY_FLAGS.clear()
+    resolved, called = [], []
+    real = fused._resolve_mask
+    monkeypatch.setattr(fused, "_resolve_mask", lambda *a: resolved.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+    reference = copy.deepcopy(model)
+    flags = {n: p.dim() > 1 for n, p in model.named_parameters()}
+    mask = (lambda p: called.append(1) or flags) if as_callable else flags
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(ft.mse_step)
+    state = step.init(fzero.TrainState.create(apply_fn=apply, params=params,
+                                              tx=optim.adamw(1e-2, weight_decay=0.5, mask=mask)))
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 3, generator=g)} for _ in range(4)]
+    with optim.use_fused("on"):
+        state, _ = ft.run_steps(step, state, batches)
+    decay = [p for n, p in reference.named_parameters() if flags[n]]
+    rest = [p for n, p in reference.named_parameters() if not flags[n]]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    for b in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(b["x"]), b["y"]).backward()
+        opt.step()
+    ft.assert_trees_close(dict(state.params), dict(reference.named_parameters()), tol="optimizer fp32 vs torch.optim")
+    assert len(resolved) == (4 if as_callable else 1), resolved
+    assert (len(called) >= 4) if as_callable else not called, called  # (a callable is also called at init)
+
+
 def test_masked_passes_masked_out_leaves_through_unchanged():
     params = {"w": torch.randn(3), "b": torch.randn(2), "blocks": [torch.randn(2, 2)]}
     mask = {"w": True, "b": False, "blocks": [False]}

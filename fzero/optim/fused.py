@@ -400,6 +400,31 @@ def _torch_cpu(spec: FusedSpec, p: torch.Tensor) -> bool:
             and hasattr(torch, "_fused_adamw_"))
 
 
+# The weight-decay flags of a mask given as a pytree (or dict) of bools, by mask and parameters'
+# structure: the same every step (a mask is the optimizer's, fixed when it was made, as
+# optax's), and resolving it is a walk of both trees in Python. A callable is called each time.
+_DECAY_FLAGS: dict[tuple[int, Any], tuple[Any, list[bool]]] = {}
+_DECAY_FLAGS_KEPT = 64
+
+
+def _decay_flags(spec, params: Any, p_spec) -> list[bool]:
+    mask = spec.mask
+    if callable(mask):
+        return _resolve_mask(f"fzero.optim.{spec.kind}", mask, params)
+    try:
+        key = (id(mask), p_spec)
+        hit = _DECAY_FLAGS.get(key)
+    except TypeError:  # a spec that cannot be hashed
+        return _resolve_mask(f"fzero.optim.{spec.kind}", mask, params)
+    if hit is not None and hit[0] is mask:
+        return hit[1]
+    flags = _resolve_mask(f"fzero.optim.{spec.kind}", mask, params)
+    if len(_DECAY_FLAGS) >= _DECAY_FLAGS_KEPT:
+        _DECAY_FLAGS.clear()
+    _DECAY_FLAGS[key] = (mask, flags)
+    return flags
+
+
 def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any, *, donate: bool = False,
                  found_inf: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0):
     """``(new_params, new_opt_state)`` by the fused kernels, or ``None`` to run unfused.
@@ -449,8 +474,7 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     with torch.no_grad():
         count = _count(opt_state)
         lr = float(spec.learning_rate(count)) if callable(spec.learning_rate) else spec.learning_rate
-        decay = [True] * len(p_leaves) if spec.mask is None else _resolve_mask(f"fzero.optim.{spec.kind}", spec.mask,
-                                                                                params)
+        decay = [True] * len(p_leaves) if spec.mask is None else _decay_flags(spec, params, p_spec)
         device = p_leaves[0].device
         clip = {}
         if spec.clip_norm is not None:
