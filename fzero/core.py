@@ -241,24 +241,15 @@ class LeafSums(NamedTuple):
 
 # Each leaf's first path key where it is a str (a parameter's name), by spec: a step asks for
 # the same structures' names every time (the norms' LeafSums).
-_FIRST_KEYS: dict[Any, tuple[str | None, ...]] = {}
+_FIRST_KEYS = tree.SpecCache()
 
 
 def _first_keys(spec) -> tuple[str | None, ...]:
-    try:
-        hit = _FIRST_KEYS.get(spec)
-    except TypeError:  # unhashable node data: not kept
-        return _keys_of(spec)
-    if hit is None:
-        if len(_FIRST_KEYS) >= 512:
-            _FIRST_KEYS.clear()
-        hit = _FIRST_KEYS[spec] = _keys_of(spec)
-    return hit
+    def make():
+        keys = (getattr(a[0], "entry", None) if len(a) else None for a in spec.accessors())
+        return tuple(k if isinstance(k, str) else None for k in keys)
 
-
-def _keys_of(spec) -> tuple[str | None, ...]:
-    keys = (getattr(a[0], "entry", None) if len(a) else None for a in spec.accessors())
-    return tuple(k if isinstance(k, str) else None for k in keys)
+    return _FIRST_KEYS.get(spec, make)
 
 
 def psum(value):

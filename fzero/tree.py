@@ -37,6 +37,7 @@ import torch
 
 __all__ = [
     "NAMESPACE",
+    "SpecCache",
     "Unchanged",
     "dataclass",
     "field",
@@ -144,25 +145,41 @@ def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     return optree.tree_structure(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
-# A spec's paths, by spec: a step asks for the paths of the same structures every time (the
-# parameters' names for a norm's LeafSums, a mask's leaves), and building them is the Python
-# of one accessor object per leaf. A spec equal to another (same node types, keys and node
-# data) has the same paths; a spec that cannot be hashed (unhashable node data) is not kept.
-_PATHS: dict[Any, tuple[Path, ...]] = {}
-_PATHS_KEPT = 512
+class SpecCache:
+    """Values worked out from a tree's structure, kept by key (a spec, or a tuple holding
+    one): a step asks for the same structures' paths, names or flags every time, and working
+    them out is Python over every leaf. Specs that are equal (same node types, keys and node
+    data) give the same values; a key that cannot be hashed (a spec with unhashable node
+    data) is worked out every time. At most ``kept`` values are held (then all are dropped).
+
+    Example:
+        >>> cache = SpecCache()
+        >>> spec = structure({"a": 1, "b": 2})
+        >>> cache.get(spec, lambda: spec.num_leaves), cache.get(spec, lambda: 0)
+        (2, 2)
+    """
+
+    def __init__(self, kept: int = 512):
+        self.kept, self.values = kept, {}
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The value kept for ``key``, else ``make()``, kept."""
+        try:
+            hit = self.values.get(key)
+        except TypeError:  # unhashable node data
+            return make()
+        if hit is None:
+            if len(self.values) >= self.kept:
+                self.values.clear()
+            hit = self.values[key] = make()
+        return hit
+
+
+_PATHS = SpecCache()
 
 
 def _spec_paths(spec) -> tuple[Path, ...]:
-    try:
-        hit = _PATHS.get(spec)
-    except TypeError:  # unhashable node data
-        return tuple(tuple(a) for a in spec.accessors())
-    if hit is None:
-        hit = tuple(tuple(a) for a in spec.accessors())
-        if len(_PATHS) >= _PATHS_KEPT:
-            _PATHS.clear()
-        _PATHS[spec] = hit
-    return hit
+    return _PATHS.get(spec, lambda: tuple(tuple(a) for a in spec.accessors()))
 
 
 def flatten_with_path(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):

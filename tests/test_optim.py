@@ -454,7 +454,7 @@ def test_the_fused_step_reads_a_pytree_mask_once_and_calls_a_callable_every_upda
     import fzero
     from fzero.optim import fused
 
-    fused._DECAY_FLAGS.clear()
+    fused._DECAY_FLAGS.values.clear()
     resolved, called = [], []
     real = fused._resolve_mask
     monkeypatch.setattr(fused, "_resolve_mask", lambda *a: resolved.append(1) or real(*a))

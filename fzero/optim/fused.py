@@ -403,25 +403,16 @@ def _torch_cpu(spec: FusedSpec, p: torch.Tensor) -> bool:
 # The weight-decay flags of a mask given as a pytree (or dict) of bools, by mask and parameters'
 # structure: the same every step (a mask is the optimizer's, fixed when it was made, as
 # optax's), and resolving it is a walk of both trees in Python. A callable is called each time.
-_DECAY_FLAGS: dict[tuple[int, Any], tuple[Any, list[bool]]] = {}
-_DECAY_FLAGS_KEPT = 64
+_DECAY_FLAGS = tree.SpecCache(kept=64)
 
 
 def _decay_flags(spec, params: Any, p_spec) -> list[bool]:
-    mask = spec.mask
+    mask, where = spec.mask, f"fzero.optim.{spec.kind}"
     if callable(mask):
-        return _resolve_mask(f"fzero.optim.{spec.kind}", mask, params)
-    try:
-        key = (id(mask), p_spec)
-        hit = _DECAY_FLAGS.get(key)
-    except TypeError:  # a spec that cannot be hashed
-        return _resolve_mask(f"fzero.optim.{spec.kind}", mask, params)
-    if hit is not None and hit[0] is mask:
-        return hit[1]
-    flags = _resolve_mask(f"fzero.optim.{spec.kind}", mask, params)
-    if len(_DECAY_FLAGS) >= _DECAY_FLAGS_KEPT:
-        _DECAY_FLAGS.clear()
-    _DECAY_FLAGS[key] = (mask, flags)
+        return _resolve_mask(where, mask, params)
+    kept_mask, flags = _DECAY_FLAGS.get((id(mask), p_spec), lambda: (mask, _resolve_mask(where, mask, params)))
+    if kept_mask is not mask:  # another mask at a dead one's address
+        kept_mask, flags = _DECAY_FLAGS.values[(id(mask), p_spec)] = (mask, _resolve_mask(where, mask, params))
     return flags
 
 
