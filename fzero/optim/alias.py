@@ -172,7 +172,7 @@ def adamw(
             ``torch.optim.AdamW``'s (optax's ``adamw`` defaults to 1e-4).
         mask: which leaves are decayed: ``None`` (all), a pytree of bools with the params'
             structure, or a callable ``params -> such a pytree``. The Adam step applies to all.
-            Like optax's, the mask is the optimizer's, fixed when it is made: the fused update
+            Like optax's, the mask is the optimizer's, fixed when it is made: the optimizer
             reads a pytree mask once for each structure of the parameters (change it by
             making a new optimizer), and calls a callable at every update.
         bias_correction: ``False`` drops the ``1 - b^t`` factors (DeepSpeed's

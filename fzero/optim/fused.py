@@ -400,22 +400,6 @@ def _torch_cpu(spec: FusedSpec, p: torch.Tensor) -> bool:
             and hasattr(torch, "_fused_adamw_"))
 
 
-# The weight-decay flags of a mask given as a pytree (or dict) of bools, by mask and parameters'
-# structure: the same every step (a mask is the optimizer's, fixed when it was made, as
-# optax's), and resolving it is a walk of both trees in Python. A callable is called each time.
-_DECAY_FLAGS = tree.SpecCache(kept=64)
-
-
-def _decay_flags(spec, params: Any, p_spec) -> list[bool]:
-    mask, where = spec.mask, f"fzero.optim.{spec.kind}"
-    if callable(mask):
-        return _resolve_mask(where, mask, params)
-    kept_mask, flags = _DECAY_FLAGS.get((id(mask), p_spec), lambda: (mask, _resolve_mask(where, mask, params)))
-    if kept_mask is not mask:  # another mask at a dead one's address
-        kept_mask, flags = _DECAY_FLAGS.values[(id(mask), p_spec)] = (mask, _resolve_mask(where, mask, params))
-    return flags
-
-
 def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params: Any, *, donate: bool = False,
                  found_inf: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0):
     """``(new_params, new_opt_state)`` by the fused kernels, or ``None`` to run unfused.
@@ -465,7 +449,8 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
     with torch.no_grad():
         count = _count(opt_state)
         lr = float(spec.learning_rate(count)) if callable(spec.learning_rate) else spec.learning_rate
-        decay = [True] * len(p_leaves) if spec.mask is None else _decay_flags(spec, params, p_spec)
+        decay = [True] * len(p_leaves) if spec.mask is None else list(
+            _resolve_mask(f"fzero.optim.{spec.kind}", spec.mask, params, p_spec))
         device = p_leaves[0].device
         clip = {}
         if spec.clip_norm is not None:

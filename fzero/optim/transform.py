@@ -516,7 +516,25 @@ def _by_name(where: str, m: dict, params: FrozenParams) -> FrozenParams:
     return like_params(params, {k: None if k in params.frozen else m[k] for k in params})  # frozen, layout kept
 
 
-def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
+# The flags of a mask that is a pytree (or dict) of bools, by mask and parameters' structure:
+# the same at every update (a mask is the optimizer's, fixed when it was made, as optax's), and
+# resolving it walks both trees in Python. A callable mask is called every time.
+_MASK_FLAGS = tree.SpecCache(kept=64)
+
+
+def _resolve_mask(where: str, mask: Any, params: Params, spec: Any = None) -> tuple[bool, ...]:
+    """One bool per leaf of ``params`` (:func:`_mask_flags`); for a mask that is not a
+    callable, worked out once per structure of ``params`` (``spec``, when the caller has it)."""
+    if callable(mask):
+        return _mask_flags(where, mask, params)
+    key = (id(mask), spec if spec is not None else tree.structure(params))
+    kept, flags = _MASK_FLAGS.get(key, lambda: (mask, _mask_flags(where, mask, params)))
+    if kept is not mask:  # another mask at the address of one that is gone
+        kept, flags = _MASK_FLAGS.values[key] = (mask, _mask_flags(where, mask, params))
+    return flags
+
+
+def _mask_flags(where: str, mask: Any, params: Params) -> tuple[bool, ...]:
     """One bool per leaf of ``params``, from a pytree of bools or a callable returning one.
 
     With frozen parameters (a :class:`fzero.Params`, ``None`` at the frozen names, as the
@@ -556,7 +574,7 @@ def _resolve_mask(where: str, mask: Any, params: Params) -> list[bool]:
                     f"got {type_name(leaf)} at {tree.keystr(path) or '<root>'}"
                 )
         flags.append(leaf)
-    return flags
+    return tuple(flags)
 
 
 def _select(spec, leaves: list, flags: list[bool]) -> Any:
