@@ -18,6 +18,13 @@ model's shape with its counted parameters and leaves, the calibrated machine, an
 layout; nothing measured in the launches goes into it. Measured: the median over every timed
 round of every launch. Ratio: measured / predicted; the target is every case in 0.85-1.15.
 
+The machine is calibrated ``--calibrations`` times (default 3), spread over the run (before
+the first launch, between launches, after the last), and the prediction uses the median of
+each of its parameters: on these shared cores one calibration's reading of the same
+computation moves by up to 13% a minute later (the block pass 52.9-59.8 ms, so the achieved
+matmul rate 114-128 GFLOP/s, in three calibrations back to back), more than the model's own
+error, and the launches between them see the machine's typical speed, not one moment's.
+
 Run::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/perf_model.py --rounds 2 --steps 6
@@ -57,7 +64,9 @@ def parse(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--worlds", default="1,2,4", help="world sizes to run")
-    p.add_argument("--machine", metavar="PATH", help="a calibrated machine JSON (default: calibrate now)")
+    p.add_argument("--machine", metavar="PATH", help="a calibrated machine JSON (default: calibrate during the run)")
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="calibrations spread over the run, whose median parameters the model uses (without --machine)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--project", action="store_true",
                    help="print the projections for GPT-3 1.3B/6.7B/13B on the h100 preset instead (no measuring)")
@@ -173,6 +182,28 @@ def project(machine_name: str = "h100") -> None:
                       f"{t.exposed_comm:.3f} | {t.tokens_per_s:,.0f} | {100 * t.mfu:.1f}% | {states / 2**30:.1f} |")
 
 
+def median_machine(machines: list):
+    """One :class:`fzero.perf_model.Machine` whose every number is the median of ``machines``'
+    (nested: per precision, per collective kind, per link), its text fields the first's with
+    the count said in ``source``."""
+    from fzero.perf_model import Link
+
+    def med(values):
+        first = values[0]
+        if isinstance(first, bool) or not isinstance(first, (int, float, dict, Link)):
+            return first
+        if isinstance(first, dict):
+            return {k: med([v[k] for v in values]) for k in first}
+        if isinstance(first, Link):
+            return Link(**{k: med([getattr(v, k) for v in values]) for k in vars(first)})
+        return statistics.median(values)
+
+    fields = {k: med([vars(m)[k] for m in machines]) for k in vars(machines[0])}
+    if len(machines) > 1:
+        fields["source"] = f"the median of {len(machines)} calibrations, the first {machines[0].source}"
+    return type(machines[0])(**fields)
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     if args.rank_out:
@@ -184,29 +215,37 @@ def main(argv=None) -> None:
 
     worlds = tuple(int(w) for w in args.worlds.split(","))
     load0 = loadavg()
-    if args.machine:
-        machine = load_machine(args.machine)
-    else:
+    launches = [w for r in range(args.rounds) for w in worlds[r % len(worlds):] + worlds[:r % len(worlds)]]
+    machines = []
+    # Before which launches a calibration runs (len(launches): after the last), evenly spread.
+    n_cal = max(1, args.calibrations)
+    calibrate_at = [] if args.machine else sorted({round(i * len(launches) / max(n_cal - 1, 1)) for i in range(n_cal)})
+
+    def calibrate_now():
         from fzero.perf_calibrate import calibrate
 
-        machine = calibrate(os.path.join(tempfile.mkdtemp(), "cpu-here.json"))
+        machines.append(calibrate(os.path.join(tempfile.mkdtemp(), "cpu-here.json")))
+
     measured = {}
     meta = {}
     loads = []
-    for r in range(args.rounds):
-        order = worlds[r % len(worlds):] + worlds[:r % len(worlds)]
-        for world in order:
-            with tempfile.TemporaryDirectory() as d:
-                out = os.path.join(d, "r.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-                       os.path.abspath(__file__), "--rank-out", out, *(argv if argv is not None else sys.argv[1:])]
-                subprocess.run(cmd, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-                with open(out) as f:
-                    res = json.load(f)
-            loads.append((res["load_start"], res["load_end"]))
-            meta = res
-            for name, t in res["times"].items():
-                measured.setdefault((world, name), []).extend(t)
+    for i, world in enumerate(launches):
+        if i in calibrate_at:
+            calibrate_now()
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "r.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                   os.path.abspath(__file__), "--rank-out", out, *(argv if argv is not None else sys.argv[1:])]
+            subprocess.run(cmd, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+            with open(out) as f:
+                res = json.load(f)
+        loads.append((res["load_start"], res["load_end"]))
+        meta = res
+        for name, t in res["times"].items():
+            measured.setdefault((world, name), []).extend(t)
+    if len(launches) in calibrate_at:
+        calibrate_now()
+    machine = load_machine(args.machine) if args.machine else median_machine(machines)
     rows = []
     for (world, name), t in sorted(measured.items()):
         pred = predict(name, world, args, meta["psi"], meta["leaves"], machine)
@@ -217,6 +256,10 @@ def main(argv=None) -> None:
     print(f"\n{SCRIPT}: GPT {args.n_layer} layers × {args.n_embd}, vocab {args.vocab_size}, Ψ = {meta['psi']:,}, "
           f"{meta['leaves']} leaves; global batch {args.batch} × {args.seq}, fp32 AdamW; {cpu_model()}; "
           f"load average {load0} at start, launches {loads}")
+    if len(machines) > 1:
+        print("calibrations (achieved fp32 matmul GFLOP/s, elementwise GB/s): "
+              + ", ".join(f"{m.matmul_flops['fp32'] / 1e9:.1f} / {m.elementwise_bandwidth / 1e9:.2f}" for m in machines)
+              + "; the model takes each parameter's median")
     print(f"machine: {machine.source}: matmul {machine.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, elementwise "
           f"{machine.elementwise_bandwidth / 1e9:.2f} GB/s, optimizer {machine.optimizer_bandwidth / 1e9:.2f} GB/s, "
           f"gloo {machine.intra.bandwidth / 1e9:.2f} GB/s + {machine.intra.latency * 1e6:.0f} µs/step, overlap "
