@@ -12,6 +12,11 @@ on a CPU host run, one core each):
   alone: its matmul FLOPs (counted by ``torch.utils.flop_counter``) over its time less its
   elementwise bytes at the elementwise bandwidth (:func:`mix_matmul_flops`); every precision's
   achieved rate is its peak times that share (at most 1).
+* **attention FLOP/s**: a causal ``scaled_dot_product_attention`` forward and backward on 8
+  sequences of 128 tokens, 4 heads of 64, its FLOPs counted as the model counts attention's;
+  its share of the lone matmul's rate is every precision's attention rate (at most the
+  achieved dense rate). Attention's per-head products are small: here they run at about half
+  the block pass's rate, which the model would otherwise give them.
 * **elementwise bandwidth**: GELU forward and backward, LayerNorm forward and an add on
   (4096 × 512) fp32 tensors, bytes counted as inputs + outputs of each op (the count
   :data:`fzero.perf_model.ELEMENTWISE` uses).
@@ -102,6 +107,25 @@ def _matmul_flops() -> dict:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         out[prec] = 2 * m * k * n / _sustained_seconds(lambda: a @ b)
     return out
+
+
+# Attention's shape in the calibration: a batch of 8 sequences of 128 tokens, 4 heads of 64.
+_ATT_B, _ATT_H, _ATT_T, _ATT_D = 8, 4, 128, 64
+
+
+def _attention_flops() -> float:
+    """FLOP/s of a causal ``scaled_dot_product_attention``'s forward and backward at
+    :data:`_ATT_B` × :data:`_ATT_H` × :data:`_ATT_T` × :data:`_ATT_D`, counted as the model counts
+    attention (``12·T·d`` per token, d = heads × head size: the scores and values, forward and
+    twice that backward, over the whole T × T, as Kaplan et al.)."""
+    q, k, v = (torch.randn(_ATT_B, _ATT_H, _ATT_T, _ATT_D, requires_grad=True) for _ in range(3))
+
+    def run():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    flops = 12 * _ATT_B * _ATT_T * _ATT_T * _ATT_H * _ATT_D
+    return flops / _median_time(run, reps=9)
 
 
 def _elementwise_bandwidth() -> float:
@@ -443,6 +467,7 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
     try:
         mm = _matmul_flops()
         elementwise = _elementwise_bandwidth()
+        attention_fp32 = _attention_flops()
         t2, t64 = _fzero_step_seconds(2, 16), _fzero_step_seconds(64, 16)
         big_elems = _BIG_ELEMS
         t_big = _fzero_step_seconds(2, big_elems, steps=5)
@@ -490,8 +515,13 @@ def calibrate(path: str, *, name: str = "cpu-here") -> Machine:
         intra=Link(bandwidth=bandwidth, latency=latency), inter=Link(bandwidth=bandwidth, latency=latency),
         ranks_per_node=1024, cores=free, overlap=overlap, step_overhead=step, leaf_overhead=leaf,
         collective_overhead=0.0, tp_overhead=tp_over, reduce_byte_overhead=reduce_byte_overhead, host_async=False,
-        collectives=kinds, pair_collectives=pair_kinds, serial_latency=serial_latency)
-    save_machine(machine, path, fzero_step_2_leaves_s=t2, fzero_step_64_leaves_s=t64,
+        collectives=kinds, pair_collectives=pair_kinds, serial_latency=serial_latency,
+        # Attention's share of the lone fp32 matmul's rate, measured in fp32, carried to every
+        # precision as the block pass's share is (at most the achieved dense rate).
+        attention_flops={prec: min(rate * efficiency, rate * attention_fp32 / mm["fp32"])
+                         for prec, rate in mm.items()})
+    save_machine(machine, path, attention_flops_fp32=attention_fp32, fzero_step_2_leaves_s=t2,
+                 fzero_step_64_leaves_s=t64,
                  fzero_step_2x2M_s=t_big, loadavg=load, matmul_flops_alone=flops_alone,
                  block_pass_flops=work[0], block_pass_elementwise_bytes=work[1], mix_matmul_share=efficiency, **coll)
     return machine

@@ -160,6 +160,12 @@ class Machine:
     stretch of compute (tensor parallelism's all-reduces on the critical path: the wait
     includes how far apart the ranks drifted since the last one), when it is more than the
     in-flight ``latency`` (0: the same)."""
+    attention_flops: dict = field(default_factory=dict)
+    """Achieved FLOP/s of attention's scores and values (``scaled_dot_product_attention``,
+    forward and backward) per precision, where they run slower than the dense matmuls (small
+    per-head products; measured on a CPU host by :mod:`fzero.perf_calibrate`). A precision
+    not here takes its ``matmul_flops`` (the datasheet presets: fused attention at the dense
+    rate)."""
 
     def share(self, ranks_on_node: int) -> float:
         """The fraction of one core's rates a rank gets when ``ranks_on_node`` ranks run."""
@@ -182,6 +188,9 @@ class Workload:
     """Tokens per sequence."""
     matmul_flops_per_token: float
     """Matmul FLOPs per token, forward and backward."""
+    attention_flops_per_token: float = 0.0
+    """The part of ``matmul_flops_per_token`` that is attention's scores and values, at the
+    machine's ``attention_flops`` rate where it has one."""
     elementwise_bytes_per_token: float
     """Bytes of non-matmul traffic per token, forward and backward, at fp32."""
     elementwise_split: float = 1.0
@@ -252,7 +261,8 @@ def gpt_workload(*, layers: int, hidden: int, seq: int, vocab: int = 50257, para
     """A GPT's workload from its shape: ``12·L·d²`` parameters in the blocks (plus biases and
     LayerNorms), embeddings ``V·d + s·d``; FLOPs per token ``6Ψ + 12·L·s·d`` (Kaplan et al.
     2020 and Narayanan et al. 2021: the dense matmuls, and attention's scores and values,
-    forward and backward); elementwise bytes from :data:`ELEMENTWISE`.
+    forward and backward, ``12·L·s·d`` of them, also its ``attention_flops_per_token``);
+    elementwise bytes from :data:`ELEMENTWISE`.
 
     ``params`` replaces the count of the shape (the head is tied to the embedding unless
     ``tied=False``). Leaves: 12 per block (GPT-2's, with biases), 4 outside.
@@ -270,6 +280,7 @@ def gpt_workload(*, layers: int, hidden: int, seq: int, vocab: int = 50257, para
     per_token = (layers * (e["block_split"] + e["block_replicated"]) + e["outside"]) * d + e["vocab"] * vocab
     return Workload(params=psi, leaves=12 * layers + 4, layers=layers, hidden=d, seq=seq,
                     matmul_flops_per_token=6 * psi + 12 * layers * seq * d,
+                    attention_flops_per_token=12 * layers * seq * d,
                     elementwise_bytes_per_token=4.0 * per_token,
                     elementwise_split=layers * e["block_split"] * d / per_token, unit_params=min(unit, psi))
 
@@ -360,9 +371,13 @@ def step_time(workload: Workload, layout: Layout, machine: Machine, *, global_ba
     share = m.share(on_node)
     tokens = global_batch * w.seq / dp  # a dp rank's tokens per update; its tp ranks share them
     flops = w.matmul_flops_per_token * tokens / (tp * pp)
+    attention = w.attention_flops_per_token * tokens / (tp * pp)  # among flops; tp splits the heads
+    dense_rate = m.matmul_flops[lay.precision]
+    attention_rate = m.attention_flops.get(lay.precision, dense_rate)
     elem_fraction = (w.elementwise_split / tp + (1 - w.elementwise_split)) / pp
     elem_bytes = w.elementwise_bytes_per_token * PRECISIONS[lay.precision] / 4 * tokens * elem_fraction
-    compute = (flops / m.matmul_flops[lay.precision] + elem_bytes / m.elementwise_bandwidth) / share
+    compute = ((flops - attention) / dense_rate + attention / attention_rate
+               + elem_bytes / m.elementwise_bandwidth) / share
     bubble = compute * (pp - 1) / k
 
     def link(span: int, kind: str | None = None, serial: bool = False, group: int = 0) -> Link:

@@ -121,6 +121,24 @@ def test_shared_cores_slow_every_rate():
     assert shared.comm == pytest.approx(2 * quiet.comm)
 
 
+def test_attention_runs_at_the_machines_attention_rate_and_the_rest_at_the_dense_one():
+    """1e9 FLOPs per token of which 2.5e8 attention's, 8 sequences of 128 tokens on one rank at
+    1 TFLOP/s dense: 1024 × 7.5e8 / 1e12 s plus, at an attention rate of 0.25 TFLOP/s, 1024 ×
+    2.5e8 / 2.5e11 s; a machine without one (the datasheet presets) runs it all at the dense rate,
+    and tensor parallelism splits attention's share as the rest."""
+    w = dataclasses.replace(_workload(flops=1e9), attention_flops_per_token=2.5e8)
+    slow = dataclasses.replace(ROUND, attention_flops={"fp32": 2.5e11})
+    one = Layout(world_size=1, stage=0)
+    assert step_time(w, one, slow, global_batch=8).compute == pytest.approx(1024 * (7.5e8 / 1e12 + 2.5e8 / 2.5e11))
+    assert step_time(w, one, ROUND, global_batch=8).compute == pytest.approx(1024 * 1e9 / 1e12)
+    tp2 = Layout(world_size=2, stage=0, tp=2)
+    assert step_time(w, tp2, slow, global_batch=8).compute == pytest.approx(
+        step_time(w, one, slow, global_batch=8).compute / 2)
+    g = gpt_workload(layers=4, hidden=256, seq=128, vocab=256)
+    assert g.attention_flops_per_token == 12 * 4 * 128 * 256  # Kaplan's 12·L·s·d, inside the 6Ψ + 12·L·s·d
+    assert g.matmul_flops_per_token == 6 * g.params + g.attention_flops_per_token
+
+
 def test_measured_collective_costs_replace_the_rings_by_kind():
     # Gloo-like: a reduce-scatter that costs what an all-reduce of the same tensor does (half
     # the ring's bandwidth for the bytes it sends) and 1 ms per step for a collective alone.
