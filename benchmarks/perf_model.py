@@ -257,10 +257,13 @@ def main(argv=None) -> None:
           f"{meta['leaves']} leaves; global batch {args.batch} × {args.seq}, fp32 AdamW; {cpu_model()}; "
           f"load average {load0} at start, launches {loads}")
     if len(machines) > 1:
-        print("calibrations (achieved fp32 matmul GFLOP/s, elementwise GB/s): "
-              + ", ".join(f"{m.matmul_flops['fp32'] / 1e9:.1f} / {m.elementwise_bandwidth / 1e9:.2f}" for m in machines)
+        print("calibrations (achieved fp32 matmul GFLOP/s, attention GFLOP/s, elementwise GB/s): "
+              + ", ".join(f"{m.matmul_flops['fp32'] / 1e9:.1f} / {m.attention_flops.get('fp32', 0) / 1e9:.1f} / "
+                          f"{m.elementwise_bandwidth / 1e9:.2f}" for m in machines)
               + "; the model takes each parameter's median")
-    print(f"machine: {machine.source}: matmul {machine.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, elementwise "
+    attention = machine.attention_flops.get("fp32")
+    print(f"machine: {machine.source}: matmul {machine.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+          + (f"attention {attention / 1e9:.1f} GFLOP/s, " if attention else "") + "elementwise "
           f"{machine.elementwise_bandwidth / 1e9:.2f} GB/s, optimizer {machine.optimizer_bandwidth / 1e9:.2f} GB/s, "
           f"gloo {machine.intra.bandwidth / 1e9:.2f} GB/s + {machine.intra.latency * 1e6:.0f} µs/step, overlap "
           f"{machine.overlap:.2f}, host {machine.step_overhead * 1e3:.2f} ms + {machine.leaf_overhead * 1e6:.0f} "
