@@ -1,10 +1,11 @@
 """The performance model against measured fzero steps: 1, 2 and 4 ranks, ZeRO stages 0-3, tp=2.
 
-``fzero.perf_model.step_time`` predicts; this script measures and prints both. First the
-machine is calibrated once (``fzero estimate --calibrate``, :mod:`fzero.perf_calibrate`:
-matmuls, elementwise ops, a tiny fzero step, gloo between 2 ranks), then each world size is
-launched under torchrun (gloo, one thread per rank), ``--rounds`` times with the world sizes'
-order rotated, so that load that drifts hits all alike. A launch builds every case of its
+``fzero.perf_model.step_time`` predicts; this script measures and prints both. Each world
+size is launched under torchrun (gloo, one thread per rank), ``--rounds`` times with the
+world sizes' order rotated, so that load that drifts hits all alike, and the machine is
+calibrated (``fzero estimate --calibrate``, :mod:`fzero.perf_calibrate`: matmuls, attention,
+elementwise ops, a tiny fzero step, gloo between 2 ranks) just before each launch, whose
+steps are predicted on that calibration. A launch builds every case of its
 world size and runs them in paired rounds (benchmarks/_common.py: one step of each per round,
 the order rotated, each after a barrier, a step's time the slowest rank's):
 
@@ -18,12 +19,12 @@ model's shape with its counted parameters and leaves, the calibrated machine, an
 layout; nothing measured in the launches goes into it. Measured: the median over every timed
 round of every launch. Ratio: measured / predicted; the target is every case in 0.85-1.15.
 
-The machine is calibrated ``--calibrations`` times (default 3), spread over the run (before
-the first launch, between launches, after the last), and the prediction uses the median of
-each of its parameters: on these shared cores one calibration's reading of the same
-computation moves by up to 13% a minute later (the block pass 52.9-59.8 ms, so the achieved
-matmul rate 114-128 GFLOP/s, in three calibrations back to back), more than the model's own
-error, and the launches between them see the machine's typical speed, not one moment's.
+Why a calibration per launch: on these shared cores the machine's speed moves by more than the
+model's error from one minute to the next (the same block pass took 52.9-59.8 ms in three
+calibrations back to back, so the achieved matmul rate read 114-128 GFLOP/s; three runs
+calibrated once read 13, 14 and 5 of 14 cases within 15% as that rate came out 137, 124 and
+147). A case's prediction is the median of its launches' predictions, as its measurement is
+the median of their rounds; ``--machine PATH`` predicts every launch on one machine instead.
 
 Run::
 
@@ -64,9 +65,8 @@ def parse(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--worlds", default="1,2,4", help="world sizes to run")
-    p.add_argument("--machine", metavar="PATH", help="a calibrated machine JSON (default: calibrate during the run)")
-    p.add_argument("--calibrations", type=int, default=3,
-                   help="calibrations spread over the run, whose median parameters the model uses (without --machine)")
+    p.add_argument("--machine", metavar="PATH",
+                   help="a calibrated machine JSON for every launch (default: a calibration before each launch)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--project", action="store_true",
                    help="print the projections for GPT-3 1.3B/6.7B/13B on the h100 preset instead (no measuring)")
@@ -216,22 +216,18 @@ def main(argv=None) -> None:
     worlds = tuple(int(w) for w in args.worlds.split(","))
     load0 = loadavg()
     launches = [w for r in range(args.rounds) for w in worlds[r % len(worlds):] + worlds[:r % len(worlds)]]
-    machines = []
-    # Before which launches a calibration runs (len(launches): after the last), evenly spread.
-    n_cal = max(1, args.calibrations)
-    calibrate_at = [] if args.machine else sorted({round(i * len(launches) / max(n_cal - 1, 1)) for i in range(n_cal)})
+    fixed = load_machine(args.machine) if args.machine else None
+    machines = []  # each launch's calibration
 
-    def calibrate_now():
-        from fzero.perf_calibrate import calibrate
-
-        machines.append(calibrate(os.path.join(tempfile.mkdtemp(), "cpu-here.json")))
-
-    measured = {}
+    measured, predicted = {}, {}
     meta = {}
     loads = []
-    for i, world in enumerate(launches):
-        if i in calibrate_at:
-            calibrate_now()
+    for world in launches:
+        if fixed is None:
+            from fzero.perf_calibrate import calibrate
+
+            machines.append(calibrate(os.path.join(tempfile.mkdtemp(), "cpu-here.json")))
+        machine = fixed or machines[-1]
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
@@ -243,24 +239,28 @@ def main(argv=None) -> None:
         meta = res
         for name, t in res["times"].items():
             measured.setdefault((world, name), []).extend(t)
-    if len(launches) in calibrate_at:
-        calibrate_now()
-    machine = load_machine(args.machine) if args.machine else median_machine(machines)
+            pred = predict(name, world, args, res["psi"], res["leaves"], machine)
+            predicted.setdefault((world, name), []).append(pred)
+    machine = fixed or median_machine(machines)  # printed: the run's typical machine
     rows = []
     for (world, name), t in sorted(measured.items()):
-        pred = predict(name, world, args, meta["psi"], meta["leaves"], machine)
+        preds = predicted[(world, name)]
+        part = {k: statistics.median(getattr(p, k) for p in preds)
+                for k in ("total", "compute", "exposed_comm", "comm", "optimizer", "host")}
         med = statistics.median(t)
-        rows.append(dict(world=world, case=name, measured_s=med, predicted_s=pred.total, ratio=med / pred.total,
-                         compute_s=pred.compute, exposed_comm_s=pred.exposed_comm, comm_s=pred.comm,
-                         optimizer_s=pred.optimizer, host_s=pred.host, times_s=t))
+        rows.append(dict(world=world, case=name, measured_s=med, predicted_s=part["total"], ratio=med / part["total"],
+                         compute_s=part["compute"], exposed_comm_s=part["exposed_comm"], comm_s=part["comm"],
+                         optimizer_s=part["optimizer"], host_s=part["host"],
+                         predicted_by_launch_s=[p.total for p in preds], times_s=t))
     print(f"\n{SCRIPT}: GPT {args.n_layer} layers × {args.n_embd}, vocab {args.vocab_size}, Ψ = {meta['psi']:,}, "
           f"{meta['leaves']} leaves; global batch {args.batch} × {args.seq}, fp32 AdamW; {cpu_model()}; "
           f"load average {load0} at start, launches {loads}")
     if len(machines) > 1:
-        print("calibrations (achieved fp32 matmul GFLOP/s, attention GFLOP/s, elementwise GB/s): "
+        print("calibrations, one before each launch (achieved fp32 matmul GFLOP/s, attention GFLOP/s, "
+              "elementwise GB/s): "
               + ", ".join(f"{m.matmul_flops['fp32'] / 1e9:.1f} / {m.attention_flops.get('fp32', 0) / 1e9:.1f} / "
                           f"{m.elementwise_bandwidth / 1e9:.2f}" for m in machines)
-              + "; the model takes each parameter's median")
+              + "; each launch is predicted on its own, the machine line below is their median")
     attention = machine.attention_flops.get("fp32")
     print(f"machine: {machine.source}: matmul {machine.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s, "
           + (f"attention {attention / 1e9:.1f} GFLOP/s, " if attention else "") + "elementwise "
