@@ -203,6 +203,9 @@ class Workload:
         for name in ("params", "leaves", "layers", "hidden", "seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload: {name} must be at least 1, got {getattr(self, name)!r}")
+        if not 0 <= self.attention_flops_per_token <= self.matmul_flops_per_token:
+            raise ValueError(f"Workload: attention_flops_per_token={self.attention_flops_per_token!r} must lie "
+                             f"between 0 and matmul_flops_per_token={self.matmul_flops_per_token!r} (it is a part of it)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -137,6 +137,9 @@ def test_attention_runs_at_the_machines_attention_rate_and_the_rest_at_the_dense
     g = gpt_workload(layers=4, hidden=256, seq=128, vocab=256)
     assert g.attention_flops_per_token == 12 * 4 * 128 * 256  # Kaplan's 12·L·s·d, inside the 6Ψ + 12·L·s·d
     assert g.matmul_flops_per_token == 6 * g.params + g.attention_flops_per_token
+    with pytest.raises(ValueError, match="attention_flops_per_token=2000000000.0 must lie between 0 and "
+                                         "matmul_flops_per_token=1000000000.0"):
+        dataclasses.replace(w, attention_flops_per_token=2e9)
 
 
 def test_measured_collective_costs_replace_the_rings_by_kind():
