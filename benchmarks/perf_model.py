@@ -223,12 +223,12 @@ def main(argv=None) -> None:
     meta = {}
     loads = []
     for world in launches:
-        if fixed is None:
-            from fzero.perf_calibrate import calibrate
+        with tempfile.TemporaryDirectory() as d:  # the launch's calibration and its ranks' results
+            if fixed is None:
+                from fzero.perf_calibrate import calibrate
 
-            machines.append(calibrate(os.path.join(tempfile.mkdtemp(), "cpu-here.json")))
-        machine = fixed or machines[-1]
-        with tempfile.TemporaryDirectory() as d:
+                machines.append(calibrate(os.path.join(d, "cpu-here.json")))
+            machine = fixed or machines[-1]
             out = os.path.join(d, "r.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                    os.path.abspath(__file__), "--rank-out", out, *(argv if argv is not None else sys.argv[1:])]
