@@ -310,10 +310,11 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
     ``when`` being ``"backward"`` (hidden behind backward up to the overlap), ``"forward"``
     (stage 3's prefetched gathers) or ``"after"`` (exposed). The payloads are the table of
     docs/zero.md "Communication per step"; a group is one bucket (``bucket_bytes``) or, at
-    stage 3, one block, gathered for its forward and again for its backward unless it is
-    among the last blocks within ``max_reuse_distance`` (default 25 MiB of parameters),
-    which stay gathered in between. When every block is within it there are no units: the
-    whole model is gathered before each micro-batch and reduce-scattered in stage 2's buckets.
+    stage 3, one unit: consecutive blocks in runs within ``max_reuse_distance`` (default
+    25 MiB of parameters; ``_checks.unit_runs``), each gathered for its forward and again
+    for its backward except the last run, the reuse window, which stays gathered in between.
+    When every block is within it there are no units: the whole model is gathered before
+    each micro-batch and reduce-scattered in stage 2's buckets.
 
     Example (ZeRO-2, Ψ' = 1000 fp32 parameters in one bucket, 1 micro-batch: the gradient
     reduce-scattered, 4000 B, and the parameters all-gathered, this rank's 1000/N each):
@@ -327,16 +328,17 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
         return []
     psi = -(-workload.params // (layout.tp * layout.pp))
     p, g = PRECISIONS[layout.precision], 4
-    from fzero.transforms._checks import default_bucket_bytes, default_reuse_distance, units_within_reuse
+    from fzero.transforms._checks import default_bucket_bytes, default_reuse_distance, unit_runs, units_within_reuse
 
     out = []
     if st == 3:
         units = max(1, workload.layers // layout.pp)
         psi_u = -(-workload.unit_params // (layout.tp * layout.pp))
         psi_o = psi - psi_u
-        kept = units_within_reuse([psi_u / units] * units,  # shard_state's rule
-                                  default_reuse_distance(p, layout.max_reuse_distance))
-        if kept == units:  # no units: the whole model gathered for each micro-batch, in stage 2's buckets
+        window = default_reuse_distance(p, layout.max_reuse_distance)
+        runs = [k * psi_u / units for k in unit_runs([psi_u / units] * units, window)]  # shard_state's rules
+        kept = units_within_reuse(runs, window)
+        if kept == len(runs):  # no units: the whole model gathered for each micro-batch, in stage 2's buckets
             buckets = max(1, -(-p * psi // (layout.bucket_bytes or default_bucket_bytes(p * psi))))
             for _ in range(k):
                 out += [("all_gather", p * psi / n, "after")]
@@ -344,8 +346,9 @@ def dp_collectives(workload: Workload, layout: Layout) -> list[tuple[str, float,
             return out
         for _ in range(k):
             out += [("all_gather", p * psi_o / n, "after")] if psi_o else []
-            out += [("all_gather", p * psi_u / units / n, "forward")] * (2 * units - kept)
-            out += [("reduce_scatter", g * psi_u / units, "backward")] * units
+            out += [("all_gather", p * r / n, "forward") for r in runs]
+            out += [("all_gather", p * r / n, "forward") for r in runs[:len(runs) - kept][::-1]]
+            out += [("reduce_scatter", g * r, "backward") for r in runs[::-1]]
             out += [("reduce_scatter", g * psi_o, "backward")] if psi_o else []
         return out
     bucket = layout.bucket_bytes or default_bucket_bytes(p * psi, st)

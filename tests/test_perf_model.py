@@ -65,6 +65,21 @@ def test_stage3_sends_one_and_a_half_times_stage2():
         assert kept == pytest.approx([s2] * 2)
 
 
+def test_stage3_gathers_blocks_in_runs_within_the_reuse_window():
+    """Six blocks of 1000 fp32 parameters and a window of 3000: shard_state's units are two
+    runs of three blocks (``_checks.unit_runs``, cut from the last block back, each within
+    the window), the last of them kept from its forward to its backward. So at N = 2 the
+    step gathers each run once for its forward (this rank's 1500 parameters, 6000 B each)
+    and the first again for its backward, and reduce-scatters each run's 12,000 B
+    gradient once, in backward's order: three all-gathers, not nine."""
+    w = _workload(params=6000, layers=6, unit_params=6000)
+    got = dp_collectives(w, Layout(world_size=2, stage=3, max_reuse_distance=3000))
+    assert got == [("all_gather", 6000.0, "forward")] * 3 + [("reduce_scatter", 12000.0, "backward")] * 2
+    # A window under one block: every block its own unit, none kept: twelve gathers of 2000 B.
+    per_block = dp_collectives(w, Layout(world_size=2, stage=3, max_reuse_distance=999))
+    assert per_block == [("all_gather", 2000.0, "forward")] * 12 + [("reduce_scatter", 4000.0, "backward")] * 6
+
+
 def test_accumulation_reduces_once_at_stages_0_1_and_every_micro_batch_at_2_3():
     one = {s: _sent(Layout(world_size=4, stage=s)) for s in range(4)}
     four = {s: _sent(Layout(world_size=4, stage=s, micro_batches=4)) for s in range(4)}

@@ -602,7 +602,9 @@ def _lm_step(state, batch):
 
 def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_rank=2):
     """Runs on every rank: a stage-3 TinyGPT's trajectory against the plain step's, with the
-    order reductions start in, the order units are gathered in, and the reduce buffers' peak."""
+    order reductions start in, the order units are gathered in, and the reduce buffers' peak.
+    ``max_reuse_distance="two blocks"``: the units shard_state finds itself (not the blocks
+    named), with a window of two blocks' elements."""
     from fzero.transforms.shard_state._reduce import ReduceSink
 
     n, r = dist.get_world_size(), dist.get_rank()
@@ -621,8 +623,11 @@ def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_ran
     # The blocks named as units: with the default window every one of them is kept, which
     # the default units would not be (a model within the window has none: see
     # test_a_model_within_the_reuse_window_is_gathered_whole_for_the_step).
+    named = {"units": lambda m: isinstance(m, MLPBlock)}
+    if max_reuse_distance == "two blocks":
+        max_reuse_distance, named = 2 * sum(p.numel() for p in MLPBlock(16).parameters()), {}
     step = fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, bucket_bytes=bucket_bytes,
-                             max_reuse_distance=max_reuse_distance, units=lambda m: isinstance(m, MLPBlock))
+                             max_reuse_distance=max_reuse_distance, **named)
     state = step.init(_state(make_model, "adamw"))
     units = step.handler.units
     launched, gathered = [], []
@@ -653,6 +658,24 @@ def _stage3_reduce_order(bucket_bytes, max_reuse_distance=None, steps=3, per_ran
             "names": [g.names for g in layout.groups], "peak": step.handler.peak_reduce_bytes,
             "unit_bytes": max(layout.groups[gi].padded * 4 for gi in units.unit_groups),
             "loose_bytes": sum(g.padded * 4 for g in layout.groups if g.index not in units.unit_groups)}
+
+
+def test_stage_3_gathers_its_own_units_as_runs_of_blocks_within_the_reuse_window(ranks):
+    """Two ranks, TinyGPT's four blocks, a window of two blocks' elements, units found by
+    shard_state itself: two units of two consecutive blocks each (one all-gather each way
+    and one reduce-scatter per pair); the second, within the window, stays gathered from
+    its forward to its backward, the first is gathered again in backward; the trajectory is
+    the plain step's (checked on each rank inside)."""
+    for res in ranks(2).run(_stage3_reduce_order, 64, "two blocks"):
+        units, names = res["units"], res["names"]
+        first, second = units[0], units[2]
+        assert units == [first, first, second, second] and first != second, res
+        assert [n.split(".")[1] for n in names[first]] == ["0"] * 6 + ["1"] * 6, names[first]
+        assert [n.split(".")[1] for n in names[second]] == ["2"] * 6 + ["3"] * 6, names[second]
+        assert res["keep"] == {second}, res
+        assert [gi for gi, when in res["gathered"] if when == "forward"] == [first, second], res
+        assert [gi for gi, when in res["gathered"] if when == "backward"] == [first], res
+        assert [gi for gi in res["launched"] if gi in (first, second)] == [second, first], res
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "autocast"])
@@ -726,10 +749,12 @@ def test_stage_3_reduces_units_while_backward_runs_holding_two_at_most(ranks, bu
 
 
 def test_max_reuse_distance_keeps_the_last_units_within_it_and_the_step_is_the_same():
-    """One process, stage 3, TinyGPT's four blocks: the units kept gathered from forward to
-    backward are the last ones whose reuse distance (their own elements and the later units')
-    is within ``max_reuse_distance``; 0 keeps none; the keyword is checked; and whatever is
-    kept, the trajectory is the plain step's (the pure step, no ZeRO)."""
+    """One process, stage 3, TinyGPT's four equal blocks of ``s`` elements: shard_state cuts
+    them into units of consecutive blocks, from the last back, each within
+    ``max_reuse_distance``; the last unit, whose reuse distance is its own elements, stays
+    gathered from its forward to its backward when within it; 0 gives a unit per block and
+    keeps none; the keyword is checked; and whatever the units, the trajectory is the plain
+    step's (the pure step, no ZeRO)."""
     g = torch.Generator().manual_seed(4)
     batches = [{"idx": torch.randint(0, 16, (2, 8), generator=g), "y": torch.randint(0, 16, (2, 8), generator=g)}
                for _ in range(2)]
@@ -749,21 +774,29 @@ def test_max_reuse_distance_keeps_the_last_units_within_it_and_the_step_is_the_s
         if distance is None:
             return torch.stack(losses), fzero.tree.map(lambda x: x.detach(), dict(state.params))
         units = step.handler.units
-        return [gi for _, gi in units.modules], [units.groups[gi].padded for _, gi in units.modules], units.keep, \
-            torch.stack(losses), fzero.gather(state.params)
+        order = [gi for _, gi in units.modules]  # each block's unit
+        runs = list(dict.fromkeys(order))
+        # Each block's unit and the kept units as places in forward order (0 the first unit).
+        return [runs.index(gi) for gi in order], {runs.index(gi) for gi in units.keep}, \
+            [units.groups[gi].numel for gi in runs], torch.stack(losses), fzero.gather(state.params)
 
     losses, params = run(None)
-    order, sizes, keep, got_losses, got_params = run(0)
-    assert len(order) == 4 and keep == frozenset()
+    units, kept, sizes, got_losses, got_params = run(0)
+    assert units == [0, 1, 2, 3] and kept == set(), (units, kept)
+    assert len(set(sizes)) == 1, sizes
     ft.assert_trees_close((got_losses, got_params), (losses, params), what="max_reuse_distance=0")
-    for distance, last in ((sizes[-1] - 1, 0), (sizes[-1], 1), (sizes[-1] + sizes[-2], 2), (sum(sizes) - 1, 3)):
-        _, _, kept, got_losses, got_params = run(distance)
-        assert kept == set(order[len(order) - last:]), (distance, kept)
+    s = sizes[0]
+    for distance, want_units, want_kept in ((s - 1, [0, 1, 2, 3], set()), (s, [0, 1, 2, 3], {3}),
+                                            (2 * s - 1, [0, 1, 2, 3], {3}), (2 * s, [0, 0, 1, 1], {1}),
+                                            (3 * s, [0, 1, 1, 1], {1}), (4 * s - 1, [0, 1, 1, 1], {1})):
+        units, kept, sizes, got_losses, got_params = run(distance)
+        assert (units, kept) == (want_units, want_kept), (distance, units, kept)
+        assert sum(sizes) == 4 * s, sizes
         ft.assert_trees_close((got_losses, got_params), (losses, params), what=f"max_reuse_distance={distance}")
-    # Every unit within it: no units, the model is gathered whole for the step.
-    order, _, kept, got_losses, got_params = run(sum(sizes))
-    assert order == [] and kept == frozenset(), (order, kept)
-    ft.assert_trees_close((got_losses, got_params), (losses, params), what=f"max_reuse_distance={sum(sizes)}")
+    # Every block within it: no units, the model is gathered whole for the step.
+    units, kept, _, got_losses, got_params = run(4 * s)
+    assert units == [] and kept == set(), (units, kept)
+    ft.assert_trees_close((got_losses, got_params), (losses, params), what=f"max_reuse_distance={4 * s}")
     with pytest.raises(ValueError, match=r"max_reuse_distance=-1 must be a number >= 0 or None"):
         fzero.shard_state(_lm_step, fzero.Mesh(dp=-1), 3, max_reuse_distance=-1)
 

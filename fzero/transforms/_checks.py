@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "DEFAULT_REUSE_BYTES", "MIN_BUCKET_BYTES",
-           "check_option", "default_bucket_bytes", "default_reuse_distance", "kept_reduce_bytes", "units_within_reuse"]
+           "check_option", "default_bucket_bytes", "default_reuse_distance", "kept_reduce_bytes", "unit_runs",
+           "units_within_reuse"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (DeepSpeed's buckets are larger still): the default
 # Stage 3's default bucket is at most this fraction of the trainable parameters' bytes (there
@@ -110,6 +111,33 @@ def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:
             break
         kept += 1
     return kept
+
+
+def unit_runs(sizes: list[float], max_reuse_distance: float) -> list[int]:
+    """How ``shard_state`` groups ZeRO-3's blocks into units when it finds them itself:
+    ``sizes`` the blocks' elements in forward order; returns how many consecutive blocks each
+    unit holds, in forward order. Runs are cut from the last block back, each as long as its
+    elements stay within ``max_reuse_distance`` (a block larger than it, or every block when
+    it is 0, is a unit alone), so the last run is the reuse window itself, kept gathered
+    from its forward to its backward (:func:`units_within_reuse`), and no gather moves more
+    than the window. A unit is one all-gather each way and one reduce-scatter: on the
+    10.8M GPT of ``benchmarks/zero.py``, six blocks of 7 MB, two units of three ran 3-4%
+    faster than six (docs/performance.md, "Stage 3's units").
+
+    Example:
+        >>> unit_runs([10, 10, 10, 10, 10], 25), unit_runs([10, 30, 10], 25), unit_runs([10, 10], 0)
+        ([1, 2, 2], [1, 1, 1], [1, 1])
+    """
+    runs: list[int] = []
+    total = 0.0
+    for n in reversed(sizes):
+        if runs and total + n <= max_reuse_distance:
+            runs[-1] += 1
+            total += n
+        else:
+            runs.append(1)
+            total = n
+    return runs[::-1]
 
 
 Check = Callable[[Any], "str | None"]  # None when the value is valid, else why not ("must be ...")

@@ -44,7 +44,7 @@ from fzero.distributed.compressed import ErrorFeedback, compressed_mean
 from fzero.distributed.mesh import DATA_AXES, Mesh
 from fzero.optim import _known, exchange_of
 from fzero.transforms._checks import (check_option, default_bucket_bytes, default_reuse_distance, kept_reduce_bytes,
-                                      units_within_reuse)
+                                      unit_runs, units_within_reuse)
 from fzero.transforms._arguments import Arguments
 from fzero import rng
 from fzero.core import (DataShard, Handler, MicroBatch, NotApplied, Step, as_step, context, installed,
@@ -158,7 +158,9 @@ class _ShardHandler(Handler):
         module = getattr(state.apply_fn, "module", None)
         found = []  # stage 3: (module, parameter names) of each unit
         if self.stage == 3 and isinstance(module, torch.nn.Module):
-            found = find_units(module, train, self.units_spec)
+            found = [([m], names) for m, names in find_units(module, train, self.units_spec)]
+            if self.units_spec is None:  # the blocks found, in runs within the reuse window
+                found = self._runs(found, train)
         self.bucket, keep = self._bucket(train, units=bool(found))
         self.layout = build_layout(train, world=self.world, rank=self.rank, units=[names for _, names in found],
                                    bucket_bytes=self.bucket)
@@ -201,7 +203,7 @@ class _ShardHandler(Handler):
             return state.replace(params=with_values(params, full), opt_state=state.tx.init(target), master=master)
         # Stage 3: the state keeps only this rank's pieces.
         shards = self.layout.shard_params(train, self.group)
-        modules = [(m, self.layout.where[names[0]][0]) for m, names in found]
+        modules = [(m, self.layout.where[names[0]][0]) for ms, names in found for m in ms]
         self.units = Units(self.layout, modules, group=self.group, world=self.world, timeout_s=self.timeout_s,
                            prefetch=self.prefetch, host=self.offload_param, pin_memory=self.pin,
                            keep=kept)
@@ -210,6 +212,23 @@ class _ShardHandler(Handler):
         if self.offload_param:
             shards = self._on_host(shards)
         return state.replace(params=with_values(params, shards), opt_state=opt_state, master=master)
+
+    def _runs(self, found: list[tuple[list[torch.nn.Module], list[str]]],
+              train: dict[str, torch.Tensor]) -> list[tuple[list[torch.nn.Module], list[str]]]:
+        """Stage 3, units found by ``shard_state`` itself: consecutive blocks merged into one
+        unit each, in runs within ``max_reuse_distance`` (``_checks.unit_runs``): one
+        all-gather and one reduce-scatter per run, not per block; the last run is the window
+        kept gathered. Blocks the user chose (``units=``) stay as chosen."""
+        if not found:
+            return found
+        sizes = [sum(train[n].numel() for n in names) for _, names in found]
+        itemsize = train[found[0][1][0]].element_size()
+        out, at = [], 0
+        for k in unit_runs(sizes, default_reuse_distance(itemsize, self.max_reuse_distance)):
+            part = found[at:at + k]
+            at += k
+            out.append(([m for ms, _ in part for m in ms], [n for _, names in part for n in names]))
+        return out
 
     def _kept(self, order: list[int]) -> set[int]:
         """Stage 3: the units (group indices, ``order`` their forward order) that stay gathered
@@ -222,7 +241,7 @@ class _ShardHandler(Handler):
         if not order:
             return set()
         budget = default_reuse_distance(self.layout.groups[order[0]].dtype.itemsize, self.max_reuse_distance)
-        n = units_within_reuse([self.layout.groups[gi].padded for gi in order], budget)
+        n = units_within_reuse([self.layout.groups[gi].numel for gi in order], budget)
         return set(order[len(order) - n:])
 
     def _bucket(self, train: dict[str, torch.Tensor], units: bool = False) -> tuple[int, int | None]:

@@ -87,7 +87,8 @@ class Units:
         # unit in the direction of travel (forward order in forward, reverse in backward)
         # starts asynchronously, so it overlaps this unit's compute. Every rank runs the
         # same hooks in the same order, so the collectives match.
-        self.order = [gi for _, gi in modules]
+        self.order = list(dict.fromkeys(gi for _, gi in modules))
+        self.last = {gi: m for m, gi in modules}  # a unit of several modules is freed after its last
         self.at = {gi: i for i, gi in enumerate(self.order)}
         self.gathered: set[int] = set()
         self.inflight: dict[int, tuple[comm.Pending, torch.Tensor]] = {}
@@ -172,7 +173,9 @@ class Units:
         self._resident(gi)
         self.prefetch(gi, 1)
 
-    def post_forward(self, gi: int) -> None:
+    def post_forward(self, gi: int, module: torch.nn.Module | None = None) -> None:
+        if module is not None and module is not self.last[gi]:
+            return  # a unit of several blocks stays gathered until its last has run
         # A forward run again inside backward (remat, torch.utils.checkpoint) is saving
         # the unit's parameters for the backward about to run: the unit stays gathered
         # until its gradients are complete (post_backward frees it then).
@@ -224,7 +227,7 @@ class Units:
         eager = torch.compiler.disable if jit is not None else (lambda f: f)  # dynamo only under jit
         for m, gi in self.modules:
             hooks.append(m.register_forward_pre_hook(eager(lambda mod, inp, gi=gi: self.pre_forward(gi))))
-            hooks.append(m.register_forward_hook(eager(lambda mod, inp, out, gi=gi: self.post_forward(gi))))
+            hooks.append(m.register_forward_hook(eager(lambda mod, inp, out, gi=gi: self.post_forward(gi, mod))))
             if jit is not None:
                 hooks.append(jit.compiled_forward(m))
         try:
