@@ -61,7 +61,8 @@ gradients, or a reduce-scatter and an all-gather) and 3Psi(N-1)/N x 4 B at stage
 FSDP2 (the parameters gathered in forward and again in backward). fzero gathers the
 parameters outside every ZeRO-3 unit once per step, and the units within its reuse window
 (``max_reuse_distance``, by default 25 MiB of parameters: every block of the tiny preset,
-the last three of the default's six), so its stage 3 sends less than 3Psi: 2Psi when every unit is kept.
+the last three of the default's six, which it gathers as two units of three blocks), so its
+stage 3 sends less than 3Psi: 2Psi when every unit is kept.
 
 Peak RSS: ``ru_maxrss`` is a lifetime maximum, so after the timed run each contestant is
 run again alone in a fresh pair of processes (``--only NAME``, a few steps) and its peak

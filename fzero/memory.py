@@ -355,7 +355,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     smaller; at stage 3 1/32 of the parameters' bytes, at most 25 MiB and at least 64 KiB
     (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
     than that is a bucket of its own, which this count, knowing no shapes, does not see.
-    At stage 3 a bucket is a ZeRO-3 unit (a transformer block): pass its size in bytes of
+    At stage 3 a bucket is a ZeRO-3 unit (a transformer block, or a run of consecutive
+    blocks within the reuse window when they are smaller than it): pass its size in bytes of
     parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in
     :func:`model_state_bytes`: a rank's buffers hold its Ψ' = Ψ/(tp·pp) parameters,
     reduced over dp.

@@ -264,9 +264,10 @@ class CompileOptions:
     being freed and gathered again, when the elements gathered from its gather until its
     backward (itself and the units after it) are at most this many -- DeepSpeed's
     ``zero_optimization.stage3_max_reuse_distance``; the last blocks of forward, whose
-    backward comes first. ``0`` frees every unit after its forward (FSDP2's
-    ``reshard_after_forward=True``). ``None``: 25 MiB of parameters' worth of elements
-    (:func:`fzero.shard_state`'s ``max_reuse_distance``)."""
+    backward comes first. The blocks fzero finds are gathered in runs of consecutive blocks
+    within it, a unit each. ``0`` makes every block a unit and frees it after its forward
+    (FSDP2's ``reshard_after_forward=True``). ``None``: 25 MiB of parameters' worth of
+    elements (:func:`fzero.shard_state`'s ``max_reuse_distance``)."""
 
     overlap_comm: bool = True
     """Reduce each gradient bucket while backward goes on; ``False`` reduces them all after

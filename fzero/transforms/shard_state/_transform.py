@@ -18,8 +18,8 @@ autograd engine for each gradient the moment it is complete and starts its bucke
 collective then (buckets in backward's order), so communication overlaps the rest of
 backward; the handler of ``apply_gradients`` runs the unchanged optimizer on this rank's
 slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
-then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a block of the
-model) just before the unit's forward, freed after it, and gathered again when backward
+then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a run of
+consecutive blocks of the model within ``max_reuse_distance``) just before the unit's forward, freed after it, and gathered again when backward
 first needs them, unless the unit is within ``max_reuse_distance``; a model whose units all
 are has none, and is gathered whole for the step, in stage 2's buckets. At stage 0 an optimizer that exchanges across the ranks itself (the 1-bit
 family, ``fzero.optim.exchange_of``) is handed this rank's own gradients when it asks for
@@ -589,7 +589,8 @@ def shard_state(
             ``step.handler.bucket`` is the bucket ``init`` chose.
         units: stage 3: predicate choosing the modules that are gathered one at a time
             (default: the elements of every ``nn.ModuleList``, i.e. transformer blocks,
-            unless every one of them is within ``max_reuse_distance``: then none).
+            merged into runs of consecutive blocks within ``max_reuse_distance``, one unit
+            per run; none when every block is within it).
         timeout_s: collective timeout (default: the mesh's).
         reduce_in: the dtype gradients are summed in across ranks (halving the bytes
             moved with ``"bf16"``); default fp32 for low-precision gradients, else their own.
@@ -616,8 +617,11 @@ def shard_state(
             instead of being freed and gathered again, when the elements gathered from its
             gather until its backward (itself and the units after it) are at most this many
             (DeepSpeed's ``stage3_max_reuse_distance``): the last units of forward, whose
-            backward comes first. ``0`` frees every unit after its forward (FSDP2's
-            ``reshard_after_forward=True``). Default: 25 MiB of parameters' worth of elements
+            backward comes first. The blocks ``shard_state`` finds itself are cut into units
+            as runs of consecutive blocks within it (from the last block back;
+            ``_checks.unit_runs``): one all-gather each way and one reduce-scatter per run,
+            the last run being the window kept. ``0`` makes each block a unit and frees
+            every unit after its forward (FSDP2's ``reshard_after_forward=True``). Default: 25 MiB of parameters' worth of elements
             (``_checks.default_reuse_distance``), a bound on the memory it adds at the peak
             whatever the model's size. When every unit is within it (and ``units`` is not
             given) there are no units: the model is gathered whole for the step, in stage 2's

@@ -1,7 +1,8 @@
-"""ZeRO-3's units: parameters gathered a block at a time.
+"""ZeRO-3's units: parameters gathered a unit at a time.
 
-A *unit* is a module (a transformer block) whose parameters form one flat group of the
-layout. Its lifecycle in a step, as FSDP2's ``FSDPParamGroup`` (``unshard``,
+A *unit* is one or more consecutive modules (transformer blocks: ``shard_state`` merges the
+blocks it finds into runs within ``max_reuse_distance``) whose parameters form one flat
+group of the layout. Its lifecycle in a step, as FSDP2's ``FSDPParamGroup`` (``unshard``,
 ``wait_for_unshard``, ``reshard``, ``pre_forward``, ``post_backward``), here for fzero's
 flat groups: gathered just before its forward (:meth:`Units.pre_forward`), freed right after
 (:meth:`Units.post_forward`), gathered again when backward first unpacks a tensor autograd
@@ -41,7 +42,8 @@ class Units:
 
     Args:
         layout: the flat groups of the trainable parameters.
-        modules: ``(module, group index)`` of each unit, in forward order.
+        modules: ``(module, group index)`` of each unit's modules, in forward order; a unit of
+            several modules is gathered by the first one's forward and freed after the last one's.
         group, world: the ``dp`` process group and its size.
         timeout_s: of every all-gather.
         prefetch: start gathering the next unit while the current one computes.
