@@ -122,7 +122,7 @@ def unit_runs(sizes: list[float], max_reuse_distance: float) -> list[int]:
     from its forward to its backward (:func:`units_within_reuse`), and no gather moves more
     than the window. A unit is one all-gather each way and one reduce-scatter: on the
     10.8M GPT of ``benchmarks/zero.py``, six blocks of 7 MB, two units of three ran 3-4%
-    faster than six (docs/performance.md, "Stage 3's units").
+    faster than six (docs/performance.md, "Stage 3's cost on this machine").
 
     Example:
         >>> unit_runs([10, 10, 10, 10, 10], 25), unit_runs([10, 30, 10], 25), unit_runs([10, 10], 0)

@@ -18,12 +18,14 @@ autograd engine for each gradient the moment it is complete and starts its bucke
 collective then (buckets in backward's order), so communication overlaps the rest of
 backward; the handler of ``apply_gradients`` runs the unchanged optimizer on this rank's
 slices (optimizers reduce across slices through ``psum``, which becomes an all-reduce),
-then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per unit (a run of
-consecutive blocks of the model within ``max_reuse_distance``) just before the unit's forward, freed after it, and gathered again when backward
-first needs them, unless the unit is within ``max_reuse_distance``; a model whose units all
-are has none, and is gathered whole for the step, in stage 2's buckets. At stage 0 an optimizer that exchanges across the ranks itself (the 1-bit
-family, ``fzero.optim.exchange_of``) is handed this rank's own gradients when it asks for
-them, and its ``compressed_pmean`` runs here (``fzero/distributed/compressed.py``).
+then all-gathers the new parameters (stages 1-2). At stage 3 parameters are gathered per
+unit (a run of consecutive blocks of the model within ``max_reuse_distance``) just before
+the unit's forward, freed after it, and gathered again when backward first needs them,
+unless the unit is within ``max_reuse_distance``; a model whose blocks all are has none,
+and is gathered whole for the step, in stage 2's buckets. At stage 0 an optimizer that
+exchanges across the ranks itself (the 1-bit family, ``fzero.optim.exchange_of``) is handed
+this rank's own gradients when it asks for them, and its ``compressed_pmean`` runs here
+(``fzero/distributed/compressed.py``).
 
 This module is the handler, the partitioning at ``init`` and the transform; the parts are
 its neighbours in this package (see its ``__init__``).
@@ -621,7 +623,8 @@ def shard_state(
             as runs of consecutive blocks within it (from the last block back;
             ``_checks.unit_runs``): one all-gather each way and one reduce-scatter per run,
             the last run being the window kept. ``0`` makes each block a unit and frees
-            every unit after its forward (FSDP2's ``reshard_after_forward=True``). Default: 25 MiB of parameters' worth of elements
+            every unit after its forward (FSDP2's ``reshard_after_forward=True``). Default:
+            25 MiB of parameters' worth of elements
             (``_checks.default_reuse_distance``), a bound on the memory it adds at the peak
             whatever the model's size. When every unit is within it (and ``units`` is not
             given) there are no units: the model is gathered whole for the step, in stage 2's
