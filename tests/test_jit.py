@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+DEEPER = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)  # ZeRO-3 runs of blocks
 # eps=1e-3: the key projection's bias gets a gradient that is zero in exact arithmetic
 # (softmax does not see a shift of every score of a query), so with torch's 1e-8 Adam's step
 # there is rounding noise divided by itself, a +-lr move whose sign depends on the summation
@@ -47,13 +48,13 @@ class DropoutGPT(nn.Module):
         return self.gpt(idx)
 
 
-def _model(dropout=None):
+def _model(dropout=None, cfg=CFG):
     torch.manual_seed(0)
-    return GPT(CFG) if dropout is None else DropoutGPT(dropout)
+    return GPT(cfg) if dropout is None else DropoutGPT(dropout)
 
 
-def _state(dropout=None):
-    apply, params = fzero.functionalize(_model(dropout))
+def _state(dropout=None, cfg=CFG):
+    apply, params = fzero.functionalize(_model(dropout, cfg))
     return fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(LR, weight_decay=WD, eps=EPS))
 
 
@@ -76,9 +77,17 @@ def train_step(state, batch):
     return state.apply_gradients(grads), {"loss": loss}
 
 
-def _run(batches, dropout=None, **options):
+def _run(batches, dropout=None, cfg=CFG, units=None, **options):
+    """The losses and final parameters of ``batches`` under ``fzero.compile(**options)``;
+    ``units``, a list, receives the step's ZeRO-3 units (each module's group) and kept ones."""
     step = fzero.compile(train_step, **options)
-    state = step.init(_state(dropout))
+    state = step.init(_state(dropout, cfg))
+    if units is not None:
+        inner = step
+        while not hasattr(inner, "handler"):
+            inner = inner.inner
+        held = inner.handler.units
+        units.append(([gi for _, gi in held.modules], set(held.keep)) if held is not None else None)
     losses = []
     for b in batches:
         state, metrics = step(state, b)
@@ -189,6 +198,18 @@ def _zero_jit_vs_eager(stages):
         eager_losses, eager_params = _run(batches, zero=stage, mesh=mesh)
         out[stage] = (max(float((jit_params[k] - eager_params[k]).abs().max()) for k in jit_params),
                       float((jit_losses - eager_losses).abs().max()), counters["stats"]["unique_graphs"])
+    # Stage 3 with units, each block compiled between the eager gathers: three blocks in runs
+    # within a window of two, the first block a unit gathered again in backward, the last two
+    # one unit kept from its forward to its backward.
+    block = sum(p.numel() for p in _model(cfg=DEEPER).blocks[0].parameters())
+    counters.clear()
+    units = []
+    options = dict(zero=3, mesh=mesh, cfg=DEEPER, max_reuse_distance=2 * block, units=units)
+    jit_losses, jit_params = _run(batches, jit="aot_eager", **options)
+    eager_losses, eager_params = _run(batches, **options)
+    out["3 units"] = (max(float((jit_params[k] - eager_params[k]).abs().max()) for k in jit_params),
+                      float((jit_losses - eager_losses).abs().max()), counters["stats"]["unique_graphs"])
+    out["units"] = units
     # Tensor parallel over the same two ranks: each rank compiles its half of every block
     # (the rewritten layers' collectives run between the compiled pieces).
     from fzero.transforms import tp_plans
@@ -212,12 +233,15 @@ def _zero_jit_vs_eager(stages):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_zero_stages_under_jit_equal_eager_on_two_ranks(ranks):
-    """One launch, stages 1-3 and tp=2: ZeRO's gradient hooks, reductions and (stage 3)
-    gathers, and the tensor-parallel layers' collectives, run eagerly around the compiled
-    forward; the trajectory is the eager one."""
+    """One launch, stages 1-3 (stage 3 also with units: runs of blocks, each block compiled
+    on its own) and tp=2: ZeRO's gradient hooks, reductions and (stage 3) gathers, and the
+    tensor-parallel layers' collectives, run eagerly around the compiled forward; the
+    trajectory is the eager one."""
     for rank, res in enumerate(ranks(2).run(_zero_jit_vs_eager, (1, 2, 3), timeout_s=300)):
         assert "a dropout inside a model compiled by compile(jit=) under tensor parallelism" in \
             res.pop("tp dropout"), rank
+        for modules, keep in res.pop("units"):  # jit's and eager's: block 0 alone, blocks 1-2 kept
+            assert modules[1] == modules[2] != modules[0] and keep == {modules[1]}, (rank, modules, keep)
         for stage, (param_err, loss_err, graphs) in res.items():
             assert param_err == 0.0 and loss_err == 0.0, (rank, stage, param_err, loss_err)
             assert graphs >= 1, (rank, stage)  # it did compile
