@@ -83,10 +83,7 @@ def _run(batches, dropout=None, cfg=CFG, units=None, **options):
     step = fzero.compile(train_step, **options)
     state = step.init(_state(dropout, cfg))
     if units is not None:
-        inner = step
-        while not hasattr(inner, "handler"):
-            inner = inner.inner
-        held = inner.handler.units
+        held = ft.shard_handler(step).units
         units.append(([gi for _, gi in held.modules], set(held.keep)) if held is not None else None)
     losses = []
     for b in batches:

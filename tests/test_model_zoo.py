@@ -183,10 +183,7 @@ def _zoo(name: str, stage: int | str, seed: int, steps: int = 3, per_rank: int =
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), **options)
     state = step.init(state)
     if stage == "3 units":
-        inner = step
-        while not hasattr(inner, "handler"):
-            inner = inner.inner
-        units = inner.handler.units
+        units = ft.shard_handler(step).units
         groups = [gi for _, gi in units.modules]
         assert len(groups) == 3 and groups[1] == groups[2] != groups[0] and units.keep == {groups[1]}, \
             (groups, units.keep)

@@ -348,7 +348,7 @@ def _evaluating(precision, jit):
 
     step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=3, max_reuse_distance=0, precision=precision,
                          **({"jit": "aot_eager"} if jit else {}))
-    handler = _shard_handler(step)
+    handler = ft.shard_handler(step)
     state = step.init(state)
     g = torch.Generator().manual_seed(1)
     steps = 3 if precision == "fp32" else 1
@@ -471,13 +471,6 @@ def _process_tensor_bytes() -> int:
     return ft.storage_bytes([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
 
 
-def _shard_handler(step):
-    """The ``shard_state`` handler inside a compiled step (its steps nest by ``inner``)."""
-    while not hasattr(step, "handler"):
-        step = step.inner
-    return step.handler
-
-
 def _default_bucket_memory(depth):
     """Runs on every rank: ZeRO-2 at every default (no bucket given) on a ``depth``-block MLP
     of 256-wide layers; the process's tensor bytes right after backward and after the step,
@@ -497,7 +490,7 @@ def _default_bucket_memory(depth):
     for _ in range(3):
         state, _ = step(state, batch)
     after_step = _process_tensor_bytes() - before - ft.storage_bytes(batch)
-    handler = _shard_handler(step)
+    handler = ft.shard_handler(step)
     return {"psi": psi, "bucket": getattr(handler, "bucket", None), "after_backward": seen["after_backward"] - ft.storage_bytes(batch),
             "after_step": after_step, "kept": sum(t.numel() * t.element_size() for t in handler.pool.free),
             "peak_reduce": handler.peak_reduce_bytes}
@@ -527,7 +520,7 @@ def _buckets(depth, config=None, **options):
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
     step = fzero.compile(ft.mse_step, fzero.Mesh(dp=-1), config, **options)
     step.init(state)
-    handler = _shard_handler(step)
+    handler = ft.shard_handler(step)
     return model_bytes, handler.bucket, handler.pool.keep_bytes
 
 

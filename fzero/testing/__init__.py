@@ -22,7 +22,8 @@ The modules:
 - :mod:`fzero.testing.steps`: ``mse_step`` (the plain step tests hold transforms to),
   ``token_mean_step`` (a language model's token-mean step),
   ``run_steps``, ``torch_mse_steps`` (plain PyTorch's run of ``mse_step``'s training),
-  ``torch_rank_grads`` (plain PyTorch's per-rank gradients of a global batch), ``local_batch``, ``Blocks`` (an MLP with ZeRO-3 units);
+  ``torch_rank_grads`` (plain PyTorch's per-rank gradients of a global batch), ``local_batch``, ``Blocks`` (an MLP with ZeRO-3 units),
+  ``shard_handler`` (the ``shard_state`` handler inside a compiled step);
 - :mod:`fzero.testing.handlers`: ``RecordPsum``, ``AddOtherShard``, ``halves`` (a two-shard
   ``psum`` in one process);
 - :mod:`fzero.testing.memory`: ``storage_bytes`` (distinct storages, views once);
@@ -37,8 +38,8 @@ the tests (``tests/harness/``), not in the installed package.
 from fzero.testing.asserts import assert_trees_close
 from fzero.testing.handlers import AddOtherShard, RecordPsum, halves
 from fzero.testing.memory import storage_bytes
-from fzero.testing.steps import (Blocks, local_batch, mse_step, run_steps, token_mean_step, torch_mse_steps,
-                                 torch_rank_grads)
+from fzero.testing.steps import (Blocks, local_batch, mse_step, run_steps, shard_handler, token_mean_step,
+                                 torch_mse_steps, torch_rank_grads)
 from fzero.testing.strategies import FLOAT_DTYPES, ModelCase, dtypes, models, pytrees, seeds, shapes, tensors
 from fzero.testing.tolerances import TOLERANCES, Tolerance, tolerance
 
@@ -63,6 +64,7 @@ __all__ = [
     "torch_rank_grads",
     "seeds",
     "shapes",
+    "shard_handler",
     "storage_bytes",
     "tensors",
     "tolerance",

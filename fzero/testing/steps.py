@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import fzero
 
-__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "token_mean_step", "torch_mse_steps",
+__all__ = ["Blocks", "local_batch", "mse_step", "run_steps", "shard_handler", "token_mean_step", "torch_mse_steps",
            "torch_rank_grads"]
 
 
@@ -133,6 +133,21 @@ def torch_rank_grads(module: torch.nn.Module, batch: dict[str, torch.Tensor], wo
         loss += float(out.detach()) / world_size
         grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
     return loss, grads
+
+
+def shard_handler(step: Any) -> Any:
+    """The ``shard_state`` handler inside a compiled step (steps nest by ``inner``): its
+    ``layout``, and at stage 3 its ``units`` (each module's group, the kept ones), after
+    ``step.init``.
+
+    Example:
+        >>> import fzero, fzero.testing as ft
+        >>> ft.shard_handler(fzero.compile(ft.mse_step, zero=2)).stage
+        2
+    """
+    while not hasattr(step, "handler"):
+        step = step.inner
+    return step.handler
 
 
 def local_batch(batch: Any, world_size: int, rank: int) -> Any:
