@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from fzero.transforms._checks import DEFAULT_REUSE_BYTES, default_bucket_bytes
+from fzero.transforms._checks import BUCKETS_PER_MODEL, default_bucket_bytes, default_reuse_distance, run_elements
 
 __all__ = ["model_state_bytes", "optimizer_state_bytes", "reduce_buffer_bytes", "coefficients", "rank_share",
            "format_bytes", "KEPT", "OPTIMIZER_STATES", "PRECISIONS", "REDUCE_BUFFERS"]
@@ -323,7 +323,8 @@ def _whole_tensor_state(tx, state, known) -> set[int]:
 
 
 def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precision: Precision = "fp32",
-                        bucket_bytes: int | None = None, tp: int = 1, pp: int = 1) -> int:
+                        bucket_bytes: int | None = None, tp: int = 1, pp: int = 1, block_params: int | None = None,
+                        max_reuse_distance: float | None = None) -> int:
     """Bytes a rank holds at the step's peak beyond the model states: the gradient reduce
     buffers, and at stage 3 the gathered parameters.
 
@@ -341,34 +342,34 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       bucket: :func:`fzero.transforms._checks.kept_reduce_bytes`; a group of another size, such as the
       loose parameters beside stage 3's units, adds its own buffer). The reduced partition stays in fp32 until
       the last bucket is in (2 bytes per partitioned parameter more than the formula's).
-    * Stage 3 holds the unit being computed and the one prefetched, gathered. The last units
-      of forward within its reuse window (``max_reuse_distance``, default 25 MiB of
-      parameters, :func:`fzero.transforms._checks.default_reuse_distance`) stay gathered
-      from their forward until their own backward, alive with the activations as those are
-      and freed before this peak: like the activations, they are not counted here. A model
-      whose units are all within that window has none (``shard_state`` gathers it whole for
-      the step, in stage 2's buckets): at the peak it holds stage 2's buffers and its
-      parameters gathered whole; counted so here when the whole model is within the default
-      window and ``bucket_bytes`` is the default.
+    * Stage 3 holds the unit being computed and the one prefetched, gathered; its buckets
+      are its units. A unit is a run of consecutive blocks within the reuse window
+      (``max_reuse_distance`` in elements, default 25 MiB of parameters:
+      :func:`fzero.transforms._checks.default_reuse_distance`), or one block larger than
+      it (:func:`fzero.transforms._checks.run_elements`); ``block_params`` is a block's
+      elements (tp splits it as the rest), by default 1/32 of the model's. The last run of forward stays gathered from
+      its forward until its own backward, alive with the activations as those are and freed
+      before this peak: like the activations, it is not counted here. A model within the
+      window has no units (``shard_state`` gathers it whole for the step, in stage 2's
+      buckets): at the peak it holds stage 2's buffers and its parameters gathered whole.
 
     ``bucket_bytes`` ``None`` is ``shard_state``'s default: 25 MiB or the whole model when
-    smaller; at stage 3 1/32 of the parameters' bytes, at most 25 MiB and at least 64 KiB
-    (:func:`fzero.transforms._checks.default_bucket_bytes`); a parameter larger
-    than that is a bucket of its own, which this count, knowing no shapes, does not see.
-    At stage 3 a bucket is a ZeRO-3 unit (a transformer block, or a run of consecutive
-    blocks within the reuse window when they are smaller than it): pass its size in bytes of
-    parameters as ``bucket_bytes``. ``world_size``, ``tp`` and ``pp`` are as in
-    :func:`model_state_bytes`: a rank's buffers hold its Ψ' = Ψ/(tp·pp) parameters,
-    reduced over dp.
+    smaller (:func:`fzero.transforms._checks.default_bucket_bytes`), and at stage 3 the
+    units above; a parameter larger than that is a bucket of its own, which this count,
+    knowing no shapes, does not see. Given at stage 3, it is a unit's bytes of parameters.
+    ``world_size``, ``tp`` and ``pp`` are as in :func:`model_state_bytes`: a rank's buffers
+    hold its Ψ' = Ψ/(tp·pp) parameters, reduced over dp.
 
     Example:
         >>> reduce_buffer_bytes(10**9, world_size=1, stage=2)  # 2 buckets of 25 MiB (the cap)
         52428800
         >>> reduce_buffer_bytes(10**6, world_size=1, stage=2)  # one bucket: the whole model
         4000000
-        >>> reduce_buffer_bytes(10**8, world_size=1, stage=3)  # 2 buckets of 1/32 of the model, 2 gathered
-        50000000
-        >>> reduce_buffer_bytes(10**6, world_size=1, stage=3)  # within the reuse window: stage 2's bucket, gathered whole
+        >>> reduce_buffer_bytes(10**8, world_size=1, stage=3)  # blocks of 1/32, units of 2: 2 buffers, 2 gathered
+        100000000
+        >>> reduce_buffer_bytes(10**8, world_size=1, stage=3, block_params=10**7)  # a block above the window
+        160000000
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=3)  # within the window: stage 2's bucket, gathered whole
         8000000
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
@@ -379,14 +380,21 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         return 0 if p == 4 else 4 * num_params
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
-    whole = stage == 3 and bucket_bytes is None and p * num_params <= DEFAULT_REUSE_BYTES  # no units
-    if bucket_bytes is None:
-        bucket_bytes = default_bucket_bytes(p * num_params, None if whole else stage)
-    per_bucket = -(-bucket_bytes // p)
+    whole, per_bucket = False, None
+    if stage == 3 and bucket_bytes is None:
+        window = default_reuse_distance(p, max_reuse_distance)
+        whole = num_params <= window  # no units
+        if not whole:
+            block = -(-block_params // tp) if block_params is not None else -(-num_params // BUCKETS_PER_MODEL)
+            per_bucket = run_elements(block, window)
+    if per_bucket is None:
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(p * num_params)
+        per_bucket = -(-bucket_bytes // p)
     total = 4 * min(num_params, REDUCE_BUFFERS * per_bucket) + (4 - p) * -(-num_params // world_size)
     if stage == 3:
         total += p * (num_params if whole else min(num_params, 2 * per_bucket))
-    return total
+    return int(total)
 
 
 def _optimizer_k(name: str, precision: str, optimizer: str, optimizer_bytes: float | None, master_weights: str,

@@ -297,11 +297,16 @@ def test_the_estimate_is_within_ten_percent_of_every_tensor_byte_the_process_hol
     of every tensor in each rank's process against what ``fzero estimate`` prints as the
     total (``model_state_bytes`` + ``reduce_buffer_bytes`` at compile's default bucket). At
     stage 3 twice: this model, within the default reuse window, is gathered whole for the
-    step; with ``max_reuse_distance=0`` its twelve blocks are units, gathered one by one."""
+    step; with ``max_reuse_distance=0`` its twelve blocks are units, gathered one by one; with
+    a window of three and a half blocks they are four units of three, which the estimate
+    works out from a block's size and the window."""
     runs = [({}, {})]
     if stage == 3:
-        unit = (128 * 128 + 128) * (4 if precision == "fp32" else 2)  # stage 3's bucket: one block
+        block = 128 * 128 + 128
+        unit = block * (4 if precision == "fp32" else 2)  # stage 3's bucket: one block
         runs.append(({"max_reuse_distance": 0}, {"bucket_bytes": unit}))
+        window = block * 7 // 2
+        runs.append(({"max_reuse_distance": window}, {"block_params": block, "max_reuse_distance": window}))
     for options, bucket in runs:
         _check_census(ranks(2).run(_census, stage, precision, **options), stage, precision, bucket)
 
@@ -341,6 +346,22 @@ def test_cli_bf16_masters_and_states(capsys):
     assert "bf16 master weights" in out and "2 bf16 states" in out
     rows = {r[0]: r for r in map(str.split, out.splitlines()) if len(r) >= 6 and r[0] in {"0", "1", "2", "3"}}
     assert int(rows["2"][4].replace(",", "")) == 2 * PSI + 8 * PSI // 8 and "2Ψ + 8Ψ/N" in " ".join(rows["2"])
+
+
+@pytest.mark.parametrize("shape, block", [([], None), (["--layers", "12", "--hidden", "512"], 12 * 512**2 + 13 * 512),
+                                          (["--layers", "3", "--hidden", "1024"], 12 * 1024**2 + 13 * 1024)])
+def test_cli_stage_3_buffers_are_two_units_as_shard_state_cuts_them(capsys, shape, block):
+    """Stage 3's buffers, 40M fp32 parameters on 8 ranks (a model above the 25 MiB window):
+    two units gathered and two units' fp32 reduce buffers, a unit being as many blocks as
+    fit in 25 MiB of parameters (6,553,600 fp32 elements), or one block larger than that.
+    Blocks of 1/32 of the model unless --layers and --hidden give a GPT's."""
+    assert main(["estimate", "--params", "40M", "-N", "8", "--stage", "3", "--bytes", *shape]) == 0
+    out = capsys.readouterr().out
+    row = next(r for r in map(str.split, out.splitlines()) if r[:1] == ["3"])
+    window = 25 * 2**20 // 4
+    block = block or 40_000_000 // 32
+    unit = block * max(1, window // block)  # 1/32: 5 blocks of 1.25M; width 512: 2 of 3.15M; 1024: one of 12.6M
+    assert int(row[5].replace(",", "")) == 4 * min(40_000_000, 2 * unit) * 2, (row, unit)
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -67,10 +67,12 @@ def _formula(a: float, b: float, psi: str = "Ψ") -> str:
 def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: str = "fp32",
            optimizer: str = "adam", raw_bytes: bool = False, bucket_bytes: int | None = None,
            tp: int = 1, pp: int = 1, master_weights: str = "fp32", optimizer_states: str = "fp32",
-           rounding: str = "nearest", optimizer_bytes: float | None = None) -> str:
+           rounding: str = "nearest", optimizer_bytes: float | None = None, block_params: int | None = None,
+           shape_note: str = "") -> str:
     """The table ``fzero estimate`` prints; ``tp``/``pp``, ``master_weights``,
     ``optimizer_states``, ``rounding`` and ``optimizer_bytes`` as in
-    :func:`fzero.memory.model_state_bytes`."""
+    :func:`fzero.memory.model_state_bytes`; ``block_params`` (a transformer block's
+    parameters, ``shape_note`` saying whence) as in :func:`fzero.memory.reduce_buffer_bytes`."""
     fmt = (lambda n: f"{n:,}") if raw_bytes else format_bytes
     local, dp = rank_share(num_params, world_size=world_size, tp=tp, pp=pp)
     split = tp * pp > 1  # the formulas are then in Ψ' = Ψ/(tp·pp)
@@ -102,7 +104,7 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         b = model_state_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
                               optimizer=optimizer, optimizer_bytes=optimizer_bytes, tp=tp, pp=pp, **kept)
         buf = reduce_buffer_bytes(num_params, world_size=world_size, stage=stage, precision=precision,
-                                  bucket_bytes=bucket_bytes, tp=tp, pp=pp)
+                                  bucket_bytes=bucket_bytes, tp=tp, pp=pp, block_params=block_params)
         rows.append([str(stage), fmt(b["params"]), fmt(b["grads"]), fmt(b["optimizer"]), fmt(b["total"]),
                      fmt(buf), fmt(b["total"] + buf),
                      _formula(*coefficients(stage=stage, precision=precision, optimizer=optimizer,
@@ -113,15 +115,22 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
         lines.append("  ".join(c.rjust(w) if i < len(r) - 1 else c for i, (c, w) in enumerate(zip(r, widths))))
     shown_bucket = bucket_bytes if bucket_bytes is not None else \
         default_bucket_bytes(PRECISIONS[precision] * local)
-    default_note = "" if bucket_bytes is not None else \
-        ", by default 25 MiB or the whole model; at stage 3 1/32 of it, at least 64 KiB"
+    default_note = "" if bucket_bytes is not None else ", by default 25 MiB or the whole model"
+    if bucket_bytes is not None:
+        unit_note = "a unit at stage 3"
+    elif block_params is not None:
+        unit_note = f"at stage 3 a unit: blocks of {_count(block_params)} parameters{shape_note}"
+    else:
+        unit_note = "at stage 3 a unit: blocks of 1/32 of the model, or as --layers and --hidden say"
     lines += [
         "",
         "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",
         f"them at the step's peak: gradient reduce buffers in fp32 (stages 2-3: up to {REDUCE_BUFFERS} buckets of",
-        f"{format_bytes(shown_bucket)} of parameters{default_note}; a unit at stage 3) and at",
-        "stage 3 two gathered units. Not counted: activations, the CUDA context and allocator",
-        "fragmentation. Partitioned buffers are padded to a multiple of N. 1 GiB = 2^30 bytes.",
+        f"{format_bytes(shown_bucket)} of parameters{default_note};",
+        f"{unit_note}, in runs within 25 MiB)",
+        "and at stage 3 two gathered units (a model within 25 MiB is gathered whole). Not counted:",
+        "activations, the CUDA context and allocator fragmentation. Partitioned buffers are padded",
+        "to a multiple of N. 1 GiB = 2^30 bytes.",
     ]
     if split:
         lines += [
@@ -199,8 +208,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "fzero.memory.optimizer_state_bytes(tx, params) / params measures it for any optimizer"),
     p.add_argument("--bucket-bytes", type=_positive_int, default=None, metavar="BYTES",
                    help="shard_state's bucket_bytes (default shard_state's: 25 MiB or the whole model; "
-                        "at stage 3 1/32 of the parameters' bytes, at most 25 MiB): sizes the reduce buffers "
-                        "of stages 2-3")
+                        "at stage 3 its units, runs of blocks within 25 MiB): sizes the reduce buffers "
+                        "of stages 2-3 and stage 3's gathered units")
     p.add_argument("--bytes", action="store_true", dest="raw_bytes", help="print exact bytes instead of GiB")
     t = p.add_argument_group("step time (--time): fzero.perf_model, a GPT of the given shape")
     t.add_argument("--time", action="store_true",
@@ -209,7 +218,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="h100 or h200 (datasheet figures), cpu-here (what --calibrate measured), or a machine "
                         "JSON (default h100)")
     t.add_argument("--layers", type=_positive_int, metavar="L",
-                   help="transformer blocks (default: the GPT-3 shape nearest --params)")
+                   help="transformer blocks (default: the GPT-3 shape nearest --params); with --hidden it "
+                        "also sizes stage 3's units in the memory table")
     t.add_argument("--hidden", type=_positive_int, metavar="D", help="model width (default: as --layers)")
     t.add_argument("--vocab", type=_positive_int, default=50257, metavar="V", help="vocabulary (default 50257)")
     t.add_argument("--seq", type=_positive_int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
@@ -323,22 +333,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.rounding != "nearest" and args.master_weights != "bf16":
         parser.error(f"--rounding {args.rounding} needs --master-weights bf16")
     stages = (0, 1, 2, 3) if args.stage is None else (args.stage,)
+    note, block = "", None
+    layers, hidden = args.layers, args.hidden
+    if args.time or layers is not None or hidden is not None:  # a GPT's shape: it sizes stage 3's units
+        if layers is None or hidden is None:
+            name, shape = nearest_gpt3(args.params)
+            layers, hidden = layers or shape["layers"], hidden or shape["hidden"]
+            note = f" (GPT-3 {name}'s shape)"
+        from fzero.perf_model import gpt_workload
+
+        block = gpt_workload(layers=layers, hidden=hidden, seq=args.seq, vocab=args.vocab).unit_params // layers
     print(render(args.params, world_size=world, stages=stages, precision=args.precision,
                  optimizer=args.optimizer, raw_bytes=args.raw_bytes, bucket_bytes=args.bucket_bytes,
                  tp=tp, pp=pp, master_weights=args.master_weights, optimizer_states=args.optimizer_states,
-                 rounding=args.rounding, optimizer_bytes=args.optimizer_bytes))
+                 rounding=args.rounding, optimizer_bytes=args.optimizer_bytes, block_params=block,
+                 shape_note=note))
     if not args.time:
         return 0
     try:
         machine = machine_named(args.machine)
     except ValueError as e:
         parser.error(str(e))
-    note = ""
-    layers, hidden = args.layers, args.hidden
-    if layers is None or hidden is None:
-        name, shape = nearest_gpt3(args.params)
-        layers, hidden = layers or shape["layers"], hidden or shape["hidden"]
-        note = f" (GPT-3 {name}'s shape)"
     dp, k = world // (tp * pp), args.micro_batches
     if args.batch is not None and args.tokens_per_rank is not None:
         parser.error("--batch and --tokens-per-rank: give one of them")

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BUCKETS_PER_MODEL", "CHECKS", "DEFAULT_BUCKET_BYTES", "DEFAULT_REUSE_BYTES", "MIN_BUCKET_BYTES",
-           "check_option", "default_bucket_bytes", "default_reuse_distance", "kept_reduce_bytes", "unit_runs",
-           "units_within_reuse"]
+           "check_option", "default_bucket_bytes", "default_reuse_distance", "kept_reduce_bytes", "run_elements",
+           "unit_runs", "units_within_reuse"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb (DeepSpeed's buckets are larger still): the default
 # Stage 3's default bucket is at most this fraction of the trainable parameters' bytes (there
@@ -111,6 +111,18 @@ def units_within_reuse(sizes: list[float], max_reuse_distance: float) -> int:
             break
         kept += 1
     return kept
+
+
+def run_elements(block: float, max_reuse_distance: float) -> float:
+    """The elements of each unit :func:`unit_runs` makes of equal blocks of ``block``
+    elements, the model larger than ``max_reuse_distance``: as many blocks as fit within
+    the window, at least one (``fzero estimate``'s stage-3 unit).
+
+    Example:
+        >>> run_elements(10, 25), unit_runs([10] * 6, 25)[-1] * 10, run_elements(30, 25)
+        (20, 20, 30)
+    """
+    return block * max(1, int(max_reuse_distance // block)) if block > 0 else 0
 
 
 def unit_runs(sizes: list[float], max_reuse_distance: float) -> list[int]:
