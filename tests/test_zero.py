@@ -388,12 +388,15 @@ def _evaluating(precision, jit):
     return True
 
 
-def _checkpointed_blocks(precision):
+def _checkpointed_blocks(precision, units="block"):
     """Runs on every rank: at stages 1-3, a GPT whose blocks are checkpointed inside the
     module (torch.utils.checkpoint, non-reentrant; recomputed in backward, where stage 3
     gathers a freed unit again) trained on half the batch each, against the plain module
     without checkpointing trained on the whole batch by torch.optim.SGD (under
-    torch.autocast for bf16)."""
+    torch.autocast for bf16). ``units``: stage 3 gathers a unit per block (``"block"``,
+    ``max_reuse_distance=0``) or, with a window of two blocks' elements, its three blocks
+    as the runs it makes itself (``"runs"``): a block, then two blocks kept gathered from
+    their forward to their backward."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from gpt import GPT, GPTConfig
 
@@ -430,8 +433,16 @@ def _checkpointed_blocks(precision):
                 state.params)
             return state.apply_gradients(grads), {"loss": loss}
 
-        step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage, max_reuse_distance=0, precision=precision)
+        window = 0 if units == "block" else 2 * sum(p.numel() for p in module.blocks[0].parameters())
+        step = fzero.compile(train_step, fzero.Mesh(dp=-1), zero=stage, max_reuse_distance=window,
+                             precision=precision)
         state = step.init(state)
+        if stage == 3:
+            handler = ft.shard_handler(step)
+            made = [[n.split(".")[1] for n in handler.layout.groups[gi].names if n.startswith("blocks.")]
+                    for gi in handler.units.order]
+            want = [["0"] * 12, ["1"] * 12, ["2"] * 12] if units == "block" else [["0"] * 12, ["1"] * 12 + ["2"] * 12]
+            assert made == want, (units, made)
         losses = []
         for x in data:
             state, m = step(state, {"x": x[2 * r:2 * r + 2]})
@@ -446,9 +457,9 @@ def _checkpointed_blocks(precision):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_blocks_checkpointed_inside_the_model_train_as_the_plain_module_at_every_stage(ranks, precision):
-    assert ranks(2).run(_checkpointed_blocks, precision) == [[1, 2, 3]] * 2
+@pytest.mark.parametrize("precision,units", [("fp32", "block"), ("bf16", "block"), ("bf16", "runs")])
+def test_blocks_checkpointed_inside_the_model_train_as_the_plain_module_at_every_stage(ranks, precision, units):
+    assert ranks(2).run(_checkpointed_blocks, precision, units) == [[1, 2, 3]] * 2
 
 
 @pytest.mark.parametrize("precision,jit", [("fp32", False), ("bf16", False), ("fp32", True)])
