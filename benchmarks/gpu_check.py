@@ -524,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
     p.add_argument("--python", default=sys.executable, help="the interpreter for the phases (default: this one)")
     p.add_argument("--tests", nargs="*", default=None, help=f"pytest selection (default: {' '.join(GPU_TESTS)})")
+    p.add_argument("--work", default=None, metavar="DIR",
+                   help="where the phases' logs go, kept for reading (default: a new fzero-gpu-check-* directory "
+                        "in the system's temporary directory)")
     args = p.parse_args(argv)
 
     dry = args.device == "cpu"
@@ -534,7 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown phases: {', '.join(sorted(unknown))}")
     out = Path(args.out).resolve()
-    work = Path(tempfile.mkdtemp(prefix="fzero-gpu-check-"))
+    if args.work is not None:
+        work = Path(args.work).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="fzero-gpu-check-"))
     log = Log(work / "gpu_check.log")
     t_start = time.monotonic()
     deadline = t_start + budget

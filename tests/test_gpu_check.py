@@ -30,11 +30,13 @@ KEYS = {"device", "versions", "bench", "fzero_vs_plain_step", "mfu_350m", "offlo
 
 
 def _check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """The driver's dry run into ``tmp_path`` (nothing copied to a device tool's $OUT)."""
+    """The driver's dry run into ``tmp_path``, its logs too (nothing copied to a device tool's
+    $OUT, nothing left in the system's temporary directory)."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
-                           "--preset", "tiny", "--out", str(tmp_path / "gpu.json"), *args],
+                           "--preset", "tiny", "--out", str(tmp_path / "gpu.json"), "--work", str(tmp_path / "work"),
+                           *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
 
 
