@@ -18,7 +18,7 @@ Example:
     >>> import tempfile, torch, fzero, fzero.checkpoint as ckpt
     >>> apply, params = fzero.functionalize(torch.nn.Linear(2, 1))
     >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.adam(1e-3))
-    >>> root = tempfile.mkdtemp()
+    >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
     >>> _ = ckpt.save(f"{root}/step_0", state, metadata={"loader": {"epoch": 0, "index": 0}})
     >>> restored = ckpt.load(ckpt.latest(root), like=state)
     >>> torch.equal(restored.params["weight"], state.params["weight"])

@@ -83,7 +83,7 @@ def export(
         >>> model = torch.nn.Linear(2, 1)
         >>> apply, params = fzero.functionalize(model)
         >>> state = fzero.TrainState.create(apply_fn=apply, params=params, tx=fzero.optim.sgd(0.1))
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> _ = ckpt.save(f"{root}/s", state)
         >>> sorted(ckpt.export(f"{root}/s", f"{root}/model.safetensors"))
         ['bias', 'weight']

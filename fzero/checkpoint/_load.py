@@ -378,7 +378,7 @@ def load(
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> _ = ckpt.save(f"{root}/a", {"w": torch.arange(3.0)})
         >>> ckpt.load(f"{root}/a", like={"w": torch.zeros(3)})["w"].tolist()
         [0.0, 1.0, 2.0]
@@ -495,7 +495,7 @@ def metadata(path: str | os.PathLike) -> Any:
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
-        >>> path = tempfile.mkdtemp() + "/ck"
+        >>> tmp = tempfile.TemporaryDirectory(); path = tmp.name + "/ck"
         >>> _ = ckpt.save(path, {"w": torch.zeros(1)}, metadata={"loader": {"epoch": 3, "seen": (1, 2)}})
         >>> ckpt.metadata(path)
         {'loader': {'epoch': 3, 'seen': [1, 2]}}
@@ -516,7 +516,7 @@ def verify(path: str | os.PathLike) -> dict:
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
-        >>> path = tempfile.mkdtemp() + "/ck"
+        >>> tmp = tempfile.TemporaryDirectory(); path = tmp.name + "/ck"
         >>> _ = ckpt.save(path, {"w": torch.zeros(1000)})
         >>> ckpt.verify(path)["files"]
         1

@@ -182,7 +182,7 @@ def save(
 
     Example:
         >>> import tempfile, torch, fzero.checkpoint as ckpt
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> h = ckpt.save(f"{root}/step_3", {"step": torch.tensor(3), "w": torch.ones(2)}, metadata={"epoch": 1})
         >>> ckpt.latest(root) == f"{root}/step_3", ckpt.metadata(h.path)
         (True, {'epoch': 1})
@@ -451,7 +451,8 @@ def latest(root: str | os.PathLike, *, verify: bool = False) -> str | None:
 
     Example:
         >>> import tempfile, fzero.checkpoint as ckpt
-        >>> ckpt.latest(tempfile.mkdtemp()) is None
+        >>> with tempfile.TemporaryDirectory() as empty:
+        ...     ckpt.latest(empty) is None
         True
     """
     found = _committed(os.path.abspath(os.fspath(root)))
