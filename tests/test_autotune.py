@@ -253,6 +253,17 @@ def test_budget_prunes_by_the_zero_formula_at_scale():
         search([_c(0)], lambda c: {}, metric="speed")
 
 
+def test_the_stage_3_estimate_follows_the_configs_reuse_window():
+    """Ψ = 10^8 fp32 on 8 ranks, blocks taken as 1/32 (3.125M parameters): at the default
+    window (25 MiB, 6,553,600 elements) stage 3's units are runs of two blocks, with
+    ``stage3_max_reuse_distance: 0`` single blocks; two units gathered and two units'
+    reduce buffers, 8 bytes per unit parameter, follow."""
+    c = _c(3)
+    runs = estimate_bytes(c, num_params=10**8, world_size=8)
+    blocks = estimate_bytes(c, num_params=10**8, world_size=8, max_reuse_distance=0)
+    assert runs - blocks == 8 * 2 * (6_250_000 - 3_125_000)
+
+
 def test_grid_keeps_the_batch_fixed_or_searches_it():
     g = grid(world_size=4, stages=(1,), tp=(1, 2), train_batch_size=16, num_micro_batches=10)
     assert {(c.tp, c.micro_batch, c.accumulation) for c in g} == {

@@ -334,9 +334,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"fzero autotune: error: the parameter count could not be measured: {e}", file=sys.stderr)
             return 1
     precision = cfg.precision
-    bucket = cfg.compile_options().bucket_bytes
+    options = cfg.compile_options()
     estimate = functools.partial(estimate_bytes, num_params=num_params, world_size=nproc, precision=precision,
-                                 optimizer=_optimizer_kind(base), bucket_bytes=bucket, pp=pp)
+                                 optimizer=_optimizer_kind(base), bucket_bytes=options.bucket_bytes, pp=pp,
+                                 max_reuse_distance=options.max_reuse_distance)
     from fzero.memory import format_bytes
 
     print(f"fzero autotune: {len(candidates)} candidates on {nproc} ranks, Ψ = {num_params:,} parameters, "
