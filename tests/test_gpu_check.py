@@ -62,6 +62,13 @@ def test_the_dry_run_writes_every_key_with_the_gpu_phases_skipped(dry_run):
     assert report["mfu_350m"] is None and report["targets"] == {}  # no verdicts on a dry run's figures
 
 
+def test_the_dry_run_keeps_its_logs_in_the_work_directory_given(dry_run):
+    tmp, _, stdout = dry_run
+    logs = {p.name for p in (tmp / "work").iterdir()}
+    assert {"gpu_check.log", "env.log", "gpu_table.md"} <= logs, logs
+    assert str(tmp / "work" / "gpu_check.log") in stdout
+
+
 def test_the_dry_run_times_every_contestant(dry_run):
     _, report, _ = dry_run
     contestants = report["bench"]["tiny"]["contestants"]
