@@ -116,18 +116,19 @@ def render(num_params: int, *, world_size: int, stages=(0, 1, 2, 3), precision: 
     shown_bucket = bucket_bytes if bucket_bytes is not None else \
         default_bucket_bytes(PRECISIONS[precision] * local)
     default_note = "" if bucket_bytes is not None else ", by default 25 MiB or the whole model"
+    runs = ", in runs within 25 MiB)"
     if bucket_bytes is not None:
-        unit_note = "a unit at stage 3"
+        unit_note = "a unit at stage 3)"
     elif block_params is not None:
-        unit_note = f"at stage 3 a unit: blocks of {_count(block_params)} parameters{shape_note}"
+        unit_note = f"at stage 3 a unit: blocks of {_count(block_params)} parameters{shape_note}{runs}"
     else:
-        unit_note = "at stage 3 a unit: blocks of 1/32 of the model, or as --layers and --hidden say"
+        unit_note = f"at stage 3 a unit: blocks of 1/32 of the model, or as --layers and --hidden say{runs}"
     lines += [
         "",
         "model states: the ZeRO paper's formula (column 'formula'). buffers: what fzero holds beside",
         f"them at the step's peak: gradient reduce buffers in fp32 (stages 2-3: up to {REDUCE_BUFFERS} buckets of",
         f"{format_bytes(shown_bucket)} of parameters{default_note};",
-        f"{unit_note}, in runs within 25 MiB)",
+        unit_note,
         "and at stage 3 two gathered units (a model within 25 MiB is gathered whole). Not counted:",
         "activations, the CUDA context and allocator fragmentation. Partitioned buffers are padded",
         "to a multiple of N. 1 GiB = 2^30 bytes.",
