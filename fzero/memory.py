@@ -351,12 +351,14 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       its forward until its own backward, alive with the activations as those are and freed
       before this peak: like the activations, it is not counted here. A model within the
       window has no units (``shard_state`` gathers it whole for the step, in stage 2's
-      buckets): at the peak it holds stage 2's buffers and its parameters gathered whole.
+      buckets, ``bucket_bytes`` given or not): at the peak it holds stage 2's buffers and
+      its parameters gathered whole.
 
     ``bucket_bytes`` ``None`` is ``shard_state``'s default: 25 MiB or the whole model when
     smaller (:func:`fzero.transforms._checks.default_bucket_bytes`), and at stage 3 the
     units above; a parameter larger than that is a bucket of its own, which this count,
-    knowing no shapes, does not see. Given at stage 3, it is a unit's bytes of parameters.
+    knowing no shapes, does not see. Given at stage 3, it is a unit's bytes of parameters,
+    or, for a model within the window, the bucket of its stage-2 reduction.
     ``world_size``, ``tp`` and ``pp`` are as in :func:`model_state_bytes`: a rank's buffers
     hold its Ψ' = Ψ/(tp·pp) parameters, reduced over dp.
 
@@ -373,6 +375,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         8000000
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
+        >>> reduce_buffer_bytes(10**6, world_size=1, stage=3, bucket_bytes=2**20)  # 2 buckets of 1 MiB, gathered whole
+        6097152
     """
     num_params, world_size = _rank_share("reduce_buffer_bytes", num_params, world_size, tp, pp)
     p = PRECISIONS[precision]
@@ -381,10 +385,10 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     if stage == 1:
         return (4 - p) * num_params + 4 * -(-num_params // world_size)
     whole, per_bucket = False, None
-    if stage == 3 and bucket_bytes is None:
+    if stage == 3:
         window = default_reuse_distance(p, max_reuse_distance)
-        whole = num_params <= window  # no units
-        if not whole:
+        whole = num_params <= window  # no units: stage 2's buckets, the model gathered whole
+        if not whole and bucket_bytes is None:
             block = -(-block_params // tp) if block_params is not None else -(-num_params // BUCKETS_PER_MODEL)
             per_bucket = run_elements(block, window)
     if per_bucket is None:

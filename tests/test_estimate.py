@@ -299,14 +299,16 @@ def test_the_estimate_is_within_ten_percent_of_every_tensor_byte_the_process_hol
     stage 3 twice: this model, within the default reuse window, is gathered whole for the
     step; with ``max_reuse_distance=0`` its twelve blocks are units, gathered one by one; with
     a window of three and a half blocks they are four units of three, which the estimate
-    works out from a block's size and the window."""
+    works out from a block's size and the window; with a bucket of 256 KiB given it is
+    gathered whole still, reduced in stage 2's buckets of that size."""
     runs = [({}, {})]
     if stage == 3:
         block = 128 * 128 + 128
         unit = block * (4 if precision == "fp32" else 2)  # stage 3's bucket: one block
-        runs.append(({"max_reuse_distance": 0}, {"bucket_bytes": unit}))
+        runs.append(({"max_reuse_distance": 0}, {"bucket_bytes": unit, "max_reuse_distance": 0}))
         window = block * 7 // 2
         runs.append(({"max_reuse_distance": window}, {"block_params": block, "max_reuse_distance": window}))
+        runs.append(({"bucket_bytes": 2**18}, {"bucket_bytes": 2**18}))
     for options, bucket in runs:
         _check_census(ranks(2).run(_census, stage, precision, **options), stage, precision, bucket)
 
