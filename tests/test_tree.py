@@ -6,6 +6,7 @@ import optree
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fzero.testing as ft
 from fzero import tree
@@ -97,3 +98,44 @@ def test_unflatten_wrong_count():
 
 def test_keystr_plain_tuples():
     assert tree.keystr(("a", 0, "b")) == "['a'][0]['b']"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=30, unique=True), st.randoms(use_true_random=False))
+def test_a_dict_of_tensors_walks_as_optree_walks_it(keys, rnd):
+    # The fast path for a plain dict of tensors (the step's parameters, gradients and
+    # moments) against optree itself: the leaves in its order, its spec, its map, which
+    # calls f in flatten order and keeps the dict's own key order.
+    rnd.shuffle(keys)
+    d = {k: torch.full((1,), float(i)) for i, k in enumerate(keys)}
+    ref_leaves, ref_spec = optree.tree_flatten(d, namespace=tree.NAMESPACE)
+    assert tree._tensor_dict(d) is not None  # the path under test
+    for _ in range(2):  # worked out, then from the cache
+        leaves, spec = tree.flatten(d)
+        assert [id(x) for x in leaves] == [id(x) for x in ref_leaves]
+        assert spec == ref_spec and tree.structure(d) == ref_spec
+        assert [id(x) for x in tree.leaves(d)] == [id(x) for x in ref_leaves]
+        back = tree.unflatten(spec, leaves)
+        assert list(back) == keys and all(back[k] is d[k] for k in keys)
+        seen = []
+        other = {k: torch.ones(1) for k in keys}
+        out = tree.map(lambda x, y: seen.append(float(x)) or x + y, d, other)
+        assert seen == [float(x) for x in ref_leaves]
+        assert list(out) == keys and all(torch.equal(out[k], d[k] + 1) for k in keys)
+
+
+def test_a_dict_with_a_non_tensor_or_other_keys_takes_optrees_way():
+    d = {"b": torch.ones(1), "a": None, "c": [torch.zeros(2)]}
+    assert tree.leaves(d) == optree.tree_leaves(d, namespace=tree.NAMESPACE)
+    t = {"b": torch.ones(1), "a": torch.zeros(1)}
+    with pytest.raises(tree.StructureError, match="tree 1"):
+        tree.map(lambda x, y: x, t, {"b": torch.ones(1), "a": None})
+    with pytest.raises(tree.StructureError, match="tree 1"):
+        tree.map(lambda x, y: x, t, {"b": torch.ones(1), "z": torch.ones(1)})
+    reordered = {"a": torch.zeros(1), "b": torch.ones(1)}  # the same keys inserted in another order
+    out = tree.map(lambda x, y: x + y, t, reordered)
+    assert list(out) == ["b", "a"] and torch.equal(out["a"], torch.zeros(1)) and torch.equal(out["b"], torch.full((1,), 2.0))
+    # a tensor subclass leaf, and an is_leaf, go to optree too
+    p = {"w": torch.nn.Buffer(torch.ones(1)) if hasattr(torch.nn, "Buffer") else torch.ones(1)}
+    assert tree.leaves(p) == [p["w"]]
+    assert tree.leaves(t, is_leaf=lambda x: isinstance(x, dict)) == [t]
