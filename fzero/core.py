@@ -513,10 +513,6 @@ def loss_scale() -> float:
     """
     return _LOSS_SCALE.get()
 
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _trainable_flags(params: Any, n: int) -> list[bool]:
     """One flag per leaf of ``params`` (``n`` of them): False at the frozen entries of every
     ``Params`` inside."""
@@ -559,12 +555,14 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     train = _trainable_flags(params, len(leaves))
     # Which leaves are differentiated, asked of the leaves as given: a leaf made below may be a
     # tensor subclass, whose every method call passes through Python.
-    wrt = [i for i, (x, t) in enumerate(zip(leaves, train)) if t and _differentiable(x)]
-    inputs = list(leaves)
+    wrt = [i for i, (x, t) in enumerate(zip(leaves, train))
+           if t and isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
     if leaf is None:
+        inputs = list(leaves)
         for i in wrt:
             inputs[i] = leaves[i].detach().requires_grad_(True)
     else:  # the names only for a leaf that reads them (a walk of the tree less for one that does not)
+        inputs = list(leaves)
         names = [_key(path) for path in tree.paths(params)] if getattr(leaf, "by_name", True) else None
         for i in wrt:
             inputs[i] = leaf(leaves[i], names[i] if names is not None else None)
@@ -581,13 +579,18 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
                 grads = [None] * len(wrt)
                 if value.requires_grad and wrt:
                     grads = list(run_backward(value, [inputs[i] for i in wrt], accumulate=False))
-                by_index = dict(zip(wrt, grads))
-                out_leaves = [by_index.get(i) for i in range(len(inputs))]
+                if len(wrt) == len(inputs):  # every leaf differentiated (the usual case): in order
+                    out_leaves = grads
+                else:
+                    out_leaves = [None] * len(inputs)
+                    for i, g in zip(wrt, grads):
+                        out_leaves[i] = g
                 out_leaves = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out_leaves)]
     finally:
         _BINDINGS.reset(token)
         _LOSS_SCALE.reset(scale_token)
-    out_leaves = [g if t else None for g, t in zip(out_leaves, train)]
+    if not all(train):
+        out_leaves = [g if t else None for g, t in zip(out_leaves, train)]
     value = value.detach()
     if has_aux:
         aux = tree.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)

@@ -117,7 +117,9 @@ def nonfinite_by_norm(grads):
         >>> float(flag)
         1.0
     """
-    local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard)
+    # In fzero's view of the trees (a handler's) a Shard flattens to its piece already: no
+    # walk that stops at each one to take it.
+    local = tree.map(lambda g: g.local if is_shard(g) else g, grads, is_leaf=is_shard) if tree.in_user_view() else grads
     sumsq = global_sumsq(local)
     return (~torch.isfinite(sumsq)).to(torch.float32), known_sumsq(local, sumsq)
 
@@ -163,8 +165,8 @@ class _FiniteHandler(Handler):
         # Paths only under "raise", which names the leaves; "skip" runs on every update.
         if self.mode == "raise":
             paths, found, _ = tree.flatten_with_path(grads, is_leaf=is_shard)
-        else:
-            found = tree.leaves(grads, is_leaf=is_shard)
+        else:  # a Shard flattens to this rank's piece (a handler sees fzero's view of the trees)
+            found = tree.leaves(grads)
             paths = [None] * len(found)
         pieces = [(path, g.local if is_shard(g) else g) for path, g in zip(paths, found)]  # this rank's
         pieces = [(path, g) for path, g in pieces if isinstance(g, torch.Tensor) and not is_deferred(g)]
