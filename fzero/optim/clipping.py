@@ -36,6 +36,8 @@ def _leaf_norms(xs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         norms = torch._foreach_norm(xs, 2)
     else:  # mixed fp64 and lower precisions: rare, one norm per leaf
         norms = [torch.linalg.vector_norm(x, dtype=acc) for x in xs]
+    if all(n.dtype == acc and n.device == device for n in norms):  # the usual case: no call per leaf
+        return torch.stack(norms)
     return torch.stack([n.to(device=device, dtype=acc) for n in norms])
 
 
