@@ -11,6 +11,7 @@ import argparse
 import collections
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -310,7 +311,7 @@ def timed(fn: Callable, *args) -> tuple[float, object]:
 
 
 def paired_rounds(steps: dict, batches: list, warmup: int,
-                  every_time: dict | None = None) -> tuple[dict, dict, dict]:
+                  every_time: dict | None = None, faults: dict | None = None) -> tuple[dict, dict, dict]:
     """Every contestant's ``step(batch, probe) -> loss`` once per round, interleaved
     (:func:`interleaved`), each timed (:func:`timed`, the loss read inside the timing).
 
@@ -318,6 +319,8 @@ def paired_rounds(steps: dict, batches: list, warmup: int,
     round's loss, and what each contestant's step put in its ``probe`` in round 1 (the memory
     probe: the step sees ``probe["on"]`` set there). ``every_time``, if given, receives every
     round's time, warm-up included (a compiling contestant's compile time is there).
+    ``faults``, if given, receives each timed round's minor page faults in this process (fresh
+    memory touched: counted, not timed), by contestant.
     """
     names = tuple(steps)
     times = {n: [] for n in names}
@@ -325,7 +328,10 @@ def paired_rounds(steps: dict, batches: list, warmup: int,
     probes = {}
     for i, n, batch in interleaved(names, batches):
         probe = {"on": True} if i == 1 else {}
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         dt, loss = timed(lambda: steps[n](batch, probe).item())
+        if faults is not None and i >= warmup:
+            faults.setdefault(n, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         losses[n].append(loss)
         if every_time is not None:
             every_time[n].append(dt)

@@ -409,7 +409,8 @@ def run(args, argv) -> dict | None:
     batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch_size // world, warmup + args.steps)
 
     every_time = {n: [] for n in names}
-    times, losses, probes = paired_rounds(steps, batches, warmup, every_time)
+    faults = {}
+    times, losses, probes = paired_rounds(steps, batches, warmup, every_time, faults)
     new_graphs = shape_changes(steps, cfg.vocab_size, cfg.block_size, args.batch_size // world)
 
     # The slowest rank's time per step; model state and bytes of the larger rank; global mean losses.
@@ -417,6 +418,8 @@ def run(args, argv) -> dict | None:
     dist.all_gather_object(all_times, times)
     all_probes = [None] * world
     dist.all_gather_object(all_probes, probes)
+    all_faults = [None] * world
+    dist.all_gather_object(all_faults, {n: statistics.median(v) if v else None for n, v in faults.items()})
     loss_t = mean_over_ranks(losses, names)
     peak_rss = torch.tensor([rss_mib()[1]], dtype=torch.float64)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
@@ -461,6 +464,7 @@ def run(args, argv) -> dict | None:
             "traffic_payload_bytes": largest.get("payload"),
             "compile_s": sum(every_time[n][:warmup]) - warmup * statistics.median(t) if t else None,
             "first_step_s": every_time[n][0],
+            "minor_faults_per_step": [f.get(n) for f in all_faults],  # each rank's median
             "graphs_on_new_shapes": new_graphs.get(n),
             "final_loss": float(loss_t[j, -1]),
             "losses": [float(v) for v in loss_t[j]],
@@ -608,6 +612,9 @@ def report(result: dict, rss: dict) -> None:
               + "; ".join(f"{n} {r['compile_s']:.1f} s, first {r['first_step_s']:.1f} s, "
                           f"{'/'.join(map(str, r['graphs_on_new_shapes']))} new graphs" for n, r in jitted.items()))
     print("min / max step s: " + ", ".join(f"{n} {r['min_s']:.3f}/{r['max_s']:.3f}" for n, r in ran.items()))
+    print("minor page faults per step, each rank's median (fresh memory touched: counted, not timed): "
+          + ", ".join(f"{n} " + "/".join("–" if f is None else f"{f:.0f}" for f in r["minor_faults_per_step"])
+                      for n, r in ran.items()))
     print(f"wall: timed run {result['timing_wall_s']:.0f} s, isolated RSS runs {result['rss_wall_s']:.0f} s")
 
 
