@@ -112,14 +112,32 @@ def _leafy(is_leaf):
 # of that. So a plain dict whose values are all tensors is walked here: its leaves in
 # optree's order (the keys sorted) and its spec, both worked out by optree once per key
 # sequence (insertion order: the spec keeps it for unflatten) and kept.
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_LEAF_TENSORS = {torch.Tensor, torch.nn.Parameter}  # tensor types optree was seen to take as leaves
 _DICT_ORDER: dict[tuple, tuple[tuple, Any]] = {}
+
+
+def _leaf_tensors(values) -> bool:
+    """Whether every one of ``values`` is a tensor that flattens as a leaf: a tensor subclass
+    (mixed precision's ``NormWeight``) is asked of optree once, on the first one met."""
+    if _LEAF_TENSORS.issuperset(builtins.map(type, values)):
+        return True
+    for x in values:
+        t = type(x)
+        if t in _LEAF_TENSORS:
+            continue
+        if not isinstance(x, torch.Tensor):
+            return False
+        leaves = optree.tree_leaves(x, namespace=NAMESPACE)
+        if len(leaves) != 1 or leaves[0] is not x:  # a subclass registered as a node
+            return False
+        _LEAF_TENSORS.add(t)
+    return True
 
 
 def _tensor_dict(tree: Any) -> tuple[tuple, Any] | None:
     """``(keys in flatten order, spec)`` of ``tree`` when it is a non-empty plain ``dict``
-    whose values are all plain tensors (every one a leaf); else ``None``."""
-    if type(tree) is not dict or not tree or not _PLAIN_TENSORS.issuperset(builtins.map(type, tree.values())):
+    whose values are all tensors that are leaves; else ``None``."""
+    if type(tree) is not dict or not tree or not _leaf_tensors(tree.values()):
         return None
     keys = tuple(tree)
     known = _DICT_ORDER.get(keys)
