@@ -230,6 +230,12 @@ def _prepare(runs: list[list[int]], p: list, g: list, states: list[list], decay:
     return out
 
 
+def _clones(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each leaf (strides kept): one multi-tensor call where torch has it."""
+    clone = getattr(torch, "_foreach_clone", None)  # torch 2.13 has it, 2.11 not
+    return clone(leaves) if clone is not None and leaves else [t.clone() for t in leaves]
+
+
 def _dense(operands: list[list[torch.Tensor]]) -> bool:
     """Every leaf of every operand is contiguous."""
     return all(t.is_contiguous() for op in operands for t in op)
@@ -462,12 +468,15 @@ def fused_update(tx: GradientTransformation, grads: Any, opt_state: Any, params:
             clip = dict(grad_sumsq=sq.to(torch.float64), max_norm=float(spec.clip_norm))
         on_torch = mode == "auto" and _torch_cpu(spec, p_leaves[0])
         kw = dict(lr=lr, step=count + 1, clip=clip, found_inf=found_inf, grad_scale=grad_scale)
-        in_place = on_torch and donate and _dense([p_leaves, g_leaves, *s_leaves])
-        runs = [] if in_place else _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves,
+        leafwise = on_torch and _dense([p_leaves, g_leaves, *s_leaves])
+        if leafwise and not donate:  # the new state: a copy of each leaf, updated in place below
+            p_leaves, s_leaves = _clones(p_leaves), [_clones(x) for x in s_leaves]
+        runs = [] if leafwise else _prepare(back_to_back([p_leaves, g_leaves, *s_leaves], decay), p_leaves,
                                             g_leaves, s_leaves, decay, donate, flat=not on_torch)
-        if in_place:
-            # torch's kernel takes the leaves as they are, in place: no runs to find, no
-            # spans to form, nothing to write back (the same elementwise pass, bit for bit)
+        if leafwise:
+            # torch's kernel takes the leaves as they are (the state's own, donated; else
+            # their copies), in place: no runs to find, no spans to form, nothing to write
+            # back (the same elementwise pass, bit for bit)
             live = [i for i, t in enumerate(p_leaves) if t.numel()]
             pick = (lambda x: x) if len(live) == len(p_leaves) else (lambda x: [x[i] for i in live])
             _torch_adam(spec, pick(p_leaves), pick(g_leaves), *(pick(x) for x in s_leaves), pick(decay), **kw)
