@@ -557,12 +557,11 @@ def _value_and_grad_base(fn, params, args, kwargs, *, has_aux: bool, grad_sink=N
     # tensor subclass, whose every method call passes through Python.
     wrt = [i for i, (x, t) in enumerate(zip(leaves, train))
            if t and isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
+    inputs = list(leaves)
     if leaf is None:
-        inputs = list(leaves)
         for i in wrt:
             inputs[i] = leaves[i].detach().requires_grad_(True)
     else:  # the names only for a leaf that reads them (a walk of the tree less for one that does not)
-        inputs = list(leaves)
         names = [_key(path) for path in tree.paths(params)] if getattr(leaf, "by_name", True) else None
         for i in wrt:
             inputs[i] = leaf(leaves[i], names[i] if names is not None else None)
