@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -108,12 +109,41 @@ def _leafy(is_leaf):
 
 # A dict of tensors -- a model's parameters, their gradients, each moment of an optimizer --
 # is the tree a step walks most. optree takes about 35 us to flatten 150 entries (it sorts
-# the keys and builds a spec each time); the same leaves in a cached key order take a tenth
-# of that. So a plain dict whose values are all tensors is walked here: its leaves in
-# optree's order (the keys sorted) and its spec, both worked out by optree once per key
-# sequence (insertion order: the spec keeps it for unflatten) and kept.
+# the keys and builds a spec each time), twice that when each is a ZeRO Shard (a node whose
+# flatten is a Python call); the same leaves in a cached key order take a tenth of that. So
+# a plain dict whose values are all leaf tensors, or all nodes of one type registered with
+# :func:`register_one_child` over leaf tensors, is walked here: its leaves in optree's order
+# (the keys sorted) and its spec, both worked out by optree once per key sequence
+# (insertion order: the spec keeps it for unflatten) and, for nodes, per node data (by
+# identity: the entry holds them), and kept.
 _LEAF_TENSORS = {torch.Tensor, torch.nn.Parameter}  # tensor types optree was seen to take as leaves
-_DICT_ORDER: dict[tuple, tuple[tuple, Any]] = {}
+_ONE_CHILD: dict[type, tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[Any, Any], Any]]] = {}
+_DICT_ORDER: dict[tuple, "_DictWalk"] = {}
+
+
+class _DictWalk:
+    """How a dict of tensors (or of one-child nodes) flattens: ``order`` (its keys in flatten
+    order), ``spec``, and for nodes their ``child``/``make`` and the node data they held."""
+
+    __slots__ = ("order", "spec", "child", "datum", "make", "data")
+
+    def __init__(self, order, spec, node=None, data=None):
+        self.order, self.spec, self.data = order, spec, data
+        self.child, self.datum, self.make = node if node is not None else (None, None, None)
+
+    def leaves(self, tree: dict) -> list:
+        if self.child is None:
+            return [tree[k] for k in self.order]
+        child = self.child
+        return [child(tree[k]) for k in self.order]
+
+
+def register_one_child(cls: type, child: str, data: str, make: Callable[[Any, Any], Any]) -> None:
+    """Declare ``cls`` (already an optree node in :data:`NAMESPACE`) a node with one child,
+    ``getattr(x, child)``, and node data ``getattr(x, data)``, rebuilt as ``make(child,
+    data)``: a dict of them over leaf tensors is then walked without optree, as a dict of
+    tensors is."""
+    _ONE_CHILD[cls] = (operator.attrgetter(child), operator.attrgetter(data), make)
 
 
 def _leaf_tensors(values) -> bool:
@@ -134,19 +164,32 @@ def _leaf_tensors(values) -> bool:
     return True
 
 
-def _tensor_dict(tree: Any) -> tuple[tuple, Any] | None:
-    """``(keys in flatten order, spec)`` of ``tree`` when it is a non-empty plain ``dict``
-    whose values are all tensors that are leaves; else ``None``."""
-    if type(tree) is not dict or not tree or not _leaf_tensors(tree.values()):
+def _tensor_dict(tree: Any) -> _DictWalk | None:
+    """How ``tree`` flattens, when it is a non-empty plain ``dict`` whose values are all leaf
+    tensors or all nodes of one :func:`register_one_child` type over leaf tensors (not in
+    the user's view, where such a node is a leaf); else ``None``."""
+    if type(tree) is not dict or not tree:
         return None
-    keys = tuple(tree)
-    known = _DICT_ORDER.get(keys)
+    values = tree.values()
+    if _leaf_tensors(values):
+        key, node, data = (tuple(tree), None), None, None
+    else:
+        first = type(next(iter(values)))
+        node = _ONE_CHILD.get(first)
+        if node is None or (_USER_VIEW.get() and first in _USER_LEAVES) \
+                or any(type(v) is not first for v in values) \
+                or not _leaf_tensors(list(builtins.map(node[0], values))):
+            return None
+        data = tuple(builtins.map(node[1], values))
+        key = (tuple(tree), tuple(builtins.map(id, data)))
+    known = _DICT_ORDER.get(key)
     if known is None:
         paths, _, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
-        known = (tuple(path[0] for path in paths), spec)
+        order = tuple(path[0] for path in paths)
+        known = _DictWalk(order, spec, node, data)
         if len(_DICT_ORDER) >= 256:  # a bound, for a program that makes ever new key sets
             _DICT_ORDER.clear()
-        _DICT_ORDER[keys] = known
+        _DICT_ORDER[key] = known
     return known
 
 
@@ -158,7 +201,7 @@ def flatten(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     if is_leaf is None:
         known = _tensor_dict(tree)
         if known is not None:
-            return [tree[k] for k in known[0]], known[1]
+            return known.leaves(tree), known.spec
     return optree.tree_flatten(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
@@ -181,7 +224,7 @@ def leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list:
     if is_leaf is None:
         known = _tensor_dict(tree)
         if known is not None:
-            return [tree[k] for k in known[0]]
+            return known.leaves(tree)
     return optree.tree_leaves(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
@@ -205,7 +248,7 @@ def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None):
     if is_leaf is None:
         known = _tensor_dict(tree)
         if known is not None:
-            return known[1]
+            return known.spec
     return optree.tree_structure(tree, is_leaf=_leafy(is_leaf), namespace=NAMESPACE)
 
 
@@ -372,7 +415,11 @@ def map(f: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf=None) -> PyT
         if known is not None and all(_tensor_dict(o) is known for o in rest):  # the same keys, in the same order
             # f called in flatten order (a collective inside f runs in the same order on
             # every rank), the result in the tree's own key order, as optree builds it
-            out = {k: f(tree[k], *(o[k] for o in rest)) for k in known[0]}
+            if known.child is None:
+                out = {k: f(tree[k], *(o[k] for o in rest)) for k in known.order}
+            else:  # each node rebuilt over f of its child, with its own node data
+                child, datum, make = known.child, known.datum, known.make
+                out = {k: make(f(child(tree[k]), *(child(o[k]) for o in rest)), datum(tree[k])) for k in known.order}
             return {k: out[k] for k in tree}
     for i, other in enumerate(rest):
         if is_leaf is None:

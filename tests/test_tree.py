@@ -161,3 +161,37 @@ def test_a_dict_of_tensor_subclasses_walks_as_optree_walks_it():
     got = tree.leaves(noded)
     assert [type(x) for x in got] == [torch.Tensor, torch.Tensor]
     assert tree.structure(noded) == optree.tree_structure(noded, namespace=tree.NAMESPACE)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=20, unique=True), st.randoms(use_true_random=False))
+def test_a_dict_of_shards_walks_as_optree_walks_it(keys, rnd):
+    # ZeRO's pieces: a dict of Shard nodes, each one child, walked by the fast path in fzero's
+    # view and by optree in the user's (where a Shard is a leaf); a changed ShardInfo is a
+    # new spec.
+    from fzero.transforms.shard_state._shard import Shard, ShardInfo
+
+    rnd.shuffle(keys)
+    d = {k: Shard(torch.full((2,), float(i)), ShardInfo((4,), 4 * i, 2, 2, 0)) for i, k in enumerate(keys)}
+    assert tree._tensor_dict(d) is not None  # the path under test
+    ref_leaves, ref_spec = optree.tree_flatten(d, namespace=tree.NAMESPACE)
+    for _ in range(2):  # worked out, then from the cache
+        leaves, spec = tree.flatten(d)
+        assert [id(x) for x in leaves] == [id(x) for x in ref_leaves] and spec == ref_spec
+        assert tree.structure(d) == ref_spec and [id(x) for x in tree.leaves(d)] == [id(x) for x in ref_leaves]
+        seen = []
+        out = tree.map(lambda x, y: seen.append(float(x[0])) or x + y, d, tree.map(torch.ones_like, d))
+        ref = optree.tree_map(lambda x: x + 1, d, namespace=tree.NAMESPACE)
+        assert seen == [float(x[0]) for x in ref_leaves] and list(out) == keys
+        assert all(type(out[k]) is Shard and out[k].info is d[k].info and torch.equal(out[k].local, ref[k].local)
+                   for k in keys)
+        back = tree.unflatten(spec, leaves)
+        assert list(back) == keys and all(back[k].local is d[k].local and back[k].info == d[k].info for k in keys)
+    with tree.user_view(True):  # a Shard is one leaf to the user's step
+        assert tree._tensor_dict(d) is None and [id(x) for x in tree.leaves(d)] == [id(d[k]) for k in sorted(keys)]
+    k0 = keys[0]
+    moved = {**d, k0: Shard(d[k0].local, ShardInfo((4,), 99, 2, 2, 0))}
+    assert tree.structure(moved) == optree.tree_structure(moved, namespace=tree.NAMESPACE) != ref_spec
+    mixed = {**d, k0: torch.zeros(2)}  # a Shard dict with one tensor among them: optree's way
+    assert (tree._tensor_dict(mixed) is None) == (len(keys) > 1)
+    assert [id(x) for x in tree.leaves(mixed)] == [id(x) for x in optree.tree_leaves(mixed, namespace=tree.NAMESPACE)]

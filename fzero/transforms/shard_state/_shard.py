@@ -344,3 +344,4 @@ def is_shard(x: Any) -> bool:
 
 
 tree._USER_LEAVES.append(Shard)  # one tensor to the user's step (see fzero.tree.user_view)
+tree.register_one_child(Shard, "local", "info", Shard)  # a dict of Shards walked as a dict of tensors
