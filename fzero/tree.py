@@ -97,7 +97,7 @@ def in_user_view() -> bool:
 
 
 def _leafy(is_leaf):
-    if not _USER_VIEW.get() or not _USER_LEAVES:
+    if not in_user_view():
         return is_leaf
     types = tuple(_USER_LEAVES)
     if is_leaf is None:
@@ -176,7 +176,7 @@ def _tensor_dict(tree: Any) -> _DictWalk | None:
     else:
         first = type(next(iter(values)))
         node = _ONE_CHILD.get(first)
-        if node is None or (_USER_VIEW.get() and first in _USER_LEAVES) \
+        if node is None or (in_user_view() and first in _USER_LEAVES) \
                 or any(type(v) is not first for v in values) \
                 or not _leaf_tensors(list(builtins.map(node[0], values))):
             return None
