@@ -405,7 +405,8 @@ def _trains_as_under_autocast(model, steps, precision, **options):
     state, losses = ft.run_steps(step, step.init(fzero.TrainState.create(
         apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9))), batches)
     ft.assert_trees_close(losses, torch.stack(ref_losses), tol=precision)
-    ft.assert_trees_close(fzero.gather(state.master), dict(reference.named_parameters()), tol=precision)
+    ft.assert_trees_close(fzero.gather(state.master), {n: p for n, p in reference.named_parameters() if p.requires_grad},
+                          tol=precision)
     return state, reference
 
 
@@ -417,6 +418,37 @@ def test_norm_layers_fed_fp32_train_as_under_torch_autocast(kind, precision):
     # BatchNorm's running statistics stay fp32, as the module's under autocast
     ft.assert_trees_close(dict(state.buffers), dict(reference.named_buffers()), tol=precision)
     assert all(b.dtype == r.dtype for b, r in zip(state.buffers.values(), reference.buffers()))
+
+
+@pytest.mark.parametrize("kind", ["layer", "group"])
+def test_a_frozen_bf16_norm_fed_fp32_trains_as_an_fp32_norm_under_torch_autocast(kind):
+    """A frozen norm held in bf16 (a frozen base model loaded in 16 bits beside trained
+    layers): its weights are no differentiated leaves, so no NormWeight is made for them with
+    the leaves, and the forward's own pass over the parameters must make them NormWeights --
+    else the norm's CPU kernel refuses 16-bit weights beside the fp32 raw input. The
+    reference: the fp32 module, its frozen norm holding the same bf16 values, under
+    torch.autocast."""
+    torch.manual_seed(0)
+    reference = _NormNet(kind)
+    reference.norm_in.requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.norm_in.parameters():
+            p.normal_().copy_(p.to(torch.bfloat16))  # values a bf16 tensor holds exactly
+    model = copy.deepcopy(reference)
+    model.norm_in.to(torch.bfloat16)
+    batches = _norm_batches(3)
+    ref_losses = _autocast_reference(reference, batches, torch.bfloat16)
+    apply, params = fzero.functionalize(model)
+    step = fzero.compile(_norm_step, precision="bf16")
+    state, losses = ft.run_steps(step, step.init(fzero.TrainState.create(
+        apply_fn=apply, params=params, tx=optim.sgd(0.05, momentum=0.9))), batches)
+    ft.assert_trees_close(losses, torch.stack(ref_losses), tol="bf16")
+    ft.assert_trees_close(fzero.gather(state.master),
+                          {n: p for n, p in reference.named_parameters() if p.requires_grad}, tol="bf16")
+    assert sorted(state.params.frozen) == ["norm_in.bias", "norm_in.weight"]
+    for name in state.params.frozen:  # untrained, and still bf16
+        assert state.params[name].dtype == torch.bfloat16, name
+        assert torch.equal(state.params[name].float(), reference.get_parameter(name)), name
 
 
 class _CheckpointedNormNet(_NormNet):

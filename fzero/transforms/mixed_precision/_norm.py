@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NormWeight", "NormsInFp32", "norm_weight_leaf", "norm_weights"]
+from fzero import tree
+
+__all__ = ["NormWeight", "NormsInFp32", "norm_weight_leaf", "norm_weights", "with_norm_weights"]
 
 
 # The norm functions and where their weight and bias are, positionally (by keyword they are
@@ -116,3 +118,22 @@ def norm_weights(x):
     if type(x) is torch.Tensor and x.dtype in _LOW:
         return x.as_subclass(NormWeight)
     return x
+
+
+def with_norm_weights(params):
+    """``params`` with every 16-bit plain tensor leaf as a :class:`NormWeight` alias
+    (:func:`norm_weights`). A dict holding none -- every trainable leaf already made one by
+    :func:`norm_weight_leaf`, the rest fp32 or integer -- is returned as it is: one look
+    at each value, where a walk would build a new dict of the same tensors every step.
+
+    Example:
+        >>> import torch
+        >>> p = {"w": norm_weight_leaf(torch.ones(2, dtype=torch.bfloat16)), "n": torch.ones(1)}
+        >>> with_norm_weights(p) is p
+        True
+        >>> type(with_norm_weights({"frozen": torch.ones(2, dtype=torch.bfloat16)})["frozen"]).__name__
+        'NormWeight'
+    """
+    if type(params) is dict and not any(type(v) is torch.Tensor and v.dtype in _LOW for v in params.values()):
+        return params
+    return tree.map(norm_weights, params)

@@ -22,7 +22,7 @@ from fzero.transforms._skip import BufferGuard, SkipStreak, update_under_verdict
 from fzero.transforms.finite import count_nonfinite, nonfinite_by_norm
 from fzero.transforms.mixed_precision._lowp import (CompensatedState, compensated, narrow_like, states_in,
                                                     stochastic_round, toward_zero, widen)
-from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weight_leaf, norm_weights
+from fzero.transforms.mixed_precision._norm import NormsInFp32, norm_weight_leaf, with_norm_weights
 from fzero.transforms.mixed_precision._scaler import LossScaler, update_scaler
 
 __all__ = ["mixed_precision"]
@@ -95,7 +95,7 @@ class _PrecisionHandler(Handler):
                     out = fn(p, *a, **kw)
             else:
                 with torch.autocast(device_type=device, dtype=dtype):
-                    out = fn(tree.map(norm_weights, p), *a, **kw)
+                    out = fn(with_norm_weights(p), *a, **kw)
             return out
 
         return low_precision
