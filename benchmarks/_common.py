@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import platform
 import resource
@@ -310,8 +311,53 @@ def timed(fn: Callable, *args) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def paired_rounds(steps: dict, batches: list, warmup: int,
-                  every_time: dict | None = None, faults: dict | None = None) -> tuple[dict, dict, dict]:
+class BackwardMarks:
+    """While entered: when autograd's engine first starts and last returns (``start``,
+    ``end``, ``time.perf_counter()``; ``None`` until it runs) since :meth:`reset` -- torch's
+    ``backward`` and ``grad`` (DDP's, FSDP2's and plain steps' ``loss.backward()``) and
+    fzero's own calls of the engine -- so that a step's time splits into what runs before
+    its backward (the forward and the loss), the backward, and what runs after it."""
+
+    def __init__(self):
+        self.start = self.end = None
+        self._saved = None
+
+    def reset(self) -> None:
+        self.start = self.end = None
+
+    def __enter__(self):
+        import torch.autograd.graph as autograd_graph
+        from fzero import core
+
+        engine = torch.autograd._engine_run_backward
+
+        def marked(*a, **kw):
+            if self.start is None:
+                self.start = time.perf_counter()
+            try:
+                return engine(*a, **kw)
+            finally:
+                self.end = time.perf_counter()
+
+        self._saved = (engine, getattr(core, "_engine_run_backward", None))
+        torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = marked
+        if self._saved[1] is not None:
+            core._engine_run_backward = marked
+        return self
+
+    def __exit__(self, *exc):
+        import torch.autograd.graph as autograd_graph
+        from fzero import core
+
+        engine, fzero_engine = self._saved
+        torch.autograd._engine_run_backward = autograd_graph._engine_run_backward = engine
+        if fzero_engine is not None:
+            core._engine_run_backward = fzero_engine
+        return False
+
+
+def paired_rounds(steps: dict, batches: list, warmup: int, every_time: dict | None = None,
+                  faults: dict | None = None, phases: dict | None = None) -> tuple[dict, dict, dict]:
     """Every contestant's ``step(batch, probe) -> loss`` once per round, interleaved
     (:func:`interleaved`), each timed (:func:`timed`, the loss read inside the timing).
 
@@ -320,16 +366,40 @@ def paired_rounds(steps: dict, batches: list, warmup: int,
     probe: the step sees ``probe["on"]`` set there). ``every_time``, if given, receives every
     round's time, warm-up included (a compiling contestant's compile time is there).
     ``faults``, if given, receives each timed round's minor page faults in this process (fresh
-    memory touched: counted, not timed), by contestant.
+    memory touched: counted, not timed), by contestant. ``phases``, if given, receives each
+    timed round's seconds before its backward, in it and after it (:class:`BackwardMarks`),
+    by contestant.
     """
     names = tuple(steps)
     times = {n: [] for n in names}
     losses = {n: [] for n in names}
     probes = {}
-    for i, n, batch in interleaved(names, batches):
-        probe = {"on": True} if i == 1 else {}
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        dt, loss = timed(lambda: steps[n](batch, probe).item())
+    marks = BackwardMarks()
+    with marks if phases is not None else contextlib.nullcontext():
+        for i, n, batch in interleaved(names, batches):
+            probe = {"on": True} if i == 1 else {}
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            marks.reset()
+            dt, loss = timed(lambda: steps[n](batch, probe).item())
+            done = time.perf_counter()
+            if faults is not None and i >= warmup:
+                faults.setdefault(n, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            if phases is not None and i >= warmup and marks.start is not None:
+                begun = done - dt
+                phases.setdefault(n, []).append((marks.start - begun, marks.end - marks.start, done - marks.end))
+            losses[n].append(loss)
+            if every_time is not None:
+                every_time[n].append(dt)
+            if i >= warmup:
+                times[n].append(dt)
+            if i == 1:
+                probes[n] = {k: v for k, v in probe.items() if k != "on"}
+    return times, losses, probes
+
+
+def _round_end(i, n, dt, loss, probe, warmup, f0, times, losses, probes, every_time, faults) -> None:
+    """What :func:`paired_rounds` keeps of round ``i``'s step of contestant ``n``."""
+    if True:
         if faults is not None and i >= warmup:
             faults.setdefault(n, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         losses[n].append(loss)

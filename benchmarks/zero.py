@@ -64,6 +64,11 @@ parameters outside every ZeRO-3 unit once per step, and the units within its reu
 the last three of the default's six, which it gathers as two units of three blocks), so its
 stage 3 sends less than 3Psi: 2Psi when every unit is kept.
 
+Under the table, counted or timed in every timed round: each contestant's minor page faults
+(fresh memory touched), and its host time before its backward (the forward and the loss),
+in autograd's engine and after it (``_common.BackwardMarks``), each rank's median: where a
+contestant's step time goes beside DDP's.
+
 Peak RSS: ``ru_maxrss`` is a lifetime maximum, so after the timed run each contestant is
 run again alone in a fresh pair of processes (``--only NAME``, a few steps) and its peak
 RSS is the larger of the two ranks'. Every process imports ``torch._dynamo`` up front
@@ -409,8 +414,8 @@ def run(args, argv) -> dict | None:
     batches = rank_batches(cfg.vocab_size, cfg.block_size, args.batch_size // world, warmup + args.steps)
 
     every_time = {n: [] for n in names}
-    faults = {}
-    times, losses, probes = paired_rounds(steps, batches, warmup, every_time, faults)
+    faults, phases = {}, {}
+    times, losses, probes = paired_rounds(steps, batches, warmup, every_time, faults, phases)
     new_graphs = shape_changes(steps, cfg.vocab_size, cfg.block_size, args.batch_size // world)
 
     # The slowest rank's time per step; model state and bytes of the larger rank; global mean losses.
@@ -420,6 +425,9 @@ def run(args, argv) -> dict | None:
     dist.all_gather_object(all_probes, probes)
     all_faults = [None] * world
     dist.all_gather_object(all_faults, {n: statistics.median(v) if v else None for n, v in faults.items()})
+    all_phases = [None] * world  # each rank's median seconds before, in and after backward
+    dist.all_gather_object(all_phases, {n: [statistics.median(r[k] for r in v) for k in range(3)]
+                                        for n, v in phases.items() if v})
     loss_t = mean_over_ranks(losses, names)
     peak_rss = torch.tensor([rss_mib()[1]], dtype=torch.float64)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
@@ -465,6 +473,7 @@ def run(args, argv) -> dict | None:
             "compile_s": sum(every_time[n][:warmup]) - warmup * statistics.median(t) if t else None,
             "first_step_s": every_time[n][0],
             "minor_faults_per_step": [f.get(n) for f in all_faults],  # each rank's median
+            "phases_s": [f.get(n) for f in all_phases],  # each rank's: before backward, backward, after
             "graphs_on_new_shapes": new_graphs.get(n),
             "final_loss": float(loss_t[j, -1]),
             "losses": [float(v) for v in loss_t[j]],
@@ -614,6 +623,11 @@ def report(result: dict, rss: dict) -> None:
     print("min / max step s: " + ", ".join(f"{n} {r['min_s']:.3f}/{r['max_s']:.3f}" for n, r in ran.items()))
     print("minor page faults per step, each rank's median (fresh memory touched: counted, not timed): "
           + ", ".join(f"{n} " + "/".join("–" if f is None else f"{f:.0f}" for f in r["minor_faults_per_step"])
+                      for n, r in ran.items()))
+    print("host time by phase, ms, each rank's median (before backward: the forward and the loss; backward: "
+          "autograd's engine; after: the update and what waits): "
+          + "; ".join(f"{n} " + ", ".join("–" if f is None else "/".join(f"{x * 1e3:.0f}" for x in f)
+                                         for f in r["phases_s"])
                       for n, r in ran.items()))
     print(f"wall: timed run {result['timing_wall_s']:.0f} s, isolated RSS runs {result['rss_wall_s']:.0f} s")
 
