@@ -78,9 +78,50 @@ class Group:
         return [t.view(s) for t, s in zip(parts, self.shapes)]
 
     def pieces(self, local: torch.Tensor, group=None) -> list[Shard]:
-        """Each parameter's piece as a view into the rank's owned slice ``local``."""
+        """Each parameter's piece as a view into the rank's owned slice ``local``: one
+        ``split`` of it (:meth:`_cuts`), where a slice per parameter costs a Python call each;
+        a piece this rank owns nothing of is an empty view at its place in the order."""
         infos, where, _ = self._placed(group)
-        return [Shard(local[at], info) for info, at in zip(infos, where)]
+        sizes = self._cuts(group) if local.dim() == 1 and local.numel() == self.chunk else None
+        if sizes is None:
+            return [Shard(local[at], info) for info, at in zip(infos, where)]
+        return [Shard(t, info) for t, info in zip(local.split(sizes), infos)]  # (the padding's segment left)
+
+    def _cuts(self, group) -> list[int] | None:
+        """The ``split`` sizes of the owned slice into the parameters' pieces, in order (an
+        empty piece a size of 0), the padding a last segment; ``None`` where the pieces do
+        not lie back to back from the slice's start (the layout packs them so). Worked out
+        once per group and process group."""
+        cache = self.__dict__.setdefault("_cut_plans", {})
+        hit = cache.get(id(group))
+        if hit is None or hit[0] is not group:
+            sizes, cursor = [], 0
+            for w in self._placed(group)[1]:
+                n = w.stop - w.start
+                if n and w.start != cursor:
+                    break
+                sizes.append(n)
+                cursor += n
+            else:
+                sizes.append(self.chunk - cursor)  # the rest of the slice: padding, or nothing
+            plan = sizes if len(sizes) == len(self.names) + 1 and sizes[-1] >= 0 else None
+            hit = cache[id(group)] = (group, plan)
+        return hit[1]
+
+    def flat_of(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The flat buffer this group's ``params`` view, each at its offset, as
+        :meth:`views` lays them out (the buffers a gather of stages 1-2 writes into), else
+        ``None``."""
+        views = [params[n] for n in self.names]
+        base = views[0]._base
+        if base is None or base._base is not None or base.dim() != 1 or base.numel() != self.padded \
+                or base.dtype != self.dtype:
+            return None
+        at = base.storage_offset()
+        for v, o in zip(views, self.offsets):
+            if v._base is not base or v.storage_offset() - at != o or not v.is_contiguous():
+                return None
+        return base
 
     def owned_buffer(self, pieces: Mapping[str, Shard]) -> torch.Tensor | None:
         """The one buffer this rank's ``pieces`` view, when they lie in it as its owned slice
@@ -157,13 +198,22 @@ class Layout:
         return {k: out[k] for k in params}
 
     def piece_views(self, params: dict[str, torch.Tensor], group=None) -> dict[str, Shard]:
-        """This rank's pieces of full parameters, as views (no copy)."""
+        """This rank's pieces of full parameters, as views (no copy): of a group whose
+        parameters view one flat buffer (:meth:`Group.flat_of`), cut from its owned slice
+        in one ``split``; else a slice of each parameter."""
         out = {}
+        for g in self.groups:
+            flat = g.flat_of(params) if all(n in params for n in g.names) else None
+            if flat is not None:
+                out.update(zip(g.names, g.pieces(flat[slice(*g.owned)], group)))
+        if len(out) == len(params):
+            return out if list(out) == list(params) else {k: out[k] for k in params}
         for name, p in params.items():
-            gi, i = self.where[name]
-            infos, _, spans = self.groups[gi]._placed(group)
-            out[name] = Shard(p.reshape(-1)[spans[i]], infos[i])
-        return out
+            if name not in out:
+                gi, i = self.where[name]
+                infos, _, spans = self.groups[gi]._placed(group)
+                out[name] = Shard(p.reshape(-1)[spans[i]], infos[i])
+        return {k: out[k] for k in params}
 
 
 def build_layout(
