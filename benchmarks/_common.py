@@ -397,21 +397,6 @@ def paired_rounds(steps: dict, batches: list, warmup: int, every_time: dict | No
     return times, losses, probes
 
 
-def _round_end(i, n, dt, loss, probe, warmup, f0, times, losses, probes, every_time, faults) -> None:
-    """What :func:`paired_rounds` keeps of round ``i``'s step of contestant ``n``."""
-    if True:
-        if faults is not None and i >= warmup:
-            faults.setdefault(n, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-        losses[n].append(loss)
-        if every_time is not None:
-            every_time[n].append(dt)
-        if i >= warmup:
-            times[n].append(dt)
-        if i == 1:
-            probes[n] = {k: v for k, v in probe.items() if k != "on"}
-    return times, losses, probes
-
-
 def mean_over_ranks(losses: dict[str, list[float]], names) -> torch.Tensor:
     """``[contestant, step]`` float64 losses averaged over the ranks (fzero's are already
     global means: unchanged)."""
