@@ -80,17 +80,10 @@ def all_gather_params(layout: Layout, pieces: dict[str, Shard], *, group, world:
 
 
 def _flat_buffers(layout: Layout, full: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
-    """The flat buffer each group's parameters in ``full`` view, or ``None`` when they are
-    not laid out so."""
-    flats = []
-    for g in layout.groups:
-        views = [full[n] for n in g.names]
-        base = views[0]._base
-        if base is None or base.numel() != g.padded or base.dtype != g.dtype or base._base is not None \
-                or any(v._base is not base for v in views):
-            return None
-        flats.append(base)
-    return flats
+    """The flat buffer each group's parameters in ``full`` view (:meth:`Group.flat_of`), or
+    ``None`` when one group's are not laid out so."""
+    flats = [g.flat_of(full) for g in layout.groups]
+    return None if any(f is None for f in flats) else flats
 
 
 def sync_buffers(buffers: dict[str, torch.Tensor], *, mode: Literal["broadcast", "mean", "local"], group,
