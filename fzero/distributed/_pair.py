@@ -9,8 +9,8 @@ both directions at once, then (a reduction) adds what it received to what it kep
 
 * reduce-scatter of ``x`` (``2n`` elements): send the peer's half, receive the peer's
   contribution to ours into ``out``, then ``out += x[ours]``; sends ``n`` (the ring's ``S/2``).
-* all-gather of ``x`` (``n``): copy ours into ``out``, send ``x``, receive the peer's half
-  into ``out``; sends ``n`` (the ring's ``S(N-1)``).
+* all-gather of ``x`` (``n``): send ``x``, receive the peer's half into ``out``, and copy
+  ours into ``out`` while they move; sends ``n`` (the ring's ``S(N-1)``).
 * all-reduce of a small ``x`` (a loss, a norm, a flag): send it whole, receive the peer's
   into a scratch tensor, then combine; sends ``S`` (the ring's ``2S(N-1)/N``). A large one
   stays gloo's, whose pipelined ring is faster there and needs no scratch
@@ -171,9 +171,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, other: Peer, *, group)
     halves = output.view(2, n)
     if _overlaps(halves[1 - me], input):
         return None
+    # The exchange sends from ``input`` and receives into the other half: posted first, so
+    # that it runs while this rank's half is copied in.
+    work = _exchange(input, halves[1 - me], other, group, None)
     if halves[me].data_ptr() != input.data_ptr():
         halves[me].copy_(input.reshape(-1))
-    return _exchange(input, halves[1 - me], other, group, None)
+    return work
 
 
 def all_reduce(tensor: torch.Tensor, other: Peer, *, group, op):
