@@ -347,7 +347,9 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
       (``max_reuse_distance`` in elements, default 25 MiB of parameters:
       :func:`fzero.transforms._checks.default_reuse_distance`), or one block larger than
       it (:func:`fzero.transforms._checks.run_elements`); ``block_params`` is a block's
-      elements (tp splits it as the rest), by default 1/32 of the model's. The last run of forward stays gathered from
+      elements (tp splits it as the rest), by default 1/32 of the model's; ``0`` says the
+      model has no blocks (no ``ModuleList`` for ``shard_state`` to find), so stage 3 gathers
+      it whole for the step, as a model within the window. The last run of forward stays gathered from
       its forward until its own backward, alive with the activations as those are and freed
       before this peak: like the activations, it is not counted here. A model within the
       window has no units (``shard_state`` gathers it whole for the step, in stage 2's
@@ -373,6 +375,8 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
         160000000
         >>> reduce_buffer_bytes(10**6, world_size=1, stage=3)  # within the window: stage 2's bucket, gathered whole
         8000000
+        >>> reduce_buffer_bytes(10**8, world_size=1, stage=3, block_params=0)  # no blocks: 2 buckets, gathered whole
+        452428800
         >>> reduce_buffer_bytes(1000, world_size=1, stage=2, bucket_bytes=2**20)  # a bucket above the model
         4000
         >>> reduce_buffer_bytes(10**6, world_size=1, stage=3, bucket_bytes=2**20)  # 2 buckets of 1 MiB, gathered whole
@@ -387,7 +391,7 @@ def reduce_buffer_bytes(num_params: int, *, world_size: int, stage: int, precisi
     whole, per_bucket = False, None
     if stage == 3:
         window = default_reuse_distance(p, max_reuse_distance)
-        whole = num_params <= window  # no units: stage 2's buckets, the model gathered whole
+        whole = num_params <= window or block_params == 0  # no units: stage 2's buckets, the model gathered whole
         if not whole and bucket_bytes is None:
             block = -(-block_params // tp) if block_params is not None else -(-num_params // BUCKETS_PER_MODEL)
             per_bucket = run_elements(block, window)

@@ -119,7 +119,32 @@ def test_profiler_counts_the_trainable_parameters_at_init_and_ends_the_trial(tmp
     step = fzero.compile(_train_step, zero=1, trial=_spec(tmp_path, "info", mode="model_info"))
     with pytest.raises(TrialDone):
         step.init(fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.sgd(0.1)))
-    assert json.loads((tmp_path / "info" / "metrics.json").read_text()) == {"num_params": psi, "world_size": 1}
+    assert json.loads((tmp_path / "info" / "metrics.json").read_text()) == {"num_params": psi, "block_params": 0,
+                                                                            "world_size": 1}
+
+
+def test_model_info_writes_the_largest_blocks_trainable_parameters(tmp_path):
+    """ZeRO-3's blocks are a ModuleList's elements; the count is of each block's trainable
+    parameters (a frozen bias left out), read off the module here, and the tuner's config
+    reads it back from the file for the estimate."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ModuleList(
+        [torch.nn.Linear(32, 32), torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 32))]))
+    model[1][1][0].bias.requires_grad_(False)
+    model.forward = lambda x: model[1][1](model[1][0](model[0](x)))
+    want = max(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in model[1])
+    assert want == 32 * 48 + 48 * 32 + 32
+    apply_fn, params = fzero.functionalize(model)
+    step = fzero.compile(_train_step, zero=3, trial=_spec(tmp_path, "info", mode="model_info"))
+    with pytest.raises(TrialDone):
+        step.init(fzero.TrainState.create(apply_fn=apply_fn, params=params, tx=optim.sgd(0.1)))
+    written = json.loads((tmp_path / "info" / "metrics.json").read_text())
+    assert written["block_params"] == want
+    cfg = AutotuningConfig.from_dict({"model_info_path": "info/metrics.json"}, base_dir=tmp_path)
+    assert (cfg.num_params, cfg.block_params) == (written["num_params"], want)
+    (tmp_path / "bad.json").write_text(json.dumps({"num_params": 10, "block_params": -1}))
+    with pytest.raises(ValueError, match="bad.json.*block_params must be an integer >= 0"):
+        AutotuningConfig.from_dict({"model_info_path": "bad.json"}, base_dir=tmp_path)
 
 
 def test_profiled_step_measures_the_samples_of_the_profile_steps_on_one_process(tmp_path):

@@ -240,7 +240,7 @@ def _process_tensor_bytes() -> int:
     return ft.storage_bytes([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
 
 
-def _census(stage, precision, **options):
+def _census(stage, precision, blocks=True, **options):
     import functools
 
     import torch
@@ -261,11 +261,13 @@ def _census(stage, precision, **options):
         return finish(sink)
 
     torch.manual_seed(0)
-    # Twelve blocks in a ModuleList: ZeRO-3 gathers them one by one (the units).
+    # Twelve blocks in a ModuleList: ZeRO-3 gathers them one by one (the units). Without
+    # ``blocks`` they stay a Sequential: no blocks for ZeRO-3 to find.
     model = nn.Sequential(nn.Linear(8, 128), nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh())
                                                              for _ in range(12)]), nn.Linear(128, 8))
-    model[1] = nn.ModuleList(model[1])
-    model.forward = lambda x: model[2](functools.reduce(lambda h, b: b(h), model[1], model[0](x)))
+    if blocks:
+        model[1] = nn.ModuleList(model[1])
+        model.forward = lambda x: model[2](functools.reduce(lambda h, b: b(h), model[1], model[0](x)))
     apply, params = fzero.functionalize(model)
     psi = sum(p.numel() for p in params.values())
     state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(1e-3))
@@ -300,7 +302,10 @@ def test_the_estimate_is_within_ten_percent_of_every_tensor_byte_the_process_hol
     step; with ``max_reuse_distance=0`` its twelve blocks are units, gathered one by one; with
     a window of three and a half blocks they are four units of three, which the estimate
     works out from a block's size and the window; with a bucket of 256 KiB given it is
-    gathered whole still, reduced in stage 2's buckets of that size."""
+    gathered whole still, reduced in stage 2's buckets of that size. And the same layers
+    with no ModuleList, above that window: no blocks to gather one by one, so gathered whole,
+    which the estimate is told by ``block_params=0`` (what an autotuning trial measures);
+    blocks of 1/32 of the model, the estimate's guess when it knows nothing, would miss."""
     runs = [({}, {})]
     if stage == 3:
         block = 128 * 128 + 128
@@ -309,8 +314,14 @@ def test_the_estimate_is_within_ten_percent_of_every_tensor_byte_the_process_hol
         window = block * 7 // 2
         runs.append(({"max_reuse_distance": window}, {"block_params": block, "max_reuse_distance": window}))
         runs.append(({"bucket_bytes": 2**18}, {"bucket_bytes": 2**18}))
+        runs.append(({"max_reuse_distance": window, "blocks": False}, {"block_params": 0, "max_reuse_distance": window}))
     for options, bucket in runs:
-        _check_census(ranks(2).run(_census, stage, precision, **options), stage, precision, bucket)
+        results = ranks(2).run(_census, stage, precision, **options)
+        _check_census(results, stage, precision, bucket)
+        if options.get("blocks") is False:  # the case tells the two apart
+            guess = {**bucket, "block_params": None}
+            with pytest.raises(AssertionError):
+                _check_census(results, stage, precision, guess)
 
 
 def _check_census(results, stage, precision, bucket):

@@ -78,6 +78,10 @@ class AutotuningConfig:
     the flag to the candidate's value."""
     num_params: int | None = None
     """``model_info.num_params``, else read from ``model_info_path``; ``None``: measured by a first trial."""
+    block_params: int | None = None
+    """The largest block's parameters (``0``: the model has none), read from ``model_info_path``
+    where the trial that measured Ψ wrote it; ``None``: unknown (``fzero estimate`` then takes
+    blocks of 1/32 of the model)."""
     mp_size: int = 1
     """The model-parallel degree: the tensor-parallel size tried when ``--tp`` is not given."""
     max_train_batch_size: int | None = None
@@ -102,7 +106,7 @@ class AutotuningConfig:
             ValueError: a value out of range, or an unreadable ``model_info_path``; the key is named.
         """
         section = dict(section or {})
-        known = {f.name for f in dataclasses.fields(cls)} - {"num_params", "ignored"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"num_params", "block_params", "ignored"}
         known |= set(_UNUSED) | {"model_info", "model_info_path"}
         unknown = sorted(k for k in section if k not in known)
         if unknown:
@@ -120,19 +124,24 @@ class AutotuningConfig:
             bad = sorted(set(info) - _MODEL_INFO_KEYS) if isinstance(info, Mapping) else info
             raise ValueError(f"{WHERE}: autotuning.model_info must be an object with keys among "
                              f"{', '.join(sorted(_MODEL_INFO_KEYS))}; got {bad!r}")
-        ignored += [f"autotuning.model_info.{k} (fzero estimate needs only num_params)"
+        ignored += [f"autotuning.model_info.{k} (fzero estimate takes num_params; a trial measures the blocks)"
                     for k in sorted(set(info) - {"num_params"}) if info[k] not in (None, False)]
-        num_params = info.get("num_params")
+        num_params, block_params = info.get("num_params"), None
         if num_params is None and info_path is not None:
             p = Path(base_dir) / info_path
             try:
-                num_params = json.loads(p.read_text())["num_params"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                measured = json.loads(p.read_text())
+                num_params, block_params = measured["num_params"], measured.get("block_params")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{WHERE}: autotuning.model_info_path {str(p)!r} holds no num_params: {e!r}") from None
+            if block_params is not None and (isinstance(block_params, bool) or not isinstance(block_params, int)
+                                             or block_params < 0):
+                raise ValueError(f"{WHERE}: autotuning.model_info_path {str(p)!r}: block_params must be an integer "
+                                 f">= 0 (0: no blocks), got {block_params!r}")
         if num_params is not None:
             num_params = _int("model_info.num_params", num_params)
         kw: dict[str, Any] = dict(section)
-        cfg = cls(num_params=num_params, **kw)
+        cfg = cls(num_params=num_params, block_params=block_params, **kw)
         if cfg.tuner_type == "model_based":
             ignored.append("autotuning.tuner_type='model_based' (fzero has no cost model; the grid is searched in order)")
         return dataclasses.replace(cfg, ignored=tuple(ignored))

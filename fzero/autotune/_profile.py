@@ -5,8 +5,9 @@ script through the trial's config, whose ``autotuning`` section holds DeepSpeed'
 (``Config.trial``), as DeepSpeed's autotuner hands its engine each experiment's config.
 The compiled step then, as DeepSpeed's engine does,
 
-* in ``"model_info"`` mode: writes the model's trainable parameter count at ``step.init``
-  and ends the run there (the tuner needs Ψ for ``fzero estimate``);
+* in ``"model_info"`` mode: writes the model's trainable parameter count at ``step.init``,
+  and its largest block's (``0`` when it has none for ZeRO-3 to gather one at a time), and
+  ends the run there (the tuner needs both for ``fzero estimate``'s bytes);
 * in ``"profile"`` mode: times calls ``start_profile_step`` .. ``end_profile_step``
   (1-based, inclusive; the calls before are warm-up), writes samples/s and seconds per step
   once the last of them returns, and ends the run.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch
 from fzero.options import TrialSpec
 from fzero.tree import leading_size
 
-__all__ = ["TrialDone", "TrialProfiler", "TrialSpec", "count_params"]
+__all__ = ["TrialDone", "TrialProfiler", "TrialSpec", "count_params", "largest_block"]
 
 
 class TrialDone(SystemExit):
@@ -52,6 +54,21 @@ def count_params(params: Any) -> int:
     from fzero._params import trainable
 
     return sum(leaf.numel() for leaf in tree.leaves(trainable(params)) if isinstance(leaf, torch.Tensor))
+
+
+def largest_block(state: Any) -> int | None:
+    """Trainable elements of the model's largest block, as ZeRO-3 finds blocks (each element
+    of a ``ModuleList``: :func:`fzero.transforms.shard_state._units.find_units`); ``0`` when
+    it has none (stage 3 then gathers the model whole for the step); ``None`` when the state's
+    ``apply_fn`` holds no module to look in."""
+    from fzero._params import trainable
+    from fzero.transforms.shard_state._units import find_units
+
+    module = getattr(state.apply_fn, "module", None)
+    if not isinstance(module, torch.nn.Module) or not isinstance(state.params, Mapping):
+        return None
+    train = {k: v for k, v in trainable(state.params).items() if isinstance(v, torch.Tensor)}
+    return max((sum(train[n].numel() for n in names) for _, names in find_units(module, train)), default=0)
 
 
 def _write(path: str, record: dict) -> None:
@@ -89,7 +106,8 @@ class TrialProfiler:
         self.num_params = count_params(state.params)
         if self.mode == "model_info":
             if mesh.rank == 0:
-                _write(self.metric_path, {"num_params": self.num_params, "world_size": mesh.world_size})
+                _write(self.metric_path, {"num_params": self.num_params, "block_params": largest_block(state),
+                                          "world_size": mesh.world_size})
             _shutdown(mesh, self.shutdown)
             raise TrialDone(self.metric_path)
 

@@ -155,10 +155,11 @@ def grid(*, world_size: int, stages: Iterable[int] = (0, 1, 2, 3), tp: Iterable[
 
 def estimate_bytes(candidate: Candidate, *, num_params: int, world_size: int, precision: str = "fp32",
                    optimizer: str = "adam", bucket_bytes: int | None = None, pp: int = 1,
-                   max_reuse_distance: float | None = None) -> int:
+                   max_reuse_distance: float | None = None, block_params: int | None = None) -> int:
     """Per-rank bytes ``fzero estimate`` prints as *total* for this candidate (model states
-    and reduce buffers; activations not counted); ``max_reuse_distance`` the config's, which
-    sizes stage 3's units (:func:`fzero.memory.reduce_buffer_bytes`).
+    and reduce buffers; activations not counted); ``max_reuse_distance`` the config's and
+    ``block_params`` the model's largest block (``0``: none; ``None``: unknown, 1/32 of the
+    model), which size stage 3's units (:func:`fzero.memory.reduce_buffer_bytes`).
 
     Example:
         >>> estimate_bytes(Candidate(0, 1, 1, 1), num_params=1000, world_size=1)   # 16 bytes per parameter
@@ -167,7 +168,7 @@ def estimate_bytes(candidate: Candidate, *, num_params: int, world_size: int, pr
     kw = dict(world_size=world_size, stage=candidate.stage, precision=precision, tp=candidate.tp, pp=pp)
     states = model_state_bytes(num_params, optimizer=optimizer, **kw)["total"]
     return states + reduce_buffer_bytes(num_params, bucket_bytes=bucket_bytes, max_reuse_distance=max_reuse_distance,
-                                        **kw)
+                                        block_params=block_params, **kw)
 
 
 def apply(base: Mapping[str, Any], candidate: Candidate) -> dict:

@@ -7,7 +7,8 @@
 1. reads the base config and its ``autotuning`` section (DeepSpeed's keys);
 2. builds the candidates (:func:`fzero.autotune.grid`);
 3. learns Ψ, the parameter count (``autotuning.model_info.num_params``, or a first trial
-   whose compiled step writes it at ``step.init`` and ends);
+   whose compiled step writes it at ``step.init``, with the largest block's count that sizes
+   stage 3's units, and ends);
 4. prunes every candidate whose ``fzero estimate`` total exceeds ``--memory``;
 5. runs each other one as a short real trial: ``fzero launch`` of the script with the
    candidate's config (written to ``exps_dir/NAME/ds_config.json`` and passed in place of the
@@ -210,9 +211,12 @@ class Runner:
             raise TrialFailed(why)
         return self._launch(c.name, config, "profile")
 
-    def num_params(self, c: Candidate) -> int:
-        """Ψ, measured by a run that ends at ``step.init``."""
-        return int(self._launch("model_info", apply(self.base, c), "model_info")["num_params"])
+    def model_info(self, c: Candidate) -> tuple[int, int | None]:
+        """Ψ and the largest block's parameters (``0``: none; ``None``: not known), measured
+        by a run that ends at ``step.init``."""
+        info = self._launch("model_info", apply(self.base, c), "model_info")
+        block = info.get("block_params")
+        return int(info["num_params"]), (None if block is None else int(block))
 
 
 def _load_base(path: str | None) -> tuple[dict, str | None]:
@@ -319,7 +323,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 budget = torch.cuda.get_device_properties(0).total_memory
         except Exception:  # noqa: BLE001 - no device: no budget
             budget = None
-    num_params = tuning.num_params
+    num_params, block_params = tuning.num_params, tuning.block_params
     if num_params is None:
         # The smallest candidate by memory whose config loads: stage 3 and the least
         # micro-batch, as DeepSpeed profiles its model info.
@@ -329,7 +333,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         smallest = min(loadable, key=lambda c: (-c.stage, -c.tp, c.micro_batch))
         print(f"fzero autotune: measuring the parameter count ({smallest.name}) ...", flush=True)
         try:
-            num_params = runner.num_params(smallest)
+            num_params, block_params = runner.model_info(smallest)
         except TrialFailed as e:
             print(f"fzero autotune: error: the parameter count could not be measured: {e}", file=sys.stderr)
             return 1
@@ -337,7 +341,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = cfg.compile_options()
     estimate = functools.partial(estimate_bytes, num_params=num_params, world_size=nproc, precision=precision,
                                  optimizer=_optimizer_kind(base), bucket_bytes=options.bucket_bytes, pp=pp,
-                                 max_reuse_distance=options.max_reuse_distance)
+                                 max_reuse_distance=options.max_reuse_distance, block_params=block_params)
     from fzero.memory import format_bytes
 
     print(f"fzero autotune: {len(candidates)} candidates on {nproc} ranks, Ψ = {num_params:,} parameters, "
