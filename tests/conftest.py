@@ -1,7 +1,17 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # Keep runs reproducible and light on the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+# The processes tests start put their temporary files in one directory of this session,
+# removed when it ends: torchrun makes a torchelastic_* directory for its workers' logs at
+# every launch and never removes it. (This process keeps the system's.)
+_SCRATCH = tempfile.mkdtemp(prefix="fzero-tests-")
+os.environ["TMPDIR"] = _SCRATCH
+atexit.register(shutil.rmtree, _SCRATCH, True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
