@@ -134,10 +134,8 @@ class AutotuningConfig:
                 num_params, block_params = measured["num_params"], measured.get("block_params")
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{WHERE}: autotuning.model_info_path {str(p)!r} holds no num_params: {e!r}") from None
-            if block_params is not None and (isinstance(block_params, bool) or not isinstance(block_params, int)
-                                             or block_params < 0):
-                raise ValueError(f"{WHERE}: autotuning.model_info_path {str(p)!r}: block_params must be an integer "
-                                 f">= 0 (0: no blocks), got {block_params!r}")
+            if block_params is not None:  # 0: the model has no blocks
+                block_params = _int(f"model_info_path {str(p)!r}: block_params", block_params, minimum=0)
         if num_params is not None:
             num_params = _int("model_info.num_params", num_params)
         kw: dict[str, Any] = dict(section)
