@@ -20,6 +20,7 @@ import gc
 import os
 import sys
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,21 +41,25 @@ VARIANTS = [
 ]
 
 
-def _device_bytes(excluded: frozenset = frozenset()) -> int:
-    """Bytes of the distinct storages of every live tensor made on the device, but those at
+def _device_bytes(tensors, excluded: frozenset = frozenset()) -> int:
+    """Bytes of the distinct storages of the live ``tensors`` made on the device, but those at
     the addresses ``excluded``."""
-    return sum(n for ptr, n in _device_storages().items() if ptr not in excluded)
+    return sum(n for ptr, n in _device_storages(tensors).items() if ptr not in excluded)
 
 
-def _device_storages() -> dict[int, int]:
-    """Every live tensor's storage made on the device: its bytes by address."""
-    seen = {}
+def _live_tensors() -> list:
+    """Every tensor the process's objects hold (one walk of the heap)."""
     with warnings.catch_warnings():  # isinstance on a deprecated object of torch's warns
         warnings.simplefilter("ignore")
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
+def _device_storages(tensors=None) -> dict[int, int]:
+    """The storages made on the device of ``tensors`` (default: every live tensor): bytes by address."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for o in objects:
+    seen = {}
+    for o in _live_tensors() if tensors is None else list(tensors):
         # A fake tensor (another program's compile left it behind) has no storage of its own:
         # torch warns, and will refuse, on its data pointer.
         if isinstance(o, FakeTensor) or o.device.type == "meta" or device_check.is_host(o):
@@ -68,18 +73,32 @@ def _device_storages() -> dict[int, int]:
 
 
 class _Peak(TorchDispatchMode):
+    """The most device bytes live after any operation of the block it is entered for.
+
+    The live tensors are those of one walk of the heap when it is entered and every tensor
+    an operation returns after, held by weak reference: a tensor the process no longer
+    holds drops out as it is freed, so each count sees what a walk of the heap would (every
+    tensor made in between comes out of an operation), without walking it hundreds of times
+    a step). A tensor made outside any operation is not seen: torch's generator state, which
+    the step's ``fork_rng`` saves, 5 KB, comes out of no operation (on a GPU it is host memory)."""
+
     def __init__(self, least: int, excluded: frozenset):
         super().__init__()
         self.peak, self.least, self.excluded = 0, least, excluded
+        self.live = weakref.WeakValueDictionary()  # id -> tensor
+
+    def __enter__(self):
+        self.live.update({id(t): t for t in _live_tensors()})
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # The device's bytes only rise when an operation allocates there: counted after
-        # those that return a device tensor of some size (a count after every operation
-        # would walk the heap thousands of times a step).
         made = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.live.update({id(t): t for t in made})
+        # The device's bytes only rise when an operation allocates there: counted after
+        # those that return a device tensor of some size.
         if any(t.numel() * t.element_size() >= self.least and not device_check.is_host(t) for t in made):
-            self.peak = max(self.peak, _device_bytes(self.excluded))
+            self.peak = max(self.peak, _device_bytes(self.live.values(), self.excluded))
         return out
 
 

@@ -396,7 +396,7 @@ def test_an_offloaded_step_holds_on_the_device_the_parameters_and_one_group_in_f
     the bf16 parameters and the group being reduced -- its fp32 buffer, its cast, one leaf's
     gradient -- not this rank's whole gradient. It read 8.02 bytes per parameter when the
     gradients reached the host only at the update (fp32 reduce results, their bf16 casts),
-    3.79 now, against 20.02 without offload (benchmarks/offload_memory.py's model)."""
+    2.79 now, against 20.01 without offload (benchmarks/offload_memory.py's model)."""
     import subprocess
     import sys
     from pathlib import Path
