@@ -1,6 +1,6 @@
 # fzero: two commands on a fresh machine.
 #   make demo   install, then train the example GPT and print a sample
-#   make test   install, then run the whole suite (CI runs this)
+#   make test   install, then run the whole suite (CI runs this) in TEST_WORKERS processes
 #   make test-fast   the suite without the multi-rank and slow tests (tests/conftest.py
 #                    checks that every test that starts ranks is marked multirank)
 #   make gpu-wheels  (here) the wheels a lent GPU machine lacks, into .whl/
@@ -33,8 +33,12 @@ DEMO ?= --zero 2
 demo: install
 	$(VENV)/bin/fzero launch --nproc 2 examples/train_gpt.py $(DEMO) --ckpt runs/demo
 
+# Two test processes (pytest-xdist): the suite's processes wait as much as they compute
+# (imports, rendezvous, timeouts a fault test waits out), so two keep both cores busier.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q --timeout=900
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --timeout=900
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not multirank" --timeout=300

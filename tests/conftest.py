@@ -3,8 +3,10 @@ import os
 import shutil
 import tempfile
 
-# Keep runs reproducible and light on the 2-core CI machine.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Keep runs reproducible and light on the 2-core CI machine: the cores shared among the test
+# processes (`make test` runs pytest-xdist's workers, which say how many there are).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
 
 # The processes tests start put their temporary files in one directory of this session,
 # removed when it ends: torchrun makes a torchelastic_* directory for its workers' logs at
