@@ -401,8 +401,8 @@ def test_an_offloaded_step_holds_on_the_device_the_parameters_and_one_group_in_f
     import sys
     from pathlib import Path
 
-    # In a process of its own: the count walks every live object after each allocating
-    # operation, and a test session's heap (every earlier test's objects) made that a minute.
+    # In a process of its own: the count starts from every tensor the process holds, and in a
+    # test session every earlier test's tensors would be added up again after each operation.
     root = Path(__file__).resolve().parents[1]
     groups = 4  # a group holds one layer, a quarter of the model: 1 byte per parameter in fp32
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); from offload_memory import step_device_peak; "
