@@ -77,10 +77,9 @@ class _Peak(TorchDispatchMode):
 
     The live tensors are those of one walk of the heap when it is entered and every tensor
     an operation returns after, held by weak reference: a tensor the process no longer
-    holds drops out as it is freed, so each count sees what a walk of the heap would (every
-    tensor made in between comes out of an operation), without walking it hundreds of times
-    a step). A tensor made outside any operation is not seen: torch's generator state, which
-    the step's ``fork_rng`` saves, 5 KB, comes out of no operation (on a GPU it is host memory)."""
+    holds drops out as it is freed. So each count sees what a walk of the heap would, without
+    walking it hundreds of times a step, but for a tensor made outside any operation: torch's
+    generator state, 5 KB, which the step's ``fork_rng`` saves (on a GPU, host memory)."""
 
     def __init__(self, least: int, excluded: frozenset):
         super().__init__()
