@@ -382,7 +382,8 @@ def segment_ids(fn: str, tensor_ids: Any, num_tensors: int | None, n_segments: i
 
 
 @functools.lru_cache(maxsize=128)
-def _program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int, device: str) -> tuple[torch.Tensor, int]:
+def _program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
     starts = torch.tensor(offsets[:-1], dtype=torch.int64)
     ends = torch.tensor(offsets[1:], dtype=torch.int64)
     nchunks = (ends - starts + chunk - 1) // chunk
@@ -395,13 +396,19 @@ def _program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int, d
     return to_device(table, device), P
 
 
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``: the object itself when it is one (a caller may tell
+    two CPU devices apart by identity)."""
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A small host tensor copied to ``device`` without a host sync: from page-locked memory,
     asynchronously, on a CUDA device (a pageable copy waits for the stream; the pinned
     block is not reused before the copy has run)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
+    device = _device(device)
+    if device.type != "cuda":  # the same call, asynchronous in name (a CPU copy is done when it returns)
+        return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -411,7 +418,7 @@ def program_table(offsets: tuple[int, ...], ids: tuple[int, ...], chunk: int,
     ``chunk`` elements; their number; and whether every offset is a multiple of 16
     (then the kernel may use 16-byte vector loads). Cached, so a fixed segment table costs
     one host-to-device copy."""
-    table, programs = _program_table(offsets, ids, chunk, str(device))
+    table, programs = _program_table(offsets, ids, chunk, _device(device))
     return table, programs, all(o % 16 == 0 for o in offsets)
 
 
@@ -422,7 +429,8 @@ MULTI_CHUNK = 1 << 16
 
 
 @functools.lru_cache(maxsize=16)
-def _tensor_table(addresses: tuple[int, ...], sizes: tuple[int, ...], chunk: int, device: str) -> tuple[torch.Tensor, int]:
+def _tensor_table(addresses: tuple[int, ...], sizes: tuple[int, ...], chunk: int,
+                  device: torch.device) -> tuple[torch.Tensor, int]:
     k = len(sizes)
     columns = torch.frombuffer(array.array("q", addresses), dtype=torch.int64).view(-1, k).t()  # a row per tensor
     n = torch.tensor(sizes, dtype=torch.int64)
@@ -450,7 +458,7 @@ def tensor_table(columns: Sequence[Sequence[torch.Tensor | None]], chunk: int,
     before (the caching allocator's usual case) copies nothing."""
     sizes = tuple(t.numel() for t in columns[0])
     addresses = tuple(0 if t is None else t.data_ptr() for col in columns for t in col)
-    table, programs = _tensor_table(addresses, sizes, chunk, str(device))
+    table, programs = _tensor_table(addresses, sizes, chunk, _device(device))
     aligned = all(a % 16 == 0 for a in addresses) and all(n % 16 == 0 for n in sizes)
     return table, programs, aligned
 
