@@ -323,3 +323,109 @@ def test_fzero_check_device_names_the_device_a_tensor_should_be_on(ranks):
         assert "moves tensors on cuda (FZERO_CHECK_DEVICE=cuda)" in msg, msg
     assert ranks(2).run(_checked_as, "cpu", False) == ["ok", "ok"]
     assert ranks(2).run(_checked_as, "cuda", True) == ["ok", "ok"]
+
+
+# --------------------------------------------------------------------------- host syncs
+# What makes a GPU's host wait for the device, found on the CPU: the reference is CUDA's
+# behaviour, written out by hand in the first test (a read of a value waits; a copy with
+# non_blocking=True does not; a pageable copy without it does).
+
+
+def test_host_syncs_records_reads_and_blocking_copies_and_not_asynchronous_work():
+    with device_check.pretend() as dev:
+        x = torch.arange(4.0).to(dev, non_blocking=True)
+        h = torch.ones(4)
+        with device_check.host_syncs() as syncs:
+            y = (x * 2 + 1).sum()                # device work, enqueued
+            x.to(dev, non_blocking=True)          # already there
+            h.to(dev, non_blocking=True)          # an asynchronous copy
+            h.sum().item()                        # a host value: no device involved
+            torch.zeros(3, device=dev)            # a fill on the device
+            float(y)
+            x.tolist()
+            x.nonzero()
+            x.cpu()
+            h.to(dev)
+            x.copy_(h)
+            torch.tensor([1.0, 2.0], device=dev)
+    assert [s.what for s in syncs] == [
+        "read (Tensor.__float__)", "read (Tensor.tolist)", "read (Tensor.nonzero)",
+        "blocking copy to the host (Tensor.cpu)", "blocking copy to the device (Tensor.to)",
+        "blocking copy to the device (Tensor.copy_)", "copy to the device (torch.tensor(data, device=...))"]
+    assert all(s.where[-1].startswith("tests/test_device_check.py:") for s in syncs), syncs
+    assert "(test_host_syncs_records_reads_and_blocking_copies_and_not_asynchronous_work)" in str(syncs[0])
+    with pytest.raises(RuntimeError, match="only inside pretend"):
+        with device_check.host_syncs():
+            pass
+
+
+def _gpt_syncs(zero: int, precision: str, mesh_dp: int) -> list[tuple[str, str]]:
+    """``(what, innermost function)`` of each host sync in the third step of a tiny GPT, as
+    ``benchmarks/gpu_step.py`` trains it (AdamW, a clip at 1.0, cross-entropy on the logits in
+    fp32), its state on the device, the update by the fused Triton kernels (interpreted: the
+    caller sets ``TRITON_INTERPRET=1`` before triton's first import)."""
+    import sys
+
+    from fzero_kernels import _common
+
+    why_not = _common._why_not_triton(torch.device("cpu"))  # (imports triton, in the interpreter's mode)
+    assert why_not is None, f"the Triton kernels cannot run interpreted here: {why_not}"
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32))  # made on "the device"
+
+    def train_step(state, batch):
+        def loss_fn(p):
+            return F.cross_entropy(state.apply_fn(p, batch["x"]).float().flatten(0, 1), batch["y"].flatten())
+
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    options = {"zero": zero, "clip_norm": 1.0} | ({} if precision == "fp32" else {"precision": precision})
+    with device_check.pretend() as dev, optim.use_fused("on"):
+        apply, params = fzero.functionalize(model)
+        state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(3e-4, 0.9, 0.95, 1e-8, 0.1))
+        step = fzero.compile(train_step, fzero.Mesh(dp=mesh_dp), **options)
+        state = step.init(state)
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(dev, non_blocking=True)
+        for _ in range(3):
+            with device_check.host_syncs() as syncs:
+                state, metrics = step(state, {"x": x, "y": x})
+    return [(s.what, s.where[-1].rsplit(" ", 1)[-1]) for s in syncs]
+
+
+VERDICT = ("read (Tensor.__bool__)", "(update_under_verdict)")
+
+
+@pytest.mark.parametrize("zero, precision", [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (3, "fp16"),
+                                             (0, "fp32")])
+def test_a_step_on_the_gpu_path_waits_for_the_device_once_after_enqueuing_its_update(monkeypatch, zero, precision):
+    """In a world of one, the whole step -- forward, backward, the non-finite check, the
+    clip, the fused Triton update (interpreted here), the loss scaler -- runs ahead of the
+    device until its one read: the verdict on the gradients, taken once the update is
+    enqueued (a skipped update is discarded on the device). A read or a blocking copy added
+    anywhere on the way would make a GPU's host wait mid-step; this names it. (The unfused
+    optimizers read the verdict before their update instead, as DeepSpeed's fp16 optimizer
+    reads its overflow flag: ``fzero.core``'s ``update``.)"""
+    from fzero_kernels import _common
+
+    if not _common.triton_interpreted():
+        pytest.skip("triton was imported compiled (a CUDA machine): the Triton kernels cannot run on the CPU here")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _gpt_syncs(zero, precision, 1) == [VERDICT]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_data_parallel_step_waits_for_the_device_twice_the_batch_sizes_then_the_verdict(ranks):
+    """Across ranks one more read: the batch sizes every rank's loss was averaged over
+    (summed with the loss in one all-reduce, read after backward so that a mismatch is
+    named before any update), then the verdict. No collective's wait holds the host. (Ranks
+    of their own, whose triton is imported interpreted.)"""
+    sizes = ("read (Tensor.tolist)", "(_mean_value)")
+    pool = ranks(2, env={"TRITON_INTERPRET": "1"})
+    for zero in (1, 2, 3):
+        assert pool.run(_gpt_syncs, zero, "bf16", -1) == [[sizes, VERDICT]] * 2, zero

@@ -17,6 +17,11 @@ mistake visible before it reaches a GPU:
   :class:`fzero.Mesh`'s device is :data:`PRETEND_DEVICE` (the CPU, marked), and a
   collective handed a host tensor raises exactly where NCCL would have failed.
 
+Inside ``pretend()``, :func:`host_syncs` records what would make a GPU's host wait for the
+device: a read of a device value (``.item()``, ``bool()``, ``.tolist()``, ...) and a copy
+between host and device that is not asynchronous. A step on a GPU runs ahead of the device
+only between such points, so a test can pin down where its step waits.
+
 Collectives that move host data on purpose (the checkpoint's JSON messages, on a gloo group
 of its own) run inside :func:`on_host` and are not checked.
 
@@ -31,8 +36,10 @@ watched with a ``TorchDispatchMode`` while they start, which sees the tensors of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -43,8 +50,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fzero.distributed._errors import CollectiveError
 
-__all__ = ["ENV", "PRETEND_DEVICE", "DeviceMismatchError", "guard", "in_host_memory", "is_host", "on_host", "pretend",
-           "pretending"]
+__all__ = ["ENV", "PRETEND_DEVICE", "DeviceMismatchError", "HostSync", "guard", "host_syncs", "in_host_memory",
+           "is_host", "is_host_device", "on_host", "pretend", "pretending"]
 
 ENV = "FZERO_CHECK_DEVICE"
 # The mesh's device inside pretend(): the CPU, told apart from other CPU devices by identity.
@@ -143,6 +150,15 @@ def in_host_memory(t: torch.Tensor) -> bool:
     """Whether ``t`` is in host memory: a CPU tensor, or inside :func:`pretend` (a CPU standing
     for a GPU) one made on the host."""
     return is_host(t) if _TRACKER is not None else t.device.type == "cpu"
+
+
+def is_host_device(device: torch.device | str) -> bool:
+    """Whether ``device`` is the host as a GPU machine sees it: a CPU device, but not, inside
+    :func:`pretend`, the mesh's (:data:`PRETEND_DEVICE`). For the code that takes a path of
+    its own on the CPU, so that under ``pretend()`` it takes the GPU's."""
+    if device is PRETEND_DEVICE and _TRACKER is not None:
+        return False
+    return torch.device(device).type == "cpu"
 
 
 @contextlib.contextmanager
@@ -250,3 +266,139 @@ class _HostTracker(TorchFunctionMode):
             if isinstance(a, (str, torch.device)):
                 return _names_host(a)
         return None
+
+
+# --------------------------------------------------------------------------- host syncs
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSync:
+    """One operation that would make a GPU's host wait for the device: ``what`` it was
+    (``"read (Tensor.item)"``, ``"blocking copy to the device (Tensor.to)"``, ...) and
+    ``where``, the innermost frames outside torch, innermost last (``path:line (function)``)."""
+
+    what: str
+    where: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.what} at {' <- '.join(reversed(self.where))}"
+
+
+# Reads of a tensor's value by the host, and operators whose output shape depends on it.
+_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+          torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.equal, torch.equal,
+          torch.Tensor.nonzero, torch.nonzero, torch.allclose, torch.Tensor.allclose, torch.masked_select,
+          torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.Tensor.__repr__,
+          torch.Tensor.__format__}
+_COPIES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_, torch.tensor, torch.as_tensor}
+
+
+@contextlib.contextmanager
+def host_syncs(frames: int = 4) -> Iterator[list[HostSync]]:
+    """Record, inside :func:`pretend`, each operation of this thread that on a GPU makes the
+    host wait for the device (a test's view of ``torch.cuda.set_sync_debug_mode``, on a CPU):
+
+    * a read of a device tensor's value: ``.item()``, ``bool()``, ``float()``, ``int()``,
+      ``.tolist()``, ``.numpy()``, ``torch.equal``, and operators whose output shape depends
+      on the values (``nonzero``, ``masked_select``, ``unique``);
+    * a copy between the host and the device without ``non_blocking=True`` (``.to()``,
+      ``.cpu()``, ``.copy_()``; a pageable copy to the device waits for the stream), and
+      ``torch.tensor(data, device=...)`` on the device, which is one.
+
+    Yields the list the records are appended to (:class:`HostSync`). What it cannot see: a
+    sync made inside a C++ operator (none of torch's element-wise, reduction or collective
+    operators makes one) and a Python branch on ``tensor.device.type == "cpu"`` that takes a
+    host-only path under ``pretend()`` (fzero's own ask :func:`is_host_device` instead).
+
+    Example:
+        >>> import torch
+        >>> from fzero.distributed import device_check
+        >>> with device_check.pretend() as device:
+        ...     x = torch.ones(3).to(device, non_blocking=True)   # asynchronous: not a sync
+        ...     with device_check.host_syncs() as syncs:
+        ...         y = x * 2                                      # stays on the device
+        ...         if y.sum() > 0:                                # the host reads it
+        ...             pass
+        >>> [s.what for s in syncs]
+        ['read (Tensor.__bool__)']
+    """
+    if _TRACKER is None:
+        raise RuntimeError("fzero.distributed.device_check.host_syncs: only inside pretend(), which tells device "
+                           "tensors from host tensors")
+    out: list[HostSync] = []
+    with _SyncWatch(out, frames):
+        yield out
+
+
+def _is_device(t) -> bool:
+    return isinstance(t, torch.Tensor) and not is_host(t)
+
+
+def _nonblocking(args, kwargs) -> bool:
+    return bool(kwargs.get("non_blocking", False)) or any(a is True for a in args[1:])
+
+
+class _SyncWatch(TorchFunctionMode):
+    def __init__(self, out: list[HostSync], frames: int):
+        super().__init__()
+        self.out, self.frames = out, frames
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = None
+        if func in _READS:
+            if any(_is_device(a) for a in args):
+                what = f"read ({_name(func)})"
+        elif func in _COPIES:
+            what = self._copy(func, args, kwargs)
+        if what is not None:
+            self.out.append(HostSync(what, self._where()))
+        return func(*args, **kwargs)
+
+    def _copy(self, func, args, kwargs) -> str | None:
+        if func in (torch.tensor, torch.as_tensor):
+            device = kwargs.get("device")
+            data = args[0] if args else kwargs.get("data")
+            if device is not None and not _names_host(device) and not _is_device(data):
+                return f"copy to the device ({_name(func)}(data, device=...))"
+            return None
+        if func is torch.Tensor.copy_:
+            dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
+            if not isinstance(src, torch.Tensor) or is_host(dst) == is_host(src) or _nonblocking(args[1:], kwargs):
+                return None
+            return f"blocking copy {'to the device' if is_host(src) else 'to the host'} (Tensor.copy_)"
+        src = args[0]
+        if func is torch.Tensor.cpu:
+            to_host = True
+        else:
+            to_host = None
+            for a in (*args[1:], kwargs.get("device")):
+                if isinstance(a, torch.Tensor):
+                    to_host = is_host(a)
+                elif isinstance(a, (str, torch.device)):
+                    to_host = _names_host(a)
+            if to_host is None or _nonblocking(args, kwargs):
+                return None
+        if to_host == is_host(src):
+            return None
+        return f"blocking copy {'to the host' if to_host else 'to the device'} ({_name(func)})"
+
+    def _where(self) -> tuple[str, ...]:
+        here = os.path.dirname(os.path.abspath(torch.__file__))
+        frames = [f for f in traceback.extract_stack()
+                  if not f.filename.startswith(here) and f.filename != __file__ and "contextlib" not in f.filename]
+        return tuple(f"{_short(f.filename)}:{f.lineno} ({f.name})" for f in frames[-self.frames:])
+
+
+def _name(func) -> str:
+    """``Tensor.item``, ``torch.tensor``: how the recorded function is written."""
+    name = getattr(func, "__name__", str(func))
+    return f"torch.{name}" if getattr(torch, name, None) is func else f"Tensor.{name}"
+
+
+def _short(path: str) -> str:
+    parts = path.replace(os.sep, "/").split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("fzero", "fzero_kernels", "tests", "benchmarks", "examples"):
+            return "/".join(parts[i:])
+    return parts[-1]

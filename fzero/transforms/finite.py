@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from fzero import tree
+from fzero.distributed import device_check
 from fzero.optim.clipping import global_sumsq, known_sumsq
 from fzero.optim.fused import back_to_back, span
 from fzero.transforms.shard_state import is_shard
@@ -77,7 +78,7 @@ def nonfinite_flags(leaves: list, state) -> torch.Tensor:
 
 def _bad(leaves: list, device) -> torch.Tensor:
     """1.0 per leaf (one device, one dtype) holding an inf or NaN."""
-    bad = _bad_by_norm(leaves) if leaves[0].device.type == "cpu" else _bad_by_peak(leaves)
+    bad = _bad_by_norm(leaves) if device_check.is_host_device(leaves[0].device) else _bad_by_peak(leaves)
     return bad.to(device=device, dtype=torch.float32)
 
 

@@ -41,7 +41,7 @@ import torch
 from fzero import tree
 from fzero._params import frozen_names, merge_trainable, with_values
 from fzero._params import trainable as trainable_view
-from fzero.distributed import comm
+from fzero.distributed import comm, device_check
 from fzero.distributed.compressed import ErrorFeedback, compressed_mean
 from fzero.distributed.mesh import DATA_AXES, Mesh
 from fzero.optim import _known, exchange_of
@@ -402,7 +402,8 @@ class _ShardHandler(Handler):
         local gradient (on a GPU the small all-reduce is cheaper than that pass), one update
         per step, and no other axis whose ranks the check must also agree with."""
         cert = context().finite_certificate
-        if (cert is None or self.local or self.mesh.device.type != "cpu" or context().micro_batch.count != 1
+        if (cert is None or self.local or not device_check.is_host_device(self.mesh.device)
+                or context().micro_batch.count != 1
                 or any(self.mesh.size(a) > 1 for a in ("tp", "pp", "sp"))):
             return None
         return cert
