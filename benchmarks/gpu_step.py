@@ -51,7 +51,12 @@ Run on a GPU::
     python benchmarks/gpu_step.py --preset 350m --contestants none --largest
 
 On a CPU it runs too (``--device cpu --preset tiny --compile-backend eager``), to check the
-script, not to measure. ``benchmarks/gpu_check.py`` (``make gpu-check``) runs it on a lent GPU.
+script, not to measure. ``--preset host`` is the 350M preset's 24 blocks at width 32 on 8
+tokens: the kernels do next to nothing, so the step time is the host's (Python and the
+operators' dispatch), as at the start of a GPU step before the device is busy
+(``--device cpu --preset host --contestants plain,fzero`` measures fzero's host work against
+plain PyTorch's on any machine). ``benchmarks/gpu_check.py`` (``make gpu-check``) runs it on
+a lent GPU.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ PRESETS = {
     "124m": (12, 12, 768, 1024, 50304, 16),
     "350m": (24, 16, 1024, 1024, 50304, 16),
     "tiny": (2, 2, 64, 64, 256, 4),
+    "host": (24, 2, 32, 8, 64, 1),  # the 350M depth, no compute: the host's work
 }
 # Built in this order, each with what is left of --time-limit: the cheap ones first, then
 # fzero-jit, whose step time and MFU are targets, before the compiled reference (at 350M on

@@ -2,7 +2,8 @@
 
 * the example GPT trains under ``fzero launch`` on the GPU, the process group on NCCL;
 * every ZeRO stage in a world of one over NCCL gives stage 0's losses, fp32 and bf16;
-* the fused optimizer path compiled for the GPU gives the unfused path's parameters.
+* the fused optimizer path compiled for the GPU gives the unfused path's parameters;
+* a bf16 step waits for the GPU once, after its update is enqueued.
 
 Each run's command, device and table belong in docs/performance.md.
 """
@@ -57,6 +58,48 @@ def test_the_fused_path_on_the_gpu_equals_the_unfused_path():
     fused, plain = run("on"), run("off")
     for k in plain:
         torch.testing.assert_close(fused[k], plain[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_a_bf16_step_on_the_gpu_synchronizes_once_after_enqueuing_its_update():
+    """``torch.cuda.set_sync_debug_mode("warn")`` over the third step of ``benchmarks/gpu_step.py``'s
+    bf16 step (a GPT, AdamW by the fused kernel, a clip at 1.0): one synchronizing
+    operation, the read of the verdict on the gradients once the update is enqueued, as
+    ``device_check.host_syncs`` finds on the CPU
+    (``tests/test_device_check.py::test_a_step_on_the_gpu_path_waits_for_the_device_once_after_enqueuing_its_update``)."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)).cuda()
+
+    def train_step(state, batch):
+        def loss_fn(p):
+            return F.cross_entropy(state.apply_fn(p, batch["x"]).float().flatten(0, 1), batch["y"].flatten())
+
+        loss, grads = fzero.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    apply, params = fzero.functionalize(model)
+    state = fzero.TrainState.create(apply_fn=apply, params=params, tx=optim.adamw(3e-4, 0.9, 0.95, 1e-8, 0.1))
+    step = fzero.compile(train_step, fzero.Mesh(dp=1, device="cuda"), precision="bf16", clip_norm=1.0)
+    state = step.init(state)
+    x = torch.randint(0, 64, (2, 8), device="cuda")
+    for _ in range(2):
+        state, _ = step(state, {"x": x, "y": x})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            state, metrics = step(state, {"x": x, "y": x})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, "\n".join(syncs)
+    assert torch.isfinite(metrics["loss"]).item()
 
 
 def test_the_nonfinite_check_sees_nan_and_inf_on_the_gpu():
