@@ -420,12 +420,13 @@ def test_a_step_on_the_gpu_path_waits_for_the_device_once_after_enqueuing_its_up
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_a_data_parallel_step_waits_for_the_device_twice_the_batch_sizes_then_the_verdict(ranks):
-    """Across ranks one more read: the batch sizes every rank's loss was averaged over
-    (summed with the loss in one all-reduce, read after backward so that a mismatch is
-    named before any update), then the verdict. No collective's wait holds the host. (Ranks
+def test_a_data_parallel_step_waits_for_the_device_only_after_enqueuing_its_update(ranks):
+    """Across ranks one more read, also after the update is enqueued: the verdict on the
+    batch sizes every rank's loss was averaged over (summed with the loss in one
+    all-reduce; it rides in the update's skip flag, so a mismatch discards the update on the
+    device), then the verdict on the gradients. No collective's wait holds the host. (Ranks
     of their own, whose triton is imported interpreted.)"""
-    sizes = ("read (Tensor.tolist)", "(_mean_value)")
+    sizes = ("read (Tensor.__bool__)", "(check_sizes)")
     pool = ranks(2, env={"TRITON_INTERPRET": "1"})
     for zero in (1, 2, 3):
         assert pool.run(_gpt_syncs, zero, "bf16", -1) == [[sizes, VERDICT]] * 2, zero

@@ -867,7 +867,7 @@ def _argnums_step(state, batch):
 
 
 UNEVEN_STEPS = {"plain": ft.mse_step, "has_aux": _aux_step, "bf16 loss": _bf16_loss_step, "argnums": _argnums_step,
-                "accumulate": fzero.accumulate(ft.mse_step, 2)}
+                "accumulate": fzero.accumulate(ft.mse_step, 2), "compiled": ft.mse_step}
 
 
 def _uneven_then_even(stage, how):
@@ -878,8 +878,13 @@ def _uneven_then_even(stage, how):
 
     n, r = dist.get_world_size(), dist.get_rank()
     make_model, batches = _model_and_batches((3, 4, 2, 2), 9, 1, 4 * n)
-    ref, ref_metrics = ft.mse_step(_state(make_model, "sgd"), batches[0])
-    step = fzero.shard_state(UNEVEN_STEPS[how], fzero.Mesh(dp=-1), stage)
+    ref_step = fzero.compile(ft.mse_step, clip_norm=1.0) if how == "compiled" else ft.mse_step
+    ref, ref_metrics = ref_step(ref_step.init(_state(make_model, "sgd")) if how == "compiled"
+                                else _state(make_model, "sgd"), batches[0])
+    if how == "compiled":  # donated: the refused update is discarded in the state's own buffers
+        step = fzero.compile(UNEVEN_STEPS[how], fzero.Mesh(dp=-1), zero=stage, clip_norm=1.0)
+    else:
+        step = fzero.shard_state(UNEVEN_STEPS[how], fzero.Mesh(dp=-1), stage)
     state = step.init(_state(make_model, "sgd"))
     g = torch.Generator().manual_seed(r)
     rows = 4 + 2 * r  # both cut into accumulate's 2 micro-batches
@@ -900,8 +905,8 @@ def _uneven_then_even(stage, how):
 
 
 @pytest.mark.parametrize("how", sorted(UNEVEN_STEPS))
-@pytest.mark.parametrize("stage", [0, 3])
-def test_uneven_batches_are_refused_before_the_update_without_a_collective_of_their_own(ranks, stage, how):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_uneven_batches_are_refused_with_nothing_applied_and_no_collective_of_their_own(ranks, stage, how):
     for r, (msg, metadata) in enumerate(ranks(2).run(_uneven_then_even, stage, how)):
         assert msg == ("fzero.shard_state: local batches must have the same leading size on every rank, "
                        f"got rank 0: 4, rank 1: 6 (the size of batch['x'], shape ({4 + 2 * r}, 3) on this rank, "

@@ -109,6 +109,9 @@ class _ShardHandler(Handler):
         self.held: dict[int, torch.Tensor] = {}  # stages 0-1: gradient sums of this update's micro-batches
         self.loss_sums = None  # (loss, sums, pending): the all-reduce _mean_value waits for
         self.rows = -1  # the leading size of this step's local batch (-1: no batched tensor)
+        # Whether the ranks' batch sizes differ (a device flag, from the loss's all-reduce),
+        # until the host reads it: after the update is enqueued, or at the step's end.
+        self.sizes_differ: torch.Tensor | None = None
         self.rows_leaf: Any = None  # which leaf it is, for the error when ranks' sizes differ
         # An optimizer that exchanges across dp itself (the 1-bit family): whether this update
         # hands it local gradients, and its error feedback by caller (per rank, working memory:
@@ -430,10 +433,11 @@ class _ShardHandler(Handler):
         Sums in fp64 (exact for the counts, and no bf16/fp16 rounding of the loss across
         ranks). The all-reduce was launched before backward (:meth:`_start_loss_sums`) when
         the value backward started from is the one returned here (a transform inside this
-        one that rescales the value returns another: it is summed now). The counts are read
-        on the host (the step's one synchronisation, as the all-gather of sizes before it
-        was), so the error is raised before ``apply_gradients`` can run, on every rank
-        alike."""
+        one that rescales the value returns another: it is summed now). The verdict stays on
+        the device (``sizes_differ``) and is not read here, mid-step: ``apply_gradients``
+        runs the update with it in the step context's ``skip_flag`` (a refused update writes
+        nothing) and reads it once the update is enqueued (:meth:`check_sizes`), so the
+        error is raised on every rank alike with nothing applied."""
         (value, grads) = out
         loss = value[0] if has_aux else value
         if self.world > 1:
@@ -449,11 +453,17 @@ class _ShardHandler(Handler):
                 comm.run("all_reduce(loss and batch sizes)",
                          lambda: comm.all_reduce(sums, group=self.group, async_op=True, what="loss"),
                          timeout_s=self.timeout_s, where=WHERE)
-            total, squares = (int(x) for x in sums[1:].tolist())
-            if self.world * squares != total * total:
-                self._batch_sizes_differ()
+            differ = (sums[1] * sums[1] != self.world * sums[2]).to(torch.float32)  # exact: counts in fp64
+            self.sizes_differ = differ if self.sizes_differ is None else self.sizes_differ + differ
             loss = (sums[0] / self.world).to(loss.dtype).reshape(loss.shape)
         return ((loss, value[1]) if has_aux else loss), grads
+
+    def check_sizes(self) -> None:
+        """Read the batch-size verdict of the step's ``value_and_grad`` calls, if one is
+        pending, and raise naming every rank's size when they differ."""
+        differ, self.sizes_differ = self.sizes_differ, None
+        if differ is not None and bool(differ > 0):
+            self._batch_sizes_differ()
 
     def _batch_sizes_differ(self) -> None:
         sizes = comm.all_gather_ints("all_gather(batch sizes)", [self.rows], self.group, timeout_s=self.timeout_s,
@@ -490,6 +500,19 @@ class _ShardHandler(Handler):
         return new.replace(params=merge_trainable(state.params, write_params(host, trainable_view(new.params))))
 
     def apply_gradients(self, state, grads, *, next):
+        differ = self.sizes_differ
+        if differ is None:
+            return self._apply_gradients(state, grads, next=next)
+        # The batch-size verdict rides in the skip flag: a refused update is discarded on the
+        # device, and the host reads the verdict once the update is enqueued, not before.
+        outer = context().skip_flag
+        with running(skip_flag=differ if outer is None else outer + differ):
+            new = self._apply_gradients(state, grads, next=next)
+        if not (isinstance(new, NotApplied) and new.reason == "deferred"):  # the update's last micro-batch
+            self.check_sizes()
+        return new
+
+    def _apply_gradients(self, state, grads, *, next):
         if self.stage in (0, 3):  # stage 3: the optimizer runs on the pieces the state holds
             return next(state, grads)
         train = {k: v for k, v in state.params.items() if k not in self.frozen}
@@ -677,8 +700,10 @@ def shard_state(
             with installed(handler), running(data_shard=shard,
                                              **({"offload_params": True} if handler.offload_param else {})):
                 out = inner(state, batch)
+            handler.check_sizes()  # a step that never applied its gradients
         finally:
             handler.rows_leaf = None  # the batch is not kept past its step
+            handler.sizes_differ = None  # a step that raised leaves no verdict to the next
         if isinstance(out, tuple) and len(out) == 2:
             sync_buffers(getattr(out[0], "buffers", None), mode=buffer_sync, group=handler.group,
                          world=handler.world, timeout_s=handler.timeout_s)
