@@ -175,6 +175,12 @@ def main(argv=None) -> None:
         saved = None
         if int(state.step) % args.every == 0:
             if fault and fault["kind"] == "full" and i + 1 == fault["step"]:
+                # The limit is the process's: a save of an earlier step still writing in the
+                # background would fail under it too (a full suite on loaded cores saw step 2's
+                # do so). The fault is a disk that fills from this save on.
+                from fzero.checkpoint._pending import wait_pending
+
+                wait_pending()
                 fail()
             # Resumed past a damaged checkpoint, the run saves that step again: replace it.
             saved = fzero.checkpoint.save(os.path.join(root, f"step_{int(state.step):04d}"), state, async_=True,
