@@ -66,6 +66,29 @@ def _launcher_pid() -> int:
     return int(stat[stat.rindex(b")") + 2:].split()[1])
 
 
+def _arrive_together(attempt: int, timeout_s: float = 120.0) -> None:
+    """Wait, in the launcher's store, until every rank of this attempt is here: past the
+    imports, which on loaded cores can put one rank more than the jobs' 4 s timeout behind
+    its peer, and that timeout also bounds the process group's creation (a suite saw an
+    attempt fail there, before its fault, and the restart it used up). The faults under test
+    come after this point, or at ``init``, before it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=timeout_s))
+    key, world = f"fault_job/arrived/{attempt}", int(os.environ["WORLD_SIZE"])
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fault_job: not every rank arrived within {timeout_s} s")
+        time.sleep(0.02)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
@@ -141,6 +164,7 @@ def main(argv=None) -> None:
         loss, grads = fzero.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads), {"loss": loss}
 
+    _arrive_together(attempt)
     mesh = fzero.Mesh(dp=-1)
     stage = (args.zero + 1) % 4 if args.stage_differs and rank == 1 else args.zero
     step = fzero.compile(train_step, mesh, zero=stage)
