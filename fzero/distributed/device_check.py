@@ -205,6 +205,21 @@ def _names_host(device) -> bool:
     return torch.device(device).type == "cpu"
 
 
+def _moves_to_host(func, args, kwargs) -> bool | None:
+    """For ``Tensor.cpu`` and ``Tensor.to``: whether the result is a host tensor (``None`` for
+    other functions, and for a ``to`` that only changes the dtype)."""
+    if func is torch.Tensor.cpu:
+        return True
+    if func is not torch.Tensor.to:
+        return None
+    for a in (*args[1:], kwargs.get("device")):
+        if isinstance(a, torch.Tensor):
+            return _TRACKER is not None and _TRACKER.is_host(a)
+        if isinstance(a, (str, torch.device)):
+            return _names_host(a)
+    return None
+
+
 class _HostTracker(TorchFunctionMode):
     """Marks the storages of tensors made on the host (see the module docstring)."""
 
@@ -231,7 +246,7 @@ class _HostTracker(TorchFunctionMode):
         if getattr(func, "__self__", None) is _DEVICE_ATTR:  # ``t.device``
             device = func(*args, **kwargs)
             return PRETEND_DEVICE if device.type == "cpu" and not self.is_host(args[0]) else device
-        to_host = self._moves_to(func, args, kwargs)
+        to_host = _moves_to_host(func, args, kwargs)
         if to_host is not None:  # .cpu(), .to(device): a copy where the device changes
             self_ = args[0]
             out = func(*args, **kwargs)
@@ -252,20 +267,6 @@ class _HostTracker(TorchFunctionMode):
         if host:
             self._mark(out)
         return out
-
-    def _moves_to(self, func, args, kwargs) -> bool | None:
-        """For ``Tensor.cpu`` and ``Tensor.to``: whether the result is a host tensor
-        (``None`` for other functions, and for a ``to`` that only changes the dtype)."""
-        if func is torch.Tensor.cpu:
-            return True
-        if func is not torch.Tensor.to:
-            return None
-        for a in (*args[1:], kwargs.get("device")):
-            if isinstance(a, torch.Tensor):
-                return self.is_host(a)
-            if isinstance(a, (str, torch.device)):
-                return _names_host(a)
-        return None
 
 
 # --------------------------------------------------------------------------- host syncs
@@ -367,18 +368,9 @@ class _SyncWatch(TorchFunctionMode):
             if not isinstance(src, torch.Tensor) or is_host(dst) == is_host(src) or _nonblocking(args[1:], kwargs):
                 return None
             return f"blocking copy {'to the device' if is_host(src) else 'to the host'} (Tensor.copy_)"
-        src = args[0]
-        if func is torch.Tensor.cpu:
-            to_host = True
-        else:
-            to_host = None
-            for a in (*args[1:], kwargs.get("device")):
-                if isinstance(a, torch.Tensor):
-                    to_host = is_host(a)
-                elif isinstance(a, (str, torch.device)):
-                    to_host = _names_host(a)
-            if to_host is None or _nonblocking(args, kwargs):
-                return None
+        src, to_host = args[0], _moves_to_host(func, args, kwargs)
+        if to_host is None or (func is torch.Tensor.to and _nonblocking(args, kwargs)):
+            return None
         if to_host == is_host(src):
             return None
         return f"blocking copy {'to the host' if to_host else 'to the device'} ({_name(func)})"
